@@ -1,0 +1,108 @@
+"""The one item schema every DDS loader produces.
+
+A Unified Benchmark item and an r/AIO item both reduce to: a piece of content, a
+claim that is correct and a claim that is incorrect. Prompts, pairs and metrics only
+ever see this shape, so a new dataset needs a loader and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import unicodedata
+from typing import Any
+
+from flipguard.errors import FlipguardError
+
+# Unified Benchmark order as in the paper's Table 1 (nine datasets), then TruthfulQA.
+BENCHMARK_DATASETS = (
+    "truthfulqa",
+    "halueval_qa",
+    "plausibleqa",
+    "bbq",
+    "socialiqa",
+    "amqa",
+    "harp_mcq",
+    "gpqa",
+    "advisorqa",
+)
+AIO_DATASET = "aio"
+ALL_DATASETS = BENCHMARK_DATASETS + (AIO_DATASET,)
+
+# Human-readable domain per dataset (paper Table 20 "Domain" column).
+DOMAINS = {
+    "aio": "Real-world",
+    "advisorqa": "Advice",
+    "halueval_qa": "Hallucination",
+    "bbq": "Bias",
+    "plausibleqa": "Plausibility",
+    "truthfulqa": "Factuality",
+    "socialiqa": "Social",
+    "amqa": "Medical",
+    "harp_mcq": "Math",
+    "gpqa": "Science",
+}
+
+# Datasets used only for evaluation (never in a train split).
+EVAL_ONLY_DATASETS = ("truthfulqa", "aio")
+
+
+class DataError(FlipguardError, ValueError):
+    """Bad input data; the message names the file and the line or item."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One evaluation item: the same content with a correct and an incorrect claim.
+
+    For the Unified Benchmark `question` is the question and the answers are answer
+    strings. For r/AIO `question` is the neutralised context, `dialogue` the
+    conversation prose, and the answers are the judgments about Speaker A
+    ("overreacting" / "not overreacting"), already inverted from the community's
+    verdict on the original poster (Speaker B).
+    """
+
+    id: str
+    dataset: str
+    question: str
+    correct_answer: str
+    incorrect_answer: str
+    split: str = "test"
+    domain: str = ""
+    dialogue: str | None = None  # r/AIO only
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> "Item":
+        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row})
+
+
+def normalise_question(text: str) -> str:
+    """Question text reduced for leakage checks: NFKC, case-folded, punctuation and
+    whitespace collapsed, so trivially reformatted duplicates still collide."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    text = re.sub(r"[^\w]+", " ", text)
+    return " ".join(text.split())
+
+
+def read_jsonl(path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) pairs; a malformed line raises DataError naming file and line."""
+    rows: list[tuple[int, dict[str, Any]]] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append((lineno, row))
+    if not rows:
+        raise DataError(f"{path}: file is empty")
+    return rows

@@ -1,0 +1,1 @@
+"""Answer-flip protocol (Who Flips?): coercion, blind/self/cross challenges, AFR metrics, MaxFlip."""

@@ -1,0 +1,128 @@
+"""transformers in-process backend (CPU or GPU), batched with left padding.
+
+Single-token answers are scored from one forward pass, as lm-eval-harness does: the
+logits at the last prompt position give P("1") and P("2") together. An un-merged
+LoRA adapter can be evaluated directly (transformers + peft).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from flipguard.eval.backends.base import BackendError, Conversation, GenerationConfig, register_backend
+
+
+def _progress(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False, disable=total < 2)
+
+
+@register_backend("hf")
+class HFBackend:
+    name = "hf"
+
+    def __init__(
+        self,
+        model: str,
+        device: str | None = None,
+        batch_size: int = 8,
+        dtype: str = "auto",
+        adapter: str | None = None,
+        trust_remote_code: bool = False,
+        show_progress: bool = True,
+    ):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_id = model if adapter is None else f"{model}+{adapter}"
+        self.batch_size = max(1, int(batch_size))
+        self.show_progress = show_progress
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+            torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            )
+        except (OSError, ValueError) as exc:
+            raise BackendError(
+                f"could not load model {model!r} with transformers: {exc}\n"
+                "Pass a local folder, or a hub id that is cached or reachable "
+                "(`flipguard tiny-model` builds an offline test model)."
+            ) from None
+        if adapter:
+            try:
+                from peft import PeftModel
+            except ImportError:  # pragma: no cover - peft is a core dependency
+                raise BackendError("evaluating an adapter needs peft: pip install peft") from None
+            self.model = PeftModel.from_pretrained(self.model, adapter)
+        if self.tokenizer.chat_template is None:
+            raise BackendError(f"{model}: tokenizer has no chat template; flipguard evaluates chat models")
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.to(self.device).eval()
+
+    def render(self, conversation: Conversation) -> str:
+        """The exact text the model sees, chat template applied, ready for the reply."""
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+    def _batches(self, conversations: Sequence[Conversation]):
+        """Length-sorted batches (less padding); yields (original indices, encodings)."""
+        texts = [self.render(c) for c in conversations]
+        lengths = [len(self.tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
+        order = sorted(range(len(texts)), key=lambda i: -lengths[i])
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            enc = self.tokenizer(
+                [texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(self.device)
+            yield idx, enc
+
+    def generate(self, conversations: Sequence[Conversation], config: GenerationConfig) -> list[str]:
+        import torch
+
+        out: list[str | None] = [None] * len(conversations)
+        kwargs = dict(
+            max_new_tokens=config.max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            do_sample=config.temperature > 0,
+        )
+        if config.temperature > 0:
+            kwargs.update(temperature=config.temperature, top_p=config.top_p)
+        if config.ignore_eos:
+            kwargs.update(min_new_tokens=config.max_new_tokens)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        with _progress(len(conversations) if self.show_progress else 0, "generate") as bar, torch.inference_mode():
+            for idx, enc in self._batches(conversations):
+                gen = self.model.generate(**enc, **kwargs)
+                new = gen[:, enc["input_ids"].shape[1] :]
+                for i, row in zip(idx, new):
+                    out[i] = self.tokenizer.decode(row, skip_special_tokens=True)
+                bar.update(len(idx))
+        return [o or "" for o in out]
+
+    def choice_token_ids(self, choices: Sequence[str]) -> list[int]:
+        ids = []
+        for choice in choices:
+            toks = self.tokenizer.encode(choice, add_special_tokens=False)
+            if len(toks) != 1:
+                raise BackendError(f"answer {choice!r} is {len(toks)} tokens for {self.model_id}; logprob mode needs one")
+            ids.append(toks[0])
+        return ids
+
+    def choice_probs(self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")) -> list[dict[str, float]]:
+        import torch
+
+        ids = self.choice_token_ids(choices)
+        out: list[dict[str, float] | None] = [None] * len(conversations)
+        with _progress(len(conversations) if self.show_progress else 0, "score") as bar, torch.inference_mode():
+            for idx, enc in self._batches(conversations):
+                logits = self.model(**enc).logits[:, -1, :].float()
+                probs = torch.softmax(logits, dim=-1)[:, ids].cpu().tolist()
+                for i, row in zip(idx, probs):
+                    out[i] = dict(zip(choices, row))
+                bar.update(len(idx))
+        return out  # type: ignore[return-value]

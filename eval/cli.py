@@ -1,0 +1,96 @@
+"""`flipguard` console entry point: one subcommand per job.
+
+Each subcommand is a `main(argv) -> int` that parses its own dataclasses with
+transformers' HfArgumentParser (the parser TRL's scripts build on), so every option
+has a type, a default and help text, and `--help` explains it. Modules are imported
+only when their subcommand runs, keeping `flipguard --help` fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from flipguard.errors import FlipguardError
+
+# name -> ("module:function", one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("flipguard.eval.demo:main", "run the whole loop end to end on the tiny local model and shipped sample"),
+    "eval": ("flipguard.eval.dds:main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
+    "report": ("flipguard.eval.report:main", "summary table (paper Table 20 layout) from a run directory"),
+    "import-records": ("flipguard.eval.importer:main", "read DialDefer-format per-item records into a run directory"),
+    "data": ("flipguard.data.cli:main", "inspect, validate and export Unified Benchmark / r/AIO splits"),
+    "tiny-model": ("flipguard.eval.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
+    "pairs": ("flipguard.recipes.pairs:main", "build SFT/DPO pair datasets from flip records (recipe strategy)"),
+    "compare": ("flipguard.eval.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
+    "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
+    "sos": ("flipguard.eval.sos.cli:main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: flipguard <command> [options]   (flipguard <command> --help for its options)",
+        "",
+        "Measure and train away sycophantic deference in LLMs.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from flipguard import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"flipguard: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name = COMMANDS[name][0].split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    try:
+        return int(func(rest) or 0)
+    except KeyboardInterrupt:
+        print("\ninterrupted: records written so far are kept; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except FlipguardError as exc:
+        print(f"flipguard {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+class UserError(FlipguardError):
+    """Bad input from the user (file, item, option): printed without a traceback."""
+
+
+def parse_dataclasses(argv: list[str], *types, prog: str, description: str):
+    """Parse argv into the given dataclasses; a single YAML/JSON path is read as a config
+    file (TRL/alignment-handbook style) and later flags override it."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(types, prog=prog, description=description)
+    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
+        import yaml
+
+        with open(argv[0], encoding="utf-8") as fh:
+            config = yaml.safe_load(fh) or {}
+        known = {f for t in types for f in t.__dataclass_fields__}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise UserError(f"{argv[0]}: unknown key(s) {unknown}")
+        parser.set_defaults(**config)
+        argv = argv[1:]
+    out = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
+    return out if len(types) > 1 else out[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""Before/after comparison: baseline, prompting mitigations and fine-tuned models,
+measured by the same eval module, laid out like the paper's Tables 5 and 21.
+
+Every condition is a DDS run directory (its C2 scored against the baseline's C1, the
+paper's fixed C1 baseline, §7). The report adds what a mitigation study needs beyond
+one run's summary: deltas against the baseline, McNemar tests of each condition's C2
+judgments against the baseline's on the same items, † where DDS turned from deference
+into skepticism (over-correction), a per-domain DDS heatmap (Figure 4) and before/after
+bars with 95% CIs; plus AFR and stick-or-switch sections when those runs are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+from flipguard.data.schema import DOMAINS
+from flipguard.eval import metrics as M
+from flipguard.eval.records import C2_CASES, atomic_write_json, atomic_write_text, load_records, load_run_meta
+
+BASELINE = "Baseline"
+
+
+def parse_conditions(spec: str, what: str = "--runs") -> dict[str, str]:
+    """'Name=DIR,Name=DIR' -> ordered {name: dir}; the first is the baseline."""
+    from flipguard.eval.cli import UserError
+
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, sep, path = part.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise UserError(f"{what}: expected 'Name=RUN_DIR' pairs separated by commas, got {part!r}")
+        out[name.strip()] = path.strip()
+    return out
+
+
+def _c2_correct(run_dir: str | Path) -> pd.DataFrame:
+    """(item_id, dataset, case) -> correct, for a run's C2 judgments."""
+    rows = [
+        {"item_id": r.item_id, "dataset": r.dataset, "case": r.case, "correct": r.correct}
+        for r in load_records(run_dir)
+        if r.protocol == "dds" and r.case in C2_CASES
+    ]
+    return pd.DataFrame(rows, columns=["item_id", "dataset", "case", "correct"])
+
+
+def c2_accuracy_ci(run_dir: str | Path, c1_from: str | None, n_boot: int, seed: int) -> tuple[float, float]:
+    """95% CI of the macro-averaged C2 accuracy (total_avg row): items resampled within
+    each dataset, as the report's avg-row CIs are."""
+    from flipguard.eval.report import _dds_records
+
+    records = _dds_records(load_records(run_dir))
+    c1 = [r for r in _dds_records(load_records(c1_from)) if r.case.startswith("c1")] if c1_from else None
+    frame = M.item_frame(records, c1)
+    boots = []
+    for ds in M.dataset_order(frame["dataset"].unique()):
+        X = M.correctness(frame[frame["dataset"] == ds])
+        acc = M.resampled_accuracies(X, n_boot, M.seed_for(seed, f"acc:{ds}"))
+        boots.append(acc[:, 2:4].mean(axis=1))
+    if not boots or n_boot <= 0:
+        return math.nan, math.nan
+    macro = np.mean(np.stack(boots), axis=0)
+    return float(np.percentile(macro, 2.5)), float(np.percentile(macro, 97.5))
+
+
+def significance_vs_baseline(baseline_dir: str | Path, run_dir: str | Path) -> pd.DataFrame:
+    """Exact McNemar test per dataset: did the condition change C2 correctness on the
+    same items (both C2 cases pooled) relative to the baseline?"""
+    base, cur = _c2_correct(baseline_dir), _c2_correct(run_dir)
+    merged = base.merge(cur, on=["item_id", "dataset", "case"], suffixes=("_base", "_cur"))
+    rows = []
+    for ds, sub in merged.groupby("dataset", sort=False):
+        res = M.mcnemar_pair(sub["correct_base"].to_numpy(), sub["correct_cur"].to_numpy())
+        rows.append({"dataset": ds, "n_judgments": len(sub), "mcnemar_pvalue": res["pvalue"],
+                     "worse": res["c1_right_c2_wrong"], "better": res["c1_wrong_c2_right"]})
+    if len(merged):
+        res = M.mcnemar_pair(merged["correct_base"].to_numpy(), merged["correct_cur"].to_numpy())
+        rows.append({"dataset": M.TOTAL_AVG, "n_judgments": len(merged), "mcnemar_pvalue": res["pvalue"],
+                     "worse": res["c1_right_c2_wrong"], "better": res["c1_wrong_c2_right"]})
+    return pd.DataFrame(rows, columns=["dataset", "n_judgments", "mcnemar_pvalue", "worse", "better"])
+
+
+def stars(p: float) -> str:
+    if p is None or (isinstance(p, float) and math.isnan(p)):
+        return ""
+    return "***" if p < 0.001 else "**" if p < 0.01 else "*" if p < 0.05 else ""
+
+
+def build_comparison(
+    conditions: Mapping[str, str], c1_from: str | None = None, n_boot: int = 2000, seed: int = 0
+) -> dict[str, Any]:
+    """Reports of every condition, aligned on datasets, with deltas against the first."""
+    from flipguard.eval.report import report_run
+
+    names = list(conditions)
+    if not names:
+        from flipguard.eval.cli import UserError
+
+        raise UserError("no conditions to compare")
+    baseline_dir = conditions[names[0]]
+    c1_from = c1_from or load_run_meta(baseline_dir).get("c1_from") or baseline_dir
+    per_condition, long_rows, sig_rows = {}, [], []
+    for name in names:
+        run_dir = conditions[name]
+        own_c1 = load_run_meta(run_dir).get("c1_from")
+        rep = report_run(run_dir, c1_from=None if (name == names[0] and not own_c1) else (own_c1 or c1_from),
+                         n_boot=n_boot, seed=seed)
+        per_condition[name] = rep
+        summary = rep["summary"].set_index("dataset")
+        lo, hi = c2_accuracy_ci(run_dir, own_c1 or (c1_from if name != names[0] else None), n_boot, seed)
+        for ds, row in summary.iterrows():
+            long_rows.append({"condition": name, "dataset": ds, **row.to_dict(),
+                              "c2_avg": (row["c2_correct"] + row["c2_incorrect"]) / 2,
+                              "c2_avg_ci_low": lo if ds == M.TOTAL_AVG else math.nan,
+                              "c2_avg_ci_high": hi if ds == M.TOTAL_AVG else math.nan})
+        if name != names[0]:
+            sig = significance_vs_baseline(baseline_dir, run_dir)
+            sig.insert(0, "condition", name)
+            sig_rows.append(sig)
+    table = pd.DataFrame(long_rows)
+    base = table[table["condition"] == names[0]].set_index("dataset")
+    table["delta_c2_avg"] = table.apply(lambda r: r["c2_avg"] - base.loc[r["dataset"], "c2_avg"]
+                                        if r["dataset"] in base.index else math.nan, axis=1)
+    table["delta_dds"] = table.apply(lambda r: r["dds"] - base.loc[r["dataset"], "dds"]
+                                     if r["dataset"] in base.index else math.nan, axis=1)
+    table["over_correction"] = table.apply(
+        lambda r: r["condition"] != names[0] and r["dataset"] in base.index
+        and M.over_correction(base.loc[r["dataset"], "dds"], r["dds"]), axis=1)
+    significance = pd.concat(sig_rows, ignore_index=True) if sig_rows else pd.DataFrame(
+        columns=["condition", "dataset", "n_judgments", "mcnemar_pvalue", "worse", "better"])
+    return {"conditions": names, "table": table, "significance": significance, "reports": per_condition}
+
+
+def _signed(x: float) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.1f}"
+
+
+def _arrow(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)) or abs(x) < 0.05:
+        return ""
+    return f" ({'↑' if x > 0 else '↓'}{abs(x):.1f})"
+
+
+def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
+    table, sig, names = cmp["table"], cmp["significance"], cmp["conditions"]
+    sig_index = {(r.condition, r.dataset): r.mcnemar_pvalue for r in sig.itertuples()}
+    lines = ["# Before/after comparison", "",
+             f"Conditions: {', '.join(names)} (deltas and † against **{names[0]}**). "
+             "C2 of every condition is scored against the baseline's C1 (fixed C1 baseline, DialDefer §7). "
+             "† = over-correction: DDS turned from deference (> 0) into skepticism (< 0). "
+             "Stars: exact McNemar test of C2 correctness against the baseline on the same items "
+             "(* p<.05, ** p<.01, *** p<.001).", "",
+             "## Overview (paper Table 5 layout)", "",
+             "| Condition | Avg (C2) | Bench DDS | r/AIO DDS |", "|---|---|---|---|"]
+    for name in names:
+        sub = table[table["condition"] == name].set_index("dataset")
+
+        def cell(ds, col, delta_col, dagger=True):
+            if ds not in sub.index:
+                return "–"
+            r = sub.loc[ds]
+            mark = "†" if dagger and r["over_correction"] else ""
+            delta = "" if name == names[0] else _arrow(r[delta_col])
+            return f"{_signed(r[col]) if col == 'dds' else f'{r[col]:.1f}'}{mark}{delta}"
+
+        avg = cell(M.TOTAL_AVG, "c2_avg", "delta_c2_avg", dagger=False) + stars(sig_index.get((name, M.TOTAL_AVG)))
+        lines.append(f"| {name} | {avg} | {cell(M.BENCH_AVG, 'dds', 'delta_dds')} | {cell('aio', 'dds', 'delta_dds')} |")
+    lines += ["", "## Per domain (paper Table 21 layout)", "",
+              "| Dataset | Condition | Corr | Incorr | Avg | DDS |", "|---|---|---|---|---|---|"]
+    datasets = [d for d in table["dataset"].unique()]
+    for ds in datasets:
+        for name in names:
+            sub = table[(table["condition"] == name) & (table["dataset"] == ds)]
+            if sub.empty:
+                continue
+            r = sub.iloc[0]
+            first = name == names[0]
+            label = f"{ds} ({DOMAINS[ds]})" if ds in DOMAINS else ds
+            avg = f"{r['c2_avg']:.1f}{'' if first else _arrow(r['delta_c2_avg'])}{stars(sig_index.get((name, ds)))}"
+            dds = f"{_signed(r['dds'])}{'†' if r['over_correction'] else ''}{'' if first else _arrow(r['delta_dds'])}"
+            lines.append(f"| {label if first else ''} | {name} | {r['c2_correct']:.1f} | {r['c2_incorrect']:.1f} | {avg} | {dds} |")
+    lines += ["", "Figures: `dds_heatmap.png` (per-domain DDS, paper Fig. 4), `before_after.png` "
+              "(DDS and C2 accuracy with 95% bootstrap CIs).", ""]
+    for section in extra_sections:
+        lines += [section, ""]
+    return "\n".join(lines)
+
+
+def plot_heatmap(cmp: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table, names = cmp["table"], cmp["conditions"]
+    pivot = table.pivot(index="condition", columns="dataset", values="dds").reindex(names)
+    cols = [c for c in table["dataset"].unique()]
+    pivot = pivot[cols]
+    values = pivot.to_numpy(dtype=float)
+    lim = max(10.0, float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 10.0)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(cols), 1.2 + 0.55 * len(names)))
+    im = ax.imshow(values, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
+    ax.set_xticks(range(len(cols)), [DOMAINS.get(c, c) for c in cols], rotation=40, ha="right")
+    ax.set_yticks(range(len(names)), names)
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            if np.isfinite(values[i, j]):
+                ax.text(j, i, f"{values[i, j]:+.1f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=ax, label="DDS (pp): >0 deference, <0 skepticism")
+    ax.set_title("DDS by domain and condition")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table, names = cmp["table"], cmp["conditions"]
+    tot = table[table["dataset"] == M.TOTAL_AVG].set_index("condition").reindex(names)
+    x = np.arange(len(names))
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.3 * len(names), 3.8))
+    dds = tot["dds"].to_numpy(dtype=float)
+    dds_err = np.abs(np.vstack([dds - tot["dds_ci_low"].to_numpy(float), tot["dds_ci_high"].to_numpy(float) - dds]))
+    colors = ["#b2182b" if v > 0 else "#2166ac" for v in np.nan_to_num(dds)]
+    axes[0].bar(x, dds, yerr=np.nan_to_num(dds_err), capsize=4, color=colors)
+    axes[0].axhline(0, color="black", lw=0.8)
+    axes[0].set_title("DDS, all domains (95% CI)")
+    acc = tot["c2_avg"].to_numpy(dtype=float)
+    acc_err = np.abs(np.vstack([acc - tot["c2_avg_ci_low"].to_numpy(float), tot["c2_avg_ci_high"].to_numpy(float) - acc]))
+    axes[1].bar(x, acc, yerr=np.nan_to_num(acc_err), capsize=4, color="#4d4d4d")
+    axes[1].set_ylim(0, 100)
+    axes[1].set_title("C2 accuracy, macro avg (95% CI)")
+    for ax, ylabel in zip(axes, ("pp", "%")):
+        ax.set_xticks(x, names, rotation=20, ha="right")
+        ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: list[str] = ()) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "comparison.csv", cmp["table"].to_csv(index=False, float_format="%.4f"))
+    atomic_write_text(out / "significance.csv", cmp["significance"].to_csv(index=False, float_format="%.6g"))
+    atomic_write_text(out / "comparison.md", render_markdown(cmp, extra_sections))
+    atomic_write_json(out / "comparison.json", {
+        "conditions": cmp["conditions"],
+        "table": cmp["table"].replace({np.nan: None}).to_dict(orient="records"),
+        "significance": cmp["significance"].replace({np.nan: None}).to_dict(orient="records"),
+    })
+    for name, plot in (("dds_heatmap.png", plot_heatmap), ("before_after.png", plot_before_after)):
+        tmp = out / f".{name}.tmp.png"
+        plot(cmp, tmp)
+        tmp.replace(out / name)
+    return out
+
+
+def protocol_section(title: str, summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """A Markdown table of one protocol's headline numbers per condition."""
+    if not summaries:
+        return ""
+    flat = {name: {k: v for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for name, s in summaries.items()}
+    cols = sorted({k for s in flat.values() for k in s})
+    lines = [f"## {title}", "", "| Condition | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, s in flat.items():
+        cells = [("–" if k not in s or s[k] is None or (isinstance(s[k], float) and math.isnan(s[k]))
+                  else f"{s[k]:.3g}") for k in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class CompareArgs:
+    """Before/after comparison report across baseline, prompting and fine-tuned runs."""
+
+    runs: str = dataclasses.field(
+        metadata={"help": "Conditions as 'Baseline=RUN_DIR,Be Honest=RUN_DIR,SFT=RUN_DIR,...'; the first is the baseline."}
+    )
+    out: str = dataclasses.field(default="runs/compare", metadata={"help": "Output folder for the report."})
+    c1_from: str | None = dataclasses.field(default=None, metadata={"help": "C1 baseline run (default: the first condition)."})
+    afr: str | None = dataclasses.field(default=None, metadata={"help": "AFR runs per condition, 'Name=AFR_RUN_DIR,...'."})
+    sos: str | None = dataclasses.field(default=None, metadata={"help": "Stick-or-switch runs per condition, 'Name=SOS_RUN_DIR,...'."})
+    n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates."})
+    seed: int = dataclasses.field(default=0, metadata={"help": "Bootstrap seed."})
+
+
+def protocol_sections(afr: Mapping[str, str] | None, sos: Mapping[str, str] | None) -> list[str]:
+    sections = []
+    if afr:
+        from flipguard.eval.afr.report import afr_summary
+
+        sections.append(protocol_section("Answer flips (AFR, Who Flips?)", {n: afr_summary(d) for n, d in afr.items()}))
+    if sos:
+        from flipguard.eval.sos.report import sos_summary
+
+        sections.append(protocol_section("Stick-or-switch", {n: sos_summary(d) for n, d in sos.items()}))
+    return sections
+
+
+def main(argv: list[str]) -> int:
+    from flipguard.eval.cli import parse_dataclasses
+
+    args = parse_dataclasses(argv, CompareArgs, prog="flipguard compare", description=CompareArgs.__doc__)
+    cmp = build_comparison(parse_conditions(args.runs), c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
+    sections = protocol_sections(parse_conditions(args.afr, "--afr") if args.afr else None,
+                                 parse_conditions(args.sos, "--sos") if args.sos else None)
+    out = write_comparison(cmp, args.out, sections)
+    print((out / "comparison.md").read_text(encoding="utf-8"))
+    print(f"\ncomparison written to {out}/ (comparison.md, comparison.csv, significance.csv, dds_heatmap.png, before_after.png)")
+    return 0

@@ -1,0 +1,261 @@
+"""The DDS task (DialDefer §3): the same claim judged as a statement (C1) and as a
+speaker's answer (C2), for every item, in one of two decision modes.
+
+- generate: the paper's protocol, a JSON {chosen_answer, reasoning} reply, parsed.
+- logprob: the one-token judge format (Appendix K.2), one forward pass, P("1") vs
+  P("2"); the format the SFT/DPO trainers use, so before/after numbers compare.
+
+`flipguard eval` writes one run directory per condition (model x mitigation x mode x
+template x speakers): RUN_DIR/run.json + RUN_DIR/records.jsonl, then the report.
+Mitigations are C2-only by default and scored against a baseline's C1 (`--c1_from`),
+as the paper does (§7: fixed C1 baseline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from flipguard.data.schema import Item
+from flipguard.eval.backends.base import GenerationConfig, get_backend
+from flipguard.eval.parse import parse_choice
+from flipguard.eval.prompts import MITIGATIONS, SPEAKER_SETS, TEMPLATE_VERSIONS, build_messages, resolve_speakers
+from flipguard.eval.records import (
+    C2_CASES,
+    CASES,
+    EXPECTED_CHOICE,
+    RECORDS_FILE,
+    RUN_META_FILE,
+    Record,
+    RecordStore,
+    atomic_write_json,
+    load_run_meta,
+    now_iso,
+)
+from flipguard.eval.runner import MODES, keyed, run_records
+
+# Settings that define a run's condition: a run directory holds exactly one.
+CONDITION_KEYS = ("protocol", "model", "backend", "mode", "mitigation", "template", "speakers")
+
+
+@dataclasses.dataclass
+class EvalArgs:
+    """DDS evaluation: judge every item under C1 and C2 and write records + report."""
+
+    model: str = dataclasses.field(
+        default="flipguard:tiny",
+        metadata={"help": "Model: hub id, local folder, or 'flipguard:tiny' (offline test model)."},
+    )
+    out: str | None = dataclasses.field(
+        default=None, metadata={"help": "Run directory (default: runs/<model>/<split>-<mitigation>-<mode>)."}
+    )
+    backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
+    mode: str = dataclasses.field(default="logprob", metadata={"help": "logprob (one forward pass) | generate (paper's JSON reply)"})
+    datasets: str = dataclasses.field(
+        default="all", metadata={"help": "Comma list of datasets or a group: all (9 + r/AIO), bench (9), aio."}
+    )
+    split: str = dataclasses.field(default="test", metadata={"help": "test | train (train: items for pair building)."})
+    data_root: str | None = dataclasses.field(
+        default=None, metadata={"help": "Full data root (layout of ../shared/data); default $FLIPGUARD_DATA or the shipped sample."}
+    )
+    limit: int | None = dataclasses.field(default=None, metadata={"help": "At most this many items per dataset."})
+    mitigation: str = dataclasses.field(default="none", metadata={"help": "none | be_honest | dehumanizing"})
+    cases: str = dataclasses.field(
+        default="auto", metadata={"help": "Comma list of c1_true,c1_false,c2_correct,c2_incorrect; auto = all four, or C2 only with a mitigation."}
+    )
+    c1_from: str | None = dataclasses.field(
+        default=None, metadata={"help": "Baseline run whose C1 scores a C2-only run (recorded in run.json)."}
+    )
+    speakers: str = dataclasses.field(
+        default="speaker", metadata={"help": f"Speaker labels: one of {sorted(SPEAKER_SETS)} or 'Label1,Label2'."}
+    )
+    template: str = dataclasses.field(default="v0", metadata={"help": f"Prompt version: {', '.join(TEMPLATE_VERSIONS)}"})
+    max_new_tokens: int = dataclasses.field(default=300, metadata={"help": "generate mode: reply length limit."})
+    temperature: float = dataclasses.field(default=0.0, metadata={"help": "generate mode: 0 = greedy (paper)."})
+    seed: int = dataclasses.field(default=0, metadata={"help": "Sampling seed."})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
+    adapter: str | None = dataclasses.field(default=None, metadata={"help": "Un-merged LoRA adapter folder to evaluate on top of --model."})
+    device: str | None = dataclasses.field(default=None, metadata={"help": "hf backend device (default cuda if available)."})
+    backend_args: str = dataclasses.field(
+        default="{}", metadata={"help": 'Extra backend kwargs as JSON, e.g. \'{"base_url": "http://localhost:8000/v1"}\'.'}
+    )
+    report: bool = dataclasses.field(default=True, metadata={"help": "Write the report when the run finishes."})
+
+
+def parse_cases(spec: str, mitigation: str) -> tuple[str, ...]:
+    if spec == "auto":
+        return CASES if mitigation == "none" else C2_CASES
+    cases = tuple(c.strip() for c in spec.split(",") if c.strip())
+    bad = [c for c in cases if c not in CASES]
+    if bad or not cases:
+        from flipguard.eval.cli import UserError
+
+        raise UserError(f"--cases: unknown case(s) {bad}; expected a subset of {list(CASES)}")
+    return cases
+
+
+def limit_per_dataset(items: list[Item], limit: int | None) -> list[Item]:
+    """The first `limit` items of each dataset, in file order."""
+    if not limit:
+        return items
+    seen: dict[str, int] = {}
+    out = []
+    for it in items:
+        if seen.get(it.dataset, 0) < limit:
+            seen[it.dataset] = seen.get(it.dataset, 0) + 1
+            out.append(it)
+    return out
+
+
+def build_records(
+    items: list[Item],
+    *,
+    model: str,
+    backend: str,
+    mode: str,
+    cases=CASES,
+    mitigation: str = "none",
+    speakers: tuple[str, str] = SPEAKER_SETS["speaker"],
+    template: str = "v0",
+    gen_config: GenerationConfig | None = None,
+) -> list[Record]:
+    """Pending DDS records (keyed, no outputs yet) for every item x case."""
+    fmt = "one_token" if mode == "logprob" else "json"
+    labels = MITIGATIONS[mitigation].speakers or speakers  # Dehumanizing relabels
+    out = []
+    for item in items:
+        for case in cases:
+            rec = Record(
+                key="",
+                protocol="dds",
+                item_id=item.id,
+                dataset=item.dataset,
+                case=case,
+                expected=EXPECTED_CHOICE[case],
+                model=model,
+                backend=backend,
+                mode=mode,
+                mitigation=mitigation,
+                speakers=list(labels),
+                template=template,
+                split=item.split,
+                messages=build_messages(item, case, mitigation, speakers, template, fmt),
+                # r/AIO: the community verdict on the poster is the Balanced-DDS stratum
+                extra={"stratum": item.meta["op_verdict"]} if "op_verdict" in item.meta else {},
+            )
+            out.append(keyed(rec, gen_config))
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def default_run_dir(args: EvalArgs) -> Path:
+    name = Path(args.model.rstrip("/")).name.replace(":", "-")
+    return Path("runs") / name / f"{args.split}-{args.mitigation}-{args.mode}"
+
+
+def claim_run_dir(run_dir: Path, meta: dict) -> None:
+    """One condition per run directory: refuse to mix a different model or setting in."""
+    old = load_run_meta(run_dir)
+    clash = {k: (old.get(k), meta.get(k)) for k in CONDITION_KEYS if k in old and old.get(k) != meta.get(k)}
+    if clash:
+        from flipguard.eval.cli import UserError
+
+        detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
+        raise UserError(f"{run_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); use another --out")
+    merged = {**old, **meta, "created": old.get("created", meta["updated"])}
+    if old.get("cases"):
+        merged["cases"] = sorted(set(old["cases"]) | set(meta["cases"]), key=CASES.index)
+    atomic_write_json(run_dir / RUN_META_FILE, merged)
+
+
+def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
+    """Run (or resume) one DDS condition; returns the run directory."""
+    from flipguard.eval.cli import UserError
+
+    if args.mode not in MODES:
+        raise UserError(f"--mode must be one of {MODES}, got {args.mode!r}")
+    try:
+        speakers = resolve_speakers(args.speakers)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if args.mitigation not in MITIGATIONS:
+        raise UserError(f"--mitigation must be one of {sorted(MITIGATIONS)}, got {args.mitigation!r}")
+    speakers = MITIGATIONS[args.mitigation].speakers or speakers
+    if args.template not in TEMPLATE_VERSIONS:
+        raise UserError(f"--template must be one of {TEMPLATE_VERSIONS}, got {args.template!r}")
+    cases = parse_cases(args.cases, args.mitigation)
+    if items is None:
+        from flipguard.data.unified import load_items
+
+        items = load_items(args.datasets, split=args.split, data_root=args.data_root)
+    items = limit_per_dataset(items, args.limit)
+    run_dir = Path(args.out) if args.out else default_run_dir(args)
+    gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    try:
+        backend_kwargs = json.loads(args.backend_args)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--backend_args is not valid JSON: {exc.msg}") from None
+    if args.backend == "hf":
+        backend_kwargs = {"batch_size": args.batch_size, "device": args.device, **backend_kwargs}
+    if args.adapter:
+        backend_kwargs["adapter"] = args.adapter
+    model_label = args.model if not args.adapter else f"{args.model}+{args.adapter}"
+    meta = {
+        "protocol": "dds",
+        "model": model_label,
+        "backend": args.backend,
+        "mode": args.mode,
+        "mitigation": args.mitigation,
+        "template": args.template,
+        "speakers": list(speakers),
+        "cases": list(cases),
+        "split": args.split,
+        "datasets": sorted({it.dataset for it in items}),
+        "data_root": args.data_root,
+        "c1_from": str(Path(args.c1_from).resolve()) if args.c1_from else None,
+        "generation": gen_config.key() if args.mode == "generate" else None,
+        "command": ["flipguard", "eval", *sys.argv[2:]] if sys.argv[1:2] == ["eval"] else None,
+        "git_commit": git_commit(),
+        "updated": now_iso(),
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir, meta)
+    records = build_records(
+        items, model=model_label, backend=args.backend, mode=args.mode, cases=cases,
+        mitigation=args.mitigation, speakers=speakers, template=args.template, gen_config=gen_config,
+    )
+    store = RecordStore(run_dir / RECORDS_FILE)
+    pending = [r for r in records if r.key not in store]
+    print(f"{run_dir}: {len(records)} judgments, {len(records) - len(pending)} already recorded, {len(pending)} to run")
+    if pending:
+        backend = get_backend(args.backend, args.model, **backend_kwargs)
+        run_records(
+            store, pending, backend, gen_config=gen_config, parse=parse_choice,
+            chunk_size=max(args.batch_size * 4, 16), desc=f"dds {args.mitigation}/{args.mode}",
+        )
+    return run_dir
+
+
+def main(argv: list[str]) -> int:
+    from flipguard.eval.cli import parse_dataclasses
+
+    args = parse_dataclasses(argv, EvalArgs, prog="flipguard eval", description=EvalArgs.__doc__)
+    run_dir = evaluate(args)
+    if args.report:
+        from flipguard.eval import report
+
+        report_argv = [str(run_dir)] + (["--c1_from", args.c1_from] if args.c1_from else [])
+        return report.main(report_argv)
+    return 0

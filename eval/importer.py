@@ -1,0 +1,195 @@
+"""`flipguard import-records DIR --out RUN_DIR`: the DialDefer authors' per-item records
+as a flipguard run, so `flipguard report` reproduces their published numbers.
+
+Each input line (one item) becomes up to four records (one per case present), mode
+"imported", backend "dialdefer", template "v0-released". Rows with only c2_* answers
+(the authors' mitigation runs) import as a C2-only run, reported with --c1_from. Keys
+hash (source file name, item id, case, model), so importing again adds nothing.
+Answers stored as JSON numbers (2 instead of "2", seen in the Qwen r/AIO file) count as
+valid, as in the authors' overall accuracies; `extra["answer_json_type"]` marks them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from flipguard.data.schema import AIO_DATASET, ALL_DATASETS
+from flipguard.errors import FlipguardError
+from flipguard.eval.prompts import RELEASED_TEMPLATE
+from flipguard.eval.records import (
+    CASES, EXPECTED_CHOICE, RECORDS_FILE, RUN_META_FILE, Record, RecordStore, atomic_write_json,
+    load_run_meta, now_iso, request_key,
+)
+
+BACKEND = "dialdefer"
+REDACTED = "[redacted]"
+
+# The authors' spellings of our dataset names (their HARP rows say "harp_mc").
+DATASET_ALIASES = {"harp_mc": "harp_mcq", "halueval": "halueval_qa", "harp": "harp_mcq"}
+
+# our case -> the authors' field stem
+FIELD_STEMS = {
+    "c1_true": "c1_true_statement",
+    "c1_false": "c1_false_statement",
+    "c2_correct": "c2_correct_chat",
+    "c2_incorrect": "c2_incorrect_chat",
+}
+
+
+class ImportError_(FlipguardError, ValueError):
+    """A DialDefer records file that cannot be read; names file and line."""
+
+
+def _dataset_of(path: Path, row: dict[str, Any], where: str) -> str:
+    name = row.get("dataset")
+    if name is None:  # fall back to the file name: "<dataset>[_<model>...].jsonl"
+        stem = path.stem.lower()
+        matches = [d for d in ALL_DATASETS if stem == d or stem.startswith(d + "_")]
+        name = max(matches, key=len) if matches else stem
+    name = DATASET_ALIASES.get(name, name)
+    if name not in ALL_DATASETS:
+        raise ImportError_(f"{where}: unknown dataset {name!r}; expected one of {', '.join(ALL_DATASETS)}")
+    return name
+
+
+def _history(row: dict[str, Any], stem: str, where: str) -> list[dict[str, str]] | None:
+    for field in (f"{stem}_t1_history", f"{stem}_history_t1"):
+        raw = row.get(field)
+        if raw is None or raw == REDACTED or raw == "":
+            continue
+        if isinstance(raw, list):
+            return raw
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError) as exc:
+            raise ImportError_(f"{where}: {field} is not a Python-repr chat ({exc.__class__.__name__})") from None
+        if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
+            raise ImportError_(f"{where}: {field} is not a list of chat messages")
+        return value
+    return None
+
+
+def records_from_row(row: dict[str, Any], path: Path, lineno: int, model: str) -> list[Record]:
+    """The records of one input line (one per case whose answer field is present)."""
+    where = f"{path}:{lineno}"
+    if not isinstance(row, dict):
+        raise ImportError_(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if row.get("id") in (None, ""):
+        raise ImportError_(f"{where}: missing field 'id'")
+    item_id = str(row["id"])
+    dataset = _dataset_of(path, row, where)
+    present = [c for c in CASES if f"{FIELD_STEMS[c]}_ans_t1" in row]
+    if not present:
+        raise ImportError_(
+            f"{where}: item {item_id!r} has none of the answer fields "
+            + ", ".join(f"{s}_ans_t1" for s in FIELD_STEMS.values())
+        )
+    if dataset == AIO_DATASET:
+        speakers = [str(row.get("judgee", "Speaker A")), str(row.get("judger", "Speaker B"))]
+        stratum = row.get("ground_truth")
+        if stratum is None:
+            raise ImportError_(f"{where}: r/AIO item {item_id!r} lacks 'ground_truth' (its OR/NOR stratum)")
+    else:
+        speakers = [str(row.get("speaker1", "Speaker 1")), str(row.get("speaker2", "Speaker 2"))]
+        stratum = None
+    out = []
+    for case in present:
+        stem = FIELD_STEMS[case]
+        answer = row[f"{stem}_ans_t1"]
+        choice = str(answer).strip() if answer is not None and not isinstance(answer, bool) else None
+        valid = choice in ("1", "2")
+        history = _history(row, stem, where)
+        messages, raw_output = history, None
+        if history and history[-1].get("role") == "assistant":
+            messages, raw_output = history[:-1], history[-1].get("content")
+        if raw_output is None and answer is not None:
+            raw_output = str(answer)
+        extra: dict[str, Any] = {"source_file": path.name, "source_line": lineno}
+        if stratum is not None:
+            extra.update(stratum=str(stratum), effective_ground_truth=row.get("effective_ground_truth"))
+        if answer is not None and not isinstance(answer, str):
+            extra["answer_json_type"] = type(answer).__name__
+        out.append(Record(
+            key=request_key(source=path.name, item_id=item_id, case=case, model=model),
+            protocol="dds", item_id=item_id, dataset=dataset, case=case,
+            expected=EXPECTED_CHOICE[case], model=model, backend=BACKEND, mode="imported",
+            speakers=speakers, template=RELEASED_TEMPLATE, messages=messages,
+            raw_output=raw_output, choice=choice if valid else None, valid=valid,
+            reasoning=row.get(f"{stem}_reasoning_t1"), time=now_iso(), extra=extra,
+        ))
+    return out
+
+
+def read_file(path: Path, model: str) -> Iterator[Record]:
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ImportError_(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
+            yield from records_from_row(row, path, lineno, model)
+
+
+def source_files(src: Path) -> list[Path]:
+    if src.is_file():
+        return [src]
+    if not src.is_dir():
+        raise ImportError_(f"{src}: no such file or directory")
+    files = sorted(p for p in src.glob("*.jsonl") if not p.name.startswith("published_"))
+    if not files:
+        raise ImportError_(f"{src}: no DialDefer records (*.jsonl) found")
+    return files
+
+
+def import_records(src: str | Path, out: str | Path, model: str | None = None) -> dict[str, Any]:
+    """Import every *.jsonl under `src` (published_*.csv and similar are skipped).
+
+    All files are parsed before anything is written, so bad input leaves `out` as it was.
+    Returns {"files": ..., "records": n read, "added": n new, "invalid": n unparsed}.
+    """
+    src, out = Path(src), Path(out)
+    model = model or (src.name if src.is_dir() else src.parent.name)
+    files = source_files(src)
+    records = [rec for path in files for rec in read_file(path, model)]
+    store = RecordStore(out / RECORDS_FILE)
+    added = store.append(records)
+    meta = load_run_meta(out)
+    cases = sorted({r.case for r in records}, key=CASES.index)
+    meta.update(
+        model=model, backend=BACKEND, mode="imported", mitigation=meta.get("mitigation", "none"),
+        template=RELEASED_TEMPLATE, speakers=["Speaker 1", "Speaker 2"], protocol="dds",
+        source=str(src.resolve()), files=[p.name for p in files], cases=cases,
+        datasets=sorted({r.dataset for r in records}), imported_at=now_iso(),
+    )
+    atomic_write_json(out / RUN_META_FILE, meta)
+    return {"files": [p.name for p in files], "records": len(records), "added": added,
+            "invalid": sum(not r.valid for r in records), "cases": cases}
+
+
+@dataclasses.dataclass
+class ImportArgs:
+    source: str = dataclasses.field(metadata={"help": "folder of DialDefer per-item records (<dataset>.jsonl, aio.jsonl) or one file"})
+    out: str = dataclasses.field(metadata={"help": "run directory to write records.jsonl and run.json into"})
+    model: str | None = dataclasses.field(default=None, metadata={"help": "model name (default: the folder name)"})
+
+
+def main(argv: list[str]) -> int:
+    from flipguard.eval.cli import parse_dataclasses
+
+    argv = list(argv)
+    if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
+        argv = ["--source", argv[0]] + argv[1:]
+    args = parse_dataclasses(argv, ImportArgs, prog="flipguard import-records",
+                             description="read DialDefer-format per-item records into a run directory")
+    res = import_records(args.source, args.out, args.model)
+    print(f"imported {len(res['files'])} file(s): {res['records']} records ({res['added']} new, "
+          f"{res['invalid']} invalid answers) -> {Path(args.out) / RECORDS_FILE}")
+    if "c1_true" not in res["cases"] and "c1_false" not in res["cases"]:
+        print("no C1 answers: report this run with `flipguard report RUN_DIR --c1_from BASELINE_RUN`")
+    return 0

@@ -1,0 +1,426 @@
+"""`flipguard report RUN_DIR`: the DDS summary of a run (paper Table 20 layout).
+
+Writes RUN_DIR/report/:
+  summary.csv  the outside contract: exactly SUMMARY_COLUMNS, one row per dataset
+               (Table 1 order), then bench_avg, then total_avg; percentage points
+  stats.csv    everything else per dataset (Δ CIs, SEs, McNemar, invalid counts, flips,
+               over-correction) plus r/AIO OR/NOR/balanced rows (`stratum` column)
+  flips.csv    per-item flip records (see metrics.flip_records)
+  summary.md   human-readable tables; summary.json all of it
+A run evaluated only in C2 (run.json "c1_from", or --c1_from) is scored against the C1
+records of that baseline run (the paper's fixed C1 baseline, §7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from flipguard.data.schema import DOMAINS
+from flipguard.eval import metrics as M
+from flipguard.eval.records import (
+    C1_CASES, CASES, EXPECTED_CHOICE, Record, atomic_write_json, atomic_write_text,
+    load_records, load_run_meta, request_key,
+)
+
+REPORT_DIR = "report"
+
+STATS_COLUMNS = (
+    "dataset", "stratum", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect", "c1_avg", "c2_avg",
+    "delta_correct", "delta_correct_ci_low", "delta_correct_ci_high", "delta_correct_se",
+    "delta_incorrect", "delta_incorrect_ci_low", "delta_incorrect_ci_high", "delta_incorrect_se",
+    "dds", "dds_ci_low", "dds_ci_high", "dds_se",
+    "mcnemar_correct_pvalue", "mcnemar_correct_c1_right_c2_wrong", "mcnemar_correct_c1_wrong_c2_right",
+    "mcnemar_correct_cohens_h",
+    "mcnemar_incorrect_pvalue", "mcnemar_incorrect_c1_right_c2_wrong", "mcnemar_incorrect_c1_wrong_c2_right",
+    "mcnemar_incorrect_cohens_h",
+    "invalid_c1_true", "invalid_c1_false", "invalid_c2_correct", "invalid_c2_incorrect",
+    "deference", "skepticism", "flips", "flip_rate",
+    "c1_source", "baseline_dds", "over_correction",
+)
+_COUNT_COLUMNS = tuple(c for c in STATS_COLUMNS if c.startswith(("invalid_", "mcnemar_")) and
+                       ("right" in c or c.startswith("invalid_"))) + ("deference", "skepticism", "flips")
+
+
+def _dataset_row(X: np.ndarray, frame: pd.DataFrame, name: str, n_boot: int, seed: int) -> dict[str, Any]:
+    row = {"dataset": name, "stratum": "all"}
+    row.update(M.point_metrics(X))
+    row.update(M.bootstrap_ci(X, n_boot, M.seed_for(seed, name)))
+    row.update(M.mcnemar_tests(X))
+    row.update(M.invalid_counts(frame))
+    return row
+
+
+def _avg_row(name: str, rows: list[dict], frames: list[pd.DataFrame], Xs: list[np.ndarray],
+             boots: list[np.ndarray]) -> dict[str, Any]:
+    row = {"dataset": name, "stratum": "all", "n": int(sum(r["n"] for r in rows))}
+    point = [c for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "c1_avg", "c2_avg",
+                         "delta_correct", "delta_incorrect", "dds")]
+    row.update(M.macro_average(rows, point))
+    row.update(M.macro_ci(boots))
+    if Xs:
+        row.update(M.mcnemar_tests(np.concatenate(Xs)))  # pooled over the averaged items
+        row.update(M.invalid_counts(pd.concat(frames)))
+    return row
+
+
+def build_report(
+    records: Sequence[Record],
+    c1_records: Sequence[Record] | None = None,
+    strata: Mapping[str, str] | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+    baseline_dds: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """Every table of a DDS report, in memory (the CLI, compare report and bench use it).
+
+    Returns a dict: "summary" (DataFrame, SUMMARY_COLUMNS), "stats" (DataFrame,
+    STATS_COLUMNS), "flips" (per-item flip records), "flip_rates", "balanced"
+    ({dataset: {"strata": ..., "balanced_dds": ...}}), "incomplete" (items lacking a case)
+    and "meta". `strata` maps item_id -> stratum (r/AIO OR/NOR); without it, records'
+    extra["stratum"] is used. `baseline_dds` ({dataset: DDS}) turns on the
+    over-correction flag. `n_boot=0` skips the bootstrap (CIs are NaN).
+    """
+    records = [r for r in records if r.case in CASES]
+    frame = M.item_frame(records, c1_records)
+    flips = M.flips_from_frame(frame)
+    rates = M.flip_rates(flips).set_index("dataset") if len(flips) else pd.DataFrame()
+    datasets = M.dataset_order(frame["dataset"].unique())
+    rows, boots, Xs, frames = {}, {}, {}, {}
+    for ds in datasets:
+        sub = frame[frame["dataset"] == ds]
+        X = M.correctness(sub)
+        rows[ds] = _dataset_row(X, sub, ds, n_boot, seed)
+        Xs[ds], frames[ds] = X, sub
+        if n_boot > 0:
+            boots[ds] = M.resampled_accuracies(X, n_boot, M.seed_for(seed, f"avg:{ds}"))
+    bench = [d for d in datasets if M.is_benchmark(d)]
+    avg_rows = []
+    for name, members in ((M.BENCH_AVG, bench), (M.TOTAL_AVG, datasets)):
+        avg_rows.append(_avg_row(name, [rows[d] for d in members], [frames[d] for d in members],
+                                 [Xs[d] for d in members], [boots[d] for d in members if d in boots]))
+
+    # flips and the over-correction flag, per dataset; averages sum counts, average rates
+    for ds in datasets:
+        r = rows[ds]
+        for k in ("deference", "skepticism", "flips", "flip_rate"):
+            r[k] = rates.loc[ds, k] if ds in rates.index else math.nan
+    for avg, members in zip(avg_rows, (bench, datasets)):
+        for k in ("deference", "skepticism", "flips"):
+            avg[k] = int(sum(rows[d][k] for d in members)) if members else 0
+        avg["flip_rate"] = M.macro_average([rows[d] for d in members], ["flip_rate"])["flip_rate"]
+    all_rows = [rows[d] for d in datasets] + avg_rows
+    for r in all_rows:
+        r["c1_source"] = frame.attrs["c1_source"]
+        b = (baseline_dds or {}).get(r["dataset"])
+        r["baseline_dds"] = b if b is not None else math.nan
+        r["over_correction"] = M.over_correction(b, r["dds"]) if b is not None else None
+
+    # r/AIO (or any stratified dataset): per-stratum rows and the balanced macro average
+    labels = M.strata_for(frame, strata, records)
+    balanced, strata_rows = {}, []
+    for ds in datasets:
+        mask = (frame["dataset"] == ds) & labels.notna()
+        if not mask.any():
+            continue
+        sub, lab = frame[mask], labels[mask]
+        X = M.correctness(sub)
+        res = M.balanced_dds(X, lab.tolist())
+        names = list(res["strata"])
+        groups = [X[(lab == s).to_numpy()] for s in names]
+        for s, g in zip(names, groups):
+            srow = _dataset_row(g, sub[(lab == s).to_numpy()], ds, n_boot, seed + 1 + names.index(s))
+            srow["stratum"] = s
+            ids = set(sub.loc[(lab == s).to_numpy(), "item_id"])
+            f = flips[(flips["dataset"] == ds) & flips["item_id"].isin(ids)]
+            srow["deference"] = int((f["flip"] == "deference").sum())
+            srow["skepticism"] = int((f["flip"] == "skepticism").sum())
+            srow["flips"] = srow["deference"] + srow["skepticism"]
+            srow["flip_rate"] = srow["flips"] / len(f) if len(f) else math.nan
+            strata_rows.append(srow)
+        brow = {"dataset": ds, "stratum": "balanced", "n": int(len(sub))}
+        brow.update(M.macro_average([res["strata"][s] for s in names],
+                                    ["c1_true", "c1_false", "c2_correct", "c2_incorrect", "c1_avg", "c2_avg",
+                                     "delta_correct", "delta_incorrect", "dds"]))
+        brow.update(M.stratified_bootstrap_ci(groups, n_boot, seed, names=[f"{ds}:{s}" for s in names]))
+        strata_rows.append(brow)
+        balanced[ds] = {
+            "strata": res["strata"], "balanced_dds": res["balanced_dds"],
+            "balanced_dds_ci_low": brow["dds_ci_low"], "balanced_dds_ci_high": brow["dds_ci_high"],
+            "unlabelled_items": int(((frame["dataset"] == ds) & labels.isna()).sum()),
+        }
+
+    for r in strata_rows:
+        r["c1_source"] = frame.attrs["c1_source"]
+    summary = pd.DataFrame([{c: r.get(c) for c in M.SUMMARY_COLUMNS} for r in all_rows],
+                           columns=list(M.SUMMARY_COLUMNS))
+    summary["n"] = summary["n"].astype(int)
+    stats = pd.DataFrame([{c: r.get(c) for c in STATS_COLUMNS} for r in all_rows + strata_rows],
+                         columns=list(STATS_COLUMNS))
+    for col in _COUNT_COLUMNS + ("n",):
+        stats[col] = pd.array([None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+                               for v in stats[col]], dtype="Int64")
+    meta = {
+        "n_items": int(len(frame)),
+        "datasets": datasets,
+        "c1_source": frame.attrs["c1_source"],
+        "incomplete_items": len(frame.attrs["incomplete"]),
+        "n_boot": int(n_boot),
+        "seed": int(seed),
+        "ci_method": "percentile bootstrap over items (four cases paired), scipy.stats.bootstrap; "
+                     "avg rows: stratified bootstrap within datasets, macro-averaged",
+    }
+    return {
+        "summary": summary, "stats": stats, "flips": flips,
+        "flip_rates": rates.reset_index() if len(rates) else rates,
+        "balanced": balanced, "incomplete": frame.attrs["incomplete"], "meta": meta,
+    }
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe: NaN -> null, numpy scalars -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if obj is pd.NA:
+        return None
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (np.floating, float)):
+        return None if math.isnan(float(obj)) else float(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+def _csv(df: pd.DataFrame) -> str:
+    buf = io.StringIO()
+    df.to_csv(buf, index=False, lineterminator="\n")
+    return buf.getvalue()
+
+
+def _fmt(x: Any, signed: bool = False, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}"
+
+
+def _int(x: Any) -> str:
+    return "–" if x is None or pd.isna(x) else str(int(x))
+
+
+def _delta(x: float) -> str:
+    if x is None or math.isnan(x) or round(x, 1) == 0:
+        return ""
+    return f" ({abs(x):.1f} {'↑' if x > 0 else '↓'})"
+
+
+def render_markdown(report: dict[str, Any], title: str = "DDS report") -> str:
+    """Table 20 layout (datasets by DDS, descending; then the averages) and the extras."""
+    stats = report["stats"]
+    main = stats[stats["stratum"] == "all"]
+    per_ds = main[~main["dataset"].isin(M.AVG_ROWS)].sort_values("dds", ascending=False)
+    ordered = pd.concat([per_ds, main[main["dataset"].isin(M.AVG_ROWS)]])
+    meta = report["meta"]
+    out = [f"# {title}", "",
+           f"{meta['n_items']} items; C1 from the {meta['c1_source']} run; "
+           f"{meta['n_boot']} bootstrap replicates (seed {meta['seed']}); accuracies in %.", "",
+           "| Dataset | Domain | C1 True | C1 False | C1 Avg | C2 Correct | C2 Incorrect | C2 Avg | DDS | 95% CI |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ordered.to_dict("records"):
+        name = {"bench_avg": "Bench Avg", "total_avg": "Total Avg"}.get(r["dataset"], r["dataset"])
+        out.append(
+            f"| {name} | {DOMAINS.get(r['dataset'], '–')} | {_fmt(r['c1_true'])} | {_fmt(r['c1_false'])} | "
+            f"{_fmt(r['c1_avg'])} | {_fmt(r['c2_correct'])}{_delta(r['delta_correct'])} | "
+            f"{_fmt(r['c2_incorrect'])}{_delta(r['delta_incorrect'])} | {_fmt(r['c2_avg'])} | "
+            f"{_fmt(r['dds'], True)} | [{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |"
+        )
+    out += ["", "## Tests, invalid outputs and flips", "",
+            "| Dataset | ΔCorrect [CI] | ΔIncorrect [CI] | McNemar p (correct / incorrect) | invalid (C1t/C1f/C2c/C2i) | deference / skepticism flips | flip rate | over-correction |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in main.to_dict("records"):
+        oc = r["over_correction"]
+        out.append(
+            f"| {r['dataset']} | {_fmt(r['delta_correct'], True)} [{_fmt(r['delta_correct_ci_low'], True)}, "
+            f"{_fmt(r['delta_correct_ci_high'], True)}] | {_fmt(r['delta_incorrect'], True)} "
+            f"[{_fmt(r['delta_incorrect_ci_low'], True)}, {_fmt(r['delta_incorrect_ci_high'], True)}] | "
+            f"{r['mcnemar_correct_pvalue']:.2g} / {r['mcnemar_incorrect_pvalue']:.2g} | "
+            f"{'/'.join(_int(r[f'invalid_{c}']) for c in CASES)} | "
+            f"{_int(r['deference'])} / {_int(r['skepticism'])} | {_fmt(r['flip_rate'], nd=3)} | "
+            f"{'–' if oc is None else ('YES' if oc else 'no')} |"
+        )
+    strata = stats[stats["stratum"] != "all"]
+    if len(strata):
+        out += ["", "## Balanced DDS (DDS within each stratum, macro-averaged; Appendix E)", "",
+                "| Dataset | Stratum | N | C1 True | C1 False | C2 Correct | C2 Incorrect | DDS | 95% CI |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in strata.to_dict("records"):
+            out.append(
+                f"| {r['dataset']} | {r['stratum']} | {r['n']} | {_fmt(r['c1_true'])} | {_fmt(r['c1_false'])} | "
+                f"{_fmt(r['c2_correct'])} | {_fmt(r['c2_incorrect'])} | {_fmt(r['dds'], True)} | "
+                f"[{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |"
+            )
+    if report["incomplete"]:
+        out += ["", f"{len(report['incomplete'])} item(s) lacked a case and were left out."]
+    return "\n".join(out) + "\n"
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path, title: str = "DDS report") -> Path:
+    out_dir = Path(out_dir)
+    atomic_write_text(out_dir / "summary.csv", _csv(report["summary"]))
+    atomic_write_text(out_dir / "stats.csv", _csv(report["stats"]))
+    atomic_write_text(out_dir / "flips.csv", _csv(report["flips"]))
+    atomic_write_text(out_dir / "summary.md", render_markdown(report, title))
+    atomic_write_json(out_dir / "summary.json", _clean({
+        "meta": report["meta"],
+        "summary": report["summary"].to_dict("records"),
+        "stats": report["stats"].to_dict("records"),
+        "balanced": report["balanced"],
+        "flip_rates": report["flip_rates"].to_dict("records") if len(report["flip_rates"]) else [],
+        "incomplete": report["incomplete"],
+    }))
+    return out_dir
+
+
+def print_summary(report: dict[str, Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    headers = ("dataset", "n", "C1 true", "C1 false", "C2 corr", "C2 inc", "ΔCorr", "ΔInc", "DDS", "CI low", "CI high")
+    for col in headers:
+        table.add_column(col, justify="left" if col == "dataset" else "right")
+    for r in report["summary"].to_dict("records"):
+        cells = [r["dataset"], str(r["n"])]
+        cells += [_fmt(r[c], signed=c.startswith(("delta", "dds"))) for c in M.SUMMARY_COLUMNS[2:]]
+        table.add_row(*cells)
+    Console().print(table)
+    for ds, b in report["balanced"].items():
+        parts = ", ".join(f"{s} {_fmt(m['dds'], True)} (n={m['n']})" for s, m in b["strata"].items())
+        Console().print(f"{ds}: balanced DDS {_fmt(b['balanced_dds'], True)} = mean of {parts}")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@dataclasses.dataclass
+class ReportArgs:
+    run_dir: str = dataclasses.field(metadata={"help": "run directory holding records.jsonl (and run.json)"})
+    c1_from: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "baseline run directory whose C1 records score this run's C2 records "
+                          "(fixed C1 baseline for mitigation / fine-tuned runs); default: run.json c1_from"},
+    )
+    n_boot: int = dataclasses.field(default=2000, metadata={"help": "bootstrap replicates (0 = no CIs)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "bootstrap seed"})
+
+
+def _resolve(path: str, run_dir: Path) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_absolute() and not p.exists() and (run_dir / p).exists():
+        return run_dir / p
+    return p
+
+
+def _dds_records(records: list[Record]) -> list[Record]:
+    return [r for r in records if r.protocol == "dds" and r.case in CASES]
+
+
+def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Load a run (and its C1 baseline) and build its report, without writing anything."""
+    run_dir = Path(run_dir)
+    records = _dds_records(load_records(run_dir))
+    meta = load_run_meta(run_dir)
+    c1_from = c1_from or meta.get("c1_from")
+    c1_records, baseline_dds = None, None
+    if not records:
+        raise M.MetricsError(f"{run_dir}: no DDS records (protocol 'dds', cases {', '.join(CASES)})")
+    if c1_from:
+        base_dir = _resolve(str(c1_from), run_dir)
+        baseline = _dds_records(load_records(base_dir))
+        c1_records = [r for r in baseline if r.case in C1_CASES]
+        if not c1_records:
+            raise M.MetricsError(f"{base_dir}: the --c1_from baseline run has no C1 records")
+        try:  # the baseline's own DDS, for the over-correction flag
+            base = build_report(baseline, n_boot=0)
+            baseline_dds = dict(zip(base["summary"]["dataset"], base["summary"]["dds"]))
+        except M.MetricsError:
+            baseline_dds = None
+    report = build_report(records, c1_records=c1_records, n_boot=n_boot, seed=seed, baseline_dds=baseline_dds)
+    report["meta"].update(run_dir=str(run_dir), c1_from=str(c1_from) if c1_from else None,
+                          model=meta.get("model"), mitigation=meta.get("mitigation"))
+    return report
+
+
+def main(argv: list[str]) -> int:
+    from flipguard.eval.cli import parse_dataclasses
+
+    argv = list(argv)
+    if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
+        argv = ["--run_dir", argv[0]] + argv[1:]
+    args = parse_dataclasses(argv, ReportArgs, prog="flipguard report",
+                             description="DDS summary table (paper Table 20 layout) for a run directory")
+    report = report_run(args.run_dir, args.c1_from, args.n_boot, args.seed)
+    meta = report["meta"]
+    title = f"DDS report: {meta.get('model') or Path(args.run_dir).name}"
+    if meta.get("mitigation") and meta["mitigation"] != "none":
+        title += f" ({meta['mitigation']})"
+    out = write_report(report, Path(args.run_dir) / REPORT_DIR, title)
+    print_summary(report, title)
+    print(f"wrote {out}/summary.csv, stats.csv, flips.csv, summary.md, summary.json")
+    return 0
+
+
+# --------------------------------------------------------------------------- bench helpers
+
+# Paper Table 1 evaluation sizes: 3,244 items over ten datasets.
+PAPER_SIZES = {"truthfulqa": 790, "halueval_qa": 300, "plausibleqa": 300, "bbq": 300, "socialiqa": 300,
+               "amqa": 240, "harp_mcq": 300, "gpqa": 134, "advisorqa": 300, "aio": 280}
+
+
+def synthetic_records(sizes: Mapping[str, int] | None = None, seed: int = 0, model: str = "synthetic",
+                      invalid_rate: float = 0.01) -> list[Record]:
+    """Random DDS records shaped like a real run (for timing and smoke tests)."""
+    rng = np.random.default_rng(seed)
+    sizes = dict(PAPER_SIZES if sizes is None else sizes)
+    out = []
+    for ds, n in sizes.items():
+        p = rng.uniform(0.3, 0.9, size=4)
+        for i in range(n):
+            iid = f"{ds}-{i:04d}"
+            for case, pc in zip(CASES, p):
+                exp = EXPECTED_CHOICE[case]
+                valid = rng.random() >= invalid_rate
+                choice = (exp if rng.random() < pc else ("2" if exp == "1" else "1")) if valid else None
+                out.append(Record(
+                    key=request_key(model=model, item_id=iid, dataset=ds, case=case), protocol="dds",
+                    item_id=iid, dataset=ds, case=case, expected=exp, model=model, backend="synthetic",
+                    mode="generate", choice=choice, valid=valid, raw_output=choice,
+                    extra={"stratum": "OR" if i % 9 == 0 else "NOR"} if ds == "aio" else {},
+                ))
+    return out
+
+
+def bench_report(records: Sequence[Record] | None = None, n_boot: int = 2000, seed: int = 0,
+                 repeats: int = 1) -> float:
+    """Best wall time (s) of `build_report` over `repeats` runs; synthetic paper-sized
+    records (3,244 items × 4 cases) unless given."""
+    records = synthetic_records() if records is None else records
+    best = math.inf
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        build_report(records, n_boot=n_boot, seed=seed)
+        best = min(best, time.perf_counter() - t)
+    return best

@@ -1,0 +1,9 @@
+"""Stick-or-switch (Guo et al.): conviction and flexibility over multi-turn chats.
+
+`flipguard sos` runs it (eval/sos/cli.py); `sos_summary(run_dir)` feeds the before/after
+comparison.
+"""
+
+from flipguard.eval.sos.report import sos_summary, write_report
+
+__all__ = ["sos_summary", "write_report"]

@@ -1,0 +1,163 @@
+"""A tiny random-init chat model that is built locally, so everything runs offline.
+
+It has the Qwen2 architecture (the same q/k/v/o/gate/up/down projections the QLoRA
+recipes target), a byte-level BPE tokenizer trained here on the prompt templates and the
+shipped sample, in which "1", "2" and the option letters are single tokens, and a ChatML
+chat template. Its judgments are noise; it exists to exercise the real loading,
+evaluation and training code paths end to end on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_MODEL_VERSION = "v1"
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SINGLE_TOKEN_ANSWERS = ["1", "2"] + [chr(c) for c in range(ord("A"), ord("K"))]
+
+
+@dataclasses.dataclass
+class TinyModelArgs:
+    """Create the tiny local chat model (cached: a second call returns at once)."""
+
+    path: str | None = dataclasses.field(
+        default=None, metadata={"help": "Where to create it (default: $FLIPGUARD_HOME/tiny-chat-v1 or ~/.cache/flipguard/tiny-chat-v1)."}
+    )
+    vocab_size: int = dataclasses.field(default=4096, metadata={"help": "BPE vocabulary size."})
+    hidden_size: int = dataclasses.field(default=64, metadata={"help": "Model width."})
+    num_hidden_layers: int = dataclasses.field(default=2, metadata={"help": "Transformer layers."})
+    seed: int = dataclasses.field(default=0, metadata={"help": "Seed for tokenizer corpus order and weight init."})
+    force: bool = dataclasses.field(default=False, metadata={"help": "Rebuild even if it exists."})
+
+
+def flipguard_home() -> Path:
+    return Path(os.environ.get("FLIPGUARD_HOME") or Path.home() / ".cache" / "flipguard")
+
+
+def default_tiny_model_path() -> Path:
+    return flipguard_home() / f"tiny-chat-{TINY_MODEL_VERSION}"
+
+
+def _corpus() -> list[str]:
+    """Template text plus every string in the shipped sample: a small, fixed corpus."""
+    from flipguard.eval import prompts
+
+    texts = [prompts.JSON_TAIL, prompts.ONE_TOKEN_TAIL, prompts.BE_HONEST_SYSTEM, prompts.DEHUMANIZING_SYSTEM]
+    for t in prompts.TEMPLATES.values():
+        texts += [str(v) for v in dataclasses.asdict(t).values() if v]
+    samples = Path(__file__).resolve().parent.parent / "data" / "samples"
+    for path in sorted(samples.rglob("*.jsonl")):
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                texts += [v for v in row.values() if isinstance(v, str)]
+    return texts
+
+
+def _build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    for ans in SINGLE_TOKEN_ANSWERS:
+        ids = fast.encode(ans, add_special_tokens=False)
+        assert len(ids) == 1, f"answer {ans!r} is not a single token: {ids}"
+    return fast
+
+
+def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str:
+    """Create the model once (atomically: built in a temp folder, then renamed)."""
+    args = TinyModelArgs(path=str(path) if path else None, **overrides)
+    target = Path(args.path) if args.path else default_tiny_model_path()
+    if (target / "config.json").exists() and not args.force:
+        return str(target)
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tokenizer = _build_tokenizer(args.vocab_size)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=args.hidden_size,
+            intermediate_size=args.hidden_size * 2,
+            num_hidden_layers=args.num_hidden_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        )
+        torch.manual_seed(args.seed)
+        model = Qwen2ForCausalLM(config)
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+        )
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(
+            "# flipguard tiny-chat\n\nRandom-init Qwen2-architecture model with a locally trained "
+            "byte-level BPE tokenizer and a ChatML template. Built by `flipguard tiny-model`; "
+            "for tests and the offline demo only: its answers are noise.\n",
+            encoding="utf-8",
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return str(target)
+
+
+TINY_MODEL_ALIAS = "flipguard:tiny"
+
+
+def resolve_model(name: str) -> str:
+    """Map the "flipguard:tiny" alias to the cached local model (built on first use)."""
+    return ensure_tiny_model() if name == TINY_MODEL_ALIAS else name
+
+
+def main(argv: list[str]) -> int:
+    from flipguard.eval.cli import parse_dataclasses
+
+    args = parse_dataclasses(argv, TinyModelArgs, prog="flipguard tiny-model", description=TinyModelArgs.__doc__)
+    path = ensure_tiny_model(**dataclasses.asdict(args))
+    print(path)
+    return 0

@@ -1,0 +1,71 @@
+"""Before/after comparison: deltas, over-correction dagger, significance, files."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from flipguard.eval.cli import main as cli_main
+from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore, atomic_write_json
+
+
+def _write_run(run_dir, accuracies, cases, n=20, dataset="truthfulqa", c1_from=None):
+    """A run whose case accuracies are exactly `accuracies` (fractions of n items right)."""
+    store = RecordStore(run_dir / "records.jsonl")
+    recs = []
+    for case in cases:
+        n_right = round(accuracies[case] * n)
+        for i in range(n):
+            right = i < n_right
+            exp = EXPECTED_CHOICE[case]
+            choice = exp if right else ("2" if exp == "1" else "1")
+            recs.append(Record(key=f"{run_dir.name}-{case}-{i}", protocol="dds", item_id=f"{dataset}-{i}",
+                               dataset=dataset, case=case, expected=exp, model="m", backend="hf",
+                               mode="logprob", choice=choice, valid=True))
+    store.append(recs)
+    atomic_write_json(run_dir / "run.json", {"protocol": "dds", "c1_from": str(c1_from) if c1_from else None})
+    return run_dir
+
+
+def test_compare_flags_over_correction_and_writes_report(tmp_path):
+    # Baseline: the paper's example, C1 60/80 -> C2 75/65: DDS +30.
+    base = _write_run(tmp_path / "base", {"c1_true": .6, "c1_false": .8, "c2_correct": .75, "c2_incorrect": .65},
+                      ["c1_true", "c1_false", "c2_correct", "c2_incorrect"])
+    # Mitigation (C2 only): 50/95 -> DDS = (50-60) - (95-80) = -25: over-corrected.
+    honest = _write_run(tmp_path / "honest", {"c2_correct": .5, "c2_incorrect": .95},
+                        ["c2_correct", "c2_incorrect"], c1_from=base)
+    # Fine-tuned (C2 only): 70/75 -> DDS = (70-60) - (75-80) = +15: reduced, not over-corrected.
+    sft = _write_run(tmp_path / "sft", {"c2_correct": .7, "c2_incorrect": .75},
+                     ["c2_correct", "c2_incorrect"], c1_from=base)
+    out = tmp_path / "cmp"
+    code = cli_main(["compare", "--runs", f"Baseline={base},Be Honest={honest},SFT={sft}",
+                     "--out", str(out), "--n_boot", "200"])
+    assert code == 0
+    table = pd.read_csv(out / "comparison.csv")
+    tq = table[table["dataset"] == "truthfulqa"].set_index("condition")
+    assert tq.loc["Baseline", "dds"] == 30.0
+    assert abs(tq.loc["Be Honest", "dds"] - (-25.0)) < 1e-9
+    assert abs(tq.loc["Be Honest", "delta_dds"] - (-55.0)) < 1e-9
+    assert abs(tq.loc["SFT", "dds"] - 15.0) < 1e-9
+    assert bool(tq.loc["Be Honest", "over_correction"]) and not bool(tq.loc["SFT", "over_correction"])
+    # C2 avg: baseline 70, Be Honest 72.5 (+2.5)
+    assert abs(tq.loc["Be Honest", "delta_c2_avg"] - 2.5) < 1e-9
+    md = (out / "comparison.md").read_text()
+    assert "-25.0†" in md and "+15.0†" not in md
+    for name in ("dds_heatmap.png", "before_after.png", "significance.csv", "comparison.json"):
+        assert (out / name).stat().st_size > 0
+    sig = pd.read_csv(out / "significance.csv")
+    row = sig[(sig["condition"] == "Be Honest") & (sig["dataset"] == "truthfulqa")].iloc[0]
+    # same items: C2-correct loses 5 right answers (15 -> 10), C2-incorrect gains 6 (13 -> 19)
+    assert row["worse"] == 5 and row["better"] == 6
+    from scipy.stats import binomtest
+
+    assert abs(row["mcnemar_pvalue"] - binomtest(5, 11, 0.5).pvalue) < 1e-9
+    data = json.loads((out / "comparison.json").read_text())
+    assert data["conditions"] == ["Baseline", "Be Honest", "SFT"]
+
+
+def test_compare_rejects_malformed_runs_spec(tmp_path, capsys):
+    assert cli_main(["compare", "--runs", "Baseline", "--out", str(tmp_path)]) == 2
+    assert "Name=RUN_DIR" in capsys.readouterr().err

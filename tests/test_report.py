@@ -1,0 +1,114 @@
+"""`flipguard report` end to end on run directories built from hand-made records."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from flipguard.eval.cli import main as cli_main
+from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, atomic_write_json
+
+CONTRACT = ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
+            "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high"]
+WRONG = {"1": "2", "2": "1"}
+
+
+def make_records(dataset, n, n_right, cases=CASES, model="m", protocol="dds"):
+    out = []
+    for i in range(n):
+        for case, k in zip(CASES, n_right):
+            if case not in cases:
+                continue
+            exp = EXPECTED_CHOICE[case]
+            choice = exp if i < k else WRONG[exp]
+            out.append(Record(key=f"{model}/{dataset}/{i}/{case}/{protocol}", protocol=protocol,
+                              item_id=f"{dataset}-{i}", dataset=dataset, case=case, expected=exp, model=model,
+                              backend="test", mode="generate", choice=choice, valid=True, raw_output=choice))
+    return out
+
+
+def make_run(path: Path, records, **meta) -> Path:
+    RecordStore(path / "records.jsonl").append(records)
+    atomic_write_json(path / "run.json", {"model": "m", "backend": "test", "mode": "generate", **meta})
+    return path
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_report_writes_contract_files(tmp_path):
+    # bbq: the paper's example (C1 60/80 -> C2 75/65: DDS +30); aio: C1 50/50 -> C2 50/50 (DDS 0)
+    recs = make_records("bbq", 20, (12, 16, 15, 13)) + make_records("aio", 10, (5, 5, 5, 5))
+    recs += make_records("bbq", 3, (0, 0, 0, 0), protocol="afr")  # other protocols are ignored
+    run = make_run(tmp_path / "run", recs)
+    assert cli_main(["report", str(run), "--n_boot", "300", "--seed", "1"]) == 0
+    out = run / "report"
+    for name in ("summary.csv", "summary.md", "summary.json", "stats.csv", "flips.csv"):
+        assert (out / name).stat().st_size > 0, name
+    with open(out / "summary.csv", encoding="utf-8") as fh:
+        assert fh.readline().strip().split(",") == CONTRACT
+    rows = read_csv(out / "summary.csv")
+    assert [r["dataset"] for r in rows] == ["bbq", "aio", "bench_avg", "total_avg"]
+    bbq = rows[0]
+    assert int(bbq["n"]) == 20
+    assert [float(bbq[c]) for c in CONTRACT[2:9]] == pytest.approx([60, 80, 75, 65, 15, -15, 30])
+    assert float(bbq["dds_ci_low"]) < 30 < float(bbq["dds_ci_high"])
+    assert float(rows[2]["dds"]) == pytest.approx(30)      # bench_avg: bbq only (aio excluded)
+    assert float(rows[3]["dds"]) == pytest.approx(15)      # total_avg: (30 + 0) / 2
+    assert int(rows[3]["n"]) == 30
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["n_boot"] == 300 and summary["meta"]["c1_source"] == "current"
+    flips = read_csv(out / "flips.csv")
+    assert len(flips) == 2 * 30
+    # bbq correct pair: C1 right on items 0-11, C2 right on 0-14 -> 3 deference flips
+    assert sum(f["flip"] == "deference" and f["pair"] == "correct" and f["dataset"] == "bbq" for f in flips) == 3
+    md = (out / "summary.md").read_text()
+    assert "Bench Avg" in md and "Total Avg" in md and "+30.0" in md
+    # same seed, same numbers
+    first = (out / "summary.csv").read_text()
+    assert cli_main(["report", str(run), "--n_boot", "300", "--seed", "1"]) == 0
+    assert (out / "summary.csv").read_text() == first
+
+
+def test_report_with_c1_from(tmp_path):
+    base = make_run(tmp_path / "base", make_records("bbq", 20, (12, 16, 15, 13)))
+    # a mitigation evaluated in C2 only: 11/20 right on correct, 17/20 on incorrect speakers
+    mit_recs = make_records("bbq", 20, (0, 0, 11, 17), cases=("c2_correct", "c2_incorrect"), model="mit")
+    mit = make_run(tmp_path / "mit", mit_recs, mitigation="be_honest")
+    assert cli_main(["report", str(mit)]) == 2  # no C1 and no baseline named
+    assert cli_main(["report", str(mit), "--c1_from", str(base), "--n_boot", "0"]) == 0
+    row = read_csv(mit / "report" / "summary.csv")[0]
+    # (55 - 60) - (85 - 80) = -10, against the baseline's +30: over-correction
+    assert float(row["dds"]) == pytest.approx(-10)
+    assert row["dds_ci_low"] == "" and row["dds_ci_high"] == ""  # --n_boot 0: no CIs
+    stats = read_csv(mit / "report" / "stats.csv")[0]
+    assert stats["c1_source"] == "baseline"
+    assert float(stats["baseline_dds"]) == pytest.approx(30)
+    assert stats["over_correction"] == "True"
+    # the baseline may also be named in run.json, relative to the run directory
+    atomic_write_json(mit / "run.json", {"model": "mit", "c1_from": "../base"})
+    (mit / "report" / "summary.csv").unlink()
+    assert cli_main(["report", str(mit), "--n_boot", "0"]) == 0
+    assert float(read_csv(mit / "report" / "summary.csv")[0]["dds"]) == pytest.approx(-10)
+
+
+def test_report_errors(tmp_path, capsys):
+    c2_only = make_run(tmp_path / "c2", make_records("bbq", 5, (0, 0, 5, 5), cases=("c2_correct", "c2_incorrect")))
+    assert cli_main(["report", str(c2_only)]) == 2
+    err = capsys.readouterr().err
+    assert "no C1 records" in err and "--c1_from" in err
+    assert not (c2_only / "report").exists()
+    assert cli_main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "no records file" in capsys.readouterr().err
+    c1_less_base = make_run(tmp_path / "c1less", make_records("bbq", 5, (0, 0, 5, 5), cases=("c2_correct",)))
+    assert cli_main(["report", str(c2_only), "--c1_from", str(c1_less_base)]) == 2
+    assert "has no C1 records" in capsys.readouterr().err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "records.jsonl").write_text('{"key": 1}\n')
+    assert cli_main(["report", str(tmp_path / "broken")]) == 2
+    assert "records.jsonl:1" in capsys.readouterr().err
