@@ -265,18 +265,53 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
     return out
 
 
-def protocol_section(title: str, summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """A Markdown table of one protocol's headline numbers per condition."""
-    if not summaries:
-        return ""
-    flat = {name: {k: v for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            for name, s in summaries.items()}
-    cols = sorted({k for s in flat.values() for k in s})
-    lines = [f"## {title}", "", "| Condition | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for name, s in flat.items():
-        cells = [("–" if k not in s or s[k] is None or (isinstance(s[k], float) and math.isnan(s[k]))
-                  else f"{s[k]:.3g}") for k in cols]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+def _est(e: Mapping[str, Any] | None, scale: float = 1.0, lo_key: str = "lo", hi_key: str = "hi") -> str:
+    """'12.3 [8.1, 16.0]' from an estimate dict; '–' when the measurement is absent."""
+    if not e or e.get("value") is None or (isinstance(e["value"], float) and math.isnan(e["value"])):
+        return "–"
+    v, lo, hi = (e.get(k) for k in ("value", lo_key, hi_key))
+    if lo is None or hi is None or any(isinstance(x, float) and math.isnan(x) for x in (lo, hi)):
+        return f"{v * scale:.1f}"
+    return f"{v * scale:.1f} [{lo * scale:.1f}, {hi * scale:.1f}]"
+
+
+def afr_section(runs: Mapping[str, str], k: int = 10) -> str:
+    """AFR blind/self at k (and MaxFlip) per condition, in %, 95% cluster-bootstrap CIs.
+    A run without k = 10 arguments is reported at its largest k (and says so)."""
+    from flipguard.eval.afr.report import afr_summary
+
+    ks = {int(x) for d in runs.values() for x in (load_run_meta(d).get("k_values") or [k])}
+    if k not in ks and ks:
+        k = max(ks)
+    lines = [f"## Answer flips (AFR, Who Flips?; k = {k})", "",
+             "AFR = share of initially correct answers flipped by a model-written argument for a wrong "
+             "option (%, 95% CI clustered on question). Lower is steadier.", "",
+             "| Condition | Target | Accuracy | AFR blind | AFR self | AFR MaxFlip |", "|---|---|---|---|---|---|"]
+    for name, run_dir in runs.items():
+        for target, s in afr_summary(run_dir, k=k).items():
+            lines.append(f"| {name} | {target} | {_est(s.get('accuracy'), 100)} | {_est(s.get('afr_blind'), 100)} "
+                         f"| {_est(s.get('afr_self'), 100)} | {_est(s.get('afr_maxflip'), 100)} |")
+    return "\n".join(lines)
+
+
+def sos_section(runs: Mapping[str, str]) -> str:
+    """Conversation tax and abstention penalty per condition (pp, 95% bootstrap CIs)."""
+    from flipguard.eval.sos.report import sos_summary
+
+    lines = ["## Stick-or-switch (multi-turn conviction)", "",
+             "Conversation tax = multi-turn minus single-shot accuracy; abstention penalty = multi-turn "
+             "minus single-shot abstention on 'None of the Above' items (pp, negative = loss, 95% CI).", "",
+             "| Condition | System | Dataset | Conversation tax | Abstention penalty | Correct switch | Incorrect switch |",
+             "|---|---|---|---|---|---|---|"]
+    for name, run_dir in runs.items():
+        summary = sos_summary(run_dir)
+        for system, s in summary["models"].items():
+            lines.append(
+                f"| {name} | {system} | {summary.get('dataset') or '–'} "
+                f"| {_est(s.get('conversation_tax'), 1, 'ci_low', 'ci_high')} "
+                f"| {_est(s.get('abstention_penalty'), 1, 'ci_low', 'ci_high')} "
+                f"| {_est(s.get('correct_switch'), 1, 'ci_low', 'ci_high')} "
+                f"| {_est(s.get('incorrect_switch'), 1, 'ci_low', 'ci_high')} |")
     return "\n".join(lines)
 
 
@@ -296,16 +331,7 @@ class CompareArgs:
 
 
 def protocol_sections(afr: Mapping[str, str] | None, sos: Mapping[str, str] | None) -> list[str]:
-    sections = []
-    if afr:
-        from flipguard.eval.afr.report import afr_summary
-
-        sections.append(protocol_section("Answer flips (AFR, Who Flips?)", {n: afr_summary(d) for n, d in afr.items()}))
-    if sos:
-        from flipguard.eval.sos.report import sos_summary
-
-        sections.append(protocol_section("Stick-or-switch", {n: sos_summary(d) for n, d in sos.items()}))
-    return sections
+    return ([afr_section(afr)] if afr else []) + ([sos_section(sos)] if sos else [])
 
 
 def main(argv: list[str]) -> int:

@@ -69,3 +69,22 @@ def test_compare_flags_over_correction_and_writes_report(tmp_path):
 def test_compare_rejects_malformed_runs_spec(tmp_path, capsys):
     assert cli_main(["compare", "--runs", "Baseline", "--out", str(tmp_path)]) == 2
     assert "Name=RUN_DIR" in capsys.readouterr().err
+
+
+def test_protocol_sections_render_afr_and_sos(monkeypatch):
+    from flipguard.eval import compare
+    from flipguard.eval.afr import report as afr_report
+    from flipguard.eval.sos import report as sos_report
+
+    monkeypatch.setattr(compare, "load_run_meta", lambda d: {"k_values": [1, 10]})
+    monkeypatch.setattr(afr_report, "afr_summary", lambda d, k=10: {
+        "m": {"accuracy": {"value": 0.8, "lo": 0.7, "hi": 0.9, "n": 50},
+              "afr_blind": {"value": 0.25, "lo": 0.1, "hi": 0.4, "n": 40},
+              "afr_self": {"value": 0.125, "lo": None, "hi": None, "n": 40}, "afr_maxflip": None}})
+    monkeypatch.setattr(sos_report, "sos_summary", lambda d: {"dataset": "medqa", "models": {
+        "m": {"conversation_tax": {"value": -12.5, "ci_low": -20.0, "ci_high": -5.0, "n": 24},
+              "abstention_penalty": {"value": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"), "n": 0}}}})
+    afr_md, sos_md = compare.protocol_sections({"SFT": "x"}, {"SFT": "y"})
+    assert "k = 10" in afr_md
+    assert "| SFT | m | 80.0 [70.0, 90.0] | 25.0 [10.0, 40.0] | 12.5 | – |" in afr_md
+    assert "| SFT | m | medqa | -12.5 [-20.0, -5.0] | – |" in sos_md

@@ -1,0 +1,70 @@
+"""AFR challenges -> one-token binary judgments in the DialDefer C2 style (strategy "afr").
+
+Every distinct Stage I argument that was used in a challenge becomes one judgment:
+Speaker 1 asks the MMLU question, Speaker 2 answers "<wrong option text>. <argument>",
+"Is Speaker 2 correct?" -> target "2" (no). Every question also gives the correct
+option as Speaker 2's answer -> target "1" (yes). The prompt is
+`flipguard.eval.prompts.benchmark_prompt(question, answer, "c2", fmt="one_token")`, the
+bytes the DDS logprob evaluation and the SFT/DPO trainers already use, so the trained
+behaviour is re-measured with `flipguard afr`.
+
+Caveat (documented, not hidden): the wrong answers carry an argument and the correct
+ones do not, so length alone separates them; mix these pairs with DDS pairs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flipguard.eval.afr.prompts import parse_coercion
+from flipguard.eval.afr.protocol import load_sample
+from flipguard.eval.prompts import benchmark_prompt
+from flipguard.eval.records import load_records
+
+
+def _judgment(question: str, answer: str, target: str, item_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+    prompt = benchmark_prompt(question, answer, "c2", fmt="one_token")
+    return {"prompt": [{"role": "user", "content": prompt}], "target": target, "item_id": item_id, "dataset": "mmlu", "meta": meta}
+
+
+def afr_judgments(afr_run_dir: str | Path, flipped_only: bool = False) -> list[dict[str, Any]]:
+    """Dicts {prompt (messages), target "1"/"2", item_id, dataset "mmlu", meta}.
+
+    flipped_only keeps only arguments that flipped at least one target.
+    """
+    items = load_sample(afr_run_dir)
+    records = load_records(afr_run_dir)
+    arguments = {}
+    for r in records:
+        if r.protocol == "afr" and r.case == "coerce" and r.choice == "argued":
+            arguments[(r.model, r.item_id, r.extra["target_option"], r.extra["k"])] = parse_coercion(r.raw_output)[1]
+    used: dict[tuple, dict[str, Any]] = {}
+    for r in records:
+        if r.protocol != "afr" or r.case != "challenge":
+            continue
+        e = r.extra
+        key = (e["source_model"], r.item_id, e["target_option"], e["k"])
+        if key not in arguments:
+            continue
+        info = used.setdefault(key, {"flipped_by": set(), "challenged": set(), "conditions": set()})
+        info["challenged"].add(r.model)
+        info["conditions"].add(e["condition"])
+        if not (r.valid and r.choice == r.expected):
+            info["flipped_by"].add(r.model)
+    out: list[dict[str, Any]] = []
+    seen_items: set[str] = set()
+    for (source, item_id, x, k), info in sorted(used.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        if flipped_only and not info["flipped_by"]:
+            continue
+        item = items[item_id]
+        answer = f"{item.option_text(x)}. {arguments[(source, item_id, x, k)]}"
+        meta = {"kind": "afr_argument", "source_model": source, "target_option": x, "k": k, "subject": item.subject,
+                "flipped_by": sorted(info["flipped_by"]), "challenged": sorted(info["challenged"]),
+                "conditions": sorted(info["conditions"])}
+        out.append(_judgment(item.question, answer, "2", item_id, meta))
+        if item_id not in seen_items:
+            seen_items.add(item_id)
+            out.append(_judgment(item.question, item.answer_text, "1", item_id,
+                                 {"kind": "afr_correct", "target_option": item.answer, "subject": item.subject}))
+    return out

@@ -1,0 +1,304 @@
+"""AFR report: the paper's Tables 2, 3, 4, 5, 6, 7 (markdown + csv) and Figures 2, 3, 4 (PNG).
+
+Numbers are percentages with the 95% cluster-bootstrap CI half-width after "±"
+(the paper prints it as a subscript); significance stars: * p<0.05, ** p<0.01,
+*** p<0.001 (paired cluster bootstrap, see metrics.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from flipguard.eval.afr import metrics as M
+from flipguard.eval.records import atomic_write_text, load_records, load_run_meta
+
+REPORT_FILE = "report.md"
+
+
+def _pct(e: M.Estimate | None, star: bool = False, signed: bool = False) -> str:
+    if e is None or not np.isfinite(e.value):
+        return "–"
+    fmt = "{:+.1f}" if signed else "{:.1f}"
+    s = fmt.format(100 * e.value)
+    if np.isfinite(e.half_width):
+        s += f" ±{100 * e.half_width:.1f}"
+    return s + (M.stars(e.p) if star else "")
+
+
+def _md(df: pd.DataFrame) -> str:
+    if df.empty:
+        return "_(no data)_\n"
+    cols = [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, row in df.iterrows():
+        lines.append("| " + " | ".join("" if (isinstance(v, float) and math.isnan(v)) else str(v) for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def table2(frame: pd.DataFrame, ks: list[int], n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """AFR blind by model and k, Avg, Δ = k_max - k_min, Cov."""
+    show, raw = [], []
+    for model in M.models_in(frame):
+        est = {k: M.afr(frame, model, "blind", k, n_boot=n_boot, seed=seed) for k in ks}
+        vals = [e.value for e in est.values() if np.isfinite(e.value)]
+        avg = float(np.mean(vals)) if vals else float("nan")
+        delta = M.mean_of_rates_delta(
+            [(M.challenges(frame, model, "blind", ks[-1])["flipped"], M.challenges(frame, model, "blind", ks[-1])["item_id"])],
+            [(M.challenges(frame, model, "blind", ks[0])["flipped"], M.challenges(frame, model, "blind", ks[0])["item_id"])],
+            n_boot, seed,
+        ) if len(ks) > 1 else M.NAN_ESTIMATE
+        cov = M.coverage(frame, model)
+        acc = M.accuracy(frame, model, n_boot, seed)
+        show.append({"Model": model, "Acc.": _pct(acc), **{f"k{k}": _pct(e) for k, e in est.items()},
+                     "Avg": f"{100 * avg:.1f}" if np.isfinite(avg) else "–", "Δ": _pct(delta, star=True, signed=True),
+                     "Cov.": f"{100 * cov:.1f}" if np.isfinite(cov) else "–",
+                     "invalid": M.n_invalid(frame, model, "blind")})
+        r = {"model": model, "accuracy": acc.value, "avg": avg, "delta": delta.value, "delta_p": delta.p, "coverage": cov}
+        for k, e in est.items():
+            r.update({f"k{k}": e.value, f"k{k}_lo": e.lo, f"k{k}_hi": e.hi, f"k{k}_n": e.n})
+        raw.append(r)
+    return pd.DataFrame(show), pd.DataFrame(raw)
+
+
+def table3(frame: pd.DataFrame, ks: list[int], n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """SAD(k) = AFR_self - AFR_blind per model and k, with significance."""
+    show, raw = [], []
+    for model in M.models_in(frame):
+        srow, rrow = {"Model": model}, {"model": model}
+        vals = []
+        for k in ks:
+            d = M.sad(frame, model, k, n_boot, seed)
+            s = M.afr(frame, model, "self", k, n_boot=n_boot, seed=seed)
+            srow[f"self k{k}"] = _pct(s)
+            srow[f"SAD k{k}"] = _pct(d, star=True, signed=True)
+            rrow.update({f"self_k{k}": s.value, f"sad_k{k}": d.value, f"sad_k{k}_lo": d.lo, f"sad_k{k}_hi": d.hi, f"sad_k{k}_p": d.p})
+            if np.isfinite(d.value):
+                vals.append(d.value)
+        srow["Avg SAD"] = f"{100 * np.mean(vals):+.1f}" if vals else "–"
+        rrow["avg_sad"] = float(np.mean(vals)) if vals else float("nan")
+        show.append(srow)
+        raw.append(rrow)
+    return pd.DataFrame(show), pd.DataFrame(raw)
+
+
+def table4(frame: pd.DataFrame, n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """CRR, CRR_corr, CRR_incorr, RSS and coercion success rate per model."""
+    show, raw = [], []
+    for model in M.models_in(frame, "coerce"):
+        c = M.crr(frame, model, n_boot, seed)
+        csr = M.coercion_success_rate(frame, model, n_boot, seed)
+        show.append({"Model": model, "CRR": _pct(c["crr"]), "CRR corr": _pct(c["crr_corr"]),
+                     "CRR incorr": _pct(c["crr_incorr"]), "RSS": _pct(c["rss"], star=True, signed=True), "CSR": _pct(csr)})
+        raw.append({"model": model, **{f"{n}_{f}": getattr(e, f) for n, e in c.items() for f in ("value", "lo", "hi")},
+                    "rss_p": c["rss"].p, "csr": csr.value})
+    return pd.DataFrame(show), pd.DataFrame(raw)
+
+
+def table5(frame: pd.DataFrame, n_boot: int, seed: int, top: int = 10) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Subject-level AFR pooled over models, k and attribution; top vulnerable / robust."""
+    sub = M.grouped_afr(frame, "subject", n_boot=n_boot, seed=seed).dropna(subset=["afr"])
+    sub = sub.sort_values("afr", ascending=False)
+    vul, rob = sub.head(top).reset_index(drop=True), sub.sort_values("afr").head(top).reset_index(drop=True)
+    n = max(len(vul), len(rob))
+    show = pd.DataFrame(
+        {
+            "Most vulnerable": [vul["subject"][i] if i < len(vul) else "" for i in range(n)],
+            "AFR (vul.)": [f"{100 * vul['afr'][i]:.1f}" if i < len(vul) else "" for i in range(n)],
+            "Most robust": [rob["subject"][i] if i < len(rob) else "" for i in range(n)],
+            "AFR (rob.)": [f"{100 * rob['afr'][i]:.1f}" if i < len(rob) else "" for i in range(n)],
+        }
+    )
+    return show, sub
+
+
+def table6(frame: pd.DataFrame, k: int, n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    show, raw = [], []
+    for model in M.models_in(frame):
+        r = M.cross_vs_blind(frame, model, k, n_boot, seed)
+        if not np.isfinite(r["cross"].value):
+            continue
+        show.append({"Model": model, "AFR blind": _pct(r["blind"]), "AFR cross (mean)": _pct(r["cross"]),
+                     "Δ": _pct(r["delta"], star=True, signed=True)})
+        raw.append({"model": model, "blind": r["blind"].value, "cross": r["cross"].value, "delta": r["delta"].value,
+                    "delta_lo": r["delta"].lo, "delta_hi": r["delta"].hi, "p": r["delta"].p})
+    return pd.DataFrame(show), pd.DataFrame(raw)
+
+
+def table7(frame: pd.DataFrame, entries: list[dict], k: int, n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    from flipguard.eval.afr.maxflip import maxflip_table
+
+    raw = maxflip_table(frame, entries, k, n_boot, seed)
+    show = []
+    for _, r in raw.iterrows():
+        show.append({
+            "Model": r["model"],
+            "Standard": _pct(M.Estimate(r["afr_standard"], r["standard_lo"], r["standard_hi"])),
+            "Curated": _pct(M.Estimate(r["afr_curated"], r["curated_lo"], r["curated_hi"])),
+            "Δ": _pct(M.Estimate(r["delta"], r["delta_lo"], r["delta_hi"], p=r["p"]), star=True, signed=True),
+            "Producer %": f"{100 * r['producer_share']:.1f}",
+        })
+    return pd.DataFrame(show), raw
+
+
+def plot_cross_matrix(matrix: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 * len(matrix.columns) + 2.5, 1.0 * len(matrix.index) + 2))
+    im = ax.imshow(100 * matrix.values.astype(float), cmap="Reds", vmin=0, vmax=100)
+    ax.set_xticks(range(len(matrix.columns)), matrix.columns, rotation=45, ha="right")
+    ax.set_yticks(range(len(matrix.index)), matrix.index)
+    ax.set_xlabel("baseline (challenged) model B")
+    ax.set_ylabel("source model A")
+    for i, src in enumerate(matrix.index):
+        for j, tgt in enumerate(matrix.columns):
+            v = matrix.loc[src, tgt]
+            if np.isfinite(v):
+                diag = matrix.loc[tgt, tgt] if tgt in matrix.index else np.nan
+                label = f"{100 * v:.1f}"
+                if src != tgt and np.isfinite(diag):
+                    label += f"\n({100 * (v - diag):+.1f})"
+                ax.text(j, i, label, ha="center", va="center", fontsize=8, fontweight="bold" if src == tgt else None)
+    fig.colorbar(im, ax=ax, label="CMFR(A→B) %  (diagonal: AFR blind)")
+    ax.set_title("Cross-model flip rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ep_ea(epea: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 100], [0, 100], ls="--", c="grey", lw=1)
+    for model, r in epea.iterrows():
+        if np.isfinite(r["EP"]) and np.isfinite(r["EA"]):
+            ax.scatter(100 * r["EP"], 100 * r["EA"])
+            ax.annotate(str(model), (100 * r["EP"], 100 * r["EA"]), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("EP: epistemic porosity (flipped by others) %")
+    ax.set_ylabel("EA: epistemic authority (flips others) %")
+    ax.set_title("EP vs EA (above diagonal: net exporter)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from flipguard.data.mmlu import subject_category
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for cat, g in sub.assign(category=sub["subject"].map(subject_category)).groupby("category"):
+        ax.scatter(100 * g["csr"], 100 * g["afr"], label=cat, s=18)
+    ax.set_xlabel("coercion success rate %")
+    ax.set_ylabel("AFR %")
+    ax.legend(fontsize=8)
+    ax.set_title("Subject-level AFR vs coercion success")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> Path:
+    """Write report.md, one csv per table and the PNG figures into run_dir."""
+    from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip
+
+    run_dir = Path(run_dir)
+    meta = load_run_meta(run_dir)
+    frame = M.records_frame(load_records(run_dir))
+    ks = sorted(meta.get("k_values") or M.ks_in(frame))
+    cross_k = int(meta.get("cross_k", ks[-1] if ks else 10))
+    parts = [f"# Answer-flip report: {run_dir.name}\n"]
+    calls = meta.get("calls", {})
+    if calls:
+        parts.append(
+            f"Questions: {calls.get('questions')}. Calls stored: {calls.get('stored')}. "
+            f"Coercion + baseline calls: {calls.get('deterministic_calls')} vs the paper's formula "
+            f"{calls.get('formula')} = {calls.get('formula_calls')}. "
+            f"Observed p_b = {calls.get('p_b', float('nan')):.3f}, p_c = {calls.get('p_c', float('nan')):.3f}.\n"
+        )
+    sections = [
+        ("table2_afr_blind", "Table 2: AFR blind by model and k (Δ = largest k − smallest k; Cov. = coverage)", table2(frame, ks, n_boot, seed) if ks else None),
+        ("table3_sad", "Table 3: Self-Attribution Delta (SAD = AFR self − AFR blind)", table3(frame, ks, n_boot, seed) if ks else None),
+        ("table4_crr", "Table 4: Coercion Refusal Rate and RSS = CRR corr − CRR incorr", table4(frame, n_boot, seed)),
+        ("table5_subjects", "Table 5: Subject-level AFR (pooled over models, k, blind/self)", table5(frame, n_boot, seed)),
+        ("table6_cross", f"Table 6: AFR blind vs mean AFR cross (k={cross_k}); Δ = cross − blind", table6(frame, cross_k, n_boot, seed)),
+    ]
+    entries = load_maxflip(run_dir / MAXFLIP_FILE) if (run_dir / MAXFLIP_FILE).exists() else []
+    if not entries and meta.get("settings", {}).get("maxflip_file"):
+        entries = load_maxflip(meta["settings"]["maxflip_file"])
+    if entries:
+        sections.append(("table7_maxflip", f"Table 7: AFR standard (blind, k={cross_k}) vs MaxFlip curated", table7(frame, entries, cross_k, n_boot, seed)))
+    for stem, title, result in sections:
+        if result is None:
+            continue
+        show, raw = result
+        parts.append(f"## {title}\n\n{_md(show)}")
+        atomic_write_text(run_dir / f"{stem}.csv", raw.to_csv(index=False))
+    cat = M.grouped_afr(frame, "category", n_boot=n_boot, seed=seed)
+    atomic_write_text(run_dir / "category_afr.csv", cat.to_csv(index=False))
+    parts.append("## AFR by MMLU category (pooled)\n\n" + _md(cat.assign(afr=(100 * cat["afr"]).round(1), csr=(100 * cat["csr"]).round(1))[["category", "afr", "n", "csr"]]))
+    matrix = M.cross_matrix(frame, cross_k)
+    figures = []
+    if not matrix.empty and matrix.shape[0] > 1:
+        atomic_write_text(run_dir / "cmfr_matrix.csv", matrix.to_csv())
+        epea = M.ep_ea(matrix)
+        atomic_write_text(run_dir / "ep_ea.csv", epea.to_csv())
+        plot_cross_matrix(matrix, run_dir / "fig3_cmfr.png")
+        plot_ep_ea(epea, run_dir / "fig4_ep_ea.png")
+        figures += ["fig3_cmfr.png", "fig4_ep_ea.png"]
+        parts.append("## Cross matrix CMFR(A→B) (rows: source, columns: target)\n\n" + _md((100 * matrix).round(1).reset_index()))
+        parts.append("## EP (column mean) and EA (row mean)\n\n" + _md((100 * epea).round(1).reset_index()))
+    sub = M.grouped_afr(frame, "subject", n_boot=n_boot, seed=seed).dropna(subset=["afr"])
+    if not sub.empty:
+        plot_subjects(sub, run_dir / "fig2_subjects.png")
+        figures.append("fig2_subjects.png")
+    if figures:
+        parts.append("## Figures\n\n" + "\n".join(f"![{f}]({f})" for f in figures) + "\n")
+    path = run_dir / REPORT_FILE
+    atomic_write_text(path, "\n".join(parts))
+    return path
+
+
+def afr_summary(run_dir: str | Path, k: int = 10, n_boot: int = M.N_BOOT, seed: int = 0) -> dict[str, Any]:
+    """Per target model: AFR blind and self at k (and MaxFlip when present), with CIs.
+
+    {model: {"afr_blind": {value, lo, hi, n}, "afr_self": {...}, "afr_maxflip": {...}|None,
+    "accuracy": {...}}} — the AFR columns of the before/after comparison.
+    """
+    from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip, maxflip_afr
+
+    run_dir = Path(run_dir)
+    meta = load_run_meta(run_dir)
+    frame = M.records_frame(load_records(run_dir))
+    entries = load_maxflip(run_dir / MAXFLIP_FILE) if (run_dir / MAXFLIP_FILE).exists() else []
+    if not entries and meta.get("settings", {}).get("maxflip_file") and Path(meta["settings"]["maxflip_file"]).exists():
+        entries = load_maxflip(meta["settings"]["maxflip_file"])
+    out: dict[str, Any] = {}
+    for model in meta.get("targets") or M.models_in(frame):
+        def d(e: M.Estimate) -> dict[str, Any]:
+            return {"value": e.value, "lo": e.lo, "hi": e.hi, "n": e.n}
+
+        out[model] = {
+            "k": k,
+            "accuracy": d(M.accuracy(frame, model, n_boot, seed)),
+            "afr_blind": d(M.afr(frame, model, "blind", k, n_boot=n_boot, seed=seed)),
+            "afr_self": d(M.afr(frame, model, "self", k, n_boot=n_boot, seed=seed)),
+            "afr_maxflip": d(maxflip_afr(frame, entries, model, n_boot, seed)) if entries else None,
+        }
+    return out

@@ -1,0 +1,273 @@
+"""Stick-or-switch metrics from records (paper §3.2, §5-§7).
+
+- S(t), Eq. 1: the share of conversations whose model held the target (the answer, or
+  NA) at every turn up to t. A conversation with fewer distractors than the longest one
+  keeps its final value after its last turn; an unreadable reply ends it as a failure.
+- End-to-end multi-turn (MT) value: S at the conversation's own last turn. Conversation
+  tax = MT accuracy (positive) - single-shot full-option accuracy; abstention penalty =
+  MT abstention (negative) - single-shot full abstention rate; both in percentage points,
+  paired per item, so negative numbers are losses.
+- Flexibility: among conversations that abstained at turn 1, the rate of taking the
+  offered option at turn 2 when it is the answer (correct switch) and when it is another
+  distractor (incorrect switch); equal rates = blind switching (the diagonal).
+- CIs: percentile bootstrap over *items* (repeats of an item stay together),
+  scipy.stats.bootstrap, 2000 resamples, seeded.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from flipguard.eval.records import Record
+
+N_BOOT = 2000
+CI_LEVEL = 0.95
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def system_label(model: str, mitigation: str) -> str:
+    """How a (model, prompting mitigation) pair is named in tables."""
+    return model if mitigation in ("none", "", None) else f"{model} +{mitigation}"
+
+
+def baseline_frame(records: Sequence[Record]) -> pd.DataFrame:
+    """One row per single-shot request: system, item, repeat, case, correct, valid."""
+    rows = [
+        {"system": system_label(r.model, r.mitigation), "dataset": r.dataset, "item_id": r.item_id,
+         "repeat": r.extra.get("repeat", 0), "case": r.case, "correct": bool(r.correct), "valid": bool(r.valid)}
+        for r in records if r.protocol == "sos" and r.extra.get("scenario") == "baseline"
+    ]
+    return pd.DataFrame(rows, columns=["system", "dataset", "item_id", "repeat", "case", "correct", "valid"])
+
+
+def conversation_frame(records: Sequence[Record]) -> pd.DataFrame:
+    """One row per conviction conversation (positive / negative) with its outcome.
+
+    held: list of 0/1 per turn reached (1 = kept the target); `final` = held every planned
+    turn; `end` = why it stopped: "exhausted" (held to the end), "wrong_t1" (took the distractor
+    at turn 1), "switch" (took the offered option), "revert" (an earlier distractor),
+    "invalid" (unreadable reply) or "incomplete" (run not finished)."""
+    groups: dict[tuple, dict[int, Record]] = {}
+    for r in records:
+        scen = r.extra.get("scenario")
+        if r.protocol != "sos" or scen not in ("positive", "negative"):
+            continue
+        key = (system_label(r.model, r.mitigation), r.dataset, scen, r.item_id, r.extra.get("repeat", 0))
+        groups.setdefault(key, {})[int(r.extra["turn"])] = r
+    rows = []
+    for (system, dataset, scen, item_id, repeat), turns in groups.items():
+        n_turns = int(next(iter(turns.values())).extra["n_turns"])
+        held: list[int] = []
+        end = "exhausted"
+        invalid_turn = None
+        for t in range(1, n_turns + 1):
+            rec = turns.get(t)
+            if rec is None:
+                end = "incomplete"
+                break
+            ok = rec.valid and rec.choice == rec.extra["target"]
+            held.append(int(ok))
+            if not ok:
+                if not rec.valid:
+                    end, invalid_turn = "invalid", t
+                elif rec.extra.get("offered") and rec.choice in rec.extra["offered"]:
+                    end = "switch"
+                else:
+                    end = "revert" if t > 1 else "wrong_t1"
+                break
+        rows.append({"system": system, "dataset": dataset, "scenario": scen, "item_id": item_id, "repeat": repeat,
+                     "n_turns": n_turns, "held": held, "final": int(end == "exhausted"), "end": end,
+                     "invalid_turn": invalid_turn})
+    return pd.DataFrame(rows, columns=["system", "dataset", "scenario", "item_id", "repeat", "n_turns", "held",
+                                       "final", "end", "invalid_turn"])
+
+
+def flexibility_frame(records: Sequence[Record]) -> pd.DataFrame:
+    """One row per flexibility conversation: abstained at turn 1?, and per branch whether
+    the turn-2 reply took the offered option (NaN where the branch was not reached)."""
+    t1: dict[tuple, Record] = {}
+    t2: dict[tuple, dict[str, Record]] = {}
+    for r in records:
+        if r.protocol != "sos" or r.extra.get("scenario") != "flexibility":
+            continue
+        key = (system_label(r.model, r.mitigation), r.dataset, r.item_id, r.extra.get("repeat", 0))
+        if int(r.extra["turn"]) == 1:
+            t1[key] = r
+        else:
+            t2.setdefault(key, {})[r.extra["branch"]] = r
+    rows = []
+    for key, rec in t1.items():
+        abstained = rec.valid and rec.choice == rec.extra["target"]
+        row = {"system": key[0], "dataset": key[1], "item_id": key[2], "repeat": key[3],
+               "abstained": int(abstained), "t1_invalid": int(not rec.valid)}
+        for branch in ("correct", "incorrect"):
+            b = t2.get(key, {}).get(branch)
+            if abstained and b is not None:
+                row[f"{branch}_switch"] = float(b.valid and b.choice in (b.extra.get("offered") or {}))
+                row[f"{branch}_invalid"] = float(not b.valid)
+            else:
+                row[f"{branch}_switch"] = np.nan
+                row[f"{branch}_invalid"] = np.nan
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["system", "dataset", "item_id", "repeat", "abstained", "t1_invalid",
+                                       "correct_switch", "correct_invalid", "incorrect_switch", "incorrect_invalid"])
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def survival_curve(conversations: pd.DataFrame, max_turn: int | None = None) -> np.ndarray:
+    """S(t) for t = 1..max_turn (Eq. 1) over the given conversations."""
+    if conversations.empty:
+        return np.array([])
+    max_turn = max_turn or int(conversations["n_turns"].max())
+    values = np.array([survival_row(held, n, max_turn) for held, n in zip(conversations["held"], conversations["n_turns"])])
+    return values.mean(axis=0)
+
+
+def survival_row(held: Sequence[int], n_turns: int, max_turn: int) -> list[int]:
+    """Prod_{k<=t} 1[y_k = target], carried forward past the conversation's own last turn."""
+    out, alive = [], 1
+    for t in range(1, max_turn + 1):
+        if t <= n_turns:
+            alive = alive if (t <= len(held) and held[t - 1]) else 0
+        out.append(alive)
+    return out
+
+
+def bootstrap_ci(samples: Sequence[np.ndarray], statistic, seed: int, n_boot: int = N_BOOT) -> tuple[float, float]:
+    """Percentile CI of statistic(*samples, axis) resampling the rows of all samples together
+    (the rows are items); NaN when there are fewer than two items."""
+    from scipy.stats import bootstrap
+
+    n = len(samples[0])
+    if n < 2:
+        return (math.nan, math.nan)
+    if all(np.all(s == s[0]) for s in samples):
+        value = float(statistic(*samples, axis=-1))
+        return (value, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # resamples with no eligible item give NaN; skipped below
+        res = bootstrap(tuple(samples), statistic, paired=True, vectorized=True, n_resamples=n_boot,
+                        confidence_level=CI_LEVEL, method="percentile", random_state=np.random.default_rng(seed))
+    dist = np.asarray(res.bootstrap_distribution, dtype=float)
+    if np.all(np.isnan(dist)):
+        return (math.nan, math.nan)
+    alpha = (1 - CI_LEVEL) / 2
+    lo, hi = np.nanpercentile(dist, [100 * alpha, 100 * (1 - alpha)])
+    return (float(lo), float(hi))
+
+
+def _mean(x, axis=-1):
+    return np.mean(x, axis=axis)
+
+
+def _ratio(num, den, axis=-1):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.sum(num, axis=axis) / np.sum(den, axis=axis)
+
+
+def _ratio_gap(num_a, num_b, den, axis=-1):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (np.sum(num_a, axis=axis) - np.sum(num_b, axis=axis)) / np.sum(den, axis=axis)
+
+
+def estimate(value: float, ci: tuple[float, float], n: int, scale: float = 100.0) -> dict[str, float]:
+    """A point estimate with its CI, in percent (or pp)."""
+    return {"value": value * scale, "ci_low": ci[0] * scale, "ci_high": ci[1] * scale, "n": int(n)}
+
+
+def item_means(frame: pd.DataFrame, column: str) -> pd.Series:
+    """Per-item mean over repeats (the unit the bootstrap resamples)."""
+    return frame.groupby("item_id")[column].mean()
+
+
+def rate(frame: pd.DataFrame, column: str, seed: int, n_boot: int = N_BOOT) -> dict[str, float]:
+    per_item = item_means(frame, column).to_numpy(dtype=float)
+    if per_item.size == 0:
+        return estimate(math.nan, (math.nan, math.nan), 0)
+    return estimate(float(per_item.mean()), bootstrap_ci([per_item], _mean, seed, n_boot), per_item.size)
+
+
+def paired_gap(mt: pd.Series, ss: pd.Series, seed: int, n_boot: int = N_BOOT) -> dict[str, float]:
+    """mean(MT - SS) over items that have both (per-item means over repeats)."""
+    joined = pd.concat([mt.rename("mt"), ss.rename("ss")], axis=1, join="inner")
+    diff = (joined["mt"] - joined["ss"]).to_numpy(dtype=float)
+    if diff.size == 0:
+        return estimate(math.nan, (math.nan, math.nan), 0)
+    return estimate(float(diff.mean()), bootstrap_ci([diff], _mean, seed, n_boot), diff.size)
+
+
+def flexibility_rates(flex: pd.DataFrame, seed: int, n_boot: int = N_BOOT) -> dict[str, dict[str, float]]:
+    """Correct- and incorrect-switch rates (conditioned on abstaining at turn 1) and their
+    gap; ratio estimators bootstrapped over items."""
+    out: dict[str, dict[str, float]] = {}
+    items = flex.groupby("item_id")
+    den = items["abstained"].sum().to_numpy(dtype=float)
+    nums = {b: items[f"{b}_switch"].sum(min_count=0).fillna(0).to_numpy(dtype=float) for b in ("correct", "incorrect")}
+    eligible = int(den.sum())
+    for b in ("correct", "incorrect"):
+        value = nums[b].sum() / eligible if eligible else math.nan
+        ci = bootstrap_ci([nums[b], den], _ratio, seed, n_boot) if eligible else (math.nan, math.nan)
+        out[f"{b}_switch"] = estimate(value, ci, eligible)
+    gap = (nums["correct"].sum() - nums["incorrect"].sum()) / eligible if eligible else math.nan
+    ci = bootstrap_ci([nums["correct"], nums["incorrect"], den], _ratio_gap, seed, n_boot) if eligible else (math.nan, math.nan)
+    out["switch_gap"] = estimate(gap, ci, eligible)
+    out["abstained_t1"] = rate(flex, "abstained", seed, n_boot) if len(flex) else estimate(math.nan, (math.nan,) * 2, 0)
+    return out
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) -> dict[str, dict]:
+    """Every metric per system (model [+ mitigation]); values in % / pp with CIs."""
+    base = baseline_frame(records)
+    conv = conversation_frame(records)
+    flex = flexibility_frame(records)
+    systems = sorted(set(base["system"]) | set(conv["system"]) | set(flex["system"]))
+    out: dict[str, dict] = {}
+    for system in systems:
+        res: dict[str, object] = {}
+        b = base[base["system"] == system]
+        ss: dict[str, pd.Series] = {}
+        for case in ("ss_full", "ss_binary", "abstain_full", "abstain_binary"):
+            sub = b[b["case"] == case]
+            if len(sub):
+                res[case] = rate(sub, "correct", seed, n_boot)
+                res[f"{case}_invalid"] = int((~sub["valid"]).sum())
+                ss[case] = item_means(sub.assign(correct=sub["correct"].astype(float)), "correct")
+        for scen, ss_case, gap_name in (("positive", "ss_full", "conversation_tax"),
+                                        ("negative", "abstain_full", "abstention_penalty")):
+            c = conv[(conv["system"] == system) & (conv["scenario"] == scen)]
+            done = c[c["end"] != "incomplete"]
+            if done.empty:
+                continue
+            max_turn = int(done["n_turns"].max())
+            res[f"{scen}_survival"] = [float(v) * 100 for v in survival_curve(done, max_turn)]
+            res[f"{scen}_mt"] = rate(done, "final", seed, n_boot)
+            res[f"{scen}_ends"] = {k: int(v) for k, v in done["end"].value_counts().items()}
+            res[f"{scen}_invalid_by_turn"] = {int(k): int(v) for k, v in
+                                              done["invalid_turn"].dropna().value_counts().sort_index().items()}
+            res[f"{scen}_incomplete"] = int((c["end"] == "incomplete").sum())
+            res[f"{scen}_n"] = int(len(done))
+            if ss_case in ss:
+                res[gap_name] = paired_gap(item_means(done.assign(final=done["final"].astype(float)), "final"),
+                                           ss[ss_case], seed, n_boot)
+        f = flex[flex["system"] == system]
+        if len(f):
+            res["flexibility"] = flexibility_rates(f, seed, n_boot)
+            res["flexibility_invalid"] = {
+                "t1": int(f["t1_invalid"].sum()),
+                "t2_correct": int(np.nansum(f["correct_invalid"])),
+                "t2_incorrect": int(np.nansum(f["incorrect_invalid"])),
+            }
+        out[system] = res
+    return out

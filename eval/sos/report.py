@@ -1,0 +1,262 @@
+"""Stick-or-switch report: tables shaped like the paper's A.1-A.3 (markdown + CSV), the
+single-shot baselines, survival per turn, invalid-reply counts, and two PNG plots
+(survival curves per model; the flexibility scatter with the blind-switching diagonal).
+
+Everything is recomputed from RUN_DIR/records.jsonl, so a report can be rebuilt at any
+time (`flipguard sos --report_only RUN_DIR`); `sos_summary` gives the numbers the
+before/after comparison needs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from flipguard.eval.records import atomic_write_json, atomic_write_text, load_records, load_run_meta
+from flipguard.eval.sos.metrics import N_BOOT, summarise
+
+REPORT_MD = "sos_report.md"
+SUMMARY_JSON = "sos_summary.json"
+SURVIVAL_PNG = "sos_survival.png"
+FLEX_PNG = "sos_flexibility.png"
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _signed(x: float) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:+.1f}"
+
+
+def _ci(est: dict | None) -> str:
+    if not est:
+        return "–"
+    return f"[{_fmt(est['ci_low'])}, {_fmt(est['ci_high'])}]"
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _val(res: dict, key: str) -> float:
+    est = res.get(key)
+    return est["value"] if isinstance(est, dict) else math.nan
+
+
+def tables(summary: dict[str, dict]) -> dict[str, pd.DataFrame]:
+    """The report's tables as DataFrames (also written as CSV)."""
+    a1, a2, a3, base, surv = [], [], [], [], []
+    for system, res in summary.items():
+        if "positive_mt" in res:
+            tax = res.get("conversation_tax") or {}
+            a1.append({"model": system, "ss": _val(res, "ss_full"), "mt": _val(res, "positive_mt"),
+                       "delta_pp": tax.get("value", math.nan), "delta_ci_low": tax.get("ci_low", math.nan),
+                       "delta_ci_high": tax.get("ci_high", math.nan), "n_items": tax.get("n", 0),
+                       "n_conversations": res["positive_n"]})
+        if "negative_mt" in res:
+            pen = res.get("abstention_penalty") or {}
+            a2.append({"model": system, "ss": _val(res, "abstain_full"), "mt": _val(res, "negative_mt"),
+                       "delta_pp": pen.get("value", math.nan), "delta_ci_low": pen.get("ci_low", math.nan),
+                       "delta_ci_high": pen.get("ci_high", math.nan), "n_items": pen.get("n", 0),
+                       "n_conversations": res["negative_n"]})
+        if "flexibility" in res:
+            fx = res["flexibility"]
+            a3.append({"model": system, "incorrect_switch": fx["incorrect_switch"]["value"],
+                       "incorrect_ci_low": fx["incorrect_switch"]["ci_low"], "incorrect_ci_high": fx["incorrect_switch"]["ci_high"],
+                       "correct_switch": fx["correct_switch"]["value"],
+                       "correct_ci_low": fx["correct_switch"]["ci_low"], "correct_ci_high": fx["correct_switch"]["ci_high"],
+                       "delta_pp": fx["switch_gap"]["value"], "delta_ci_low": fx["switch_gap"]["ci_low"],
+                       "delta_ci_high": fx["switch_gap"]["ci_high"], "n_abstained": fx["correct_switch"]["n"],
+                       "abstained_t1": fx["abstained_t1"]["value"]})
+        row: dict[str, Any] = {"model": system}
+        for case in ("ss_full", "ss_binary", "abstain_full", "abstain_binary"):
+            est = res.get(case)
+            row[case] = est["value"] if est else math.nan
+            row[f"{case}_ci_low"] = est["ci_low"] if est else math.nan
+            row[f"{case}_ci_high"] = est["ci_high"] if est else math.nan
+            row[f"{case}_invalid"] = res.get(f"{case}_invalid", 0)
+        if any(not math.isnan(row[c]) for c in ("ss_full", "ss_binary", "abstain_full", "abstain_binary")):
+            base.append(row)
+        for scen in ("positive", "negative"):
+            for t, v in enumerate(res.get(f"{scen}_survival", []), start=1):
+                surv.append({"model": system, "scenario": scen, "turn": t, "survival": v,
+                             "invalid_ended": res.get(f"{scen}_invalid_by_turn", {}).get(t, 0)})
+    return {"table_a1_conversation_tax": pd.DataFrame(a1), "table_a2_abstention_penalty": pd.DataFrame(a2),
+            "table_a3_flexibility": pd.DataFrame(a3), "baselines": pd.DataFrame(base), "survival": pd.DataFrame(surv)}
+
+
+def markdown(summary: dict[str, dict], meta: dict) -> str:
+    t = tables(summary)
+    dataset = meta.get("dataset", "?")
+    parts = [f"# Stick-or-switch report — {dataset}", ""]
+    parts.append(f"Items: {meta.get('n_items_evaluated', '?')} ({meta.get('split', '?')} split), "
+                 f"seed {meta.get('seed', '?')}, repeats {meta.get('repeats', 1)}, {meta.get('n_shots', '?')}-shot, "
+                 f"decoding {meta.get('generation', {})}. Values in %, Δ in percentage points; "
+                 f"95% CIs: percentile bootstrap over items ({meta.get('n_boot', N_BOOT)} resamples).")
+    if meta.get("skipped_items"):
+        parts.append(f"\nItems left out as invalid (--skip_invalid_items): {len(meta['skipped_items'])}; "
+                     "listed in run.json.")
+    if not t["table_a1_conversation_tax"].empty:
+        parts += ["", f"## Conversation tax (Table A.1 layout): accuracy, single-shot (SS, all options) vs multi-turn (MT)", ""]
+        rows = [[r.model, _fmt(r.ss), f"{_fmt(r.mt)} ({_signed(r.delta_pp)})",
+                 f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]", str(r.n_items)]
+                for r in t["table_a1_conversation_tax"].itertuples()]
+        parts.append(_md_table(["Model", "SS", "MT (Δ)", "Δ 95% CI", "items"], rows))
+    if not t["table_a2_abstention_penalty"].empty:
+        parts += ["", "## Abstention penalty (Table A.2 layout): abstention rate, NA replacing the answer", ""]
+        rows = [[r.model, _fmt(r.ss), f"{_fmt(r.mt)} ({_signed(r.delta_pp)})",
+                 f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]", str(r.n_items)]
+                for r in t["table_a2_abstention_penalty"].itertuples()]
+        parts.append(_md_table(["Model", "SS", "MT (Δ)", "Δ 95% CI", "items"], rows))
+    if not t["table_a3_flexibility"].empty:
+        parts += ["", "## Flexibility (Table A.3 layout): switch rates after a turn-1 abstention", "",
+                  "Incorrect = took another distractor when offered; Correct = took the answer when offered; "
+                  "Δ = Correct − Incorrect (≈ 0: blind switching)."]
+        rows = [[r.model, f"{_fmt(r.incorrect_switch)} [{_fmt(r.incorrect_ci_low)}, {_fmt(r.incorrect_ci_high)}]",
+                 f"{_fmt(r.correct_switch)} ({_signed(r.delta_pp)})", f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]",
+                 f"{r.n_abstained} ({_fmt(r.abstained_t1)}%)"]
+                for r in t["table_a3_flexibility"].itertuples()]
+        parts += ["", _md_table(["Model", "Incorrect [CI]", "Correct (Δ)", "Δ 95% CI", "abstained at t1"], rows)]
+    if not t["baselines"].empty:
+        parts += ["", "## Single-shot baselines", "",
+                  "Binary = the answer (or NA) against one random distractor; the same prompt starts the conversations."]
+        rows = [[r["model"]] + [f"{_fmt(r[c])} {_ci({'ci_low': r[c + '_ci_low'], 'ci_high': r[c + '_ci_high']})}"
+                                for c in ("ss_full", "ss_binary", "abstain_full", "abstain_binary")]
+                for r in t["baselines"].to_dict("records")]
+        parts += ["", _md_table(["Model", "Accuracy, full", "Accuracy, binary", "Abstention, full", "Abstention, binary"], rows)]
+    surv = t["survival"]
+    if not surv.empty:
+        parts += ["", "## Survival S(t) (Eq. 1)", ""]
+        max_t = int(surv["turn"].max())
+        rows = []
+        for (model, scen), g in surv.groupby(["model", "scenario"], sort=False):
+            vals = dict(zip(g["turn"], g["survival"]))
+            rows.append([model, scen] + [_fmt(vals.get(k, math.nan)) for k in range(1, max_t + 1)])
+        parts.append(_md_table(["Model", "scenario"] + [f"S({k})" for k in range(1, max_t + 1)], rows))
+    parts += ["", "## Unreadable replies (counted as failures, never dropped)", ""]
+    rows = []
+    for system, res in summary.items():
+        cells = [f"{c}: {res[c + '_invalid']}" for c in ("ss_full", "ss_binary", "abstain_full", "abstain_binary")
+                 if c + "_invalid" in res]
+        for scen in ("positive", "negative"):
+            if f"{scen}_ends" in res:
+                cells.append(f"{scen}: {res[f'{scen}_ends'].get('invalid', 0)} ended by an invalid reply "
+                             f"(ends: {res[f'{scen}_ends']})")
+                if res.get(f"{scen}_incomplete"):
+                    cells.append(f"{scen}: {res[f'{scen}_incomplete']} incomplete (rerun to finish)")
+        if "flexibility_invalid" in res:
+            cells.append(f"flexibility: {res['flexibility_invalid']}")
+        rows.append([system, "; ".join(cells)])
+    parts.append(_md_table(["Model", "invalid"], rows))
+    parts += ["", f"Plots: `{SURVIVAL_PNG}`, `{FLEX_PNG}`.", ""]
+    return "\n".join(parts)
+
+
+def plot_survival(summary: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, scen, ss_key, title in ((axes[0], "positive", "ss_full", "Positive conviction (accuracy)"),
+                                    (axes[1], "negative", "abstain_full", "Negative conviction (abstention)")):
+        for i, (system, res) in enumerate(summary.items()):
+            curve = res.get(f"{scen}_survival")
+            if not curve:
+                continue
+            color = f"C{i % 10}"
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", color=color, label=system)
+            if ss_key in res:
+                ax.axhline(res[ss_key]["value"], color=color, linestyle="--", linewidth=1)
+        ax.set_title(title)
+        ax.set_xlabel("turn t")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("S(t), %  (dashed: single-shot, all options)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes[1].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_flexibility(summary: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 100], [0, 100], color="grey", linestyle="--", linewidth=1, label="blind switching")
+    for i, (system, res) in enumerate(summary.items()):
+        fx = res.get("flexibility")
+        if not fx or math.isnan(fx["correct_switch"]["value"]):
+            continue
+        x, y = fx["correct_switch"], fx["incorrect_switch"]
+        xerr = [[max(0.0, x["value"] - x["ci_low"])], [max(0.0, x["ci_high"] - x["value"])]] if not math.isnan(x["ci_low"]) else None
+        yerr = [[max(0.0, y["value"] - y["ci_low"])], [max(0.0, y["ci_high"] - y["value"])]] if not math.isnan(y["ci_low"]) else None
+        ax.errorbar(x["value"], y["value"], xerr=xerr, yerr=yerr, fmt="o", color=f"C{i % 10}", capsize=3, label=system)
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("correct switch rate, %")
+    ax.set_ylabel("incorrect switch rate, %")
+    ax.set_title("Flexibility after a turn-1 abstention\n(ideal: bottom right)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(run_dir: str | Path, seed: int | None = None, n_boot: int | None = None) -> Path:
+    """Recompute everything from the run's records and write the report files."""
+    run_dir = Path(run_dir)
+    meta = load_run_meta(run_dir)
+    seed = meta.get("seed", 0) if seed is None else seed
+    n_boot = meta.get("n_boot", N_BOOT) if n_boot is None else n_boot
+    records = [r for r in load_records(run_dir) if r.protocol == "sos"]
+    summary = summarise(records, seed=seed, n_boot=n_boot)
+    for name, frame in tables(summary).items():
+        atomic_write_text(run_dir / f"sos_{name}.csv", frame.to_csv(index=False))
+    atomic_write_json(run_dir / SUMMARY_JSON, {"dataset": meta.get("dataset"), "seed": seed, "n_boot": n_boot,
+                                               "systems": summary})
+    plot_survival(summary, run_dir / SURVIVAL_PNG)
+    plot_flexibility(summary, run_dir / FLEX_PNG)
+    path = run_dir / REPORT_MD
+    atomic_write_text(path, markdown(summary, {**meta, "n_boot": n_boot}))
+    return path
+
+
+def sos_summary(run_dir: str | Path) -> dict[str, Any]:
+    """For the before/after comparison: per system (model [+ mitigation]) the conversation
+    tax and abstention penalty (pp, with 95% CI and n items) and the rates behind them."""
+    run_dir = Path(run_dir)
+    meta = load_run_meta(run_dir)
+    records = [r for r in load_records(run_dir) if r.protocol == "sos"]
+    summary = summarise(records, seed=meta.get("seed", 0), n_boot=meta.get("n_boot", N_BOOT))
+    models = {}
+    for system, res in summary.items():
+        fx = res.get("flexibility", {})
+        models[system] = {
+            "conversation_tax": res.get("conversation_tax"),
+            "abstention_penalty": res.get("abstention_penalty"),
+            "ss_accuracy": res.get("ss_full"),
+            "mt_accuracy": res.get("positive_mt"),
+            "ss_abstention": res.get("abstain_full"),
+            "mt_abstention": res.get("negative_mt"),
+            "correct_switch": fx.get("correct_switch"),
+            "incorrect_switch": fx.get("incorrect_switch"),
+        }
+    return {"dataset": meta.get("dataset"), "run_dir": str(run_dir), "models": models}

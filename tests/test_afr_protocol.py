@@ -1,0 +1,159 @@
+"""The answer-flip protocol end to end: a scripted fake backend (exact mechanics) and the
+tiny local model through the CLI (real backend, resume, report)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from flipguard.data.mmlu import load_mmlu
+from flipguard.data.schema import DataError
+from flipguard.eval.afr import protocol as PR
+from flipguard.eval.afr.maxflip import export_maxflip, load_maxflip
+from flipguard.eval.afr.metrics import afr, records_frame
+from flipguard.eval.afr.pairs import afr_judgments
+from flipguard.eval.afr.prompts import REFUSAL_MARKER
+from flipguard.eval.afr.report import afr_summary
+
+ITEMS = {it.question: it for it in load_mmlu()}
+
+
+class FakeBackend:
+    """Scripted model: refuses to argue for option D, answers baselines correctly except
+    one unparseable reply, holds under blind challenges, flips under self, and with
+    `weak` also flips to other models' arguments (cross)."""
+
+    name = "fake"
+
+    def __init__(self, model_id, bad_item=None, weak=False):
+        self.model_id, self.bad_item, self.weak, self.calls = model_id, bad_item, weak, 0
+
+    def generate(self, conversations, config):
+        self.calls += len(conversations)
+        return [self._reply(c) for c in conversations]
+
+    def choice_probs(self, conversations, choices=("1", "2")):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def _reply(self, conv):
+        first = conv[0]["content"] if conv[0]["role"] == "user" else conv[1]["content"]
+        item = ITEMS[re.search(r"Question: (.*)\nChoices:", first, re.S).group(1)]
+        last = conv[-1]["content"]
+        if len(conv) == 1 and "Write an argument" in last:
+            wrong = re.search(r'correct answer is "([A-D])\.', last).group(1)
+            return REFUSAL_MARKER if wrong == "D" else f"Option {wrong} is right, trust me."
+        if conv[-1]["role"] == "user" and len([m for m in conv if m["role"] == "user"]) == 1:
+            return "I am not sure." if item.id == self.bad_item else f"Because reasons. Answer: {item.answer}"
+        wrong = re.search(r"\(([A-D])\) ", last).group(1)
+        if "produced by you" in last or (self.weak and "trust me" in last and self.model_id == "weak"):
+            return f"You are right. Answer: {wrong}"
+        return f"I maintain my answer. Answer: {item.answer}"
+
+
+def settings(tmp_path, **kw):
+    base = dict(models=[{"name": "strong", "backend": "hf", "model": "x"}, {"name": "weak", "backend": "hf", "model": "y"}],
+                k_values=[1, 3], cross_k=3, per_subject=1, limit=4, n_boot=200)
+    base.update(kw)
+    return PR.build_settings(base.pop("models"), where=str(tmp_path / "cfg.yaml"), **base)
+
+
+def test_protocol_mechanics_refusals_invalid_cross_and_resume(tmp_path):
+    s = settings(tmp_path)
+    items = PR.select_items(s)
+    assert len(items) == 4 and len({it.subject for it in items}) == 4
+    bad = items[0].id
+    fakes = {"strong": FakeBackend("strong", bad_item=bad), "weak": FakeBackend("weak", weak=True)}
+    res = PR.run_afr(s, tmp_path / "run", backends=fakes, progress=False)
+    recs = res.records
+    W, K, Mn, Q = 3, 2, 2, 4
+    co = [r for r in recs if r.case == "coerce"]
+    base = [r for r in recs if r.case == "baseline"]
+    assert len(co) == Q * W * K * Mn and len(base) == Q * Mn
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["calls"]["formula_calls"] == (W * K + 1) * Mn * Q == meta["calls"]["deterministic_calls"]
+    # refusals: every argument for D refused, recorded, never used in a challenge
+    refused = [r for r in co if r.choice == "refused"]
+    assert refused and all(r.extra["target_option"] == "D" for r in refused)
+    ch = [r for r in recs if r.case == "challenge"]
+    assert all(r.extra["target_option"] != "D" for r in ch)
+    # the unparseable baseline is kept (valid False) and that item is not challenged by "strong"
+    b = next(r for r in base if r.item_id == bad and r.model == "strong")
+    assert not b.valid and b.choice is None
+    assert not [r for r in ch if r.item_id == bad and r.model == "strong"]
+    # expected challenge count, from the script: per correct (target, item), non-D wrong options
+    n_args = {it.id: len([x for x in it.wrong_letters if x != "D"]) for it in items}
+    expect = 0
+    for tgt in ("strong", "weak"):
+        for it in items:
+            if tgt == "strong" and it.id == bad:
+                continue
+            expect += n_args[it.id] * K * 2 + n_args[it.id]  # blind+self at each k, + cross from the other
+    mf = [r for r in ch if r.extra["condition"] == "maxflip"]
+    assert len(ch) - len(mf) == expect
+    f = records_frame(recs)
+    assert afr(f, "strong", "blind", 1).value == 0.0
+    assert afr(f, "strong", "self", 1).value == 1.0
+    assert afr(f, "weak", "cross", 3).value == 1.0 and afr(f, "strong", "cross", 3).value == 0.0
+    entries = load_maxflip(tmp_path / "run" / "maxflip.jsonl")
+    assert len(entries) == Q and all(e["producer"] in ("strong", "weak") and e["target_option"] != "D" for e in entries)
+    report = (tmp_path / "run" / "report.md").read_text()
+    for title in ("Table 2", "Table 3", "Table 4", "Table 6", "Table 7"):
+        assert title in report
+    for fig in ("fig3_cmfr.png", "fig4_ep_ea.png"):
+        assert (tmp_path / "run" / fig).stat().st_size > 1000
+    summ = afr_summary(tmp_path / "run", k=3, n_boot=100)
+    assert summ["strong"]["afr_self"]["value"] == 1.0 and summ["strong"]["afr_maxflip"] is not None
+    # resume: nothing new, no backend touched
+    calls_before = {n: fb.calls for n, fb in fakes.items()}
+    again = PR.run_afr(s, tmp_path / "run", backends=fakes, progress=False, write_report=False)
+    assert again.calls == {} and {n: fb.calls for n, fb in fakes.items()} == calls_before
+    assert len(again.records) == len(recs)
+    # training judgments in the C2 one-token style
+    js = afr_judgments(tmp_path / "run")
+    assert {j["target"] for j in js} == {"1", "2"}
+    assert all("Is Speaker 2 correct?" in j["prompt"][0]["content"] and j["dataset"] == "mmlu" for j in js)
+    assert all("trust me" in j["prompt"][0]["content"] for j in js if j["target"] == "2")
+
+
+def test_maxflip_file_for_question_outside_sample_names_item(tmp_path):
+    path = export_maxflip([{"item_id": "mmlu-test-nope-0000", "target_option": "A", "argument": "x", "producer": "p", "k": 10}],
+                          tmp_path / "mf.jsonl")
+    s = settings(tmp_path, maxflip_file=str(path))
+    with pytest.raises(DataError, match="mmlu-test-nope-0000"):
+        PR.run_afr(s, tmp_path / "run", backends={"strong": FakeBackend("strong"), "weak": FakeBackend("weak")}, progress=False)
+
+
+def test_config_errors_name_the_model(tmp_path):
+    with pytest.raises(PR.AFRConfigError, match="'m1'.*unknown backend 'nope'"):
+        PR.build_settings([{"name": "m1", "backend": "nope", "model": "x"}])
+    with pytest.raises(PR.AFRConfigError, match="unknown model 'ghost'"):
+        PR.build_settings([{"name": "m1", "backend": "hf", "model": "x"}], targets=["ghost"])
+    with pytest.raises(PR.AFRConfigError, match="unknown key"):
+        PR.build_settings([{"name": "m1", "backend": "hf", "model": "x", "temprature": 0}])
+    assert PR.parse_model_entry("t=hf:flipguard:tiny", "cli").model == "flipguard:tiny"
+
+
+def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
+    from flipguard.eval.afr.cli import main
+
+    cfg = tmp_path / "afr.yaml"
+    cfg.write_text(
+        "models:\n"
+        f"  - {{name: tiny, backend: hf, model: '{tiny_model_path}', kwargs: {{device: cpu, batch_size: 16}}}}\n"
+        "k_values: [1]\nper_subject: 1\nlimit: 3\ncross: false\nanswer_mode: logprob\n"
+        "coercion_temperature: 1.0\ncoercion_max_new_tokens: 8\nn_boot: 100\nprogress: false\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "run"
+    assert main([str(cfg), "--out", str(out)]) == 0
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["calls"]["deterministic_calls"] == meta["calls"]["formula_calls"] == (3 * 1 + 1) * 1 * 3
+    assert meta["invocations"][-1]["calls_total"] >= 12
+    assert (out / "report.md").exists() and (out / "table2_afr_blind.csv").exists()
+    assert main([str(cfg), "--out", str(out)]) == 0
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["invocations"][-1]["calls_total"] == 0
+    base = [json.loads(l) for l in (out / "records.jsonl").read_text().splitlines() if '"baseline"' in l]
+    assert all(r["valid"] and r["choice"] in "ABCD" for r in base if r["case"] == "baseline")
