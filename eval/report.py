@@ -306,10 +306,11 @@ def print_summary(report: dict[str, Any], title: str) -> None:
         cells = [r["dataset"], str(r["n"])]
         cells += [_fmt(r[c], signed=c.startswith(("delta", "dds"))) for c in M.SUMMARY_COLUMNS[2:]]
         table.add_row(*cells)
-    Console().print(table)
+    console = Console(width=max(Console().width, 110))  # pipes and CI logs default to 80 columns
+    console.print(table)
     for ds, b in report["balanced"].items():
         parts = ", ".join(f"{s} {_fmt(m['dds'], True)} (n={m['n']})" for s, m in b["strata"].items())
-        Console().print(f"{ds}: balanced DDS {_fmt(b['balanced_dds'], True)} = mean of {parts}")
+        console.print(f"{ds}: balanced DDS {_fmt(b['balanced_dds'], True)} = mean of {parts}")
 
 
 # --------------------------------------------------------------------------- CLI

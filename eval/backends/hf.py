@@ -120,7 +120,9 @@ class HFBackend:
         out: list[dict[str, float] | None] = [None] * len(conversations)
         with _progress(len(conversations) if self.show_progress else 0, "score") as bar, torch.inference_mode():
             for idx, enc in self._batches(conversations):
-                logits = self.model(**enc).logits[:, -1, :].float()
+                # Only the last position's logits: a full (batch, length, vocab) tensor
+                # is gigabytes on a real model and is never used.
+                logits = self.model(**enc, logits_to_keep=1).logits[:, -1, :].float()
                 probs = torch.softmax(logits, dim=-1)[:, ids].cpu().tolist()
                 for i, row in zip(idx, probs):
                     out[i] = dict(zip(choices, row))

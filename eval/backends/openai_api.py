@@ -1,0 +1,201 @@
+"""OpenAI-compatible HTTP backend: `vllm serve`, OpenAI, OpenRouter, any /v1/chat/completions.
+
+Requests go through the official `openai` client, which already retries rate limits
+(429), timeouts, connection errors and 5xx with exponential backoff plus jitter and
+honours Retry-After; `max_retries` bounds it. Requests run on a bounded thread pool
+(`max_concurrency`) and results come back in input order. A request that still fails
+after its retries stops the run with a BackendError; the runner has already stored the
+finished chunks, so rerunning the command resumes.
+
+The API key is read only from the environment (`api_key_env`, default OPENAI_API_KEY;
+e.g. OPENROUTER_API_KEY), never from a command-line value. A local server (localhost,
+127.0.0.1, ::1) may run without a key; "EMPTY" is sent then, as vLLM expects.
+
+Label probabilities over HTTP: servers take no token ids in general, so `choice_probs`
+asks for one token with `top_logprobs` (20 is OpenAI's maximum) and matches the returned
+token strings, whitespace stripped ("1" and " 1" both count for "1"; their probabilities
+add up). A label outside the top 20 gets 0.0, so for OpenAI models P(label) is a
+top-20 truncation; for a local model prefer the `hf` or `vllm` backend, which read the
+label tokens directly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any, Callable, Sequence
+from urllib.parse import urlparse
+
+from flipguard.eval.backends.base import BackendError, Conversation, GenerationConfig, register_backend
+
+DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}
+LOCAL_DUMMY_KEY = "EMPTY"
+OPENAI_DEFAULT_BASE_URL = "https://api.openai.com/v1"
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; vLLM's default --max-logprobs is also 20
+
+
+def is_local_url(url: str) -> bool:
+    return (urlparse(url).hostname or "").lower() in LOCAL_HOSTS
+
+
+def resolve_api_key(api_key_env: str, base_url: str) -> str:
+    """The key from the environment; a dummy one for a local server; else a clear error."""
+    key = os.environ.get(api_key_env, "").strip()
+    if key:
+        return key
+    if is_local_url(base_url):
+        return LOCAL_DUMMY_KEY
+    raise BackendError(
+        f"no API key for {base_url}: set the environment variable {api_key_env} "
+        "(keys are read from the environment only; pick another variable with api_key_env, "
+        "e.g. OPENROUTER_API_KEY)"
+    )
+
+
+def choice_probs_from_top_logprobs(top_logprobs: Sequence[Any], choices: Sequence[str]) -> dict[str, float]:
+    """P(choice) from one position's top logprobs (objects or dicts with token/logprob).
+
+    Tokens are matched with surrounding whitespace stripped and summed; a choice that is
+    not among them gets 0.0 (its probability is below the last one listed)."""
+    probs = {c: 0.0 for c in choices}
+    for entry in top_logprobs or ():
+        token = entry["token"] if isinstance(entry, dict) else entry.token
+        logprob = entry["logprob"] if isinstance(entry, dict) else entry.logprob
+        key = (token or "").strip()
+        if key in probs and logprob is not None and math.isfinite(logprob):
+            probs[key] += math.exp(logprob)
+    return {c: min(1.0, p) for c, p in probs.items()}
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False, disable=not enabled or total < 2)
+
+
+@register_backend("openai")
+class OpenAIBackend:
+    name = "openai"
+
+    def __init__(
+        self,
+        model: str,
+        base_url: str | None = None,
+        api_key_env: str = DEFAULT_API_KEY_ENV,
+        max_concurrency: int = 8,
+        max_retries: int = 6,
+        timeout: float = 120.0,
+        top_logprobs: int = MAX_TOP_LOGPROBS,
+        extra_body: dict | None = None,
+        show_progress: bool = True,
+        batch_size: int | None = None,  # accepted for a uniform CLI; concurrency is what bounds load here
+    ):
+        try:
+            import openai
+        except ImportError:  # pragma: no cover - openai is a core dependency
+            raise BackendError("the openai backend needs the openai client: pip install openai") from None
+        self.model_id = model
+        self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_DEFAULT_BASE_URL
+        self.max_concurrency = max(1, int(max_concurrency))
+        self.top_logprobs = max(1, int(top_logprobs))
+        self.extra_body = dict(extra_body or {})
+        self.show_progress = show_progress
+        self.client = openai.OpenAI(
+            base_url=self.base_url,
+            api_key=resolve_api_key(api_key_env, self.base_url),
+            max_retries=max(0, int(max_retries)),
+            timeout=timeout,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def _create(self, conversation: Conversation, **params):
+        kwargs: dict[str, Any] = {"model": self.model_id, "messages": conversation, **params}
+        if self.extra_body:
+            kwargs.setdefault("extra_body", self.extra_body)
+        return self.client.chat.completions.create(**kwargs)
+
+    def _map(self, fn: Callable[[Conversation], Any], conversations: Sequence[Conversation], desc: str) -> list:
+        """fn over conversations on at most max_concurrency threads, results in input order."""
+        results: list[Any] = [None] * len(conversations)
+        if not conversations:
+            return results
+        todo = iter(enumerate(conversations))
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(conversations)))
+        futures: dict[Any, int] = {}
+
+        def submit_next() -> None:
+            # Submitted one by one as others finish: after a failure nothing new starts.
+            nxt = next(todo, None)
+            if nxt is not None:
+                futures[pool.submit(fn, nxt[1])] = nxt[0]
+
+        try:
+            for _ in range(min(self.max_concurrency, len(conversations))):
+                submit_next()
+            with _progress(len(conversations), desc, self.show_progress) as bar:
+                while futures:
+                    done, _ = wait(list(futures), return_when=FIRST_EXCEPTION)
+                    for fut in done:
+                        idx = futures.pop(fut)
+                        exc = fut.exception()
+                        if exc is not None:
+                            raise self._error(exc) from exc
+                        results[idx] = fut.result()
+                        bar.update(1)
+                        submit_next()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return results
+
+    def _error(self, exc: BaseException) -> BackendError:
+        if isinstance(exc, BackendError):
+            return exc
+        status = getattr(exc, "status_code", None)
+        what = f"HTTP {status}: " if status else ""
+        return BackendError(
+            f"model {self.model_id!r} at {self.base_url}: request failed after retries "
+            f"({type(exc).__name__}: {what}{exc})"
+        )
+
+    # ------------------------------------------------------------------ protocol
+
+    def generate(self, conversations: Sequence[Conversation], config: GenerationConfig) -> list[str]:
+        params: dict[str, Any] = {"temperature": config.temperature, "max_tokens": config.max_new_tokens}
+        if config.temperature > 0:
+            params["top_p"] = config.top_p
+        if config.seed is not None:
+            params["seed"] = config.seed
+        if config.ignore_eos:
+            # Honoured by vLLM servers (benchmarks); OpenAI itself has no such switch.
+            params["extra_body"] = {**self.extra_body, "ignore_eos": True}
+
+        def one(conv: Conversation) -> str:
+            resp = self._create(conv, **params)
+            if not resp.choices:
+                raise BackendError(f"model {self.model_id!r} returned no choices")
+            return resp.choices[0].message.content or ""
+
+        return self._map(one, conversations, "generate")
+
+    def choice_probs(self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")) -> list[dict[str, float]]:
+        top = min(self.top_logprobs, MAX_TOP_LOGPROBS)
+
+        def one(conv: Conversation) -> dict[str, float]:
+            resp = self._create(conv, temperature=0.0, max_tokens=1, logprobs=True, top_logprobs=top)
+            choice = resp.choices[0] if resp.choices else None
+            content = getattr(getattr(choice, "logprobs", None), "content", None) if choice else None
+            if not content:
+                raise BackendError(
+                    f"model {self.model_id!r} at {self.base_url} returned no logprobs; "
+                    "logprob mode needs a server/model that supports logprobs (use --mode generate)"
+                )
+            first = content[0]
+            entries = list(first.top_logprobs or [])
+            if not entries:  # some servers list only the sampled token
+                entries = [first]
+            return choice_probs_from_top_logprobs(entries, choices)
+
+        return self._map(one, conversations, "score")

@@ -1,0 +1,146 @@
+"""vLLM offline engine backend (GPU machines; optional extra `flipguard[vllm]`).
+
+vLLM is imported only when the backend is built, so this module imports everywhere.
+`LLM.chat` applies the model's own chat template and schedules the whole list of
+conversations itself (continuous batching), so no batch size is needed here.
+
+Label probabilities: one generated token with logprobs. Newer vLLM takes
+`SamplingParams(logprob_token_ids=...)`, which returns the logprobs of exactly the label
+tokens, whatever their rank. Older versions do not; then the labels are made the only
+allowed tokens (`allowed_token_ids`) and the top `max_logprobs` are asked for. vLLM's
+default `logprobs_mode="raw_logprobs"` reports logprobs before that mask, so both routes
+give the same unnormalised full-vocabulary P(label) as the hf backend; a label outside
+the returned set gets 0.0 (fallback route only). An un-merged LoRA adapter is served
+with `enable_lora` and a LoRARequest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+from flipguard.eval.backends.base import BackendError, Conversation, GenerationConfig, register_backend
+
+INSTALL_HINT = "vLLM is not installed: pip install 'flipguard[vllm]' (GPU machines only)"
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default engine cap on logprobs per token
+
+
+def _logprob_value(entry: Any) -> float | None:
+    """A vLLM Logprob object (attribute .logprob), a dict or a bare float."""
+    if entry is None:
+        return None
+    if isinstance(entry, (int, float)):
+        return float(entry)
+    if isinstance(entry, Mapping):
+        return entry.get("logprob")
+    return getattr(entry, "logprob", None)
+
+
+def probs_from_step_logprobs(step: Mapping[int, Any] | None, choice_ids: Sequence[int], choices: Sequence[str]) -> dict[str, float]:
+    """P(choice) = exp(logprob) from one position's {token_id: Logprob}; missing -> 0.0."""
+    out = {}
+    for choice, tid in zip(choices, choice_ids):
+        value = _logprob_value((step or {}).get(tid))
+        out[choice] = math.exp(value) if value is not None and not math.isnan(value) else 0.0
+    return out
+
+
+def first_step_logprobs(request_output: Any) -> Mapping[int, Any] | None:
+    """The first generated position's logprobs of a RequestOutput (None if absent)."""
+    outputs = getattr(request_output, "outputs", None) or []
+    if not outputs:
+        return None
+    logprobs = getattr(outputs[0], "logprobs", None)
+    if not logprobs:
+        return None
+    return logprobs[0]
+
+
+@register_backend("vllm")
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        adapter: str | None = None,
+        max_lora_rank: int = 64,
+        dtype: str = "auto",
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        show_progress: bool = True,
+        batch_size: int | None = None,  # accepted for a uniform CLI; vLLM schedules batches itself
+        device: str | None = None,  # accepted for a uniform CLI; vLLM picks its device
+        **engine_kwargs: Any,  # tensor_parallel_size, gpu_memory_utilization, max_model_len, ...
+    ):
+        try:
+            import vllm
+        except ImportError:
+            raise BackendError(INSTALL_HINT) from None
+        self._vllm = vllm
+        self.model_id = model if adapter is None else f"{model}+{adapter}"
+        self.show_progress = show_progress
+        self.max_logprobs = max(1, int(max_logprobs))
+        kwargs = dict(model=model, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, **engine_kwargs)
+        self.lora_request = None
+        if adapter:
+            from vllm.lora.request import LoRARequest
+
+            kwargs.update(enable_lora=True, max_lora_rank=int(max_lora_rank))
+            self.lora_request = LoRARequest("flipguard-adapter", 1, adapter)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except (OSError, ValueError) as exc:
+            raise BackendError(f"vLLM could not load model {model!r}: {exc}") from None
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def _chat(self, conversations: Sequence[Conversation], params) -> list:
+        outputs = self.llm.chat(
+            [list(c) for c in conversations],
+            sampling_params=params,
+            use_tqdm=self.show_progress,
+            lora_request=self.lora_request,
+        )
+        if len(outputs) != len(conversations):
+            raise BackendError(f"vLLM returned {len(outputs)} outputs for {len(conversations)} conversations")
+        return outputs
+
+    def generate(self, conversations: Sequence[Conversation], config: GenerationConfig) -> list[str]:
+        if not conversations:
+            return []
+        params = dict(
+            max_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            seed=config.seed,
+            ignore_eos=config.ignore_eos,
+        )
+        if config.temperature > 0:
+            params["top_p"] = config.top_p
+        outputs = self._chat(conversations, self._vllm.SamplingParams(**params))
+        return [(o.outputs[0].text if o.outputs else "") or "" for o in outputs]
+
+    def choice_token_ids(self, choices: Sequence[str]) -> list[int]:
+        ids = []
+        for choice in choices:
+            toks = self.tokenizer.encode(choice, add_special_tokens=False)
+            if len(toks) != 1:
+                raise BackendError(f"answer {choice!r} is {len(toks)} tokens for {self.model_id}; logprob mode needs one")
+            ids.append(toks[0])
+        return ids
+
+    def label_sampling_params(self, choice_ids: Sequence[int]):
+        """One greedy token whose logprobs include the labels (see the module docstring)."""
+        SamplingParams = self._vllm.SamplingParams
+        base = dict(max_tokens=1, temperature=0.0)
+        try:
+            return SamplingParams(**base, logprobs=len(choice_ids), logprob_token_ids=list(choice_ids))
+        except TypeError:  # vLLM without logprob_token_ids
+            return SamplingParams(**base, logprobs=self.max_logprobs, allowed_token_ids=list(choice_ids))
+
+    def choice_probs(self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")) -> list[dict[str, float]]:
+        if not conversations:
+            return []
+        ids = self.choice_token_ids(choices)
+        outputs = self._chat(conversations, self.label_sampling_params(ids))
+        return [probs_from_step_logprobs(first_step_logprobs(o), ids, choices) for o in outputs]
