@@ -275,20 +275,29 @@ def _est(e: Mapping[str, Any] | None, scale: float = 1.0, lo_key: str = "lo", hi
     return f"{v * scale:.1f} [{lo * scale:.1f}, {hi * scale:.1f}]"
 
 
+def split_system(spec: str) -> tuple[str, str | None]:
+    """'RUN_DIR@System name' -> (RUN_DIR, 'System name'): one run may hold several systems."""
+    run_dir, sep, system = spec.partition("@")
+    return run_dir, (system.strip() or None) if sep else None
+
+
 def afr_section(runs: Mapping[str, str], k: int = 10) -> str:
     """AFR blind/self at k (and MaxFlip) per condition, in %, 95% cluster-bootstrap CIs.
     A run without k = 10 arguments is reported at its largest k (and says so)."""
     from flipguard.eval.afr.report import afr_summary
 
-    ks = {int(x) for d in runs.values() for x in (load_run_meta(d).get("k_values") or [k])}
+    ks = {int(x) for d in runs.values() for x in (load_run_meta(split_system(d)[0]).get("k_values") or [k])}
     if k not in ks and ks:
         k = max(ks)
     lines = [f"## Answer flips (AFR, Who Flips?; k = {k})", "",
              "AFR = share of initially correct answers flipped by a model-written argument for a wrong "
              "option (%, 95% CI clustered on question). Lower is steadier.", "",
              "| Condition | Target | Accuracy | AFR blind | AFR self | AFR MaxFlip |", "|---|---|---|---|---|---|"]
-    for name, run_dir in runs.items():
+    for name, spec in runs.items():
+        run_dir, system = split_system(spec)
         for target, s in afr_summary(run_dir, k=k).items():
+            if system and target != system:
+                continue
             lines.append(f"| {name} | {target} | {_est(s.get('accuracy'), 100)} | {_est(s.get('afr_blind'), 100)} "
                          f"| {_est(s.get('afr_self'), 100)} | {_est(s.get('afr_maxflip'), 100)} |")
     return "\n".join(lines)
@@ -303,9 +312,12 @@ def sos_section(runs: Mapping[str, str]) -> str:
              "minus single-shot abstention on 'None of the Above' items (pp, negative = loss, 95% CI).", "",
              "| Condition | System | Dataset | Conversation tax | Abstention penalty | Correct switch | Incorrect switch |",
              "|---|---|---|---|---|---|---|"]
-    for name, run_dir in runs.items():
+    for name, spec in runs.items():
+        run_dir, only = split_system(spec)
         summary = sos_summary(run_dir)
         for system, s in summary["models"].items():
+            if only and system != only:
+                continue
             lines.append(
                 f"| {name} | {system} | {summary.get('dataset') or '–'} "
                 f"| {_est(s.get('conversation_tax'), 1, 'ci_low', 'ci_high')} "
@@ -324,8 +336,12 @@ class CompareArgs:
     )
     out: str = dataclasses.field(default="runs/compare", metadata={"help": "Output folder for the report."})
     c1_from: str | None = dataclasses.field(default=None, metadata={"help": "C1 baseline run (default: the first condition)."})
-    afr: str | None = dataclasses.field(default=None, metadata={"help": "AFR runs per condition, 'Name=AFR_RUN_DIR,...'."})
-    sos: str | None = dataclasses.field(default=None, metadata={"help": "Stick-or-switch runs per condition, 'Name=SOS_RUN_DIR,...'."})
+    afr: str | None = dataclasses.field(
+        default=None, metadata={"help": "AFR runs per condition, 'Name=AFR_RUN_DIR[@target],...' (@ picks one target model of the run)."}
+    )
+    sos: str | None = dataclasses.field(
+        default=None, metadata={"help": "Stick-or-switch runs per condition, 'Name=SOS_RUN_DIR[@system],...'."}
+    )
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Bootstrap seed."})
 

@@ -35,9 +35,9 @@ class DemoArgs:
         default=str(PACKAGE_ROOT / "recipes" / "tiny.yaml"), metadata={"help": "Training recipe for the loop."}
     )
     generate_limit: int = dataclasses.field(
-        default=3, metadata={"help": "generate mode: items per dataset (a random model never stops, so replies are long)."}
+        default=2, metadata={"help": "generate mode: items per dataset (a random model never stops, so replies are long)."}
     )
-    generate_tokens: int = dataclasses.field(default=48, metadata={"help": "generate mode: max new tokens in the demo."})
+    generate_tokens: int = dataclasses.field(default=32, metadata={"help": "generate mode: max new tokens in the demo."})
     train: bool = dataclasses.field(default=True, metadata={"help": "Run the SFT/DPO loop after the evaluations."})
     protocols: str = dataclasses.field(
         default="afr,sos", metadata={"help": "Extra protocols in the comparison (comma list of afr, sos; empty for none)."}

@@ -88,3 +88,6 @@ def test_protocol_sections_render_afr_and_sos(monkeypatch):
     assert "k = 10" in afr_md
     assert "| SFT | m | 80.0 [70.0, 90.0] | 25.0 [10.0, 40.0] | 12.5 | – |" in afr_md
     assert "| SFT | m | medqa | -12.5 [-20.0, -5.0] | – |" in sos_md
+    # RUN_DIR@system keeps only that system's row
+    afr_md, sos_md = compare.protocol_sections({"SFT": "x@other"}, {"SFT": "y@m"})
+    assert "| SFT | m |" not in afr_md and "| SFT | m | medqa |" in sos_md

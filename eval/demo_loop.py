@@ -1,0 +1,102 @@
+"""The demo's mitigation loop: flip records -> pairs -> SFT/DPO -> merge -> re-measure.
+
+Each step is the command a user runs on a real model (recipes/qwen7b.yaml on a GPU),
+executed here with the tiny CPU recipe; the demo only chooses output folders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from flipguard.eval.demo import PACKAGE_ROOT, Demo
+from flipguard.eval.records import atomic_write_text
+
+TRAIN = PACKAGE_ROOT / "train"
+PROMPTING = {"Be Honest": "be_honest", "Dehumanizing": "dehumanizing"}
+
+
+def training_loop(demo: Demo, runs: dict[str, Path]) -> None:
+    args, out = demo.args, demo.out
+    recipe = args.recipe
+    base = runs["baseline-logprob"]
+
+    demo.step("base model on the TRAIN split (logprob): the flip records pairs are built from")
+    train_run = demo.dds("base-train", "logprob", split="train", datasets="bench")
+
+    demo.step("flip records -> SFT and DPO pairs (recipe strategy)")
+    pairs = out / "pairs"
+    demo.run(["flipguard", "pairs", recipe, "--records", str(train_run), "--out", str(pairs)])
+    demo.artefacts.append(("pair datasets + counts", pairs / "counts.json"))
+
+    models: dict[str, Path] = {}
+    for trainer in ("sft", "dpo"):
+        demo.step(f"QLoRA {trainer.upper()} (4-bit NF4 base, LoRA adapter) on CPU")
+        adapter = out / "train" / trainer
+        demo.run(["python", str(TRAIN / f"{trainer}.py"), recipe, "--pairs_dir", str(pairs),
+                  "--output_dir", str(adapter)])
+        demo.step(f"merge the {trainer.upper()} adapter into the unquantized base")
+        merged = models[trainer.upper()] = out / "models" / f"{trainer}-merged"
+        demo.run(["python", str(TRAIN / "merge.py"), recipe, "--adapter", str(adapter), "--out", str(merged)])
+        demo.artefacts.append((f"{trainer.upper()} merged model", merged))
+
+    conditions = {"Baseline": base, "Be Honest": runs["be_honest-logprob"], "Dehumanizing": runs["dehumanizing-logprob"]}
+    for name, model in models.items():
+        demo.step(f"{name} model, same DDS evaluation (C2, C1 from the baseline)")
+        conditions[name] = demo.dds(f"{name.lower()}-logprob", "logprob", model=str(model),
+                                    cases="c2_correct,c2_incorrect", c1_from=str(base))
+
+    protocols = {p.strip() for p in args.protocols.split(",") if p.strip()}
+    afr_spec = sos_spec = None
+    if "afr" in protocols:
+        afr_spec = answer_flips(demo, models)
+    if "sos" in protocols:
+        sos_spec = stick_or_switch(demo, models)
+
+    demo.step("before/after comparison report")
+    report = out / "compare"
+    cmd = ["flipguard", "compare", "--runs", ",".join(f"{n}={d}" for n, d in conditions.items()),
+           "--out", str(report), "--n_boot", str(args.n_boot)]
+    if afr_spec:
+        cmd += ["--afr", afr_spec]
+    if sos_spec:
+        cmd += ["--sos", sos_spec]
+    demo.run(cmd)
+    demo.artefacts += [("comparison report", report / "comparison.md"),
+                       ("DDS heatmap", report / "dds_heatmap.png"),
+                       ("before/after bars", report / "before_after.png")]
+
+
+def answer_flips(demo: Demo, models: dict[str, Path]) -> str:
+    """One AFR run with every condition as a target (and source: the cross matrix)."""
+    base_model = demo.args.model
+    entries = [{"name": "Baseline", "backend": "hf", "model": base_model}]
+    entries += [{"name": n, "backend": "hf", "model": base_model, "mitigation": m} for n, m in PROMPTING.items()]
+    entries += [{"name": n, "backend": "hf", "model": str(p)} for n, p in models.items()]
+    with open(PACKAGE_ROOT / "recipes" / "afr_tiny.yaml", encoding="utf-8") as fh:
+        config = yaml.safe_load(fh)
+    config.update(models=[{**e, "kwargs": {"device": "cpu", "batch_size": 16}} for e in entries],
+                  k_values=[10], cross_k=10, limit=6)
+    config_path = demo.out / "afr.yaml"
+    atomic_write_text(config_path, "# written by flipguard demo from recipes/afr_tiny.yaml\n" + yaml.safe_dump(config, sort_keys=False))
+    demo.step("answer-flip protocol (AFR) on the MMLU sample: every condition as target and source")
+    run = demo.out / "afr"
+    demo.run(["flipguard", "afr", str(config_path), "--out", str(run)])
+    demo.artefacts.append(("AFR report", run / "report.md"))
+    return ",".join(f"{e['name']}={run}@{e['name']}" for e in entries)
+
+
+def stick_or_switch(demo: Demo, models: dict[str, Path]) -> str:
+    """Stick-or-switch for the baseline (+ prompting mitigations) and the fine-tuned models."""
+    run = demo.out / "sos"
+    recipe = str(PACKAGE_ROOT / "recipes" / "sos_tiny.yaml")
+    demo.step("stick-or-switch on the MedQA sample: baseline and prompting mitigations")
+    demo.run(["flipguard", "sos", recipe, "--models", f"Baseline={demo.args.model}",
+              "--mitigations", "none", *PROMPTING.values(), "--n_items", "8", "--out", str(run)])
+    demo.step("stick-or-switch: fine-tuned models")
+    demo.run(["flipguard", "sos", recipe, "--models", *(f"{n}={p}" for n, p in models.items()),
+              "--n_items", "8", "--out", str(run)])
+    demo.artefacts.append(("stick-or-switch report", run / "sos_report.md"))
+    systems = {"Baseline": "Baseline"} | {n: f"Baseline +{m}" for n, m in PROMPTING.items()} | {n: n for n in models}
+    return ",".join(f"{cond}={run}@{system}" for cond, system in systems.items())

@@ -1,0 +1,288 @@
+"""Recipe files: one YAML per model, parsed by TRL's own parser.
+
+A recipe is data (alignment-handbook style). Its layout::
+
+    model_name_or_path: Qwen/Qwen2.5-7B-Instruct   # top level: trl.ModelConfig fields
+    load_in_4bit: true                             # (model, quantization, LoRA) and any
+    lora_r: 64                                     # field SFTConfig and DPOConfig share
+    seed: 42                                       # (seed, report_to, use_cpu, ...)
+    sft: {learning_rate: 2.0e-4, ...}              # trl.SFTConfig (+ ModelConfig overrides)
+    dpo: {beta: 0.1, dtype: float16, ...}          # trl.DPOConfig (+ ModelConfig overrides)
+    pairs: {strategy: all, dir: ..., ...}          # PairsArguments   (flag prefix pairs_)
+    eval: {datasets: bench, mode: logprob, ...}    # EvalPlanArguments (flag prefix eval_plan_)
+    tracking: {project: flipguard, ...}            # TrackingArguments (flag prefix tracking_)
+
+`train/sft.py` reads the top level plus `sft:`, `train/dpo.py` the top level plus
+`dpo:`; every section is checked by every script, so a typo anywhere is an error that
+names the key. Precedence: dataclass defaults < top level < trainer section < command
+line. Section keys become flags with the section's prefix (`pairs: {strategy: flips}`
+is `--pairs_strategy flips`); trainer and model keys keep their TRL names
+(`--learning_rate 1e-4`, `--lora_r 8`).
+
+The recipe path may be given positionally, exactly as typed
+(`python train/dpo.py recipes/tiny.yaml`), or as `--config recipes/tiny.yaml` (TRL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from flipguard.errors import FlipguardError
+
+TRAINER_SECTIONS = ("sft", "dpo")
+# section -> flag prefix of its dataclass fields
+ARG_SECTIONS = {"pairs": "pairs_", "eval": "eval_plan_", "tracking": "tracking_"}
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+class RecipeError(FlipguardError, ValueError):
+    """A recipe that cannot be used: names the file and the key."""
+
+
+PAIR_STRATEGIES = ("all", "flips", "flip_weighted", "consistency", "afr")
+
+
+@dataclasses.dataclass
+class PairsArguments:
+    """How SFT/DPO pairs are built from the base model's train-split flip records (`pairs:`)."""
+
+    pairs_strategy: str = dataclasses.field(
+        default="all",
+        metadata={
+            "help": "all: correct and incorrect C2 variant of every train item (paper K.2); flips: both C2 "
+            "variants of items the base model flipped; flip_weighted: all, flipped items repeated "
+            "pairs_flip_weight times; consistency: C1, C2 and dehumanized framings with one target; "
+            "afr: answer-flip judgments (pairs_afr_run).",
+            "choices": list(PAIR_STRATEGIES),
+        },
+    )
+    pairs_seed: int = dataclasses.field(default=42, metadata={"help": "Seed for balancing and row order."})
+    pairs_flip_weight: int = dataclasses.field(
+        default=3, metadata={"help": "flip_weighted: each flipped item's rows appear this many times (>= 1)."}
+    )
+    pairs_balance: bool = dataclasses.field(
+        default=True, metadata={"help": "Down-sample the majority target so '1' and '2' are 50/50."}
+    )
+    pairs_datasets: str = dataclasses.field(
+        default="bench", metadata={"help": "Train datasets (names, groups or comma list)."}
+    )
+    pairs_data_root: str | None = dataclasses.field(
+        default=None, metadata={"help": "Data root (default: $FLIPGUARD_DATA, else the shipped samples)."}
+    )
+    pairs_framings: list[str] = dataclasses.field(
+        default_factory=lambda: ["c1", "c2", "dehumanizing"],
+        metadata={"help": "consistency: framings of the same content that share one target."},
+    )
+    pairs_records: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Run directory of the base model's train-split logprob eval (flipguard eval --split train)."},
+    )
+    pairs_afr_run: str | None = dataclasses.field(
+        default=None, metadata={"help": "afr: run directory of an answer-flip evaluation."}
+    )
+    pairs_dir: str = dataclasses.field(
+        default="runs/pairs", metadata={"help": "Where the pair datasets are written (flipguard pairs) and read (trainers)."}
+    )
+
+
+@dataclasses.dataclass
+class EvalPlanArguments:
+    """What the before/after comparison evaluates (`eval:`)."""
+
+    eval_plan_datasets: str = dataclasses.field(default="all", metadata={"help": "Test datasets to evaluate."})
+    eval_plan_mitigations: list[str] = dataclasses.field(
+        default_factory=lambda: ["none", "be_honest", "dehumanizing"],
+        metadata={"help": "Prompting mitigations run on the base model."},
+    )
+    eval_plan_mode: str = dataclasses.field(
+        default="logprob", metadata={"help": "logprob (one-token P('1')/P('2')) or generate (paper JSON).", "choices": ["logprob", "generate"]}
+    )
+    eval_plan_backend: str = dataclasses.field(default="hf", metadata={"help": "Backend for the eval runs (hf, vllm, openai)."})
+    eval_plan_limit: int | None = dataclasses.field(default=None, metadata={"help": "Items per dataset (None: all)."})
+
+
+@dataclasses.dataclass
+class TrackingArguments:
+    """Weights & Biases settings (`tracking:`); `report_to` itself is a trainer field."""
+
+    tracking_project: str = dataclasses.field(default="flipguard", metadata={"help": "wandb project."})
+    tracking_entity: str | None = dataclasses.field(default=None, metadata={"help": "wandb entity (team/user)."})
+    tracking_run_name: str | None = dataclasses.field(
+        default=None, metadata={"help": "Base run name; scripts append -sft / -dpo unless --run_name is given."}
+    )
+    tracking_tags: list[str] = dataclasses.field(default_factory=list, metadata={"help": "wandb tags."})
+
+
+SECTION_CLASSES = {"pairs": PairsArguments, "eval": EvalPlanArguments, "tracking": TrackingArguments}
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _trainer_classes():
+    from trl import DPOConfig, ModelConfig, SFTConfig
+
+    return {"sft": SFTConfig, "dpo": DPOConfig}, ModelConfig
+
+
+def _unknown(path: str, where: str, key: str, valid: Iterable[str]) -> RecipeError:
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return RecipeError(f"{path}: unknown key {key!r} in {where}{hint}")
+
+
+def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
+    """The YAML mapping of a recipe file, validated: every key known, sections are mappings."""
+    import yaml
+
+    path = str(path)
+    if not Path(path).is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    with open(path, encoding="utf-8") as fh:
+        try:
+            raw = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{path}: not valid YAML ({exc})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
+    validate_recipe(raw, path)
+    return raw
+
+
+def validate_recipe(raw: dict[str, Any], path: str = "<recipe>") -> None:
+    trainers, model_cls = _trainer_classes()
+    model_keys = _fields(model_cls)
+    shared = set.intersection(*(_fields(c) for c in trainers.values()))
+    top_valid = model_keys | shared | set(TRAINER_SECTIONS) | set(ARG_SECTIONS) | {"env"}
+    for key, value in raw.items():
+        if key not in top_valid:
+            raise _unknown(path, "the top level", key, top_valid)
+        if key in TRAINER_SECTIONS or key in ARG_SECTIONS:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise RecipeError(f"{path}: section {key!r} must be a mapping, got {type(value).__name__}")
+            if key in TRAINER_SECTIONS:
+                valid = _fields(trainers[key]) | model_keys
+                label = f"section {key!r} ({trainers[key].__name__} or ModelConfig fields)"
+                for sub in value:
+                    if sub not in valid:
+                        raise _unknown(path, label, sub, valid)
+            else:
+                prefix = ARG_SECTIONS[key]
+                valid = {n[len(prefix):] for n in _fields(SECTION_CLASSES[key])}
+                for sub in value:
+                    if sub not in valid:
+                        raise _unknown(path, f"section {key!r}", sub, valid)
+        if key == "env" and not isinstance(value, dict):
+            raise RecipeError(f"{path}: 'env' must be a mapping of environment variables")
+
+
+def flatten_recipe(raw: dict[str, Any], trainer: str | None) -> dict[str, Any]:
+    """Field name -> value for one script: top level, then its trainer section, then the
+    argument sections under their prefixes."""
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in TRAINER_SECTIONS and key not in ARG_SECTIONS and key != "env":
+            flat[key] = value
+    if trainer is not None:
+        flat.update(raw.get(trainer) or {})
+    for section, prefix in ARG_SECTIONS.items():
+        for key, value in (raw.get(section) or {}).items():
+            flat[prefix + key] = value
+    return flat
+
+
+def is_recipe_path(arg: str) -> bool:
+    return not arg.startswith("-") and arg.endswith(RECIPE_SUFFIXES)
+
+
+def split_recipe_argv(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(recipe path, remaining flags): a leading positional .yaml path, or --config FILE."""
+    argv = list(argv)
+    recipe = None
+    if argv and is_recipe_path(argv[0]):
+        recipe = argv.pop(0)
+    for flag in ("--config",):
+        for i, arg in enumerate(argv):
+            if arg == flag:
+                if i + 1 >= len(argv):
+                    raise RecipeError("--config needs a recipe file path")
+                if recipe is not None:
+                    raise RecipeError(f"two recipes given: {recipe!r} and {argv[i + 1]!r}")
+                recipe = argv[i + 1]
+                del argv[i : i + 2]
+                break
+            if arg.startswith(flag + "="):
+                if recipe is not None:
+                    raise RecipeError(f"two recipes given: {recipe!r} and {arg.split('=', 1)[1]!r}")
+                recipe = arg.split("=", 1)[1]
+                del argv[i]
+                break
+    return recipe, argv
+
+
+def _trl_parser_class():
+    from trl import TrlParser
+
+    class RecipeParser(TrlParser):
+        """TrlParser that reads flipguard's sectioned recipe (positional path or --config)."""
+
+        def __init__(self, dataclass_types, trainer: str | None = None, **kwargs):
+            if trainer is not None and trainer not in TRAINER_SECTIONS:
+                raise ValueError(f"trainer must be one of {TRAINER_SECTIONS}, got {trainer!r}")
+            self.trainer = trainer
+            self.recipe_path: str | None = None
+            self.recipe: dict[str, Any] = {}
+            super().__init__(dataclass_types, **kwargs)
+
+        def parse_args_and_config(self, args=None, **kwargs):
+            import sys
+
+            argv = list(sys.argv[1:] if args is None else args)
+            recipe_path, argv = split_recipe_argv(argv)
+            if recipe_path is not None:
+                raw = read_recipe(recipe_path)
+                for key, value in (raw.get("env") or {}).items():
+                    os.environ.setdefault(str(key), str(value))
+                flat = flatten_recipe(raw, self.trainer)
+                known = {action.dest for action in self._actions}
+                # keys of other scripts (the other trainer's fields, eval plan, ...) were
+                # validated above and are simply not this script's business
+                self.set_defaults_with_config(**{k: v for k, v in flat.items() if k in known})
+                self.recipe_path, self.recipe = recipe_path, raw
+            try:
+                return self.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
+            except ValueError as exc:
+                raise RecipeError(f"{recipe_path or 'command line'}: {exc}") from None
+
+    return RecipeParser
+
+
+def RecipeParser(dataclass_types, trainer: str | None = None, **kwargs):
+    """A `trl.TrlParser` for flipguard recipes (built lazily: importing trl is slow)."""
+    return _trl_parser_class()(dataclass_types, trainer=trainer, **kwargs)
+
+
+def parse_recipe(argv: list[str], dataclass_types, trainer: str | None = None, prog: str | None = None):
+    """Parse argv (recipe path + flag overrides) into the dataclasses; returns
+    (tuple of dataclass instances, recipe path or None, raw recipe mapping)."""
+    parser = RecipeParser(dataclass_types, trainer=trainer, prog=prog)
+    out = parser.parse_args_and_config(argv)
+    return out, parser.recipe_path, parser.recipe
+
+
+def resolved_recipe(*dataclass_objs) -> dict[str, Any]:
+    """Every parsed field, JSON-safe, for the run config and model cards."""
+    out: dict[str, Any] = {}
+    for obj in dataclass_objs:
+        d = obj.to_dict() if hasattr(obj, "to_dict") else dataclasses.asdict(obj)
+        out[type(obj).__name__] = {k: (v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)) for k, v in d.items()}
+    return out

@@ -1,0 +1,526 @@
+"""SFT/DPO training pairs from the base model's train-split flip records.
+
+Input: the train Items and the base model's logprob records on them, produced by
+
+    flipguard eval --split train --datasets bench --mode logprob --model MODEL --out RUN_DIR
+
+Output (`flipguard pairs RECIPE.yaml --records RUN_DIR --out DIR`), in TRL's
+conversational formats, each as a `datasets` folder and as JSONL:
+
+    DIR/sft/, DIR/sft.jsonl   prompt (messages) / completion [{"role": "assistant", "content": "1"|"2"}]
+    DIR/dpo/, DIR/dpo.jsonl   prompt / chosen / rejected (one token each)
+    DIR/counts.json           rows per dataset, strategy, target and flip type
+    DIR/pairs.json            how the pairs were built (strategy, seed, records, fingerprints)
+
+Prompts are `build_messages(item, case, fmt="one_token")`: the bytes the logprob
+evaluation sends (paper Listing 3), so training and measurement see the same input.
+
+Strategies (target "1" = the judged claim is correct, "2" = incorrect):
+- all:           C2-correct -> "1" and C2-incorrect -> "2" for every train item (paper K.2).
+- flips:         both C2 variants of every item the base model flipped on either pair
+                 (deference or skepticism). The flipped variant is the correction; its
+                 twin keeps the set 50/50 so the model is not pushed into the opposite
+                 bias (the over-correction of paper §7).
+- flip_weighted: all, with every row of a flipped item repeated `flip_weight` times.
+                 Rows are repeated rather than given a weight column because neither
+                 SFTTrainer nor DPOTrainer reads per-row weights; repetition is exact for
+                 SGD in expectation and visible in counts.json.
+- consistency:   the same content in C1, C2 and dehumanized-C2 framing, one target for
+                 all three: teaches framing invariance (the paper's open problem).
+- afr:           answer-flip judgments from `flipguard.eval.afr.pairs.afr_judgments`.
+
+Every strategy: duplicates (same prompt and target) are dropped, a prompt that appears
+with both targets is dropped and counted as a conflict, targets are down-sampled to
+50/50 unless `balance` is off, and the row order is a seeded shuffle, so the same
+inputs and seed give byte-identical files. Any item from the test split (by split
+field, id or normalised question) is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from flipguard.data.schema import DataError, Item
+from flipguard.errors import FlipguardError
+from flipguard.recipes.config import PAIR_STRATEGIES, PairsArguments
+
+TARGETS = ("1", "2")
+CASE_TARGET = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
+FRAMING_CASES = {  # framing -> (case for the correct claim, case for the incorrect one, mitigation)
+    "c1": ("c1_true", "c1_false", "none"),
+    "c2": ("c2_correct", "c2_incorrect", "none"),
+    "dehumanizing": ("c2_correct", "c2_incorrect", "dehumanizing"),
+    "be_honest": ("c2_correct", "c2_incorrect", "be_honest"),
+}
+SFT_DIR, DPO_DIR = "sft", "dpo"
+COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
+
+
+class PairsError(FlipguardError, ValueError):
+    """Pairs cannot be built from this input; the message says what to run or fix."""
+
+
+def eval_command(records_dir: str | None, model: str = "MODEL", datasets: str = "bench") -> str:
+    out = records_dir or "RUN_DIR"
+    return (
+        f"flipguard eval --split train --datasets {datasets} --mode logprob "
+        f"--model {model} --out {out}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PairRow:
+    """One training example before formatting: a prompt and its one-token target."""
+
+    prompt: tuple[tuple[str, str], ...]  # ((role, content), ...): hashable
+    target: str
+    item_id: str
+    dataset: str
+    case: str
+    mitigation: str
+    flip: str | None = None
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": r, "content": c} for r, c in self.prompt]
+
+
+def _row(item: Item, case: str, mitigation: str, flip: str | None = None) -> PairRow:
+    from flipguard.eval.prompts import build_messages
+
+    messages = build_messages(item, case, mitigation=mitigation, fmt="one_token")
+    return PairRow(
+        prompt=tuple((m["role"], m["content"]) for m in messages),
+        target=CASE_TARGET[case],
+        item_id=item.id,
+        dataset=item.dataset,
+        case=case,
+        mitigation=mitigation,
+        flip=flip,
+    )
+
+
+# ---------------------------------------------------------------- checks
+
+
+def refuse_test_items(items: Sequence[Item], test_items: Iterable[Item] | None = None) -> None:
+    """DataError for any item marked as test split, or overlapping the given test items."""
+    marked = [it for it in items if it.split != "train"]
+    if marked:
+        ex = ", ".join(f"{it.dataset}:{it.id} (split={it.split!r})" for it in marked[:5])
+        raise DataError(f"refusing to train on {len(marked)} item(s) not from the train split: {ex}")
+    if test_items is not None:
+        from flipguard.data.splits import check_no_leakage
+
+        check_no_leakage(items, test_items)
+
+
+def load_test_items_for(items: Sequence[Item], data_root: str | None) -> list[Item]:
+    """The test split of every dataset the pairs use (those that have one)."""
+    from flipguard.data.unified import load_items
+
+    out: list[Item] = []
+    for dataset in sorted({it.dataset for it in items}):
+        try:
+            out += load_items([dataset], split="test", data_root=data_root)
+        except DataError as exc:
+            if "test file" in str(exc) or "not found" in str(exc) or "does not exist" in str(exc):
+                continue  # no released test file for this dataset: nothing to overlap
+            raise
+    return out
+
+
+def check_binary(rows: Iterable[PairRow], source: str = "pairs") -> None:
+    bad = [r for r in rows if r.target not in TARGETS]
+    if bad:
+        ex = ", ".join(f"{r.dataset}:{r.item_id} -> {r.target!r}" for r in bad[:5])
+        raise PairsError(f"{source}: {len(bad)} completion(s) are not exactly '1' or '2' (refused): {ex}")
+
+
+# ---------------------------------------------------------------- flips
+
+
+def flipped_items(flips) -> dict[str, set[str]]:
+    """item key "dataset\\x00item_id" -> flip types seen, from a flip_records() frame."""
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    if flips is None or len(flips) == 0:
+        return out
+    required = {"item_id", "dataset", "pair", "flip"}
+    missing = required - set(flips.columns)
+    if missing:
+        raise PairsError(f"flip records lack column(s) {sorted(missing)}")
+    for row in flips.itertuples(index=False):
+        if row.flip in ("deference", "skepticism"):
+            out[f"{row.dataset}\x00{row.item_id}"].add(row.flip)
+    return out
+
+
+def flips_from_records(records_dir: str, items: Sequence[Item], datasets: str = "bench"):
+    """flip_records() of a train-split run directory; errors say which eval to run."""
+    from flipguard.eval.metrics import flip_records
+    from flipguard.eval.records import RecordError, load_records
+
+    cmd = eval_command(records_dir, datasets=datasets)
+    if not records_dir:
+        raise PairsError(f"this strategy needs the base model's train-split records; run:\n  {cmd}\nthen pass --records RUN_DIR")
+    try:
+        records = load_records(records_dir)
+    except RecordError as exc:
+        raise PairsError(f"{exc}\nrun the base model on the train split first:\n  {cmd}") from None
+    train = [r for r in records if r.split == "train"]
+    if not train:
+        splits = sorted({r.split for r in records})
+        raise PairsError(
+            f"{records_dir}: no train-split records (found split(s) {splits}); flips must come from the "
+            f"train split, never the test split. Run:\n  {cmd}"
+        )
+    known = {(it.dataset, it.id) for it in items}
+    covered = {(r.dataset, r.item_id) for r in train}
+    if not covered & known:
+        raise PairsError(
+            f"{records_dir}: its train-split records cover none of the {len(known)} train items "
+            f"(different datasets or data root?). Run:\n  {cmd}"
+        )
+    return flip_records(train)
+
+
+# ---------------------------------------------------------------- strategies
+
+
+def _strategy_rows(
+    strategy: str,
+    items: Sequence[Item],
+    flips=None,
+    flip_weight: int = 3,
+    framings: Sequence[str] = ("c1", "c2", "dehumanizing"),
+    afr_rows: Sequence[dict] | None = None,
+) -> list[PairRow]:
+    if strategy not in PAIR_STRATEGIES:
+        raise PairsError(f"unknown pair strategy {strategy!r}; expected one of {PAIR_STRATEGIES}")
+    flipped = flipped_items(flips)  # also annotates rows of other strategies when given
+    if strategy in ("flips", "flip_weighted") and flips is None:
+        raise PairsError(f"strategy {strategy!r} needs flip records; run:\n  {eval_command(None)}")
+
+    def flip_of(item: Item) -> str | None:
+        kinds = flipped.get(f"{item.dataset}\x00{item.id}")
+        return "+".join(sorted(kinds)) if kinds else None
+
+    rows: list[PairRow] = []
+    if strategy == "all":
+        for item in items:
+            kind = flip_of(item)
+            rows += [_row(item, "c2_correct", "none", kind), _row(item, "c2_incorrect", "none", kind)]
+    elif strategy == "flips":
+        for item in items:
+            kind = flip_of(item)
+            if kind:
+                rows += [_row(item, "c2_correct", "none", kind), _row(item, "c2_incorrect", "none", kind)]
+    elif strategy == "flip_weighted":
+        if int(flip_weight) < 1:
+            raise PairsError(f"flip_weight must be an integer >= 1, got {flip_weight!r}")
+        for item in items:
+            kind = flip_of(item)
+            rows += [_row(item, "c2_correct", "none", kind), _row(item, "c2_incorrect", "none", kind)]
+    elif strategy == "consistency":
+        unknown = [f for f in framings if f not in FRAMING_CASES]
+        if unknown or not framings:
+            raise PairsError(f"unknown framing(s) {unknown}; expected some of {sorted(FRAMING_CASES)}")
+        for item in items:
+            kind = flip_of(item)
+            for framing in framings:
+                correct_case, incorrect_case, mitigation = FRAMING_CASES[framing]
+                rows += [_row(item, correct_case, mitigation, kind), _row(item, incorrect_case, mitigation, kind)]
+    elif strategy == "afr":
+        for i, r in enumerate(afr_rows or []):
+            missing = {"prompt", "target", "item_id", "dataset"} - set(r)
+            if missing:
+                raise PairsError(f"afr judgment {i}: missing key(s) {sorted(missing)}")
+            rows.append(
+                PairRow(
+                    prompt=tuple((m["role"], m["content"]) for m in r["prompt"]),
+                    target=str(r["target"]),
+                    item_id=str(r["item_id"]),
+                    dataset=str(r["dataset"]),
+                    case="afr",
+                    mitigation="none",
+                    flip=r.get("flip"),
+                )
+            )
+    return rows
+
+
+def _dedup(rows: list[PairRow]) -> tuple[list[PairRow], int, int]:
+    """(unique rows, duplicates dropped, conflicting prompts dropped)."""
+    by_prompt: dict[tuple, set[str]] = collections.defaultdict(set)
+    for r in rows:
+        by_prompt[r.prompt].add(r.target)
+    conflicts = {p for p, targets in by_prompt.items() if len(targets) > 1}
+    seen: set[tuple] = set()
+    out: list[PairRow] = []
+    dups = 0
+    for r in rows:
+        if r.prompt in conflicts:
+            continue
+        key = (r.prompt, r.target)
+        if key in seen:
+            dups += 1
+            continue
+        seen.add(key)
+        out.append(r)
+    return out, dups, len(conflicts)
+
+
+def _balance(rows: list[PairRow], rng: random.Random) -> tuple[list[PairRow], int]:
+    """Down-sample the majority target (seeded) so '1' and '2' are equal."""
+    by_target = {t: [r for r in rows if r.target == t] for t in TARGETS}
+    n = min(len(v) for v in by_target.values())
+    kept: set[int] = set()
+    for t, group in by_target.items():
+        idx = list(range(len(group)))
+        if len(group) > n:
+            idx = sorted(rng.sample(idx, n))
+        kept |= {id(group[i]) for i in idx}
+    out = [r for r in rows if id(r) in kept]
+    return out, len(rows) - len(out)
+
+
+@dataclasses.dataclass
+class PairSet:
+    """Built rows (after dedup, balance, weighting, shuffle) and their bookkeeping."""
+
+    rows: list[PairRow]
+    strategy: str
+    seed: int
+    duplicates: int = 0
+    conflicts: int = 0
+    dropped_for_balance: int = 0
+
+    def counts(self) -> dict[str, Any]:
+        per: dict[str, dict[str, int]] = {}
+        for r in self.rows:
+            c = per.setdefault(r.dataset, {"rows": 0, "target_1": 0, "target_2": 0, "flipped_rows": 0, "items": 0})
+            c["rows"] += 1
+            c[f"target_{r.target}"] += 1
+            c["flipped_rows"] += int(bool(r.flip))
+        for ds in per:
+            per[ds]["items"] = len({r.item_id for r in self.rows if r.dataset == ds})
+        total = {k: sum(v[k] for v in per.values()) for k in ("rows", "target_1", "target_2", "flipped_rows", "items")}
+        flips = collections.Counter(r.flip for r in self.rows if r.flip)
+        return {
+            "strategy": self.strategy,
+            "seed": self.seed,
+            "per_dataset": dict(sorted(per.items())),
+            "total": total,
+            "flip_types": dict(sorted(flips.items())),
+            "duplicates_dropped": self.duplicates,
+            "conflicting_prompts_dropped": self.conflicts,
+            "dropped_for_balance": self.dropped_for_balance,
+        }
+
+
+def build_pairs(
+    items: Sequence[Item],
+    strategy: str = "all",
+    flips=None,
+    *,
+    seed: int = 42,
+    balance: bool = True,
+    flip_weight: int = 3,
+    framings: Sequence[str] = ("c1", "c2", "dehumanizing"),
+    afr_rows: Sequence[dict] | None = None,
+    test_items: Iterable[Item] | None = None,
+) -> PairSet:
+    """Rows for one strategy; shared by the SFT and DPO formatters below."""
+    refuse_test_items(items, test_items)
+    rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows)
+    check_binary(rows, f"strategy {strategy!r}")
+    rows, dups, conflicts = _dedup(rows)
+    rng = random.Random(seed)
+    dropped = 0
+    if balance and rows:
+        rows, dropped = _balance(rows, rng)
+    if strategy == "flip_weighted":
+        rows = [r for r in rows for _ in range(int(flip_weight) if r.flip else 1)]
+    rng.shuffle(rows)
+    if not rows:
+        raise PairsError(
+            f"strategy {strategy!r} produced no pairs from {len(items)} item(s)"
+            + (" (the base model flipped on none of them)" if strategy == "flips" else "")
+        )
+    return PairSet(rows, strategy, seed, dups, conflicts, dropped)
+
+
+def _meta_columns(r: PairRow) -> dict[str, Any]:
+    return {"item_id": r.item_id, "dataset": r.dataset, "case": r.case, "mitigation": r.mitigation, "flip": r.flip or ""}
+
+
+def sft_records(pairs: PairSet) -> list[dict[str, Any]]:
+    return [
+        {"prompt": r.messages, "completion": [{"role": "assistant", "content": r.target}], **_meta_columns(r)}
+        for r in pairs.rows
+    ]
+
+
+def dpo_records(pairs: PairSet) -> list[dict[str, Any]]:
+    other = {"1": "2", "2": "1"}
+    return [
+        {
+            "prompt": r.messages,
+            "chosen": [{"role": "assistant", "content": r.target}],
+            "rejected": [{"role": "assistant", "content": other[r.target]}],
+            **_meta_columns(r),
+        }
+        for r in pairs.rows
+    ]
+
+
+def build_sft_pairs(items: Sequence[Item], strategy: str = "all", flips=None, **kwargs):
+    """`datasets.Dataset` in TRL's conversational prompt-completion format."""
+    from datasets import Dataset
+
+    return Dataset.from_list(sft_records(build_pairs(items, strategy, flips, **kwargs)))
+
+
+def build_dpo_pairs(items: Sequence[Item], strategy: str = "all", flips=None, **kwargs):
+    """`datasets.Dataset` in TRL's conversational preference format (prompt/chosen/rejected)."""
+    from datasets import Dataset
+
+    return Dataset.from_list(dpo_records(build_pairs(items, strategy, flips, **kwargs)))
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write both formats, counts.json and pairs.json into out_dir (built in a temp folder
+    and swapped in, so a crash never leaves half a pair set). Returns the counts."""
+    from datasets import Dataset
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        fingerprints = {}
+        for name, records in ((SFT_DIR, sft_records(pairs)), (DPO_DIR, dpo_records(pairs))):
+            ds = Dataset.from_list(records)
+            ds.save_to_disk(str(tmp / name))
+            fingerprints[name] = ds._fingerprint
+            with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as fh:
+                for rec in records:
+                    fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        counts = pairs.counts()
+        (tmp / COUNTS_FILE).write_text(json.dumps(counts, indent=2) + "\n", encoding="utf-8")
+        digest = hashlib.sha256((tmp / f"{SFT_DIR}.jsonl").read_bytes()).hexdigest()[:16]
+        full_meta = {**(meta or {}), "strategy": pairs.strategy, "seed": pairs.seed,
+                     "fingerprints": fingerprints, "sft_jsonl_sha256": digest, "rows": len(pairs.rows)}
+        (tmp / META_FILE).write_text(json.dumps(full_meta, indent=2, default=str) + "\n", encoding="utf-8")
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return counts
+
+
+def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pairs: strategy={counts['strategy']} seed={counts['seed']}")
+    for col in ("dataset", "items", "rows", "target 1", "target 2", "flipped rows"):
+        table.add_column(col, justify="left" if col == "dataset" else "right")
+    for ds, c in counts["per_dataset"].items():
+        table.add_row(ds, *(str(c[k]) for k in ("items", "rows", "target_1", "target_2", "flipped_rows")))
+    t = counts["total"]
+    table.add_row("total", *(str(t[k]) for k in ("items", "rows", "target_1", "target_2", "flipped_rows")), style="bold")
+    console = Console(file=sys.stdout)
+    console.print(table)
+    console.print(
+        f"dropped: {counts['duplicates_dropped']} duplicate(s), {counts['conflicting_prompts_dropped']} "
+        f"conflicting prompt(s), {counts['dropped_for_balance']} for 50/50 balance"
+    )
+    if out_dir is not None:
+        console.print(f"pairs written to {out_dir} ({SFT_DIR}/, {DPO_DIR}/, *.jsonl, {COUNTS_FILE})")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+@dataclasses.dataclass
+class PairsCommandArguments:
+    """Command-line shortcuts for `flipguard pairs` (override the recipe's pairs: section)."""
+
+    records: str | None = dataclasses.field(default=None, metadata={"help": "Train-split eval run directory (pairs.records)."})
+    out: str | None = dataclasses.field(default=None, metadata={"help": "Output folder (pairs.dir)."})
+
+
+def load_afr_rows(afr_run: str | None) -> list[dict]:
+    try:
+        from flipguard.eval.afr.pairs import afr_judgments
+    except ImportError as exc:
+        raise PairsError(f"strategy 'afr' needs flipguard.eval.afr.pairs.afr_judgments, which is not available ({exc})") from None
+    if not afr_run:
+        raise PairsError("strategy 'afr' needs pairs.afr_run (--pairs_afr_run RUN_DIR): an answer-flip run directory")
+    return list(afr_judgments(afr_run))
+
+
+def run(args: PairsArguments, recipe_path: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Build and write the pair set a PairsArguments describes."""
+    items: list[Item] = []
+    test_items = None
+    flips = None
+    afr_rows = None
+    if args.pairs_strategy == "afr":
+        afr_rows = load_afr_rows(args.pairs_afr_run)
+    else:
+        from flipguard.data.unified import load_items
+
+        items = load_items(args.pairs_datasets, split="train", data_root=args.pairs_data_root)
+        test_items = load_test_items_for(items, args.pairs_data_root)
+        if args.pairs_strategy in ("flips", "flip_weighted"):
+            flips = flips_from_records(args.pairs_records, items, args.pairs_datasets)
+    pairs = build_pairs(
+        items,
+        args.pairs_strategy,
+        flips,
+        seed=args.pairs_seed,
+        balance=args.pairs_balance,
+        flip_weight=args.pairs_flip_weight,
+        framings=args.pairs_framings,
+        afr_rows=afr_rows,
+        test_items=test_items,
+    )
+    meta = {"recipe": recipe_path, "records": args.pairs_records, "datasets": args.pairs_datasets,
+            "data_root": args.pairs_data_root, "pairs_args": dataclasses.asdict(args)}
+    counts = write_pairs(pairs, args.pairs_dir, meta)
+    return Path(args.pairs_dir), counts
+
+
+def main(argv: list[str]) -> int:
+    from flipguard.recipes.config import parse_recipe
+
+    (args, cli), recipe_path, _ = parse_recipe(
+        argv, (PairsArguments, PairsCommandArguments), trainer=None, prog="flipguard pairs"
+    )
+    if cli.records is not None:
+        args.pairs_records = cli.records
+    if cli.out is not None:
+        args.pairs_dir = cli.out
+    out_dir, counts = run(args, recipe_path)
+    print_counts(counts, out_dir)
+    return 0

@@ -1,0 +1,45 @@
+"""README command 1 end to end: `flipguard demo` produces every artefact it promises."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from flipguard.eval.cli import main as cli_main
+
+
+def test_demo_runs_the_whole_loop(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    out = tmp_path / "demo"
+    assert cli_main(["demo", "--out", str(out), "--n_boot", "100"]) == 0
+    printed = capsys.readouterr().out
+    assert "Artefacts:" in printed and str(out / "compare" / "comparison.md") in printed
+
+    # DDS: baseline in both modes, mitigations C2-only against the baseline's C1
+    for name in ("baseline-logprob", "baseline-generate", "be_honest-logprob", "dehumanizing-generate"):
+        summary = pd.read_csv(out / "dds" / name / "report" / "summary.csv")
+        assert list(summary.columns) == ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
+                                         "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high"]
+        assert {"aio", "truthfulqa", "bench_avg", "total_avg"} <= set(summary["dataset"])
+    meta = json.loads((out / "dds" / "be_honest-logprob" / "run.json").read_text())
+    assert meta["cases"] == ["c2_correct", "c2_incorrect"] and meta["c1_from"]
+
+    # the loop: pairs, both adapters merged, fine-tuned runs, comparison with all sections
+    counts = json.loads((out / "pairs" / "counts.json").read_text())
+    assert counts
+    for trainer in ("sft", "dpo"):
+        assert (out / "models" / f"{trainer}-merged" / "config.json").exists()
+        assert (out / "models" / f"{trainer}-merged" / "README.md").exists()
+    table = pd.read_csv(out / "compare" / "comparison.csv")
+    assert list(dict.fromkeys(table["condition"])) == ["Baseline", "Be Honest", "Dehumanizing", "SFT", "DPO"]
+    md = (out / "compare" / "comparison.md").read_text()
+    assert "## Answer flips (AFR" in md and "## Stick-or-switch" in md
+    for png in ("dds_heatmap.png", "before_after.png"):
+        assert (out / "compare" / png).stat().st_size > 1000
+
+    # rerunning resumes: nothing is evaluated twice
+    n_before = sum(1 for _ in (out / "dds" / "baseline-logprob" / "records.jsonl").open())
+    assert cli_main(["demo", "--out", str(out), "--n_boot", "100", "--train", "false"]) == 0
+    assert sum(1 for _ in (out / "dds" / "baseline-logprob" / "records.jsonl").open()) == n_before
+    assert "0 to run" in capsys.readouterr().out

@@ -1,0 +1,79 @@
+"""Recipe parsing: positional path, --config, CLI overrides, per-trainer sections, unknown keys."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from trl import DPOConfig, ModelConfig, SFTConfig
+
+from flipguard.recipes.config import PairsArguments, RecipeError, TrackingArguments, parse_recipe
+
+SFT_TYPES = (PairsArguments, SFTConfig, ModelConfig, TrackingArguments)
+DPO_TYPES = (PairsArguments, DPOConfig, ModelConfig, TrackingArguments)
+CPU = ["--bf16", "false", "--fp16", "false", "--use_cpu", "true"]  # the GPU recipes parse on CPU with these
+
+
+def test_positional_and_config_flag_read_the_same_recipe():
+    (p1, t1, m1, _), path1, _ = parse_recipe(["recipes/tiny.yaml"], SFT_TYPES, trainer="sft")
+    (p2, t2, m2, _), path2, _ = parse_recipe(["--config", "recipes/tiny.yaml"], SFT_TYPES, trainer="sft")
+    assert path1 == path2 == "recipes/tiny.yaml"
+    assert (t1.learning_rate, m1.lora_r, p1.pairs_dir) == (t2.learning_rate, m2.lora_r, p2.pairs_dir) == (1e-2, 8, "runs/tiny/pairs")
+    # the CPU recipe must not train under bf16 autocast
+    assert t1.bf16 is False and t1.fp16 is False and t1.use_cpu is True and t1.gradient_checkpointing is True
+    assert t1.report_to == [] or t1.report_to == "none"
+
+
+def test_paper_defaults_and_per_trainer_sections():
+    (_, sft, model, _), _, _ = parse_recipe(["recipes/qwen7b.yaml", *CPU], SFT_TYPES, trainer="sft")
+    assert model.model_name_or_path == "Qwen/Qwen2.5-7B-Instruct"
+    assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (64, 16, 0.05)
+    assert set(model.lora_target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert model.load_in_4bit and model.bnb_4bit_quant_type == "nf4" and model.use_bnb_nested_quant
+    assert model.dtype == "bfloat16"  # Table 34 compute dtype
+    assert (sft.num_train_epochs, sft.per_device_train_batch_size, sft.gradient_accumulation_steps) == (2, 4, 4)
+    assert (sft.learning_rate, sft.weight_decay, sft.warmup_steps) == (2e-4, 0.01, 0.03)
+    assert sft.lr_scheduler_type.value == "cosine" and sft.completion_only_loss is True
+    (_, dpo, model_d, _), _, _ = parse_recipe(["recipes/qwen7b.yaml", *CPU], DPO_TYPES, trainer="dpo")
+    assert model_d.dtype == "float16"  # Table 36 compute dtype, from the dpo: section
+    assert (dpo.beta, dpo.learning_rate, dpo.num_train_epochs) == (0.1, 5e-5, 1)
+    assert dpo.max_length == 768 + 3 and dpo.max_grad_norm == 1.0
+    (_, _, gemma, _), _, _ = parse_recipe(["recipes/gemma12b.yaml", *CPU], SFT_TYPES, trainer="sft")
+    assert gemma.model_name_or_path == "google/gemma-3-12b-it" and gemma.lora_r == 64
+
+
+def test_command_line_overrides_yaml():
+    (pairs, t, m, tr), _, _ = parse_recipe(
+        ["recipes/tiny.yaml", "--learning_rate", "3e-3", "--lora_r", "4", "--pairs_strategy", "flips",
+         "--tracking_project", "p2"], DPO_TYPES, trainer="dpo")
+    assert (t.learning_rate, m.lora_r, pairs.pairs_strategy, tr.tracking_project) == (3e-3, 4, "flips", "p2")
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ("model_name_or_path: x\nlearning_rat: 1.0\n", "learning_rat"),
+        ("model_name_or_path: x\nsft:\n  warmup_ratio: 0.03\n", "warmup_ratio"),  # removed in transformers 5
+        ("model_name_or_path: x\ndpo:\n  max_prompt_length: 768\n", "max_prompt_length"),  # removed in TRL 1.x
+        ("model_name_or_path: x\npairs:\n  stratgy: all\n", "stratgy"),
+        ("model_name_or_path: x\nwandb:\n  project: p\n", "wandb"),
+    ],
+)
+def test_unknown_key_is_an_error_naming_it(tmp_path, body, key):
+    path = _write(tmp_path, body)
+    with pytest.raises(RecipeError, match=f"unknown key '{key}'"):
+        parse_recipe([path], SFT_TYPES, trainer="sft")
+
+
+def test_unknown_key_from_the_real_cli_is_one_line(tmp_path):
+    path = _write(tmp_path, "model_name_or_path: x\nsft:\n  lr: 1.0\n")
+    proc = subprocess.run([sys.executable, "train/sft.py", path], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown key 'lr'" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,181 @@
+"""Trainers on the tiny model on CPU: QLoRA path, label masking, P("1") moves, wandb offline,
+length refusal, bad model, merge round-trip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flipguard.data.schema import Item
+from flipguard.eval.prompts import build_messages
+from flipguard.recipes import pairs as P
+from flipguard.train import utils
+
+ITEMS = [Item(id=f"t-{i}", dataset="amqa", question=f"Is {i} even?", correct_answer="yes" if i % 2 == 0 else "no",
+              incorrect_answer="no" if i % 2 == 0 else "yes", split="train") for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def pairs_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pairs") / "pairs"
+    P.write_pairs(P.build_pairs(ITEMS, "all", seed=0), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ones_dir(tmp_path_factory):
+    """Only target-'1' rows: a preference the tiny model can learn in a few DPO steps."""
+    ps = P.build_pairs(ITEMS, "all", seed=0, balance=False)
+    ps.rows = [r for r in ps.rows if r.target == "1"]
+    out = tmp_path_factory.mktemp("ones") / "pairs"
+    P.write_pairs(ps, out)
+    return out
+
+
+def env(tmp_path):
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path),
+            "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def answer_logprobs(model_path, adapter, messages) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+    return {a: float(logp[tok.convert_tokens_to_ids(a)]) for a in ("1", "2")}
+
+
+def test_sft_labels_cover_only_answer_and_end_of_turn_on_a_4bit_base(tiny_model_path, pairs_dir, tmp_path):
+    from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config, get_quantization_config
+
+    model_args = ModelConfig(model_name_or_path=tiny_model_path, dtype="float32", load_in_4bit=True,
+                             use_bnb_nested_quant=True, use_peft=True, lora_r=4, lora_alpha=8,
+                             lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, fp16=False, report_to="none",
+                     completion_only_loss=True, max_length=2048)
+    args.model_init_kwargs = utils.model_init_kwargs(model_args, args)
+    tok = utils.load_tokenizer(tiny_model_path)
+    ds = utils.load_pair_dataset(str(pairs_dir), "sft")
+    trainer = SFTTrainer(model=tiny_model_path, args=args, train_dataset=ds, processing_class=tok,
+                         peft_config=get_peft_config(model_args), quantization_config=get_quantization_config(model_args))
+    names = {type(m).__name__ for m in trainer.model.modules()}
+    assert "Linear4bit" in names  # the real QLoRA path: bitsandbytes NF4 on CPU
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    for row, labels, ids in zip((ds[i] for i in range(4)), batch["labels"], batch["input_ids"]):
+        kept = labels[labels != -100].tolist()
+        assert tok.convert_ids_to_tokens(kept) == [row["completion"][0]["content"], "<|im_end|>", "\n"] or \
+            tok.decode(kept) == row["completion"][0]["content"] + "<|im_end|>\n"
+        # and those are the last real tokens of the sequence, right after the assistant header
+        prompt_ids = tok(tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False).input_ids
+        real = ids[ids != tok.pad_token_id].tolist() if tok.pad_token_id not in kept else ids.tolist()
+        assert real[: len(prompt_ids)] == prompt_ids
+
+
+def test_sft_cli_moves_p1_toward_the_target(tiny_model_path, pairs_dir, tmp_path):
+    out = tmp_path / "sft"
+    cmd = [sys.executable, "train/sft.py", "recipes/tiny.yaml", "--model_name_or_path", tiny_model_path,
+           "--pairs_dir", str(pairs_dir), "--output_dir", str(out), "--max_steps", "10", "--per_device_train_batch_size", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "adapter_model.safetensors").is_file() and (out / "README.md").is_file()
+    msgs = build_messages(ITEMS[0], "c2_correct", fmt="one_token")  # a training prompt, target "1"
+    before = answer_logprobs(tiny_model_path, None, msgs)
+    after = answer_logprobs(tiny_model_path, str(out), msgs)
+    # the tiny random model starts near uniform (log P ~ -ln 599); ten steps must lift P("1") by > 60%
+    assert after["1"] > before["1"] + 0.5
+
+
+def test_dpo_cli_moves_margin_and_writes_wandb_offline_run(tiny_model_path, ones_dir, tmp_path):
+    out = tmp_path / "dpo"
+    cmd = [sys.executable, "train/dpo.py", "--config", "recipes/tiny.yaml", "--model_name_or_path", tiny_model_path,
+           "--pairs_dir", str(ones_dir), "--output_dir", str(out), "--max_steps", "6", "--report_to", "wandb",
+           "--per_device_train_batch_size", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    msgs = build_messages(ITEMS[1], "c2_correct", fmt="one_token")
+    before = answer_logprobs(tiny_model_path, None, msgs)
+    after = answer_logprobs(tiny_model_path, str(out), msgs)
+    assert after["1"] - after["2"] > before["1"] - before["2"] + 0.5
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, "no offline wandb run directory"
+    # offline runs keep the config inside the run's .wandb log (protobuf; the strings are plain bytes)
+    blob = b"".join(p.read_bytes() for p in runs[0].rglob("*") if p.is_file())
+    assert b"pairs_fingerprint" in blob and b"recipes/tiny.yaml" in blob and b"git_commit" in blob
+
+
+def test_pairs_that_would_be_truncated_are_refused(tiny_model_path, pairs_dir):
+    tok = utils.load_tokenizer(tiny_model_path)
+    ds = utils.load_pair_dataset(str(pairs_dir), "dpo")
+    longest = utils.check_pair_lengths(ds, tok, 4096, "dpo")
+    with pytest.raises(utils.TrainError, match="t-") as exc:
+        utils.check_pair_lengths(ds, tok, longest["prompt"], "dpo")  # the longest prompt leaves no room
+    assert "refused" in str(exc.value)
+
+
+def test_non_binary_pair_dataset_is_refused(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}],
+                        "completion": [{"role": "assistant", "content": "yes"}]}]).save_to_disk(str(tmp_path / "sft"))
+    with pytest.raises(utils.TrainError, match="'1' or '2'"):
+        utils.load_pair_dataset(str(tmp_path), "sft")
+
+
+def test_model_that_cannot_load_offline_is_a_clear_error(tmp_path, pairs_dir):
+    cmd = [sys.executable, "train/dpo.py", "recipes/tiny.yaml", "--model_name_or_path", "nobody/no-such-model-xyz",
+           "--pairs_dir", str(pairs_dir), "--output_dir", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(tmp_path), timeout=120)
+    assert proc.returncode == 2
+    assert "cannot be loaded" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resume_checkpoint_finds_the_last_one(tmp_path):
+    from types import SimpleNamespace
+
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-10").mkdir()
+    args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path))
+    assert Path(utils.resume_checkpoint(args)).name == "checkpoint-10"
+    args.resume_from_checkpoint = str(tmp_path / "missing")
+    with pytest.raises(utils.TrainError):
+        utils.resume_checkpoint(args)
+
+
+def test_merge_round_trip_matches_base_plus_adapter(tiny_model_path, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from flipguard.train.merge import merge_adapter
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(base, lora)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merged_dir = merge_adapter(tiny_model_path, str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
+    assert (merged_dir / "model.safetensors").is_file() and (merged_dir / "generation_config.json").is_file()
+    assert (merged_dir / "README.md").is_file() and (merged_dir / "tokenizer_config.json").is_file()
+
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                                    tmp_path / "adapter").eval()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got, base_logits = ref(ids).logits, merged(ids).logits, plain(ids).logits
+    assert not torch.allclose(want, base_logits, atol=1e-3)  # the adapter does change the model
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,313 @@
+"""Helpers shared by the thin train/*.py scripts (alignment-handbook style).
+
+The scripts read top to bottom; everything with a branch lives here: resolving the
+model name (including the local tiny model), loading pair datasets and refusing bad
+ones, the token-length check that keeps TRL from silently truncating or dropping a
+pair, tracking (wandb with the resolved recipe, git commit and pair fingerprint),
+checkpoint resumption and model cards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from flipguard.errors import FlipguardError
+
+TINY_MODEL_ALIASES = ("flipguard:tiny", "tiny")
+log = logging.getLogger("flipguard.train")
+
+
+class TrainError(FlipguardError, RuntimeError):
+    """Training cannot start with this recipe/input; the message says what to fix."""
+
+
+def run_main(main: Callable[[list[str]], int], prog: str) -> None:
+    """Run a script's main: user errors print one line and exit 2, bugs keep tracebacks."""
+    try:
+        code = int(main(sys.argv[1:]) or 0)
+    except FlipguardError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+def setup_logging(training_args) -> None:
+    import datasets
+    import transformers
+
+    level = training_args.get_process_log_level()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    log.setLevel(level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+
+
+def resolve_model_path(name: str | None) -> str:
+    """`flipguard:tiny` -> the locally built tiny model; anything else unchanged."""
+    if not name:
+        raise TrainError("the recipe sets no model_name_or_path")
+    if name in TINY_MODEL_ALIASES:
+        from flipguard.eval.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model()
+    return name
+
+
+def check_model_loadable(model_path: str, recipe: str | None = None) -> None:
+    """Fail early, in one line, when the model is neither a folder nor reachable/cached."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("TRANSFORMERS_OFFLINE") == "1"
+        where = f"{recipe}: " if recipe else ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TrainError(
+            f"{where}model {model_path!r} cannot be loaded{' offline' if offline else ''}: it is not a local "
+            f"folder with a config.json and not in the Hugging Face cache ({first}). Download it on a "
+            f"connected machine (huggingface-cli download {model_path}) or point model_name_or_path at a folder."
+        ) from None
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if tokenizer.chat_template is None:
+        raise TrainError(f"{model_path}: tokenizer has no chat template; flipguard trains chat models")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_init_kwargs(model_args, training_args) -> dict[str, Any]:
+    """from_pretrained kwargs the TRL trainers use when given a model path. A 4-bit base
+    on GPU gets one copy per process (DDP); under FSDP device_map must stay unset."""
+    import torch
+    from accelerate import PartialState
+
+    kwargs: dict[str, Any] = dict(
+        revision=model_args.model_revision,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    quantized = model_args.load_in_4bit or model_args.load_in_8bit
+    fsdp = bool(getattr(training_args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if quantized and torch.cuda.is_available() and not training_args.use_cpu and not fsdp:
+        kwargs["device_map"] = {"": PartialState().local_process_index}
+    if training_args.model_init_kwargs:
+        kwargs.update(training_args.model_init_kwargs)
+    return kwargs
+
+
+# ---------------------------------------------------------------- pair datasets
+
+REQUIRED_COLUMNS = {"sft": ("prompt", "completion"), "dpo": ("prompt", "chosen", "rejected")}
+
+
+def load_pair_dataset(pairs_dir: str, kind: str):
+    """The `kind` ("sft"/"dpo") pair dataset written by `flipguard pairs`, validated."""
+    from datasets import load_from_disk
+
+    path = Path(pairs_dir) / kind
+    if not path.is_dir():
+        raise TrainError(
+            f"{path}: no {kind} pair dataset. Build it first:\n"
+            f"  flipguard pairs RECIPE.yaml --records TRAIN_RUN_DIR --out {pairs_dir}"
+        )
+    dataset = load_from_disk(str(path))
+    missing = [c for c in REQUIRED_COLUMNS[kind] if c not in dataset.column_names]
+    if missing:
+        raise TrainError(f"{path}: missing column(s) {missing}; expected TRL {kind} format {REQUIRED_COLUMNS[kind]}")
+    completion_cols = ("completion",) if kind == "sft" else ("chosen", "rejected")
+    for i, row in enumerate(dataset.select_columns(list(completion_cols) + [c for c in ("item_id",) if c in dataset.column_names])):
+        for col in completion_cols:
+            msgs = row[col]
+            if not (isinstance(msgs, list) and len(msgs) == 1 and msgs[0].get("role") == "assistant"
+                    and msgs[0].get("content") in ("1", "2")):
+                raise TrainError(
+                    f"{path}: row {i} (item {row.get('item_id', '?')}): {col} must be one assistant message "
+                    f"'1' or '2', got {msgs!r} (refused)"
+                )
+    if len(dataset) == 0:
+        raise TrainError(f"{path}: the pair dataset is empty")
+    return dataset
+
+
+def pairs_fingerprint(dataset) -> str:
+    return getattr(dataset, "_fingerprint", None) or "unknown"
+
+
+def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) -> dict[str, int]:
+    """Refuse pairs that TRL would truncate (answer token or its end-of-turn cut) or drop.
+
+    Both trainers tokenize prompt and prompt+completion with the chat template and cut
+    at max_length; a prompt that fills max_length loses its answer and is trained on
+    with zero loss (SFT) or silently dropped (DPO). Returns the longest lengths seen.
+    """
+    if max_length is None:
+        return {}
+    completion_cols = ("completion",) if kind == "sft" else ("chosen", "rejected")
+    too_long: list[str] = []
+    answer_lost = 0
+    longest = {"prompt": 0, "sequence": 0}
+    for i, row in enumerate(dataset):
+        prompt_ids = _chat_ids(tokenizer, row["prompt"], add_generation_prompt=True)
+        longest["prompt"] = max(longest["prompt"], len(prompt_ids))
+        for col in completion_cols:
+            full_ids = _chat_ids(tokenizer, row["prompt"] + row[col], add_generation_prompt=False)
+            longest["sequence"] = max(longest["sequence"], len(full_ids))
+            if len(full_ids) > max_length:
+                too_long.append(f"{row.get('item_id', f'row {i}')}/{row.get('case', col)} ({len(full_ids)} tokens)")
+                answer_lost += int(len(prompt_ids) >= max_length)
+                break
+    if too_long:
+        raise TrainError(
+            f"{len(too_long)} pair(s) exceed max_length={max_length} tokens and would be truncated "
+            f"({answer_lost} of them lose the answer token itself, the rest its end-of-turn); refused, "
+            f"not trained on. Raise max_length or drop these items: {', '.join(too_long[:20])}"
+            + (f" (and {len(too_long) - 20} more)" if len(too_long) > 20 else "")
+        )
+    return longest
+
+
+def _chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------- checkpoints, tracking
+
+
+def resume_checkpoint(training_args) -> str | bool | None:
+    """--resume_from_checkpoint PATH/true, else the last checkpoint in output_dir."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    value = training_args.resume_from_checkpoint
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes"):
+        return True
+    if isinstance(value, str) and value.lower() in ("false", "0", "no"):
+        return None
+    if value:
+        if not Path(value).is_dir():
+            raise TrainError(f"--resume_from_checkpoint {value}: no such checkpoint folder")
+        return value
+    if Path(training_args.output_dir).is_dir():
+        last = get_last_checkpoint(training_args.output_dir)
+        if last is not None:
+            log.info("resuming from the last checkpoint in output_dir: %s", last)
+            return last
+    return None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def run_config(recipe_path, recipe, parsed, dataset, extra: dict | None = None) -> dict[str, Any]:
+    from flipguard.recipes.config import resolved_recipe
+
+    return {
+        "recipe_path": recipe_path,
+        "recipe": recipe,
+        "resolved": resolved_recipe(*parsed),
+        "git_commit": git_commit(),
+        "pairs_fingerprint": pairs_fingerprint(dataset),
+        "pairs_rows": len(dataset),
+        **(extra or {}),
+    }
+
+
+def init_tracking(training_args, tracking_args, config: dict[str, Any], suffix: str):
+    """Start the wandb run ourselves (the Trainer's callback then reuses it) so the run
+    config carries the recipe, git commit and pair fingerprint. WANDB_MODE=offline works."""
+    if training_args.run_name in (None, training_args.output_dir) and tracking_args.tracking_run_name:
+        training_args.run_name = f"{tracking_args.tracking_run_name}-{suffix}"
+    if "wandb" not in (training_args.report_to or []):
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise TrainError("report_to includes wandb but wandb is not installed (pip install wandb, or report_to: none)") from None
+    os.environ.setdefault("WANDB_PROJECT", tracking_args.tracking_project)
+    return wandb.init(
+        project=tracking_args.tracking_project,
+        entity=tracking_args.tracking_entity,
+        name=training_args.run_name,
+        tags=list(tracking_args.tracking_tags or []),
+        config={"flipguard": config},
+        dir=os.environ.get("WANDB_DIR") or training_args.output_dir,
+    )
+
+
+def finish_tracking(run) -> None:
+    if run is not None:
+        run.finish()
+
+
+def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
+    """flipguard_training.json + a README model card next to the adapter."""
+    from flipguard.eval.records import atomic_write_json, atomic_write_text
+
+    counts = read_pair_counts(pairs_dir)
+    atomic_write_json(Path(output_dir) / "flipguard_training.json", {**config, "pair_counts": counts})
+    atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts))
+
+
+def read_pair_counts(pairs_dir: str | None) -> dict[str, Any] | None:
+    if not pairs_dir:
+        return None
+    path = Path(pairs_dir) / "counts.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def model_card(config: dict[str, Any], counts: dict[str, Any] | None, metrics: dict[str, Any] | None = None,
+               title: str = "flipguard adapter") -> str:
+    lines = [f"# {title}", ""]
+    base = config.get("base_model") or (config.get("resolved", {}).get("ModelConfig", {}) or {}).get("model_name_or_path")
+    lines += [
+        f"- base model: `{base}`",
+        f"- trainer: {config.get('trainer', '?')}",
+        f"- recipe: `{config.get('recipe_path')}`",
+        f"- git commit: `{config.get('git_commit')}`",
+        f"- pair dataset fingerprint: `{config.get('pairs_fingerprint')}` ({config.get('pairs_rows')} rows)",
+        "",
+        "Trained with flipguard to reduce conversational deference (DialDefer, arXiv 2025): "
+        "one-token judgments ('1' correct / '2' incorrect) on the Listing 3 prompt.",
+        "",
+    ]
+    if counts:
+        lines += ["## Pairs", "", f"strategy `{counts.get('strategy')}`, seed {counts.get('seed')}", "",
+                  "| dataset | items | rows | target 1 | target 2 | flipped rows |", "|---|---:|---:|---:|---:|---:|"]
+        for ds, c in (counts.get("per_dataset") or {}).items():
+            lines.append(f"| {ds} | {c['items']} | {c['rows']} | {c['target_1']} | {c['target_2']} | {c['flipped_rows']} |")
+        lines.append("")
+    if metrics:
+        lines += ["## Before / after", "", "```json", json.dumps(metrics, indent=2, default=str), "```", ""]
+    if config.get("recipe"):
+        import yaml
+
+        lines += ["## Recipe", "", "```yaml", yaml.safe_dump(config["recipe"], sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def get_peft_config_checked(model_args, get_peft_config):
+    """trl.get_peft_config, refusing full fine-tuning of a quantized base (not trainable)."""
+    if not model_args.use_peft:
+        if model_args.load_in_4bit or model_args.load_in_8bit:
+            raise TrainError("load_in_4bit/8bit needs use_peft: true (a quantized base cannot be fully fine-tuned)")
+        return None
+    return get_peft_config(model_args)
