@@ -17,13 +17,12 @@ the same raw row carry the same id and the leakage check by id is meaningful:
 
 from __future__ import annotations
 
-import json
 import random
 import zipfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from flipguard.data.schema import DOMAINS, DataError, Item, read_jsonl
+from flipguard.data.schema import DOMAINS, DataError, Item, parse_jsonl_lines, read_jsonl
 
 HARP_SEED = 42
 
@@ -42,24 +41,6 @@ def _check_unique(items: list[Item], source: Path | str) -> list[Item]:
             raise DataError(f"{source}: duplicate id {item.id!r} (rows {seen[item.id] + 1} and {pos + 1})")
         seen[item.id] = pos
     return items
-
-
-def _parse_jsonl_text(lines: Iterable[str], source: str) -> list[tuple[int, dict[str, Any]]]:
-    """read_jsonl for text that is not a plain file (a zip member)."""
-    rows = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{source}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{source}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append((lineno, row))
-    if not rows:
-        raise DataError(f"{source}: file is empty")
-    return rows
 
 
 def convert_halueval(path: str | Path, split: str = "train") -> list[Item]:
@@ -94,7 +75,7 @@ def _harp_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             if len(members) != 1:
                 raise DataError(f"{path}: expected exactly one .jsonl member, found {members}")
             text = archive.read(members[0]).decode("utf-8")
-        return _parse_jsonl_text(text.splitlines(), f"{path}!{members[0]}")
+        return parse_jsonl_lines(text.splitlines(), f"{path}!{members[0]}")
     return read_jsonl(path)
 
 

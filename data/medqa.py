@@ -33,22 +33,7 @@ SPLITS = ("test", "fewshot")
 LETTERS = "ABCDEFGHIJ"
 
 
-try:  # one item shape with the MMLU loader
-    from flipguard.data.mmlu import MCQItem
-except ImportError:  # pragma: no cover - only if the MMLU loader is missing
-
-    @dataclasses.dataclass
-    class MCQItem:  # type: ignore[no-redef]
-        """A multiple-choice question; `answer` is the letter of the right option."""
-
-        id: str
-        subject: str
-        category: str
-        question: str
-        options: list[str]
-        answer: str
-        split: str = "test"
-        dataset: str = "mmlu"
+from flipguard.data.mmlu import MCQItem  # one item shape with the MMLU loader
 
 
 def make_item(**fields: Any) -> MCQItem:

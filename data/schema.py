@@ -11,7 +11,7 @@ import dataclasses
 import json
 import re
 import unicodedata
-from typing import Any
+from typing import Any, Iterable
 
 from flipguard.errors import FlipguardError
 
@@ -89,20 +89,25 @@ def normalise_question(text: str) -> str:
     return " ".join(text.split())
 
 
-def read_jsonl(path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) pairs; a malformed line raises DataError naming file and line."""
+def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) pairs; a malformed line raises DataError naming source and line."""
     rows: list[tuple[int, dict[str, Any]]] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append((lineno, row))
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{source}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{source}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append((lineno, row))
     if not rows:
-        raise DataError(f"{path}: file is empty")
+        raise DataError(f"{source}: file is empty")
     return rows
+
+
+def read_jsonl(path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) pairs of a JSONL file; see parse_jsonl_lines."""
+    with open(path, encoding="utf-8") as fh:
+        return parse_jsonl_lines(fh, path)

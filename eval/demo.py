@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from flipguard.eval.dds import EvalArgs, evaluate
+from flipguard.eval.dds import EvalArgs
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 

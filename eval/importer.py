@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from flipguard.data.schema import AIO_DATASET, ALL_DATASETS
+from flipguard.data.schema import AIO_DATASET, ALL_DATASETS, DataError, read_jsonl
 from flipguard.errors import FlipguardError
 from flipguard.eval.prompts import RELEASED_TEMPLATE
 from flipguard.eval.records import (
@@ -125,15 +124,12 @@ def records_from_row(row: dict[str, Any], path: Path, lineno: int, model: str) -
 
 
 def read_file(path: Path, model: str) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ImportError_(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
-            yield from records_from_row(row, path, lineno, model)
+    try:
+        rows = read_jsonl(path)
+    except DataError as exc:
+        raise ImportError_(str(exc)) from None
+    for lineno, row in rows:
+        yield from records_from_row(row, path, lineno, model)
 
 
 def source_files(src: Path) -> list[Path]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import math
 import time
 from pathlib import Path

@@ -19,7 +19,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from flipguard.eval import metrics as M
 from flipguard.eval.cli import main as cli_main
 from flipguard.eval.importer import ImportError_, import_records
 from flipguard.eval.records import load_records, load_run_meta
@@ -182,7 +181,7 @@ def test_invalid_answer_imported_as_invalid(tmp_path):
 
 
 @pytest.mark.parametrize("line,message", [
-    ('{"id": "q1", "dataset": "gpqa", ', "gpqa.jsonl:2: malformed JSON"),
+    ('{"id": "q1", "dataset": "gpqa", ', "gpqa.jsonl:2: not valid JSON"),
     (json.dumps({k: v for k, v in ROW.items() if k != "id"}), "gpqa.jsonl:2: missing field 'id'"),
     (json.dumps({**ROW, "dataset": "mmlu"}), "gpqa.jsonl:2: unknown dataset 'mmlu'"),
     (json.dumps({"id": "q2", "dataset": "gpqa"}), "gpqa.jsonl:2: item 'q2' has none of the answer fields"),

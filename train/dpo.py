@@ -51,12 +51,7 @@ def main(argv: list[str]) -> int:
     )
     trainer.train(resume_from_checkpoint=checkpoint)
 
-    trainer.save_model(training_args.output_dir)
-    if trainer.accelerator.is_main_process:
-        tokenizer.save_pretrained(training_args.output_dir)
-        utils.write_training_info(training_args.output_dir, config, pairs_args.pairs_dir)
-        print(f"adapter saved to {training_args.output_dir}")
-    utils.finish_tracking(run)
+    utils.save_adapter(trainer, tokenizer, training_args, config, pairs_args.pairs_dir, run)
     return 0
 
 

@@ -258,6 +258,16 @@ def finish_tracking(run) -> None:
         run.finish()
 
 
+def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pairs_dir: str | None, run) -> None:
+    """Adapter, tokenizer, training info and model card; then close the tracking run."""
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:
+        tokenizer.save_pretrained(training_args.output_dir)
+        write_training_info(training_args.output_dir, config, pairs_dir)
+        print(f"adapter saved to {training_args.output_dir}")
+    finish_tracking(run)
+
+
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
     """flipguard_training.json + a README model card next to the adapter."""
     from flipguard.eval.records import atomic_write_json, atomic_write_text

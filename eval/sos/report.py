@@ -103,7 +103,7 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
         parts.append(f"\nItems left out as invalid (--skip_invalid_items): {len(meta['skipped_items'])}; "
                      "listed in run.json.")
     if not t["table_a1_conversation_tax"].empty:
-        parts += ["", f"## Conversation tax (Table A.1 layout): accuracy, single-shot (SS, all options) vs multi-turn (MT)", ""]
+        parts += ["", "## Conversation tax (Table A.1 layout): accuracy, single-shot (SS, all options) vs multi-turn (MT)", ""]
         rows = [[r.model, _fmt(r.ss), f"{_fmt(r.mt)} ({_signed(r.delta_pp)})",
                  f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]", str(r.n_items)]
                 for r in t["table_a1_conversation_tax"].itertuples()]
