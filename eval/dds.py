@@ -201,6 +201,13 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
 
         items = load_items(args.datasets, split=args.split, data_root=args.data_root)
     items = limit_per_dataset(items, args.limit)
+    if args.c1_from:
+        base_meta = load_run_meta(args.c1_from)
+        if base_meta.get("mode") not in (None, args.mode, "imported"):
+            raise UserError(
+                f"--c1_from {args.c1_from} was evaluated in {base_meta['mode']!r} mode, this run in "
+                f"{args.mode!r}: C1 and C2 must come from the same decision mode"
+            )
     run_dir = Path(args.out) if args.out else default_run_dir(args)
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     try:

@@ -271,3 +271,13 @@ def test_torn_last_line_is_cut(tmp_path):
     reopened = RecordStore(tmp_path / "r.jsonl")
     assert len(reopened) == 1 and "k1" in reopened
     assert (tmp_path / "r.jsonl").read_text().endswith("\n")
+
+
+def test_c1_baseline_must_share_the_decision_mode(tiny_model_path, tmp_path):
+    from flipguard.eval.dds import EvalArgs, evaluate
+
+    base = str(tmp_path / "base")
+    evaluate(EvalArgs(model=tiny_model_path, out=base, mode="logprob"), items=[_item(0)])
+    with pytest.raises(FlipguardError, match="same decision mode"):
+        evaluate(EvalArgs(model=tiny_model_path, out=str(tmp_path / "mit"), mode="generate",
+                          mitigation="be_honest", c1_from=base), items=[_item(0)])
