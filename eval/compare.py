@@ -22,6 +22,7 @@ import pandas as pd
 from flipguard.data.schema import DOMAINS
 from flipguard.eval import metrics as M
 from flipguard.eval.records import C2_CASES, atomic_write_json, atomic_write_text, load_records, load_run_meta
+from flipguard.eval.plots import pyplot, save_figure
 
 BASELINE = "Baseline"
 
@@ -192,10 +193,7 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
 
 
 def plot_heatmap(cmp: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     table, names = cmp["table"], cmp["conditions"]
     pivot = table.pivot(index="condition", columns="dataset", values="dds").reindex(names)
@@ -214,15 +212,11 @@ def plot_heatmap(cmp: dict[str, Any], path: Path) -> None:
     fig.colorbar(im, ax=ax, label="DDS (pp): >0 deference, <0 skepticism")
     ax.set_title("DDS by domain and condition")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     table, names = cmp["table"], cmp["conditions"]
     tot = table[table["dataset"] == M.TOTAL_AVG].set_index("condition").reindex(names)
@@ -243,8 +237,7 @@ def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
         ax.set_xticks(x, names, rotation=20, ha="right")
         ax.set_ylabel(ylabel)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: list[str] = ()) -> Path:
@@ -258,10 +251,8 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
         "table": cmp["table"].replace({np.nan: None}).to_dict(orient="records"),
         "significance": cmp["significance"].replace({np.nan: None}).to_dict(orient="records"),
     })
-    for name, plot in (("dds_heatmap.png", plot_heatmap), ("before_after.png", plot_before_after)):
-        tmp = out / f".{name}.tmp.png"
-        plot(cmp, tmp)
-        tmp.replace(out / name)
+    plot_heatmap(cmp, out / "dds_heatmap.png")
+    plot_before_after(cmp, out / "before_after.png")
     return out
 
 

@@ -147,11 +147,12 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
 
 
 TINY_MODEL_ALIAS = "flipguard:tiny"
+TINY_MODEL_ALIASES = (TINY_MODEL_ALIAS, "tiny")
 
 
 def resolve_model(name: str) -> str:
     """Map the "flipguard:tiny" alias to the cached local model (built on first use)."""
-    return ensure_tiny_model() if name == TINY_MODEL_ALIAS else name
+    return ensure_tiny_model() if name in TINY_MODEL_ALIASES else name
 
 
 def main(argv: list[str]) -> int:

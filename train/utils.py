@@ -19,7 +19,6 @@ from typing import Any, Callable
 
 from flipguard.errors import FlipguardError
 
-TINY_MODEL_ALIASES = ("flipguard:tiny", "tiny")
 log = logging.getLogger("flipguard.train")
 
 
@@ -52,11 +51,9 @@ def resolve_model_path(name: str | None) -> str:
     """`flipguard:tiny` -> the locally built tiny model; anything else unchanged."""
     if not name:
         raise TrainError("the recipe sets no model_name_or_path")
-    if name in TINY_MODEL_ALIASES:
-        from flipguard.eval.tiny_model import ensure_tiny_model
+    from flipguard.eval.tiny_model import resolve_model
 
-        return ensure_tiny_model()
-    return name
+    return resolve_model(name)
 
 
 def check_model_loadable(model_path: str, recipe: str | None = None) -> None:

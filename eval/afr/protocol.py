@@ -29,7 +29,6 @@ from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, Record, RecordSt
 from flipguard.eval.runner import keyed, run_records
 
 SAMPLE_FILE = "sample.jsonl"
-TINY_ALIAS = "flipguard:tiny"
 DEFAULT_K = (1, 3, 5, 10)
 
 
@@ -139,14 +138,6 @@ def build_settings(models: Iterable[Any], targets=None, sources=None, where: str
     return s
 
 
-def resolve_model_path(model: str) -> str:
-    if model == TINY_ALIAS:
-        from flipguard.eval.tiny_model import ensure_tiny_model
-
-        return ensure_tiny_model()
-    return model
-
-
 class BackendPool:
     """Loads a backend only when it has work; keeps at most `max_loaded` in memory."""
 
@@ -163,7 +154,7 @@ class BackendPool:
             while len(self.loaded) >= self.max_loaded:
                 self.loaded.pop(next(iter(self.loaded)))
             spec = self.settings.spec(name)
-            self.loaded[name] = get_backend(spec.backend, resolve_model_path(spec.model), **spec.kwargs)
+            self.loaded[name] = get_backend(spec.backend, spec.model, **spec.kwargs)  # resolves "flipguard:tiny"
         return self.loaded[name]
 
 

@@ -16,6 +16,7 @@ import pandas as pd
 
 from flipguard.eval.afr import metrics as M
 from flipguard.eval.records import atomic_write_text, load_records, load_run_meta
+from flipguard.eval.plots import pyplot, save_figure
 
 REPORT_FILE = "report.md"
 
@@ -146,10 +147,7 @@ def table7(frame: pd.DataFrame, entries: list[dict], k: int, n_boot: int, seed: 
 
 
 def plot_cross_matrix(matrix: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(1.2 * len(matrix.columns) + 2.5, 1.0 * len(matrix.index) + 2))
     im = ax.imshow(100 * matrix.values.astype(float), cmap="Reds", vmin=0, vmax=100)
@@ -169,15 +167,11 @@ def plot_cross_matrix(matrix: pd.DataFrame, path: Path) -> None:
     fig.colorbar(im, ax=ax, label="CMFR(A→B) %  (diagonal: AFR blind)")
     ax.set_title("Cross-model flip rate")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_ep_ea(epea: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 100], [0, 100], ls="--", c="grey", lw=1)
@@ -191,15 +185,11 @@ def plot_ep_ea(epea: pd.DataFrame, path: Path) -> None:
     ax.set_ylabel("EA: epistemic authority (flips others) %")
     ax.set_title("EP vs EA (above diagonal: net exporter)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from flipguard.data.mmlu import subject_category
 
     fig, ax = plt.subplots(figsize=(6, 5))
@@ -210,8 +200,7 @@ def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title("Subject-level AFR vs coercion success")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> Path:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from flipguard.eval.records import atomic_write_json, atomic_write_text, load_records, load_run_meta
 from flipguard.eval.sos.metrics import N_BOOT, summarise
+from flipguard.eval.plots import pyplot, save_figure
 
 REPORT_MD = "sos_report.md"
 SUMMARY_JSON = "sos_summary.json"
@@ -159,10 +160,7 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
 
 
 def plot_survival(summary: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -188,15 +186,11 @@ def plot_survival(summary: dict[str, dict], path: Path) -> None:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_flexibility(summary: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 100], [0, 100], color="grey", linestyle="--", linewidth=1, label="blind switching")
@@ -216,8 +210,7 @@ def plot_flexibility(summary: dict[str, dict], path: Path) -> None:
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def write_report(run_dir: str | Path, seed: int | None = None, n_boot: int | None = None) -> Path:
