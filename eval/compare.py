@@ -24,7 +24,9 @@ import numpy as np
 import pandas as pd
 
 from flipguard.data.registry import domain_of
+from flipguard.eval import bootstrap as B
 from flipguard.eval import metrics as M
+from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import C2_CASES, atomic_write_json, atomic_write_text, load_records, load_run_meta
 from flipguard.eval.plots import pyplot, save_figure
 
@@ -65,12 +67,14 @@ def c2_accuracy_ci(run_dir: str | Path, c1_from: str | None, n_boot: int, seed: 
     records = _dds_records(load_records(run_dir))
     c1 = [r for r in _dds_records(load_records(c1_from)) if r.case.startswith("c1")] if c1_from else None
     frame = M.item_frame(records, c1)
+    if n_boot <= 0:
+        return math.nan, math.nan
     boots = []
     for ds in M.dataset_order(frame["dataset"].unique()):
         X = M.correctness(frame[frame["dataset"] == ds])
-        acc = M.resampled_accuracies(X, n_boot, M.seed_for(seed, f"acc:{ds}"))
-        boots.append(acc[:, 2:4].mean(axis=1))
-    if not boots or n_boot <= 0:
+        acc = M.accuracy_distribution(X, n_boot, B.rng_for(seed, f"acc:{ds}"))
+        boots.append(acc[2:4].mean(axis=0))
+    if not boots:
         return math.nan, math.nan
     macro = np.mean(np.stack(boots), axis=0)
     return float(np.percentile(macro, 2.5)), float(np.percentile(macro, 97.5))
@@ -312,14 +316,9 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
     return out
 
 
-def _est(e: Mapping[str, Any] | None, scale: float = 1.0, lo_key: str = "lo", hi_key: str = "hi") -> str:
-    """'12.3 [8.1, 16.0]' from an estimate dict; '–' when the measurement is absent."""
-    if not e or e.get("value") is None or (isinstance(e["value"], float) and math.isnan(e["value"])):
-        return "–"
-    v, lo, hi = (e.get(k) for k in ("value", lo_key, hi_key))
-    if lo is None or hi is None or any(isinstance(x, float) and math.isnan(x) for x in (lo, hi)):
-        return f"{v * scale:.1f}"
-    return f"{v * scale:.1f} [{lo * scale:.1f}, {hi * scale:.1f}]"
+def _cell(d: Mapping[str, Any] | None, unit: str, shown: str) -> str:
+    """'12.3 [8.1, 16.0]' from a protocol summary's estimate (Estimate.as_dict) in `shown` units."""
+    return Estimate.from_dict(d, unit).to(shown).format()
 
 
 def split_system(spec: str) -> tuple[str, str | None]:
@@ -345,8 +344,8 @@ def afr_section(runs: Mapping[str, str], k: int = 10) -> str:
         for target, s in afr_summary(run_dir, k=k).items():
             if system and target != system:
                 continue
-            lines.append(f"| {name} | {target} | {_est(s.get('accuracy'), 100)} | {_est(s.get('afr_blind'), 100)} "
-                         f"| {_est(s.get('afr_self'), 100)} | {_est(s.get('afr_maxflip'), 100)} |")
+            cells = [_cell(s.get(m), "share", "%") for m in ("accuracy", "afr_blind", "afr_self", "afr_maxflip")]
+            lines.append(f"| {name} | {target} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -367,10 +366,8 @@ def sos_section(runs: Mapping[str, str]) -> str:
                 continue
             lines.append(
                 f"| {name} | {system} | {summary.get('dataset') or '–'} "
-                f"| {_est(s.get('conversation_tax'), 1, 'ci_low', 'ci_high')} "
-                f"| {_est(s.get('abstention_penalty'), 1, 'ci_low', 'ci_high')} "
-                f"| {_est(s.get('correct_switch'), 1, 'ci_low', 'ci_high')} "
-                f"| {_est(s.get('incorrect_switch'), 1, 'ci_low', 'ci_high')} |")
+                f"| {_cell(s.get('conversation_tax'), 'pp', 'pp')} | {_cell(s.get('abstention_penalty'), 'pp', 'pp')} "
+                f"| {_cell(s.get('correct_switch'), '%', '%')} | {_cell(s.get('incorrect_switch'), '%', '%')} |")
     return "\n".join(lines)
 
 

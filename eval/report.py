@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 
 from flipguard.data.registry import domain_of
+from flipguard.eval import bootstrap as B
 from flipguard.eval import metrics as M
 from flipguard.eval.records import (
     C1_CASES, CASES, EXPECTED_CHOICE, Record, atomic_write_json, atomic_write_text,
@@ -103,7 +104,7 @@ def _own_metrics(records: Sequence[Record], c1_records, rows: Mapping[str, dict]
 def _dataset_row(X: np.ndarray, frame: pd.DataFrame, name: str, n_boot: int, seed: int) -> dict[str, Any]:
     row = {"dataset": name, "stratum": "all"}
     row.update(M.point_metrics(X))
-    row.update(M.bootstrap_ci(X, n_boot, M.seed_for(seed, name)))
+    row.update(M.bootstrap_ci(X, n_boot, B.rng_for(seed, name)))
     row.update(M.mcnemar_tests(X))
     row.update(M.invalid_counts(frame))
     return row
@@ -160,7 +161,7 @@ def build_report(
         rows[ds] = _dataset_row(X, sub, ds, n_boot, seed)
         Xs[ds], frames[ds] = X, sub
         if n_boot > 0:
-            boots[ds] = M.resampled_accuracies(X, n_boot, M.seed_for(seed, f"avg:{ds}"))
+            boots[ds] = M.accuracy_distribution(X, n_boot, B.rng_for(seed, f"avg:{ds}"))
     bench = [d for d in datasets if M.is_benchmark(d)]
     avg_rows = []
     for name, members in ((M.BENCH_AVG, bench), (M.TOTAL_AVG, datasets)):

@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import atomic_write_json, atomic_write_text, load_records, load_run_meta
 from flipguard.eval.sos.metrics import N_BOOT, summarise
 from flipguard.eval.plots import pyplot, save_figure
@@ -234,7 +235,9 @@ def write_report(run_dir: str | Path, seed: int | None = None, n_boot: int | Non
 
 def sos_summary(run_dir: str | Path) -> dict[str, Any]:
     """For the before/after comparison: per system (model [+ mitigation]) the conversation
-    tax and abstention penalty (pp, with 95% CI and n items) and the rates behind them."""
+    tax and abstention penalty (pp, with 95% CI and n items) and the rates behind them (%),
+    each an `Estimate.as_dict()` (value, lo, hi, n, unit) as afr_summary's are; None when
+    not measured."""
     run_dir = Path(run_dir)
     meta = load_run_meta(run_dir)
     records = [r for r in load_records(run_dir) if r.protocol == "sos"]
@@ -242,14 +245,15 @@ def sos_summary(run_dir: str | Path) -> dict[str, Any]:
     models = {}
     for system, res in summary.items():
         fx = res.get("flexibility", {})
-        models[system] = {
-            "conversation_tax": res.get("conversation_tax"),
-            "abstention_penalty": res.get("abstention_penalty"),
-            "ss_accuracy": res.get("ss_full"),
-            "mt_accuracy": res.get("positive_mt"),
-            "ss_abstention": res.get("abstain_full"),
-            "mt_abstention": res.get("negative_mt"),
-            "correct_switch": fx.get("correct_switch"),
-            "incorrect_switch": fx.get("incorrect_switch"),
+        found = {
+            "conversation_tax": (res.get("conversation_tax"), "pp"),
+            "abstention_penalty": (res.get("abstention_penalty"), "pp"),
+            "ss_accuracy": (res.get("ss_full"), "%"),
+            "mt_accuracy": (res.get("positive_mt"), "%"),
+            "ss_abstention": (res.get("abstain_full"), "%"),
+            "mt_abstention": (res.get("negative_mt"), "%"),
+            "correct_switch": (fx.get("correct_switch"), "%"),
+            "incorrect_switch": (fx.get("incorrect_switch"), "%"),
         }
+        models[system] = {k: None if d is None else Estimate.from_dict(d, unit).as_dict() for k, (d, unit) in found.items()}
     return {"dataset": meta.get("dataset"), "run_dir": str(run_dir), "models": models}
