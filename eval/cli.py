@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from flipguard.errors import FlipguardError
+from flipguard.errors import FlipguardError, UserError  # noqa: F401 (UserError: re-exported for old imports)
 
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -68,10 +68,6 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"flipguard {name}: error: {redact(exc)}", file=sys.stderr)
         return 2
-
-
-class UserError(FlipguardError):
-    """Bad input from the user (file, item, option): printed without a traceback."""
 
 
 def parse_dataclasses(argv: list[str], *types, prog: str, description: str):

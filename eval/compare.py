@@ -38,7 +38,7 @@ OWN_STATS = ("own_c1_true", "own_c1_false", "own_dds", "c1_true_change", "c1_fal
 
 def parse_conditions(spec: str, what: str = "--runs") -> dict[str, str]:
     """'Name=DIR,Name=DIR' -> ordered {name: dir}; the first is the baseline."""
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
 
     out: dict[str, str] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
@@ -111,7 +111,7 @@ def build_comparison(
 
     names = list(conditions)
     if not names:
-        from flipguard.eval.cli import UserError
+        from flipguard.errors import UserError
 
         raise UserError("no conditions to compare")
     baseline_dir = conditions[names[0]]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -40,8 +39,7 @@ from flipguard.data.registry import domain_of
 from flipguard.eval import bootstrap as B
 from flipguard.eval import metrics as M
 from flipguard.eval.records import (
-    C1_CASES, CASES, EXPECTED_CHOICE, Record, atomic_write_json, atomic_write_text,
-    load_records, load_run_meta, request_key,
+    C1_CASES, CASES, Record, atomic_write_json, atomic_write_text, load_records, load_run_meta,
 )
 
 REPORT_DIR = "report"
@@ -522,6 +520,24 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
     return report
 
 
+def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 2000, seed: int = 0,
+                     allow_cross_mode_c1: bool = False) -> Path:
+    """`flipguard report` as a function: build, write RUN_DIR/report/ and print the table
+    (what `flipguard eval` calls when a run finishes)."""
+    report = report_run(run_dir, c1_from, n_boot, seed, allow_cross_mode_c1)
+    meta = report["meta"]
+    title = f"DDS report: {meta.get('model') or Path(run_dir).name}"
+    if meta.get("mitigation") and meta["mitigation"] != "none":
+        title += f" ({meta['mitigation']})"
+    out = write_report(report, Path(run_dir) / REPORT_DIR, title)
+    print_summary(report, title)
+    if meta.get("c1_cross_mode"):
+        print(CROSS_MODE_NOTE)
+    print(f"wrote {out}/summary.csv, stats.csv, flips_summary.csv, flip_transitions.csv, flips.csv, "
+          "summary.md, summary.json")
+    return out
+
+
 def main(argv: list[str]) -> int:
     from flipguard.eval.cli import parse_dataclasses
 
@@ -530,58 +546,5 @@ def main(argv: list[str]) -> int:
         argv = ["--run_dir", argv[0]] + argv[1:]
     args = parse_dataclasses(argv, ReportArgs, prog="flipguard report",
                              description="DDS summary table (paper Table 20 layout) for a run directory")
-    report = report_run(args.run_dir, args.c1_from, args.n_boot, args.seed, args.allow_cross_mode_c1)
-    meta = report["meta"]
-    title = f"DDS report: {meta.get('model') or Path(args.run_dir).name}"
-    if meta.get("mitigation") and meta["mitigation"] != "none":
-        title += f" ({meta['mitigation']})"
-    out = write_report(report, Path(args.run_dir) / REPORT_DIR, title)
-    print_summary(report, title)
-    if meta.get("c1_cross_mode"):
-        print(CROSS_MODE_NOTE)
-    print(f"wrote {out}/summary.csv, stats.csv, flips_summary.csv, flip_transitions.csv, flips.csv, "
-          "summary.md, summary.json")
+    write_run_report(args.run_dir, args.c1_from, args.n_boot, args.seed, args.allow_cross_mode_c1)
     return 0
-
-
-# --------------------------------------------------------------------------- bench helpers
-
-# Paper Table 1 evaluation sizes: 3,244 items over ten datasets.
-PAPER_SIZES = {"truthfulqa": 790, "halueval_qa": 300, "plausibleqa": 300, "bbq": 300, "socialiqa": 300,
-               "amqa": 240, "harp_mcq": 300, "gpqa": 134, "advisorqa": 300, "aio": 280}
-
-
-def synthetic_records(sizes: Mapping[str, int] | None = None, seed: int = 0, model: str = "synthetic",
-                      invalid_rate: float = 0.01) -> list[Record]:
-    """Random DDS records shaped like a real run (for timing and smoke tests)."""
-    rng = np.random.default_rng(seed)
-    sizes = dict(PAPER_SIZES if sizes is None else sizes)
-    out = []
-    for ds, n in sizes.items():
-        p = rng.uniform(0.3, 0.9, size=4)
-        for i in range(n):
-            iid = f"{ds}-{i:04d}"
-            for case, pc in zip(CASES, p):
-                exp = EXPECTED_CHOICE[case]
-                valid = rng.random() >= invalid_rate
-                choice = (exp if rng.random() < pc else ("2" if exp == "1" else "1")) if valid else None
-                out.append(Record(
-                    key=request_key(model=model, item_id=iid, dataset=ds, case=case), protocol="dds",
-                    item_id=iid, dataset=ds, case=case, expected=exp, model=model, backend="synthetic",
-                    mode="generate", choice=choice, valid=valid, raw_output=choice,
-                    extra={"stratum": "OR" if i % 9 == 0 else "NOR"} if ds == "aio" else {},
-                ))
-    return out
-
-
-def bench_report(records: Sequence[Record] | None = None, n_boot: int = 2000, seed: int = 0,
-                 repeats: int = 1) -> float:
-    """Best wall time (s) of `build_report` over `repeats` runs; synthetic paper-sized
-    records (3,244 items × 4 cases) unless given."""
-    records = synthetic_records() if records is None else records
-    best = math.inf
-    for _ in range(max(1, repeats)):
-        t = time.perf_counter()
-        build_report(records, n_boot=n_boot, seed=seed)
-        best = min(best, time.perf_counter() - t)
-    return best
