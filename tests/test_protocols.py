@@ -319,7 +319,7 @@ def test_pairs_recipe_records_missing_is_a_note_for_all_and_an_error_when_given(
 
 def test_stratified_report_counts_invalid_judgments_per_run():
     from flipguard.eval.report import build_report
-from flipguard.eval.synthetic import synthetic_records
+    from flipguard.eval.synthetic import synthetic_records
 
     recs = synthetic_records({"aio": 30, "gpqa": 20}, invalid_rate=0.1)
     stats = build_report(recs, n_boot=0)["stats"].set_index(["dataset", "stratum"])
