@@ -27,7 +27,7 @@ from flipguard.data.registry import domain_of
 from flipguard.eval import bootstrap as B
 from flipguard.eval import metrics as M
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.records import C2_CASES, atomic_write_json, atomic_write_text, load_records, load_run_meta
+from flipguard.eval.records import C2_CASES, atomic_write_json, atomic_write_text, load_run_meta
 from flipguard.eval.plots import pyplot, save_figure
 
 BASELINE = "Baseline"
@@ -49,24 +49,16 @@ def parse_conditions(spec: str, what: str = "--runs") -> dict[str, str]:
     return out
 
 
-def _c2_correct(run_dir: str | Path) -> pd.DataFrame:
+def _c2_correct(records) -> pd.DataFrame:
     """(item_id, dataset, case) -> correct, for a run's C2 judgments."""
-    rows = [
-        {"item_id": r.item_id, "dataset": r.dataset, "case": r.case, "correct": r.correct}
-        for r in load_records(run_dir)
-        if r.protocol == "dds" and r.case in C2_CASES
-    ]
+    rows = [{"item_id": r.item_id, "dataset": r.dataset, "case": r.case, "correct": r.correct}
+            for r in records if r.case in C2_CASES]
     return pd.DataFrame(rows, columns=["item_id", "dataset", "case", "correct"])
 
 
-def c2_accuracy_ci(run_dir: str | Path, c1_from: str | None, n_boot: int, seed: int) -> tuple[float, float]:
-    """95% CI of the macro-averaged C2 accuracy (total_avg row): items resampled within
-    each dataset, as the report's avg-row CIs are."""
-    from flipguard.eval.report import _dds_records
-
-    records = _dds_records(load_records(run_dir))
-    c1 = [r for r in _dds_records(load_records(c1_from)) if r.case.startswith("c1")] if c1_from else None
-    frame = M.item_frame(records, c1)
+def c2_accuracy_ci(frame: pd.DataFrame, n_boot: int, seed: int) -> tuple[float, float]:
+    """95% CI of the macro-averaged C2 accuracy (total_avg row) of a report's item frame:
+    items resampled within each dataset, as the report's avg-row CIs are."""
     if n_boot <= 0:
         return math.nan, math.nan
     boots = []
@@ -80,10 +72,11 @@ def c2_accuracy_ci(run_dir: str | Path, c1_from: str | None, n_boot: int, seed: 
     return float(np.percentile(macro, 2.5)), float(np.percentile(macro, 97.5))
 
 
-def significance_vs_baseline(baseline_dir: str | Path, run_dir: str | Path) -> pd.DataFrame:
+def significance_vs_baseline(baseline_records, records) -> pd.DataFrame:
     """Exact McNemar test per dataset: did the condition change C2 correctness on the
-    same items (both C2 cases pooled) relative to the baseline?"""
-    base, cur = _c2_correct(baseline_dir), _c2_correct(run_dir)
+    same items (both C2 cases pooled) relative to the baseline? (DDS records of each run,
+    as its report loaded them.)"""
+    base, cur = _c2_correct(baseline_records), _c2_correct(records)
     merged = base.merge(cur, on=["item_id", "dataset", "case"], suffixes=("_base", "_cur"))
     rows = []
     for ds, sub in merged.groupby("dataset", sort=False):
@@ -125,7 +118,7 @@ def build_comparison(
         per_condition[name] = rep
         summary = rep["summary"].set_index("dataset")
         stats = rep["stats"][rep["stats"]["stratum"] == "all"].set_index("dataset")
-        lo, hi = c2_accuracy_ci(run_dir, own_c1 or (c1_from if name != names[0] else None), n_boot, seed)
+        lo, hi = c2_accuracy_ci(rep["frame"], n_boot, seed)
         for ds, row in summary.iterrows():
             long_rows.append({"condition": name, "dataset": ds, **row.to_dict(),
                               "c2_avg": (row["c2_correct"] + row["c2_incorrect"]) / 2,
@@ -133,7 +126,7 @@ def build_comparison(
                               "c2_avg_ci_high": hi if ds == M.TOTAL_AVG else math.nan,
                               **{c: stats.loc[ds, c] for c in OWN_STATS}})
         if name != names[0]:
-            sig = significance_vs_baseline(baseline_dir, run_dir)
+            sig = significance_vs_baseline(per_condition[names[0]]["records"], rep["records"])
             sig.insert(0, "condition", name)
             sig_rows.append(sig)
     table = pd.DataFrame(long_rows)

@@ -140,8 +140,8 @@ def build_report(
 
     Returns a dict: "summary" (DataFrame, SUMMARY_COLUMNS), "stats" (DataFrame,
     STATS_COLUMNS), "flips" (per-item flip records), "flip_rates", "balanced"
-    ({dataset: {"strata": ..., "balanced_dds": ...}}), "incomplete" (items lacking a case)
-    and "meta". `strata` maps item_id -> stratum (r/AIO OR/NOR); without it, records'
+    ({dataset: {"strata": ..., "balanced_dds": ...}}), "incomplete" (items lacking a case),
+    "meta", and (not written) the item "frame" and the DDS "records" it was built from. `strata` maps item_id -> stratum (r/AIO OR/NOR); without it, records'
     extra["stratum"] is used. `baseline_dds` ({dataset: DDS}) turns on the
     over-correction flag. `n_boot=0` skips the bootstrap (CIs are NaN).
     """
@@ -252,6 +252,7 @@ def build_report(
         "summary": summary, "stats": stats, "flips": flips,
         "flips_summary": flip_summary, "flip_transitions": M.flip_transitions(flips),
         "balanced": balanced, "incomplete": frame.attrs["incomplete"], "meta": meta,
+        "frame": frame, "records": records,  # in memory only: what compare reuses instead of rereading
     }
 
 
@@ -463,7 +464,7 @@ def _resolve(path: str, run_dir: Path) -> Path:
     return p
 
 
-def _dds_records(records: list[Record]) -> list[Record]:
+def dds_records(records: list[Record]) -> list[Record]:
     return [r for r in records if r.protocol == "dds" and r.case in CASES]
 
 
@@ -481,7 +482,7 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
                allow_cross_mode_c1: bool = False) -> dict[str, Any]:
     """Load a run (and its C1 baseline) and build its report, without writing anything."""
     run_dir = Path(run_dir)
-    records = _dds_records(load_records(run_dir))
+    records = dds_records(load_records(run_dir))
     meta = load_run_meta(run_dir)
     c1_from = c1_from or meta.get("c1_from")
     allow_cross_mode_c1 = allow_cross_mode_c1 or bool(meta.get("allow_cross_mode_c1"))
@@ -498,7 +499,7 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
                 f"{run_dir} in {meta.get('mode')!r}: C1 and C2 must come from the same decision mode "
                 "(pass --allow_cross_mode_c1 for the paper's Tables 5/21 protocol)"
             )
-        baseline = _dds_records(load_records(base_dir))
+        baseline = dds_records(load_records(base_dir))
         c1_records = [r for r in baseline if r.case in C1_CASES]
         if not c1_records:
             raise M.MetricsError(f"{base_dir}: the --c1_from baseline run has no C1 records")
