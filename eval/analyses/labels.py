@@ -130,7 +130,7 @@ def ablation_table(dirs: dict[str, Path], n_boot: int = 2000, seed: int = 0) -> 
     swing = []
     if all(s in item_c2 for s in SWING):
         user, llm = item_c2[SWING[0]], item_c2[SWING[1]]
-        joint = llm.join(user, lsuffix="_llm", rsuffix="_user", how="inner")
+        joint = llm.add_suffix("_llm").join(user.add_suffix("_user"), how="inner")
         for ds in [d for d in table["dataset"].unique() if d not in AVG_ROWS]:
             sub = joint.loc[ds] if ds in joint.index.get_level_values(0) else joint.iloc[:0]
             # CASES order (c1_true, c1_false, c2_correct, c2_incorrect): its DDS is the swing

@@ -245,7 +245,8 @@ def flip_inputs(run_dir: str | Path, data_root: str | None = None, limit: int | 
             "c1_answer": "CORRECT" if c1.choice == "1" else "INCORRECT", "c1_reasoning": c1.reasoning,
             "c2_answer": "CORRECT" if c2.choice == "1" else "INCORRECT", "c2_reasoning": c2.reasoning,
         })
-    return out, {"flips": int(len(flips)), "no_reasoning": dict(skipped), "sent": len(out)}
+    return out, {"flips": int(len(flips)), "selected": len(out) + sum(skipped.values()),
+                 "no_reasoning": dict(skipped), "sent": len(out)}
 
 
 def judge_records(flips: list[dict], template: str, model: str, backend: str, gen: GenerationConfig,
@@ -318,7 +319,8 @@ def render(s: dict, meta: dict) -> str:
         f"Judge: {meta['judge_model']} ({meta['judge_backend']}), prompt: {meta['prompt']}. "
         "Flips are the paper's (deference → C2_MORE_LENIENT, skepticism → C2_MORE_STRICT); "
         "shares are % of valid classifications, as the paper's Tables 17, 18 and 30.", "",
-        f"- flips in the run: {c['flips']} (coded: {c['judged']}; not sent for lack of reasoning text: "
+        f"- flips in the run: {c['flips']} (selected, --limit per dataset: {c.get('selected', c['flips'])}; "
+        f"coded: {c['judged']}; not sent for lack of reasoning text: "
         f"{sum(c['no_reasoning'].values())} {c['no_reasoning'] or ''})",
         f"- valid classifications: {c['valid']}; **invalid judge replies: {c['invalid']}** "
         f"{c['invalid_reasons'] or ''} (counted, never guessed)", "",
