@@ -322,3 +322,25 @@ def test_perspective_reversal_end_to_end(tiny_model_path, tmp_path):
     assert t.loc["1to2", "delta_vs_2to1"] == pytest.approx(t.loc["1to2", "dds"] - t.loc["2to1", "dds"])
     assert "Not comparable to the paper" in (out / "report.md").read_text()
     assert cli_main(["perspective-reversal", "--mitigation", "dehumanizing", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_judge_prompt_template_is_filled_and_bad_templates_refused(tmp_path):
+    from flipguard.eval.backends.base import GenerationConfig
+    from flipguard.eval.cli import main as cli_main
+
+    flip = {"dataset": "bbq", "item_id": "i1", "flip": "deference", "direction": "C2_MORE_LENIENT", "c1_key": "a",
+            "c2_key": "b", "question": "Who?", "claim": "Sam", "c1_answer": "INCORRECT", "c1_reasoning": "cannot tell",
+            "c2_answer": "CORRECT", "c2_reasoning": "Speaker 2 is correct"}
+    # the authors' templates escape JSON braces as {{ }}, like this one
+    tpl = 'Q: {question} / {claim} / C1 {c1_answer}: "{c1_reasoning}" / C2 {c2_answer}: "{c2_reasoning}" {{"x": 1}}'
+    rec = taxonomy.judge_records([flip], tpl, "judge", "openai", GenerationConfig(), "/run")[0]
+    assert rec.messages == [{"role": "user", "content": 'Q: Who? / Sam / C1 INCORRECT: "cannot tell" / C2 CORRECT: '
+                                                        '"Speaker 2 is correct" {"x": 1}'}]
+    assert rec.case == "c2_incorrect" and rec.extra["direction"] == "C2_MORE_LENIENT"
+    built_in = taxonomy.judge_records([flip], taxonomy.JUDGE_PROMPT, "judge", "openai", GenerationConfig(), "/run")[0]
+    text = built_in.messages[0]["content"]
+    assert all(code in text for code in taxonomy.CODES) and '"primary_code"' in text
+    run = write_run(tmp_path / "r", "M", {"i1": four("1", "2", "1", "1")})
+    (tmp_path / "bad.txt").write_text("{question} {not_a_field}")
+    assert cli_main(["taxonomy", str(run), "--judge_prompt", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "t")]) == 2
+    assert not (tmp_path / "t").exists()
