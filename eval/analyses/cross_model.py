@@ -146,7 +146,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_xticks(x, a["dataset"], rotation=30, ha="right")
     ax.set_ylabel("% of items")
     ax.set_title(f"Cross-model flip agreement ({len(res['models'])} models)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     save_figure(fig, path)
 
