@@ -44,11 +44,12 @@ def item_table(flips: pd.DataFrame) -> pd.DataFrame:
 
 
 def fmt(x: Any, nd: int = 1, signed: bool = False) -> str:
-    if x is None or (isinstance(x, float) and np.isnan(x)):
-        return "–"
-    if isinstance(x, (int, np.integer)):
+    """As the DDS report formats numbers (eval.report), counts with thousands separators."""
+    from flipguard.eval.report import _fmt
+
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return f"{int(x):,}"
-    return f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}"
+    return "–" if x is None or x is pd.NA else _fmt(x, signed, nd)
 
 
 def md_table(df: pd.DataFrame, formats: Mapping[str, tuple[int, bool]] | None = None) -> str:
@@ -63,13 +64,15 @@ def md_table(df: pd.DataFrame, formats: Mapping[str, tuple[int, bool]] | None = 
             v = r[c]
             if c in formats:
                 cells.append(fmt(v, *formats[c]))
-            elif isinstance(v, float):
+            elif isinstance(v, (float, np.integer)) or v is None or v is pd.NA:
                 cells.append(fmt(v))
             else:
-                cells.append("–" if v is None else str(v))
+                cells.append(str(v))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join([head, sep, *rows])
 
 
 def write_csv(path: Path, df: pd.DataFrame) -> None:
-    atomic_write_text(path, df.to_csv(index=False, float_format="%.6g"))
+    from flipguard.eval.report import _csv
+
+    atomic_write_text(path, _csv(df))
