@@ -26,6 +26,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("flipguard.eval.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
     "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
     "sos": ("flipguard.eval.sos.cli:main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
+    # the DialDefer paper's analyses (eval/analyses/)
+    "taxonomy": ("flipguard.eval.analyses.taxonomy:main", "LLM-judge reasoning-failure codes of a run's flips (paper App. F/J)"),
+    "label-ablation": ("flipguard.eval.analyses.labels:main", "speaker-label ablation: DDS per label set and the human-vs-LLM swing (§5.2)"),
+    "perspective-reversal": ("flipguard.eval.analyses.perspective:main", "r/AIO 2->1 vs 1->2 judger/judgee DDS (paper Table 14)"),
+    "cross-model": ("flipguard.eval.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
 }
 
 
