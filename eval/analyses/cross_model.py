@@ -81,7 +81,7 @@ def _agree_row(name: str, f: pd.DataFrame) -> dict:
 
 
 def analyse(runs: list[str], names: list[str] | None = None, allow_cross_mode_c1: bool = False) -> dict:
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
 
     if len(runs) < 2:
         raise UserError("cross-model needs at least two run directories")

@@ -27,7 +27,8 @@ import pandas as pd
 
 from flipguard.eval.analyses.common import md_table, write_csv
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
-from flipguard.eval.metrics import AVG_ROWS, TOTAL_AVG, bootstrap_ci, seed_for
+from flipguard.eval.bootstrap import rng_for
+from flipguard.eval.metrics import AVG_ROWS, TOTAL_AVG, bootstrap_ci
 from flipguard.eval.prompts import SPEAKER_SETS, TEMPLATE_VERSIONS
 from flipguard.eval.records import atomic_write_text
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
@@ -81,7 +82,7 @@ def _eval_args(args: LabelAblationArgs, label_set: str, run_dir: Path, baseline:
 
 
 def parse_sets(spec: str) -> list[str]:
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
 
     sets = [s.strip() for s in spec.split(",") if s.strip()]
     bad = [s for s in sets if s not in SPEAKER_SETS]
@@ -135,7 +136,7 @@ def ablation_table(dirs: dict[str, Path], n_boot: int = 2000, seed: int = 0) -> 
             sub = joint.loc[ds] if ds in joint.index.get_level_values(0) else joint.iloc[:0]
             # CASES order (c1_true, c1_false, c2_correct, c2_incorrect): its DDS is the swing
             X = sub[["correct_llm", "incorrect_llm", "correct_user", "incorrect_user"]].to_numpy(dtype=float)
-            ci = bootstrap_ci(X, n_boot, seed_for(seed, f"swing:{ds}"))
+            ci = bootstrap_ci(X, n_boot, rng_for(seed, f"swing:{ds}"))
             by = table[table["dataset"] == ds].set_index("label_set")
             swing.append({"dataset": ds, "n": len(X),
                           "delta_s2_user": by.loc[SWING[0], "delta_dds"], "delta_s2_llm": by.loc[SWING[1], "delta_dds"],

@@ -80,7 +80,7 @@ class PerspectiveArgs:
 
 
 def parse_directions(spec: str) -> list[str]:
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
 
     dirs = [d.strip() for d in spec.split(",") if d.strip()]
     bad = [d for d in dirs if d not in DIRECTIONS]
@@ -90,7 +90,7 @@ def parse_directions(spec: str) -> list[str]:
 
 
 def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> dict[str, Path]:
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
     from flipguard.eval.dds import EvalArgs, evaluate, limit_per_dataset
 
     if args.mitigation not in ("none", "be_honest"):

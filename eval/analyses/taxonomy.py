@@ -211,7 +211,7 @@ def flip_inputs(run_dir: str | Path, data_root: str | None = None, limit: int | 
     rep = run_report(run_dir, allow_cross_mode_c1)
     meta = load_run_meta(run_dir)
     if meta.get("mode") == "logprob":
-        from flipguard.eval.cli import UserError
+        from flipguard.errors import UserError
 
         raise UserError(f"{run_dir}: a logprob-mode run has no reasoning text to code; run `flipguard eval "
                         "--mode generate` (the paper's JSON protocol) or import the authors' records")
@@ -352,7 +352,8 @@ def plot(s: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import UserError, parse_dataclasses
+    from flipguard.errors import UserError
+    from flipguard.eval.cli import parse_dataclasses
 
     argv = list(argv)
     if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
