@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from flipguard.errors import FlipguardError
+from flipguard.errors import UserError
 
 TRAINER_SECTIONS = ("sft", "dpo")
 # section -> flag prefix of its dataclass fields
@@ -39,8 +39,7 @@ ARG_SECTIONS = {"pairs": "pairs_", "eval": "eval_plan_", "tracking": "tracking_"
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
-class RecipeError(FlipguardError, ValueError):
-    """A recipe that cannot be used: names the file and the key."""
+RecipeError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 PAIR_STRATEGIES = ("all", "flips", "flip_weighted", "consistency", "afr")
