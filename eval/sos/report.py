@@ -55,18 +55,14 @@ def tables(summary: dict[str, dict]) -> dict[str, pd.DataFrame]:
     """The report's tables as DataFrames (also written as CSV)."""
     a1, a2, a3, base, surv = [], [], [], [], []
     for system, res in summary.items():
-        if "positive_mt" in res:
-            tax = res.get("conversation_tax") or {}
-            a1.append({"model": system, "ss": _val(res, "ss_full"), "mt": _val(res, "positive_mt"),
-                       "delta_pp": tax.get("value", math.nan), "delta_ci_low": tax.get("ci_low", math.nan),
-                       "delta_ci_high": tax.get("ci_high", math.nan), "n_items": tax.get("n", 0),
-                       "n_conversations": res["positive_n"]})
-        if "negative_mt" in res:
-            pen = res.get("abstention_penalty") or {}
-            a2.append({"model": system, "ss": _val(res, "abstain_full"), "mt": _val(res, "negative_mt"),
-                       "delta_pp": pen.get("value", math.nan), "delta_ci_low": pen.get("ci_low", math.nan),
-                       "delta_ci_high": pen.get("ci_high", math.nan), "n_items": pen.get("n", 0),
-                       "n_conversations": res["negative_n"]})
+        for rows, scen, ss_key, gap_key in ((a1, "positive", "ss_full", "conversation_tax"),
+                                            (a2, "negative", "abstain_full", "abstention_penalty")):
+            if f"{scen}_mt" in res:
+                gap = res.get(gap_key) or {}
+                rows.append({"model": system, "ss": _val(res, ss_key), "mt": _val(res, f"{scen}_mt"),
+                             "delta_pp": gap.get("value", math.nan), "delta_ci_low": gap.get("ci_low", math.nan),
+                             "delta_ci_high": gap.get("ci_high", math.nan), "n_items": gap.get("n", 0),
+                             "n_conversations": res[f"{scen}_n"]})
         if "flexibility" in res:
             fx = res["flexibility"]
             a3.append({"model": system, "incorrect_switch": fx["incorrect_switch"]["value"],
