@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from flipguard.errors import FlipguardError, UserError  # noqa: F401 (UserError: re-exported for old imports)
+from flipguard.errors import FlipguardError, UserError
 
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
