@@ -79,22 +79,29 @@ def is_local_url(url: str) -> bool:
     return (urlparse(url).hostname or "").lower() in LOCAL_HOSTS
 
 
-def detect_server_kind(client) -> tuple[str, str]:
+def detect_server_kind(client, timeout: float = PROBE_TIMEOUT_S) -> tuple[str, str]:
     """(kind, evidence) from what the server says about itself; ("other", why) when it
-    says nothing we know. Two GETs, one retry each (a server may drop the connection
-    after an error), each attempt bounded by PROBE_TIMEOUT_S."""
+    says nothing we know. Two GETs, each bounded by `timeout` and tried again once only
+    when the connection drops (a server may close it after an error)."""
     import openai
 
-    probe = client.with_options(max_retries=1, timeout=PROBE_TIMEOUT_S)
+    probe = client.with_options(max_retries=0, timeout=min(timeout, PROBE_TIMEOUT_S))
+
+    def ask(fn):
+        try:
+            return fn()
+        except openai.APIConnectionError:
+            return fn()
+
     try:
-        probe.get("/systemone", cast_to=object)
+        ask(lambda: probe.get("/systemone", cast_to=object))
     except openai.APIStatusError as exc:
         if exc.status_code == 405:
             return "transformers", "GET /systemone answered 405, a POST-only route of transformers serve"
     except Exception:  # noqa: BLE001 - any failure only means "not told"
         pass
     try:
-        owners = sorted({str(getattr(m, "owned_by", "") or "") for m in probe.models.list().data})
+        owners = sorted({str(getattr(m, "owned_by", "") or "") for m in ask(probe.models.list).data})
     except Exception as exc:  # noqa: BLE001
         return "other", f"GET /models failed ({type(exc).__name__})"
     for owner in owners:
@@ -172,6 +179,7 @@ class OpenAIBackend:
         if int(max_concurrency) < 0:
             raise BackendError(f"max_concurrency must be >= 1 (or 0: by server kind), got {max_concurrency}")
         self.server_kind = server_kind
+        self.timeout = float(timeout)
         self._max_concurrency = int(max_concurrency)
         self.top_logprobs = max(1, int(top_logprobs))
         self.extra_body = dict(extra_body or {})
@@ -191,7 +199,7 @@ class OpenAIBackend:
         if not self._max_concurrency:
             kind, why = self.server_kind, "server_kind"
             if kind == "auto":
-                kind, why = detect_server_kind(self.client)
+                kind, why = detect_server_kind(self.client, self.timeout)
                 self.server_kind = kind
             self._max_concurrency = SERVER_CONCURRENCY[kind]
             print(f"openai backend: {self.shown_url} is {kind!r} ({why}): {self._max_concurrency} request(s) in "
