@@ -10,7 +10,8 @@ reported with each setting's speed relative to one request at a time. Writes
 bench/serving_concurrency.{json,md} (appending this server's rows to those already there).
 
     python bench/serving_concurrency.py                      # transformers serve, tiny model
-    python bench/serving_concurrency.py --server vllm --base_url http://127.0.0.1:8000/v1 --model MODEL
+    python bench/serving_concurrency.py --server vllm --base_url http://127.0.0.1:8000/v1 --model MODEL \
+        --note "how the server was started"
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max_tokens", type=int, default=64, help="new tokens per request (greedy)")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--note", default="", help="how the server was started (written with the results)")
     ap.add_argument("--shared_machine", action="store_true", help="note that other jobs shared the CPU")
     ap.add_argument("--out_dir", default=str(HERE))
     args = ap.parse_args(argv)
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
     result = {"server": label, "model": str(model), "n": args.n, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "ready_s": round(ready_s, 1) if ready_s else None,
               "command": "python bench/serving_concurrency.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "shared_machine": args.shared_machine, "machine": machine, "rows": rows}
+              "shared_machine": args.shared_machine, "note": args.note, "machine": machine, "rows": rows}
     out_dir = Path(args.out_dir)
     json_path = out_dir / "serving_concurrency.json"
     runs = json.loads(json_path.read_text()) if json_path.exists() else []
@@ -129,6 +131,7 @@ def write_md(runs: list[dict], path: Path) -> None:
                   f"torch {m['torch']}, transformers {m['transformers']}; load average after "
                   f"{', '.join(f'{x:.2f}' for x in m['load_avg_after'])}"
                   + ("; **the CPU was shared with other jobs**" if run.get("shared_machine") else ""), "",
+                  *([f"Server: {run['note']}", ""] if run.get("note") else []),
                   "| in flight | median s | requests/s | speed vs 1 | all repeats (s) |", "|---|---|---|---|---|"]
         lines += [f"| {r['concurrency']} | {r['median_s']} | {r['req_per_s']} | {r['speed_vs_1']}x | "
                   f"{', '.join(str(x) for x in r['all_s'])} |" for r in run["rows"]]

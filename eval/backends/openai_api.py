@@ -14,12 +14,14 @@ Defaults are chosen so that a hung server fails the run in minutes, not hours:
 request).
 
 Requests in flight suit the server (SERVER_CONCURRENCY; bench/serving_concurrency.md):
-a batching server (vLLM) gains from many, a server that generates one request at a time
-(`transformers serve`, llama.cpp's single slot) loses speed beyond one or two. With
+a batching server (vLLM) gains from many; one that generates a request at a time gains
+nothing (`transformers serve`: 0.97-1.01x at 2-8 in flight vs 1) or loses (llama.cpp's single
+slot: 0.76x at 8, issue 12), and extra requests only pile up retries on it. With
 `max_concurrency` unset (0) the kind comes from `server_kind`, or, when that is "auto",
-from the server itself before the first request: GET /systemone (only `transformers
-serve` has that route, POST-only: 405), then GET /models (vLLM lists owned_by "vllm",
-llama.cpp "llamacpp", llama-cpp-python "me"). Anything else is "other".
+from the server itself before the first request: GET /models (vLLM lists owned_by
+"vllm", llama.cpp "llamacpp", llama-cpp-python "me"), then GET /systemone (a POST-only
+route: `transformers serve` answers 405 with an x-request-id header; vLLM 0.32 answers
+405 without one). Anything else is "other".
 
 The API key is read only from the environment (`api_key_env`, default OPENAI_API_KEY;
 e.g. OPENROUTER_API_KEY); an `api_key` in --backend_args is refused. A local server
@@ -55,9 +57,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit; vLLM's default --max-logprobs is also 2
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_RETRIES = 2
 # Requests in flight when max_concurrency is unset, by server kind (README "Requests in
-# flight"): transformers and llama.cpp measured in bench/serving_concurrency.md; vLLM batches
-# (continuous batching), so it gets more; "other" (OpenAI, OpenRouter, unknown) keeps 4, a
-# bound on retried requests piling on a slow server.
+# flight"): transformers and vLLM measured in bench/serving_concurrency.md (vLLM batches:
+# 6.2x at 8 vs 1), llama.cpp as issue 12 measured it (0.76x at 8); "other" (OpenAI,
+# OpenRouter, unknown) keeps 4, a bound on retried requests piling on a slow server.
 SERVER_CONCURRENCY = {"vllm": 8, "transformers": 1, "llama.cpp": 1, "other": 4}
 SERVER_KINDS = ("auto", *SERVER_CONCURRENCY)
 OWNED_BY_KIND = {"vllm": "vllm", "llamacpp": "llama.cpp", "me": "llama.cpp"}
@@ -94,20 +96,22 @@ def detect_server_kind(client, timeout: float = PROBE_TIMEOUT_S) -> tuple[str, s
             return fn()
 
     try:
-        ask(lambda: probe.get("/systemone", cast_to=object))
-    except openai.APIStatusError as exc:
-        if exc.status_code == 405:
-            return "transformers", "GET /systemone answered 405, a POST-only route of transformers serve"
-    except Exception:  # noqa: BLE001 - any failure only means "not told"
-        pass
-    try:
         owners = sorted({str(getattr(m, "owned_by", "") or "") for m in ask(probe.models.list).data})
-    except Exception as exc:  # noqa: BLE001
-        return "other", f"GET /models failed ({type(exc).__name__})"
+        why = f"GET /models owned_by {owners}"
+    except Exception as exc:  # noqa: BLE001 - any failure only means "not told"
+        owners, why = [], f"GET /models failed ({type(exc).__name__})"
     for owner in owners:
         if owner.lower() in OWNED_BY_KIND:
             return OWNED_BY_KIND[owner.lower()], f"owned_by {owner!r} in GET /models"
-    return "other", f"GET /models owned_by {owners}"
+    try:
+        ask(lambda: probe.get("/systemone", cast_to=object))
+    except openai.APIStatusError as exc:
+        # vLLM has this POST-only route too; only transformers serve stamps an x-request-id
+        if exc.status_code == 405 and exc.response.headers.get("x-request-id"):
+            return "transformers", "GET /systemone answered 405 with an x-request-id, as transformers serve does"
+    except Exception:  # noqa: BLE001
+        pass
+    return "other", why
 
 
 def resolve_api_key(api_key_env: str, base_url: str) -> str:
