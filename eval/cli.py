@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("flipguard.eval.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
     "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
     "sos": ("flipguard.eval.sos.cli:main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
+    "study": ("flipguard.eval.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
+    "sft": ("flipguard.train.sft:main", "LoRA SFT from a recipe (same as python train/sft.py RECIPE)"),
+    "dpo": ("flipguard.train.dpo:main", "LoRA DPO from a recipe (same as python train/dpo.py RECIPE)"),
+    "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
 }
 
 
