@@ -209,7 +209,9 @@ class Study:
         if args.split == "test":
             outputs += (run_dir / "report" / "summary.csv",)
             self.artefacts.append((f"DDS report: {name}", run_dir / "report" / "summary.md"))
-        params = {"eval": dataclasses.asdict(args), "n_boot": self.plan.eval_plan_n_boot, "model": identity}
+        params = {"eval": dataclasses.asdict(args), "model": identity}
+        if args.split == "test":  # its report's bootstrap
+            params["n_boot"] = self.plan.eval_plan_n_boot
         return Stage(name, title, params, inputs, outputs, (run_dir,), lambda: self.run_dds(args))
 
     def run_dds(self, args) -> None:
@@ -564,9 +566,11 @@ def log_to_wandb(study: Study) -> dict[str, Any]:
                 logged[png[:-4]] = wandb.Image(str(path))
         flips_csv = study.conditions["Baseline"] / "report" / "flips.csv"
         if flips_csv.is_file():
-            flips = pd.read_csv(flips_csv)
-            n = min(len(flips), study.plan.eval_plan_flip_sample)
-            logged["flip_sample"] = wandb.Table(dataframe=flips.sample(n=n, random_state=0) if n else flips)
+            # the baseline's C1/C2 pair records, flipped pairs first, then the rest, each in random order
+            pairs = pd.read_csv(flips_csv).sample(frac=1.0, random_state=0)
+            pairs = pd.concat([pairs[pairs["flip"].notna()], pairs[pairs["flip"].isna()]])
+            logged["flip_sample"] = wandb.Table(dataframe=pairs.head(study.plan.eval_plan_flip_sample))
+            logged["flipped_pairs"] = int(pairs["flip"].notna().sum())
         run.log(logged)
         info = {"name": run.name, "id": run.id, "project": tracking.tracking_project, "group": run.group,
                 "dir": str(run.dir), "logged": sorted(logged)}
@@ -600,7 +604,82 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
     return study
 
 
+def _file_sha(path: str | None) -> str | None:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and Path(path).is_file() else None
+
+
+def _quick_args(argv: list[str]) -> tuple[str | None, list[str], str | None, bool]:
+    """(recipe, other flags, --out, whether --from/--only was given), read without TRL:
+    enough to tell whether a finished study is being rerun unchanged."""
+    import argparse
+
+    from flipguard.recipes.config import split_recipe_argv
+
+    try:
+        recipe, rest = split_recipe_argv(argv)
+    except FlipguardError:
+        return None, argv, None, True
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--out")
+    parser.add_argument("--from", "--from_stage", dest="from_stage")
+    parser.add_argument("--only")
+    known, _ = parser.parse_known_args(rest)
+    out = known.out or (str(Path("runs") / f"{Path(recipe).stem}-study") if recipe else None)
+    return recipe, rest, out, bool(known.from_stage or known.only)
+
+
+def plan_key(recipe: str, rest: list[str], out: str) -> str:
+    from flipguard import __version__
+    from flipguard.train.utils import git_commit
+
+    return _sha({"version": __version__, "git_commit": git_commit(), "recipe": _file_sha(recipe), "argv": rest, "out": str(Path(out).resolve())})
+
+
+def rerun_unchanged(argv: list[str]) -> bool:
+    """A rerun of a finished study with the same recipe bytes, flags, watched files (afr/sos
+    configs), code version and base model: every stage is up to date, so say so without
+    importing TRL (whose import is most of a rerun's time). Anything else: the full path."""
+    if "-h" in argv or "--help" in argv:
+        return False
+    recipe, rest, out, partial = _quick_args(argv)
+    if not recipe or partial or not out or not (Path(out) / STUDY_FILE).is_file():
+        return False
+    try:
+        state = json.loads((Path(out) / STUDY_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    plan = state.get("plan") or {}
+    if plan.get("key") != plan_key(recipe, rest, out) or plan.get("model") != model_identity(state.get("model", "")):
+        return False
+    if any(_file_sha(path) != sha for path, sha in (plan.get("files") or {}).items()):
+        return False
+    stages = state.get("stages") or {}
+    order = state.get("order") or []
+    if not order or any((stages.get(n) or {}).get("status") != "done" for n in order):
+        return False
+    if any(not Path(p).exists() for n in order for p in stages[n].get("outputs", [])):
+        return False
+    for name in order:
+        print(f"--- {name}: skipped (up to date)")
+    print(f"\nStages (recipe, flags and inputs unchanged since {plan.get('at')}):")
+    for name in order:
+        print(f"  {name:<22}{'skipped':<9}{0.0:8.1f}s")
+    comparison = Path(out) / "compare" / "comparison.csv"
+    if comparison.is_file():
+        print_before_after(comparison)
+    print_artefacts([(what, Path(path)) for what, path in state.get("artefacts", [])])
+    return True
+
+
+def print_artefacts(artefacts: list[tuple[str, Path]]) -> None:
+    print("\nArtefacts:")
+    for what, path in artefacts:
+        print(f"  {what:<34} {path}")
+
+
 def main(argv: list[str]) -> int:
+    if rerun_unchanged(argv):
+        return 0
     from flipguard.recipes.config import (ARG_SECTIONS, EvalPlanArguments, PairsArguments, TrackingArguments,
                                           parse_recipe)
 
@@ -616,7 +695,12 @@ def main(argv: list[str]) -> int:
     raw = effective_recipe(recipe_path, parsed, args.model)
     out = args.out or str(Path("runs") / f"{Path(recipe_path).stem}-study")
     study = run_study(recipe_path, out, raw, from_stage=args.from_stage, only=args.only)
-    print(f"\nArtefacts:")
-    for what, path in study.artefacts:
-        print(f"  {what:<34} {path}")
+    if not args.from_stage and not args.only:  # every stage ran or was up to date: a plain rerun may take the quick path
+        _, rest, _, _ = _quick_args(argv)
+        watched = [recipe_path] + [c for c in (study.plan.eval_plan_afr_config, study.plan.eval_plan_sos_config) if c]
+        study.state["plan"] = {"key": plan_key(recipe_path, rest, out), "model": model_identity(study.model),
+                               "files": {c: _file_sha(c) for c in watched}, "at": now_iso()}
+        study.state["artefacts"] = [[what, str(path)] for what, path in study.artefacts]
+        study._save_state()
+    print_artefacts(study.artefacts)
     return 0

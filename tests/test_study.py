@@ -1,0 +1,136 @@
+"""`flipguard study RECIPE` end to end on recipes/tiny.yaml (tiny limits): every stage runs
+once, an identical rerun skips them all, --only/--from redo what they say, a changed
+recipe value redoes exactly the stages that read it, and the results reach wandb
+(offline run files) in the recipe's group beside the training runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from flipguard.eval.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUP = "study-test-group"
+ALL_STAGES = ["baseline", "be_honest", "dehumanizing", "base-train", "pairs", "sft", "sft-merge", "sft-eval",
+              "dpo", "dpo-merge", "dpo-eval", "compare", "wandb"]
+
+
+def _recipe(tmp_path: Path, **dpo) -> Path:
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    raw["report_to"] = ["wandb"]
+    raw["eval"].update(limit=2, n_boot=50)
+    raw["pairs"]["datasets"] = "bbq"
+    for trainer in ("sft", "dpo"):
+        raw[trainer]["max_steps"] = 2
+    raw["dpo"].update(dpo)
+    raw["tracking"].update(run_name="tinytest", group=GROUP)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _state(out: Path) -> dict:
+    return json.loads((out / "study.json").read_text())
+
+
+def _finished(out: Path) -> dict[str, str]:
+    return {name: s["finished"] for name, s in _state(out)["stages"].items()}
+
+
+def _redone(before: dict[str, str], out: Path) -> set[str]:
+    return {name for name, t in _finished(out).items() if before.get(name) != t}
+
+
+@pytest.mark.slow
+def test_study_runs_skips_and_redoes_exactly_what_changed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    recipe, out = _recipe(tmp_path), tmp_path / "study"
+
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    state = _state(out)
+    assert state["order"] == ALL_STAGES
+    assert {n: s["status"] for n, s in state["stages"].items()} == {n: "done" for n in ALL_STAGES}
+    assert {s["last_action"] for s in state["stages"].values()} == {"run"}
+    assert "Before/after" in printed and "Artefacts:" in printed
+    table = pd.read_csv(out / "compare" / "comparison.csv")
+    assert list(dict.fromkeys(table["condition"])) == ["Baseline", "Be Honest", "Dehumanizing", "SFT", "DPO"]
+    for png in ("dds_heatmap.png", "before_after.png"):
+        assert (out / "compare" / png).stat().st_size > 1000
+    # the fine-tuned rows are the merged models, judged with the baseline's C1 (fixed C1)
+    meta = json.loads((out / "dds" / "dpo-eval" / "run.json").read_text())
+    assert meta["model"] == str(out / "models" / "dpo-merged") and meta["c1_from"] == str((out / "dds" / "baseline").resolve())
+    assert (out / "train" / "sft" / "flipguard_training.json").is_file()
+    # the trainers read the effective recipe: this study's pair folder and adapter folders
+    effective = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert effective["pairs"]["dir"] == str(out / "pairs") and effective["dpo"]["output_dir"] == str(out / "train" / "dpo")
+
+    # wandb (offline): the study's run in the recipe's project and group, beside the training runs
+    info = json.loads((out / "wandb_run.json").read_text())
+    assert info["group"] == GROUP and info["name"] == "tinytest-study" and info["project"] == "flipguard"
+    assert {"dds_by_dataset", "comparison", "before_after", "dds_heatmap", "flip_sample"} <= set(info["logged"])
+    run_dir = Path(info["dir"]).parent  # .../wandb/offline-run-*/files -> the run folder
+    assert run_dir.name.startswith("offline-run-")
+    binary = next(run_dir.glob("run-*.wandb")).read_bytes()
+    assert GROUP.encode() in binary and b"tinytest-study" in binary
+    tables = {p.name.split("_")[0] for p in (run_dir / "files" / "media" / "table").glob("*.table.json")}
+    assert {"dds", "comparison", "flip"} <= tables
+    dds_table = next((run_dir / "files" / "media" / "table").glob("dds_by_dataset_*.table.json"))
+    assert "Baseline" in dds_table.read_text() and "DPO" in dds_table.read_text()
+    for trainer in ("sft", "dpo"):
+        train_runs = list((out / "train" / trainer / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(train_runs) == 1 and GROUP.encode() in train_runs[0].read_bytes()
+        assert f"tinytest-{trainer}".encode() in train_runs[0].read_bytes()
+
+    # an identical rerun: every stage skipped, nothing rewritten
+    before = _finished(out)
+    records = (out / "dds" / "baseline" / "records.jsonl").read_bytes()
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"--- {name}: skipped (up to date)" in printed for name in ALL_STAGES)
+    assert _finished(out) == before and (out / "dds" / "baseline" / "records.jsonl").read_bytes() == records
+    # the same through the full path (stage by stage fingerprints, no quick path)
+    from flipguard.eval.study import run_study
+
+    study = run_study(str(out / "recipe.yaml"), out)
+    assert [(n, s) for n, s, _ in study.statuses] == [(n, "skipped") for n in ALL_STAGES]
+    assert _finished(out) == before
+
+    # --only redoes just that stage
+    assert cli_main(["study", str(recipe), "--out", str(out), "--only", "sft-eval"]) == 0
+    assert _redone(before, out) == {"sft-eval"} and _state(out)["stages"]["sft-eval"]["last_action"] == "redo"
+    before = _finished(out)
+    # --from redoes that stage and every one after it
+    assert cli_main(["study", str(recipe), "--out", str(out), "--from", "dpo-merge"]) == 0
+    assert _redone(before, out) == {"dpo-merge", "dpo-eval", "compare", "wandb"}
+    before = _finished(out)
+
+    # a changed dpo value invalidates exactly the stages that read it, and what depends on them
+    changed = _recipe(tmp_path, beta=0.2)
+    assert cli_main(["study", str(changed), "--out", str(out)]) == 0
+    assert _redone(before, out) == {"dpo", "dpo-merge", "dpo-eval", "compare", "wandb"}
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["dpo"]["beta"] == 0.2
+    before = _finished(out)
+    # and a changed report setting redoes the test-split evaluations and what reads them, not training
+    assert cli_main(["study", str(changed), "--out", str(out), "--eval_plan_n_boot", "40"]) == 0
+    assert _redone(before, out) == {"baseline", "be_honest", "dehumanizing", "sft-eval", "dpo-eval", "compare", "wandb"}
+
+
+def test_study_refuses_an_unknown_stage_and_a_none_mitigation(tmp_path, capsys):
+    recipe = _recipe(tmp_path)
+    assert cli_main(["study", str(recipe), "--out", str(tmp_path / "s"), "--only", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--only nope: no such stage" in err and "baseline" in err
+    raw = yaml.safe_load(recipe.read_text())
+    raw["eval"]["mitigations"] = ["none", "be_honest"]
+    recipe.write_text(yaml.safe_dump(raw))
+    assert cli_main(["study", str(recipe), "--out", str(tmp_path / "s2")]) == 2
+    assert "eval.mitigations: 'none' is the baseline" in capsys.readouterr().err
+    assert not (tmp_path / "s2").exists()
