@@ -9,6 +9,7 @@ only when their subcommand runs, keeping `flipguard --help` fast.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 from flipguard.errors import FlipguardError
@@ -62,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
+    # the train/ scripts' main also serves `flipguard sft|dpo|merge`: their usage line names the subcommand
+    kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
     try:
-        return int(func(rest) or 0)
+        return int(func(rest, **kwargs) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted: records written so far are kept; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -63,7 +63,10 @@ class StudyError(FlipguardError, ValueError):
 class StudyArguments:
     """Run a recipe's whole before/after plan (recipe `eval:` section): baseline and prompting
     mitigations, flip records -> pairs -> SFT/DPO -> merge -> re-measure, AFR/stick-or-switch where
-    asked, comparison report with plots; finished stages are skipped on a rerun (DIR/study.json)."""
+    asked, comparison report with plots; finished stages are skipped on a rerun (DIR/study.json).
+    Stages: baseline, baseline-<extra mode>, <mitigation>..., base-train, pairs, sft, sft-merge, sft-eval,
+    dpo, dpo-merge, dpo-eval, afr, sos, compare, wandb (those the recipe asks for). Flags override the
+    recipe's eval_plan_/pairs_/tracking_ values (pairs records and dir are the study's own)."""
 
     out: str | None = dataclasses.field(default=None, metadata={"help": "Study folder (default runs/<recipe name>-study)."})
     from_stage: str | None = dataclasses.field(
@@ -684,7 +687,8 @@ def main(argv: list[str]) -> int:
                                           parse_recipe)
 
     (args, plan, pairs, tracking), recipe_path, _ = parse_recipe(
-        argv, (StudyArguments, EvalPlanArguments, PairsArguments, TrackingArguments), prog="flipguard study")
+        argv, (StudyArguments, EvalPlanArguments, PairsArguments, TrackingArguments), prog="flipguard study",
+        description=StudyArguments.__doc__)
     if recipe_path is None:
         raise StudyError("flipguard study: give a recipe file (flipguard study recipes/tiny.yaml --out DIR)")
     configure_threads(args.threads)

@@ -341,10 +341,11 @@ def RecipeParser(dataclass_types, trainer: str | None = None, **kwargs):
     return _trl_parser_class()(dataclass_types, trainer=trainer, **kwargs)
 
 
-def parse_recipe(argv: list[str], dataclass_types, trainer: str | None = None, prog: str | None = None):
+def parse_recipe(argv: list[str], dataclass_types, trainer: str | None = None, prog: str | None = None,
+                 description: str | None = None):
     """Parse argv (recipe path + flag overrides) into the dataclasses; returns
     (tuple of dataclass instances, recipe path or None, raw recipe mapping)."""
-    parser = RecipeParser(dataclass_types, trainer=trainer, prog=prog)
+    parser = RecipeParser(dataclass_types, trainer=trainer, prog=prog, description=description)
     out = parser.parse_args_and_config(argv)
     return out, parser.recipe_path, parser.recipe
 
