@@ -134,3 +134,12 @@ def test_study_refuses_an_unknown_stage_and_a_none_mitigation(tmp_path, capsys):
     assert cli_main(["study", str(recipe), "--out", str(tmp_path / "s2")]) == 2
     assert "eval.mitigations: 'none' is the baseline" in capsys.readouterr().err
     assert not (tmp_path / "s2").exists()
+
+
+def test_train_scripts_are_subcommands_with_the_same_main(tmp_path, capsys):
+    """`flipguard merge RECIPE ...` is train/merge.py's main: same checks, same one-line error."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    assert cli_main(["merge", str(ROOT / "recipes" / "tiny.yaml"), "--adapter", str(adapter), "--out", str(adapter)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flipguard merge: error:") and str(adapter) in err
