@@ -143,3 +143,20 @@ def test_train_scripts_are_subcommands_with_the_same_main(tmp_path, capsys):
     assert cli_main(["merge", str(ROOT / "recipes" / "tiny.yaml"), "--adapter", str(adapter), "--out", str(adapter)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("flipguard merge: error:") and str(adapter) in err
+
+
+@pytest.mark.slow
+def test_study_adds_afr_and_stick_or_switch_where_the_recipe_asks(tmp_path, monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    raw = yaml.safe_load(_recipe(tmp_path).read_text())
+    raw["report_to"] = "none"
+    raw["eval"].update(trainers=[], protocols=["afr", "sos"], mitigations=["be_honest"])
+    recipe, out = tmp_path / "proto.yaml", tmp_path / "proto"
+    recipe.write_text(yaml.safe_dump(raw))
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    assert _state(out)["order"] == ["baseline", "be_honest", "afr", "sos", "compare"]
+    md = (out / "compare" / "comparison.md").read_text()
+    assert "## Answer flips (AFR" in md and "## Stick-or-switch" in md
+    afr = md.split("## Answer flips (AFR")[1].split("## Stick-or-switch")[0]
+    afr_rows = [line for line in afr.splitlines() if line.startswith(("| Baseline | Baseline", "| Be Honest | Be Honest"))]
+    assert len(afr_rows) == 2  # both conditions measured by AFR, each as its own target
