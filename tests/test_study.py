@@ -39,7 +39,7 @@ def _state(out: Path) -> dict:
 
 
 def _finished(out: Path) -> dict[str, str]:
-    return {name: s["finished"] for name, s in _state(out)["stages"].items()}
+    return {name: s.get("finished") for name, s in _state(out)["stages"].items()}
 
 
 def _redone(before: dict[str, str], out: Path) -> set[str]:
@@ -160,3 +160,47 @@ def test_study_adds_afr_and_stick_or_switch_where_the_recipe_asks(tmp_path, monk
     afr = md.split("## Answer flips (AFR")[1].split("## Stick-or-switch")[0]
     afr_rows = [line for line in afr.splitlines() if line.startswith(("| Baseline | Baseline", "| Be Honest | Be Honest"))]
     assert len(afr_rows) == 2  # both conditions measured by AFR, each as its own target
+
+
+@pytest.mark.slow
+def test_a_study_killed_mid_stage_resumes_that_stage(tmp_path):
+    """SIGKILL during the SFT stage: study.json keeps it 'running' (never 'done'), the
+    adapter has no provenance, and the rerun redoes that stage and what follows, nothing before."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    raw = yaml.safe_load(_recipe(tmp_path).read_text())
+    raw["report_to"] = "none"
+    raw["eval"].update(mitigations=[], trainers=["sft"])
+    raw["sft"]["max_steps"] = 400  # long enough to be killed while training
+    recipe, out = tmp_path / "kill.yaml", tmp_path / "kill"
+    recipe.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard.eval.cli", "study", str(recipe), "--out", str(out)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while ((json.loads((out / "study.json").read_text())["stages"].get("sft") or {}).get("status") != "running"
+               if (out / "study.json").is_file() else True):
+            assert proc.poll() is None and time.monotonic() < deadline, "the study ended before reaching sft"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    stages = _state(out)["stages"]
+    assert stages["sft"]["status"] == "running" and "sft-merge" not in stages
+    assert not (out / "train" / "sft" / "flipguard_training.json").exists()
+    before = _finished(out)
+
+    # rerun with a shorter schedule (so the test stays short): the killed stage is redone from
+    # a cleared folder, the finished ones before it are skipped
+    raw["sft"]["max_steps"] = 2
+    recipe.write_text(yaml.safe_dump(raw))
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    state = _state(out)
+    assert _redone(before, out) == {"sft", "sft-merge", "sft-eval", "compare"}
+    assert state["stages"]["sft"]["last_action"] == "redo" and {s["status"] for s in state["stages"].values()} == {"done"}
+    assert (out / "train" / "sft" / "flipguard_training.json").is_file()
