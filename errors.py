@@ -6,7 +6,7 @@ Classes exist only where a caller catches that kind apart from the rest:
   UserError                  bad input that nothing tells apart: a command's option, a
                              run config, a recipe, a records file to import, pair input
                              (InputError, AFRConfigError, ImportError_, PairsError and
-                             RecipeError are this class under the names callers know)
+                             RecipeError and StudyError are this class under the names callers know)
   DataError (data/schema.py)         a dataset file or item; caught to add context
   RecordError (eval/records.py)      a records file or run directory (RunDirBusy: locked)
   MetricsError (eval/metrics.py)     records that cannot be scored (report: C2-only runs)
