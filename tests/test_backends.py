@@ -420,6 +420,8 @@ def test_vllm_lora_refusal_names_unsupported_modules():
              "base_model.model.lm_head.lora_A.weight"]
     assert lora_refusal({"r": 8, "target_modules": ["q_proj"]}, linear + embed) == [
         "LoRA on embedding modules embed_tokens, lm_head"]
+    # a model whose vLLM class adapts its embeddings (vLLM 0.32: Llama, Qwen3) takes them
+    assert lora_refusal({"r": 8, "target_modules": ["q_proj"]}, linear + embed, {"embed_tokens", "lm_head"}) == []
     # a regex target_modules string is matched through the tensors it produced
     assert lora_refusal({"r": 8, "target_modules": ".*proj"}, linear) == []
     # a full copy of lm_head is not servable; of a classifier head ("score") it is

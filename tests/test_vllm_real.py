@@ -80,6 +80,10 @@ def assert_same_judgments(run: Path, ref: Path, mode: str) -> None:
             assert g.raw_output == w.raw_output, key
     if mode == "logprob":  # the organism is a trained judge: its labels carry the mass
         assert all(w.valid for w in want.values())
+        gap = max(max(abs(got[k].p1 - w.p1), abs(got[k].p2 - w.p2)) for k, w in want.items())
+        print(f"\n{run.name} vs {ref.name}: {len(want)} judgments, choices equal, max |dP| = {gap:.2e}")
+    else:
+        print(f"\n{run.name} vs {ref.name}: {len(want)} replies identical, choices equal")
 
 
 # ---------------------------------------------------------------------------- models
@@ -173,7 +177,7 @@ class VLLMServer:
         self.starts = 0
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", str(self.model),
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                 "--served-model-name", SERVED_NAME, "--dtype", "float32", "--enforce-eager",
                 "--max-logprobs", "20", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(self.port)]
 

@@ -30,9 +30,9 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's default engine cap on logprobs per token
 # vLLM's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks in 0.32; read from the
 # installed vLLM when it has them)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# vLLM applies LoRA to linear layers only (vllm.lora.utils.get_supported_lora_modules): input
-# and output embeddings only on the few models that declare `embedding_modules` (Qwen, Llama
-# and Gemma do not), and modules_to_save (full copies of a layer) only as a classifier head.
+# vLLM applies LoRA to linear layers (vllm.lora.utils.get_supported_lora_modules); to input and
+# output embeddings only on models whose vLLM class declares `embedding_modules` (in 0.32 Llama
+# and Qwen3 do, Qwen2 does not); modules_to_save (full copies of a layer) only as a classifier head.
 EMBEDDING_MODULES = frozenset({"embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out",
                                "word_embeddings", "tok_embeddings"})
 CLASSIFIER_MODULES = frozenset({"classifier", "score"})
@@ -80,15 +80,17 @@ def lora_module_names(weight_names: Iterable[str]) -> set[str]:
     return names
 
 
-def lora_refusal(config: Mapping[str, Any], weight_names: Iterable[str]) -> list[str]:
+def lora_refusal(config: Mapping[str, Any], weight_names: Iterable[str],
+                 embedding_modules: Iterable[str] = ()) -> list[str]:
     """What of this adapter vLLM's LoRA support does not cover (empty: servable): adapted
-    embedding modules, modules_to_save other than a classifier head, and the LoRA variants
-    vLLM rejects (DoRA, LoRA bias). A refusal here is cheaper and clearer than vLLM's error
-    at the first request, after the engine has loaded."""
+    embedding modules the model's vLLM class does not declare (`embedding_modules`),
+    modules_to_save other than a classifier head, and the LoRA variants vLLM rejects (DoRA,
+    LoRA bias). A refusal here is cheaper and clearer than vLLM's error at the first
+    request, after the engine has loaded."""
     problems = []
     targets = config.get("target_modules")
     targets = [targets] if isinstance(targets, str) else list(targets or ())
-    embedded = sorted((lora_module_names(weight_names) | set(targets)) & EMBEDDING_MODULES)
+    embedded = sorted(((lora_module_names(weight_names) | set(targets)) & EMBEDDING_MODULES) - set(embedding_modules))
     if embedded:
         problems.append(f"LoRA on embedding modules {', '.join(embedded)}")
     saved = sorted(set(config.get("modules_to_save") or ()) - CLASSIFIER_MODULES)
@@ -123,11 +125,28 @@ def read_adapter(adapter: str | Path) -> tuple[dict, list[str]]:
     return config, names
 
 
-def check_adapter_for_vllm(adapter: str | Path, max_lora_rank: int | None = None) -> int:
+def vllm_embedding_modules(model: str) -> set[str]:
+    """The embedding modules the installed vLLM adapts with LoRA for `model`'s architecture
+    (its class's `embedding_modules`); empty when vLLM or the architecture is unknown here."""
+    try:
+        from transformers import AutoConfig
+        from vllm.model_executor.models import ModelRegistry
+
+        found: set[str] = set()
+        for arch in getattr(AutoConfig.from_pretrained(model), "architectures", None) or ():
+            cls = ModelRegistry._try_load_model_cls(arch)
+            found |= set(getattr(cls, "embedding_modules", None) or ())
+        return found
+    except Exception:  # noqa: BLE001 - an older/newer vLLM layout: vLLM's own check still applies
+        return set()
+
+
+def check_adapter_for_vllm(adapter: str | Path, max_lora_rank: int | None = None,
+                           embedding_modules: Iterable[str] = ()) -> int:
     """The max_lora_rank to serve `adapter` with, or a one-line BackendError naming the
     adapter and what vLLM cannot serve of it."""
     config, names = read_adapter(adapter)
-    problems = lora_refusal(config, names)
+    problems = lora_refusal(config, names, embedding_modules)
     if problems:
         raise BackendError(f"adapter {adapter}: vLLM's LoRA support does not cover {'; '.join(problems)} "
                            "(merge it with train/merge.py and serve the merged model, or use --backend hf)")
@@ -209,7 +228,8 @@ class VLLMBackend:
         if adapter:
             from vllm.lora.request import LoRARequest
 
-            kwargs.update(enable_lora=True, max_lora_rank=check_adapter_for_vllm(adapter, max_lora_rank))
+            rank = check_adapter_for_vllm(adapter, max_lora_rank, vllm_embedding_modules(model))
+            kwargs.update(enable_lora=True, max_lora_rank=rank)
             self.lora_request = LoRARequest("flipguard-adapter", 1, adapter)
         try:
             self.llm = vllm.LLM(**kwargs)
