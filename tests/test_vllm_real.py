@@ -96,10 +96,12 @@ def organism() -> str:
     return ensure_organism()  # $FLIPGUARD_HOME/organism-v1, built once
 
 
-@pytest.fixture(scope="module")
-def adapter(organism, tmp_path_factory) -> Path:
-    """An un-merged LoRA adapter of the organism (peft, r 8 on every linear layer). Its B
-    matrices are drawn, not zero, so it changes the answers' probabilities."""
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(organism: str, out: Path, target_modules: list[str]) -> Path:
+    """A peft LoRA adapter (r 8) of the organism, saved un-merged. Its B matrices are drawn,
+    not zero, so it changes the answers' probabilities."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -107,15 +109,20 @@ def adapter(organism, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(organism, dtype=torch.float32)
     config = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, task_type="CAUSAL_LM",
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                        target_modules=target_modules)
     model = get_peft_model(model, config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "lora_embedding_B" in name:
                 param.mul_(0.05)
-    out = tmp_path_factory.mktemp("adapter") / "organism-lora"
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def adapter(organism, tmp_path_factory) -> Path:
+    """An un-merged LoRA adapter of the organism on every linear layer."""
+    return make_adapter(organism, tmp_path_factory.mktemp("adapter") / "organism-lora", LINEAR)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +163,40 @@ def test_offline_engine_with_unmerged_adapter_matches_hf(organism, adapter, tmp_
     flipguard_eval("--model", organism, "--backend", "hf", "--out", str(tmp_path / "base"))
     base, tuned = by_judgment(tmp_path / "base"), by_judgment(tmp_path / "hf")
     assert max(abs(base[k].p1 - tuned[k].p1) for k in base) > 100 * TOL
+
+
+VLLM_DIRECT = """
+import sys
+from vllm import LLM, SamplingParams
+from vllm.lora.request import LoRARequest
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=2048, enable_lora=True,
+          max_lora_rank=8)
+llm.generate(["1 or 2?"], SamplingParams(max_tokens=1), lora_request=LoRARequest("a", 1, sys.argv[2]))
+print("ACCEPTED")
+"""
+
+
+def test_adapter_vllm_does_not_cover_is_refused_in_one_line(organism, tmp_path):
+    """LoRA on the organism's embed_tokens: vLLM 0.32 adapts no embeddings of Qwen2 models.
+    flipguard refuses it before the engine loads, in one line naming the adapter and the
+    module — and vLLM itself, asked directly, rejects the same adapter (the refusal follows
+    vLLM, it is not a guess)."""
+    adapter = make_adapter(organism, tmp_path / "embed-lora", ["q_proj", "embed_tokens"])
+    proc = flipguard_eval("--model", organism, "--adapter", str(adapter), "--backend", "vllm",
+                          "--backend_args", json.dumps(ENGINE_ARGS), "--out", str(tmp_path / "run"), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # vLLM's import may log warnings first; flipguard's refusal is its last line, and no traceback
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("flipguard eval: error: adapter ") and "Traceback" not in proc.stderr, proc.stderr
+    assert str(adapter) in error and "embedding modules embed_tokens" in error, error
+    assert not (tmp_path / "run" / "records.jsonl").exists() and not (tmp_path / "run" / "run.json").exists()
+
+    direct = subprocess.run([sys.executable, "-c", VLLM_DIRECT, organism, str(adapter)], capture_output=True,
+                            text=True, env=ENV, timeout=BOUND)
+    assert direct.returncode != 0 and "ACCEPTED" not in direct.stdout
+    said = [line for line in (direct.stdout + direct.stderr).splitlines() if "embed_tokens" in line]
+    assert said, direct.stderr[-3000:]
+    print(f"\nflipguard: {error}\nvLLM itself: {said[-1][:300]}")
 
 
 # ---------------------------------------------------------------------------- api_server
@@ -236,6 +277,7 @@ def test_served_merged_checkpoint_matches_hf(server, merged, mode, tmp_path):
     rerun = flipguard_eval(*openai_args(server), "--mode", mode, *gen, "--out", str(tmp_path / "served"))
     assert f"{4 * int(LIMIT)} already recorded, 0 to run" in rerun.stdout
     assert server.completions_served() == before
+    print(f"rerun: 0 requests sent ({before} before and after)")
     assert_same_judgments(tmp_path / "served", tmp_path / "hf", mode)
 
 
@@ -264,6 +306,7 @@ def test_server_killed_mid_run_keeps_records_and_rerun_completes(server, tmp_pat
     assert "Traceback" not in stderr
     kept = len(load_records(out))
     assert 3 <= kept < total  # what was written stays, and the kill came before the end
+    print(f"\nserver killed: exit {run.returncode}, {kept}/{total} records kept; {last}")
 
     server.start()  # the same port: the same command resumes
     done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=BOUND)
@@ -272,3 +315,4 @@ def test_server_killed_mid_run_keeps_records_and_rerun_completes(server, tmp_pat
     recs = load_records(out)
     assert len(recs) == total and len({r.key for r in recs}) == total
     assert server.completions_served() == total - kept
+    print(f"restarted server: the rerun sent {total - kept} requests and completed {total} judgments")
