@@ -1,4 +1,4 @@
-"""vLLM offline engine backend (GPU machines; optional extra `flipguard[vllm]`).
+"""vLLM offline engine backend (optional extra `flipguard[vllm]` on GPU; vLLM's CPU build: .ci/vllm).
 
 vLLM is imported only when the backend is built, so this module imports everywhere.
 `LLM.chat` applies the model's own chat template and schedules the whole list of
@@ -25,7 +25,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.eval.backends.base import BackendError, Conversation, GenerationConfig, label_token_ids, register_backend
 
-INSTALL_HINT = "vLLM is not installed: pip install 'flipguard[vllm]' (GPU machines only)"
+INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "
+                "in its own environment (README 'Serving', .ci/vllm)")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default engine cap on logprobs per token
 # vLLM's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks in 0.32; read from the
 # installed vLLM when it has them)
