@@ -569,14 +569,80 @@ def test_vllm_choice_probs_falls_back_to_allowed_token_ids(monkeypatch):
     assert "logprob_token_ids" not in params
 
 
-def test_vllm_adapter_uses_lora_request(monkeypatch):
+def _adapter_dir(tmp_path, **config) -> str:
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "bias": "none",
+                                                             "target_modules": ["q_proj", "v_proj"], **config}))
+    return str(folder)
+
+
+def test_vllm_adapter_uses_lora_request(monkeypatch, tmp_path):
     log = _fake_vllm(monkeypatch)
-    backend = get_backend("vllm", "org/base", adapter="/runs/a1/adapter", max_lora_rank=32)
-    assert log["llm_kwargs"]["enable_lora"] is True and log["llm_kwargs"]["max_lora_rank"] == 32
-    assert backend.model_id == "org/base+/runs/a1/adapter"
+    adapter = _adapter_dir(tmp_path, r=12)
+    backend = get_backend("vllm", "org/base", adapter=adapter)
+    # rank from the adapter: 12 rounded up to the next rank vLLM accepts (1, 8, 16, 32, ...)
+    assert log["llm_kwargs"]["enable_lora"] is True and log["llm_kwargs"]["max_lora_rank"] == 16
+    assert backend.model_id == f"org/base+{adapter}"
     backend.generate([_conv("x")], GenerationConfig())
     lora = log["chats"][0]["lora"]
-    assert lora.lora_path == "/runs/a1/adapter" and lora.lora_int_id == 1
+    assert lora.lora_path == adapter and lora.lora_int_id == 1
+
+
+def test_vllm_lora_rank_from_adapter_config():
+    from flipguard.eval.backends.vllm_engine import VLLM_LORA_RANKS, adapter_max_lora_rank
+
+    assert adapter_max_lora_rank({"r": 8}) == 8
+    assert adapter_max_lora_rank({"r": 9}) == 16
+    assert adapter_max_lora_rank({"r": 64}) == 64
+    # rank_pattern overrides count: the largest rank of any module decides
+    assert adapter_max_lora_rank({"r": 8, "rank_pattern": {"q_proj": 40}}) == 64
+    assert adapter_max_lora_rank({"r": 2}) == 8
+    assert adapter_max_lora_rank({"r": 300}, VLLM_LORA_RANKS) == 320
+    with pytest.raises(BackendError, match="LoRA rank 600 is outside"):
+        adapter_max_lora_rank({"r": 600}, where="adapter a1")
+    with pytest.raises(BackendError, match="no integer LoRA rank"):
+        adapter_max_lora_rank({"lora_alpha": 16})
+
+
+def test_vllm_lora_refusal_names_unsupported_modules():
+    from flipguard.eval.backends.vllm_engine import lora_module_names, lora_refusal
+
+    linear = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+              "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    assert lora_module_names(linear) == {"q_proj", "down_proj"}
+    assert lora_refusal({"r": 8, "target_modules": ["q_proj", "down_proj"]}, linear) == []
+    embed = ["base_model.model.model.embed_tokens.lora_embedding_A",
+             "base_model.model.lm_head.lora_A.weight"]
+    assert lora_refusal({"r": 8, "target_modules": ["q_proj"]}, linear + embed) == [
+        "LoRA on embedding modules embed_tokens, lm_head"]
+    # a model whose vLLM class adapts its embeddings (vLLM 0.32: Llama, Qwen3) takes them
+    assert lora_refusal({"r": 8, "target_modules": ["q_proj"]}, linear + embed, {"embed_tokens", "lm_head"}) == []
+    # a regex target_modules string is matched through the tensors it produced
+    assert lora_refusal({"r": 8, "target_modules": ".*proj"}, linear) == []
+    # a full copy of lm_head is not servable; of a classifier head ("score") it is
+    assert lora_refusal({"r": 8, "modules_to_save": ["lm_head", "score"]}, linear) == ["modules_to_save lm_head"]
+    assert lora_refusal({"r": 8, "modules_to_save": ["score"]}, linear) == []
+    assert lora_refusal({"r": 8, "use_dora": True}, linear) == ["DoRA (use_dora)"]
+
+
+def test_vllm_unsupported_adapter_is_refused_before_the_engine(monkeypatch, tmp_path):
+    log = _fake_vllm(monkeypatch)
+    adapter = _adapter_dir(tmp_path, target_modules=["q_proj", "embed_tokens"], modules_to_save=["lm_head"])
+    with pytest.raises(BackendError) as err:
+        get_backend("vllm", "org/base", adapter=adapter)
+    message = str(err.value)
+    assert "\n" not in message and adapter in message
+    assert "embed_tokens" in message and "modules_to_save lm_head" in message
+    assert log["llm_kwargs"] is None  # no engine was built
+    # an explicit max_lora_rank below the adapter's rank is refused, not silently raised
+    other = tmp_path / "b"
+    other.mkdir()
+    (other / "adapter_config.json").write_text(json.dumps({"r": 32, "target_modules": ["q_proj"]}))
+    with pytest.raises(BackendError, match="max_lora_rank 16 is below the adapter's rank"):
+        get_backend("vllm", "org/base", adapter=str(other), max_lora_rank=16)
+    with pytest.raises(BackendError, match="cannot read adapter_config.json"):
+        get_backend("vllm", "org/base", adapter=str(tmp_path / "missing"))
 
 
 def test_vllm_multi_token_choice_is_refused(monkeypatch):

@@ -1,4 +1,4 @@
-"""vLLM offline engine backend (GPU machines; optional extra `flipguard[vllm]`).
+"""vLLM offline engine backend (optional extra `flipguard[vllm]` on GPU; vLLM's CPU build: .ci/vllm).
 
 vLLM is imported only when the backend is built, so this module imports everywhere.
 `LLM.chat` applies the model's own chat template and schedules the whole list of
@@ -11,18 +11,154 @@ allowed tokens (`allowed_token_ids`) and the top `max_logprobs` are asked for. v
 default `logprobs_mode="raw_logprobs"` reports logprobs before that mask, so both routes
 give the same unnormalised full-vocabulary P(label) as the hf backend; a label outside
 the returned set gets 0.0 (fallback route only). An un-merged LoRA adapter is served
-with `enable_lora` and a LoRARequest.
+with `enable_lora` and a LoRARequest; `max_lora_rank` comes from the adapter's own
+adapter_config.json (its largest rank, rounded up to a rank vLLM accepts), and an adapter
+vLLM would not apply faithfully is refused before the engine loads (`lora_refusal`).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.eval.backends.base import BackendError, Conversation, GenerationConfig, label_token_ids, register_backend
 
-INSTALL_HINT = "vLLM is not installed: pip install 'flipguard[vllm]' (GPU machines only)"
+INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "
+                "in its own environment (README 'Serving', .ci/vllm)")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default engine cap on logprobs per token
+# vLLM's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks in 0.32; read from the
+# installed vLLM when it has them)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM applies LoRA to linear layers (vllm.lora.utils.get_supported_lora_modules); to input and
+# output embeddings only on models whose vLLM class declares `embedding_modules` (in 0.32 Llama
+# and Qwen3 do, Qwen2 does not); modules_to_save (full copies of a layer) only as a classifier head.
+EMBEDDING_MODULES = frozenset({"embed_tokens", "lm_head", "wte", "wpe", "embed_in", "embed_out",
+                               "word_embeddings", "tok_embeddings"})
+CLASSIFIER_MODULES = frozenset({"classifier", "score"})
+
+
+def vllm_lora_ranks() -> tuple[int, ...]:
+    """The max_lora_rank values the installed vLLM accepts (VLLM_LORA_RANKS without vLLM)."""
+    try:
+        import typing
+
+        from vllm.config.lora import MaxLoRARanks
+
+        ranks = tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks)))
+        return ranks or VLLM_LORA_RANKS
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return VLLM_LORA_RANKS
+
+
+def adapter_max_lora_rank(config: Mapping[str, Any], ranks: Sequence[int] = VLLM_LORA_RANKS,
+                          where: str = "adapter") -> int:
+    """max_lora_rank for an adapter: its largest rank (`r` and every `rank_pattern` value),
+    rounded up to the next rank vLLM accepts (vLLM pads a smaller adapter to it)."""
+    try:
+        largest = max([int(config["r"]), *(int(v) for v in (config.get("rank_pattern") or {}).values())])
+    except (KeyError, TypeError, ValueError):
+        raise BackendError(f"{where}: adapter_config.json has no integer LoRA rank 'r'") from None
+    fitting = [r for r in sorted(ranks) if r >= largest]
+    if largest < 1 or not fitting:
+        raise BackendError(f"{where}: LoRA rank {largest} is outside what vLLM serves (max_lora_rank "
+                           f"{min(ranks)}..{max(ranks)})")
+    return fitting[0]
+
+
+def lora_module_names(weight_names: Iterable[str]) -> set[str]:
+    """The module each LoRA tensor adapts, from peft's names
+    ('base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> 'q_proj',
+    'base_model.model.model.embed_tokens.lora_embedding_A' -> 'embed_tokens')."""
+    names = set()
+    for name in weight_names:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part.startswith(("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")) and i > 0:
+                names.add(parts[i - 1])
+                break
+    return names
+
+
+def lora_refusal(config: Mapping[str, Any], weight_names: Iterable[str],
+                 embedding_modules: Iterable[str] = ()) -> list[str]:
+    """What of this adapter vLLM's LoRA support does not cover (empty: servable): adapted
+    embedding modules the model's vLLM class does not declare (`embedding_modules`),
+    modules_to_save other than a classifier head, and the LoRA variants vLLM rejects (DoRA,
+    LoRA bias). A refusal here is cheaper and clearer than vLLM's error at the first
+    request, after the engine has loaded."""
+    problems = []
+    targets = config.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else list(targets or ())
+    embedded = sorted(((lora_module_names(weight_names) | set(targets)) & EMBEDDING_MODULES) - set(embedding_modules))
+    if embedded:
+        problems.append(f"LoRA on embedding modules {', '.join(embedded)}")
+    saved = sorted(set(config.get("modules_to_save") or ()) - CLASSIFIER_MODULES)
+    if saved:
+        problems.append(f"modules_to_save {', '.join(saved)}")
+    if config.get("use_dora"):
+        problems.append("DoRA (use_dora)")
+    if config.get("lora_bias") or config.get("bias", "none") != "none":
+        problems.append("LoRA bias")
+    return problems
+
+
+def read_adapter(adapter: str | Path) -> tuple[dict, list[str]]:
+    """adapter_config.json and the tensor names of a peft adapter folder."""
+    folder = Path(adapter)
+    path = folder / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise BackendError(f"adapter {adapter}: cannot read {path.name} ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise BackendError(f"adapter {adapter}: {path.name} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(config, dict):
+        raise BackendError(f"adapter {adapter}: {path.name} is not a JSON object")
+    names: list[str] = []
+    weights = folder / "adapter_model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as f:
+            names = list(f.keys())
+    return config, names
+
+
+def vllm_embedding_modules(model: str) -> set[str]:
+    """The embedding modules the installed vLLM adapts with LoRA for `model`'s architecture
+    (its class's `embedding_modules`); empty when vLLM or the architecture is unknown here."""
+    try:
+        from transformers import AutoConfig
+        from vllm.model_executor.models import ModelRegistry
+
+        found: set[str] = set()
+        for arch in getattr(AutoConfig.from_pretrained(model), "architectures", None) or ():
+            cls = ModelRegistry._try_load_model_cls(arch)
+            found |= set(getattr(cls, "embedding_modules", None) or ())
+        return found
+    except Exception:  # noqa: BLE001 - an older/newer vLLM layout: vLLM's own check still applies
+        return set()
+
+
+def check_adapter_for_vllm(adapter: str | Path, max_lora_rank: int | None = None,
+                           embedding_modules: Iterable[str] = ()) -> int:
+    """The max_lora_rank to serve `adapter` with, or a one-line BackendError naming the
+    adapter and what vLLM cannot serve of it."""
+    config, names = read_adapter(adapter)
+    problems = lora_refusal(config, names, embedding_modules)
+    if problems:
+        raise BackendError(f"adapter {adapter}: vLLM's LoRA support does not cover {'; '.join(problems)} "
+                           "(merge it with train/merge.py and serve the merged model, or use --backend hf)")
+    ranks = vllm_lora_ranks()
+    needed = adapter_max_lora_rank(config, ranks, where=f"adapter {adapter}")
+    if max_lora_rank is None:
+        return needed
+    if int(max_lora_rank) < needed:
+        raise BackendError(f"adapter {adapter}: max_lora_rank {max_lora_rank} is below the adapter's rank "
+                           f"(needs {needed}); leave max_lora_rank out to take it from the adapter")
+    return int(max_lora_rank)
 
 
 def _logprob_value(entry: Any) -> float | None:
@@ -70,7 +206,7 @@ class VLLMBackend:
         self,
         model: str,
         adapter: str | None = None,
-        max_lora_rank: int = 64,
+        max_lora_rank: int | None = None,  # default: from the adapter (check_adapter_for_vllm)
         dtype: str = "auto",
         seed: int = 0,
         trust_remote_code: bool = False,
@@ -93,7 +229,8 @@ class VLLMBackend:
         if adapter:
             from vllm.lora.request import LoRARequest
 
-            kwargs.update(enable_lora=True, max_lora_rank=int(max_lora_rank))
+            rank = check_adapter_for_vllm(adapter, max_lora_rank, vllm_embedding_modules(model))
+            kwargs.update(enable_lora=True, max_lora_rank=rank)
             self.lora_request = LoRARequest("flipguard-adapter", 1, adapter)
         try:
             self.llm = vllm.LLM(**kwargs)
