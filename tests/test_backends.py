@@ -77,7 +77,9 @@ class FakeOpenAIServer:
                         server.gate_open.wait(BOUND)
                     if server.delay:
                         time.sleep(server.delay)
-                    if self.path.rstrip("/") != "/v1/chat/completions":
+                    if self.path.rstrip("/") == "/v1/completions" and n > server.fail_first:
+                        self._send(200, server.text_completion(body))
+                    elif self.path.rstrip("/") != "/v1/chat/completions":
                         self._send(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
                     elif n <= server.fail_first:
                         self._send(
@@ -122,6 +124,18 @@ class FakeOpenAIServer:
             choice["message"]["content"] = "1"
             choice["logprobs"] = {"content": [{**top[0], "top_logprobs": top}]}
         return {"id": "cmpl-fake", "object": "chat.completion", "created": 0, "model": body.get("model", ""),
+                "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    @staticmethod
+    def text_completion(body: dict) -> dict:
+        """POST /v1/completions (raw prompt, no chat template): "raw:<prompt>"; with
+        logprobs, top logprobs "1" (0.7) and " 2" (0.2) in the legacy {token: logprob} form."""
+        choice = {"index": 0, "text": f"raw:{body['prompt']}", "finish_reason": "stop", "logprobs": None}
+        if body.get("logprobs"):
+            choice["text"] = "1"
+            choice["logprobs"] = {"tokens": ["1"], "token_logprobs": [math.log(0.7)], "text_offset": [0],
+                                  "top_logprobs": [{"1": math.log(0.7), " 2": math.log(0.2)}]}
+        return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": body.get("model", ""),
                 "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
     def __enter__(self):
@@ -299,6 +313,11 @@ def _fake_vllm(monkeypatch, *, has_logprob_token_ids: bool = True, top: dict | N
         def get_tokenizer(self):
             return Tokenizer()
 
+        def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
+            log.setdefault("generates", []).append({"prompts": prompts, "params": sampling_params.kw})
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(text=f"raw:{p}", logprobs=None)])
+                    for p in prompts]
+
         def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None):
             log["chats"].append({"messages": messages, "params": sampling_params.kw, "lora": lora_request})
             outs = []
@@ -459,3 +478,46 @@ def test_hf_greedy_generate_batched_equal_unbatched(hf_backend):
     assert batched == single
     forced = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     assert hf_backend.generate(convs, forced) == hf_backend.generate(convs[:1], forced) + hf_backend.generate(convs[1:], forced)
+
+
+# ---------------------------------------------------------------------------- raw prompts (no chat template)
+
+RAW = [{"role": "raw", "content": "You are given a question and a chatlog.\n  Return exactly one of: 1 or 2."}]
+
+
+def test_openai_raw_prompt_goes_to_completions_without_a_chat_template(no_key_env):
+    with FakeOpenAIServer() as server:
+        backend = _openai(server)
+        out = backend.generate([RAW, _conv("hi")], GenerationConfig(max_new_tokens=5, seed=None))
+        probs = backend.choice_probs([RAW])
+    assert out == ["raw:" + RAW[0]["content"], "echo:hi"]
+    raw_body = next(b for b in server.bodies if "prompt" in b and "logprobs" not in b)
+    # the prompt text exactly, and no seed field when none is set
+    assert raw_body == {"model": "fake-model", "prompt": RAW[0]["content"], "temperature": 0.0, "max_tokens": 5}
+    chat_body = next(b for b in server.bodies if "messages" in b)
+    assert "seed" not in chat_body
+    assert probs[0] == pytest.approx({"1": 0.7, "2": 0.2})
+
+
+def test_vllm_raw_prompt_uses_generate_not_chat(monkeypatch):
+    log = _fake_vllm(monkeypatch)
+    backend = get_backend("vllm", "org/model")
+    out = backend.generate([_conv("a"), RAW, _conv("b")], GenerationConfig(max_new_tokens=4))
+    assert out == ["gen:a", "raw:" + RAW[0]["content"], "gen:b"]
+    assert log["generates"][0]["prompts"] == [RAW[0]["content"]]
+    assert [c[-1]["content"] for c in log["chats"][0]["messages"]] == ["a", "b"]
+
+
+def test_hf_raw_prompt_is_the_text_alone(hf_backend):
+    # the embedded tokenizer adds no BOS, so the model sees the prompt bytes and nothing else
+    assert hf_backend.render(RAW) == RAW[0]["content"]
+    assert hf_backend.render([{"role": "user", "content": "x"}]).startswith("<|im_start|>")
+    probs = hf_backend.choice_probs([RAW])[0]
+    assert set(probs) == {"1", "2"} and 0.0 <= probs["1"] + probs["2"] <= 1.0 + 1e-6
+
+
+def test_raw_role_must_be_the_only_message():
+    from flipguard.eval.backends.base import raw_prompt
+
+    with pytest.raises(BackendError, match="only message"):
+        raw_prompt([{"role": "system", "content": "s"}, *RAW])

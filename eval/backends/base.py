@@ -14,6 +14,19 @@ from flipguard.errors import FlipguardError
 
 Conversation = list[dict[str, str]]
 
+# A conversation of exactly one message with this role is a plain completion prompt:
+# sent as raw text, no chat template (the authors' fine-tuned evaluation did so).
+RAW_ROLE = "raw"
+
+
+def raw_prompt(conversation: Conversation) -> str | None:
+    """The text of a raw (no chat template) conversation, else None."""
+    if len(conversation) == 1 and conversation[0].get("role") == RAW_ROLE:
+        return conversation[0]["content"]
+    if any(m.get("role") == RAW_ROLE for m in conversation):
+        raise BackendError("a raw prompt must be the conversation's only message")
+    return None
+
 
 class BackendError(FlipguardError, RuntimeError):
     """A backend that cannot start or answer; the message says what to do."""

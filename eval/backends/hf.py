@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from flipguard.eval.backends.base import (
+    raw_prompt,
     BackendError, Conversation, GenerationConfig, context_limit, label_token_ids, register_backend,
 )
 
@@ -74,7 +75,12 @@ class HFBackend:
         self._lengths: dict[str, int] = {}
 
     def render(self, conversation: Conversation) -> str:
-        """The exact text the model sees, chat template applied, ready for the reply."""
+        """The exact text the model sees, chat template applied, ready for the reply. A raw
+        prompt gets only what `tokenizer(text)` would add (a BOS token, for some models)."""
+        text = raw_prompt(conversation)
+        if text is not None:
+            special = self.tokenizer("", add_special_tokens=True).input_ids
+            return (self.tokenizer.decode(special) if special else "") + text
         return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
     def _length(self, text: str) -> int:

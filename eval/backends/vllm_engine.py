@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from flipguard.eval.backends.base import BackendError, Conversation, GenerationConfig, label_token_ids, register_backend
+from flipguard.eval.backends.base import (
+    BackendError, Conversation, GenerationConfig, label_token_ids, raw_prompt, register_backend,
+)
 
 INSTALL_HINT = "vLLM is not installed: pip install 'flipguard[vllm]' (GPU machines only)"
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default engine cap on logprobs per token
@@ -108,19 +110,34 @@ class VLLMBackend:
             self.max_context = None
 
     def prompt_lengths(self, conversations: Sequence[Conversation]) -> list[int]:
-        """Token count of each prompt as the chat template renders it (no request sent)."""
-        return [len(self.tokenizer.apply_chat_template(list(c), tokenize=True, add_generation_prompt=True))
-                for c in conversations]
+        """Token count of each prompt as the chat template renders it (raw prompts: as
+        `tokenizer(text)` encodes them); no request sent."""
+        out = []
+        for c in conversations:
+            text = raw_prompt(c)
+            out.append(len(self.tokenizer(text).input_ids) if text is not None else
+                       len(self.tokenizer.apply_chat_template(list(c), tokenize=True, add_generation_prompt=True)))
+        return out
 
     def _chat(self, conversations: Sequence[Conversation], params) -> list:
-        outputs = self.llm.chat(
-            [list(c) for c in conversations],
-            sampling_params=params,
-            use_tqdm=self.show_progress,
-            lora_request=self.lora_request,
-        )
-        if len(outputs) != len(conversations):
-            raise BackendError(f"vLLM returned {len(outputs)} outputs for {len(conversations)} conversations")
+        """LLM.chat for chat conversations, LLM.generate for raw prompts; input order kept."""
+        raw = [raw_prompt(c) for c in conversations]
+        chat_idx = [i for i, t in enumerate(raw) if t is None]
+        raw_idx = [i for i, t in enumerate(raw) if t is not None]
+        outputs: list = [None] * len(conversations)
+        if chat_idx:
+            got = self.llm.chat([list(conversations[i]) for i in chat_idx], sampling_params=params,
+                                use_tqdm=self.show_progress, lora_request=self.lora_request)
+            for i, o in zip(chat_idx, got):
+                outputs[i] = o
+        if raw_idx:
+            got = self.llm.generate([raw[i] for i in raw_idx], sampling_params=params,
+                                    use_tqdm=self.show_progress, lora_request=self.lora_request)
+            for i, o in zip(raw_idx, got):
+                outputs[i] = o
+        if any(o is None for o in outputs):
+            missing = sum(o is None for o in outputs)
+            raise BackendError(f"vLLM returned no output for {missing} of {len(conversations)} conversations")
         return outputs
 
     def generate(self, conversations: Sequence[Conversation], config: GenerationConfig) -> list[str]:
