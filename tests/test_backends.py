@@ -521,3 +521,21 @@ def test_raw_role_must_be_the_only_message():
 
     with pytest.raises(BackendError, match="only message"):
         raw_prompt([{"role": "system", "content": "s"}, *RAW])
+
+
+def test_openai_model_default_sampling_sends_no_temperature(no_key_env):
+    """temperature None = the model's default sampling (stick-or-switch §4.2): no
+    temperature or top_p in the request, so the server's / model's defaults apply."""
+    with FakeOpenAIServer() as server:
+        _openai(server).generate([_conv("hi")], GenerationConfig(max_new_tokens=3, temperature=None, seed=None))
+    assert server.bodies[0] == {"model": "fake-model", "messages": _conv("hi"), "max_tokens": 3}
+
+
+def test_vllm_model_default_sampling_takes_the_models_generation_config(monkeypatch):
+    log = _fake_vllm(monkeypatch)
+    backend = get_backend("vllm", "org/model")
+    backend.llm.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
+        get_diff_sampling_param=lambda: {"temperature": 0.7, "top_p": 0.8, "top_k": 20}))
+    backend.generate([_conv("a")], GenerationConfig(max_new_tokens=4, temperature=None, seed=5))
+    assert log["chats"][0]["params"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 4,
+                                         "seed": 5, "ignore_eos": False}

@@ -99,10 +99,13 @@ def label_token_ids(tokenizer, choices: Sequence[str], model_id: str) -> list[li
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding settings; greedy by default as in all three papers."""
+    """Decoding settings; greedy by default. temperature None = the model's own default
+    sampling settings (hf: its generation_config; vllm: the engine's defaults from it;
+    openai: no temperature/top_p in the request) - stick-or-switch §4.2's "default
+    temperature ... to mirror standard usage"."""
 
     max_new_tokens: int = 300
-    temperature: float = 0.0
+    temperature: float | None = 0.0
     top_p: float = 1.0
     seed: int | None = 0
     # Force exactly max_new_tokens (benchmarks); never used for real evaluations.

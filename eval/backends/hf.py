@@ -110,13 +110,11 @@ class HFBackend:
         import torch
 
         out: list[str | None] = [None] * len(conversations)
-        kwargs = dict(
-            max_new_tokens=config.max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id,
-            do_sample=config.temperature > 0,
-        )
-        if config.temperature > 0:
-            kwargs.update(temperature=config.temperature, top_p=config.top_p)
+        kwargs = dict(max_new_tokens=config.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id)
+        if config.temperature is not None:  # None: the model's generation_config decides
+            kwargs["do_sample"] = config.temperature > 0
+            if config.temperature > 0:
+                kwargs.update(temperature=config.temperature, top_p=config.top_p)
         if config.ignore_eos:
             kwargs.update(min_new_tokens=config.max_new_tokens)
         if config.seed is not None:

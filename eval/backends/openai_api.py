@@ -205,9 +205,11 @@ class OpenAIBackend:
 
     def generate(self, conversations: Sequence[Conversation], config: GenerationConfig,
                  on_result: Callable[[int, str], None] | None = None) -> list[str]:
-        params: dict[str, Any] = {"temperature": config.temperature, "max_tokens": config.max_new_tokens}
-        if config.temperature > 0:
-            params["top_p"] = config.top_p
+        params: dict[str, Any] = {"max_tokens": config.max_new_tokens}
+        if config.temperature is not None:  # None: the server's / model's default sampling
+            params["temperature"] = config.temperature
+            if config.temperature > 0:
+                params["top_p"] = config.top_p
         if config.seed is not None:
             params["seed"] = config.seed
         if config.ignore_eos:

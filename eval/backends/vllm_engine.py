@@ -149,10 +149,22 @@ class VLLMBackend:
             seed=config.seed,
             ignore_eos=config.ignore_eos,
         )
-        if config.temperature > 0:
+        if config.temperature is None:  # the model's generation_config defaults, as `vllm serve` uses them
+            del params["temperature"]
+            params = {**self.model_sampling_defaults(), **params}
+        elif config.temperature > 0:
             params["top_p"] = config.top_p
         outputs = self._chat(conversations, self._vllm.SamplingParams(**params))
         return [(o.outputs[0].text if o.outputs else "") or "" for o in outputs]
+
+    def model_sampling_defaults(self) -> dict:
+        """The sampling settings the model's generation_config sets (temperature, top_p,
+        top_k, ...); {} when this vLLM cannot say (its own defaults then apply)."""
+        getter = getattr(getattr(self.llm.llm_engine, "model_config", None), "get_diff_sampling_param", None)
+        try:
+            return dict(getter()) if callable(getter) else {}
+        except (TypeError, ValueError, AttributeError):
+            return {}
 
     def choice_token_ids(self, choices: Sequence[str]) -> list[list[int]]:
         """Per label, its token id and those of its one-token variants (base.label_token_ids)."""
