@@ -133,3 +133,19 @@ def test_aio_rerun_report_says_it_is_not_comparable(tmp_path):
     assert cli_main(["import-records", str(src), "--out", str(imported)]) == 0
     assert cli_main(["report", str(imported), "--n_boot", "50"]) == 0
     assert "not comparable" not in (imported / "report" / "summary.md").read_text()
+
+
+def test_ft_released_runs_end_to_end_as_raw_text(tmp_path):
+    """Both modes on the embedded model: every record's conversation is the one raw
+    message, and generate mode reads the replies like any other."""
+    from flipguard.eval.cli import main as cli_main
+    from flipguard.eval.records import load_records, load_run_meta
+
+    for mode in ("logprob", "generate"):
+        out = tmp_path / mode
+        argv = ["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa,aio", "--limit", "1", "--mode", mode,
+                "--template", FT_TEMPLATE, "--max_new_tokens", "3", "--out", str(out), "--report", "false"]
+        assert cli_main(argv) == 0
+        records = load_records(out)
+        assert len(records) == 8 and load_run_meta(out)["template"] == FT_TEMPLATE
+        assert all(len(r.messages) == 1 and r.messages[0]["role"] == "raw" for r in records)
