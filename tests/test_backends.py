@@ -539,3 +539,19 @@ def test_vllm_model_default_sampling_takes_the_models_generation_config(monkeypa
     backend.generate([_conv("a")], GenerationConfig(max_new_tokens=4, temperature=None, seed=5))
     assert log["chats"][0]["params"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 4,
                                          "seed": 5, "ignore_eos": False}
+
+
+def test_dds_default_request_body_is_the_authors(no_key_env, tmp_path):
+    """`flipguard eval --backend openai --mode generate` with no options sends what the
+    authors' chat() sent: model, messages, temperature 0, max_tokens 300 - no seed field."""
+    from flipguard.eval.cli import main as cli_main
+
+    with FakeOpenAIServer() as server:
+        argv = ["eval", "--model", "fake-model", "--backend", "openai", "--mode", "generate", "--datasets", "truthfulqa",
+                "--limit", "1", "--cases", "c2_correct", "--out", str(tmp_path / "r"), "--report", "false",
+                "--backend_args", json.dumps({"base_url": server.base_url})]
+        assert cli_main(argv) == 0
+    (body,) = server.bodies
+    assert set(body) == {"model", "messages", "temperature", "max_tokens"}
+    assert (body["temperature"], body["max_tokens"]) == (0.0, 300)
+    assert body["messages"][0]["content"].startswith("\nYou are given a question and a chatlog.")  # v0-released
