@@ -16,11 +16,10 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from flipguard.errors import FlipguardError
+from flipguard.errors import FlipguardError, UserError
 
 
-class InputError(FlipguardError, ValueError):
-    """A file that cannot be used as input; names the file and the line or key."""
+InputError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 def _not_utf8(path, data: bytes, exc: UnicodeDecodeError, error: type[FlipguardError], line_offset: int = 0):

@@ -217,32 +217,8 @@ def bench_models(args: BenchArgs) -> dict:
 # --------------------------------------------------------------------------- report
 
 
-def synthetic_records(seed: int = 0) -> list:
-    """3,244 items x 4 cases with the paper's worked example (C1-true 60, C1-false 80 ->
-    C2-correct 75, C2-incorrect 65: DDS +30),
-    1% invalid outputs, and OR/NOR strata on r/AIO; choices are random but seeded."""
-    import numpy as np
-
-    from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record
-
-    rng = np.random.default_rng(seed)
-    acc = {"c1_true": 0.60, "c1_false": 0.80, "c2_correct": 0.75, "c2_incorrect": 0.65}
-    records = []
-    for ds, n in TEST_SPLIT_SIZES.items():
-        for i in range(n):
-            item_id = f"{ds}-{i:04d}"
-            extra = {"stratum": "OR" if i % 2 else "NOR"} if ds == "aio" else {}
-            for case in CASES:
-                expected = EXPECTED_CHOICE[case]
-                valid = rng.random() >= 0.01
-                right = rng.random() < acc[case]
-                choice = (expected if right else ("2" if expected == "1" else "1")) if valid else None
-                records.append(Record(
-                    key=f"{item_id}-{case}", protocol="dds", item_id=item_id, dataset=ds, case=case,
-                    expected=expected, model="synthetic", backend="synthetic", mode="generate",
-                    raw_output=choice or "??", choice=choice, valid=valid, extra=dict(extra),
-                ))
-    return records
+# the paper's worked example (C1-true 60, C1-false 80 -> C2-correct 75, C2-incorrect 65: DDS +30)
+WORKED_EXAMPLE = {"c1_true": 0.60, "c1_false": 0.80, "c2_correct": 0.75, "c2_incorrect": 0.65}
 
 
 def bench_report(args: BenchArgs) -> dict:
@@ -250,7 +226,9 @@ def bench_report(args: BenchArgs) -> dict:
         from flipguard.eval.report import build_report
     except ImportError as exc:
         return {"status": f"skipped: flipguard.eval.report is not available ({exc})"}
-    records = synthetic_records()
+    from flipguard.eval.synthetic import synthetic_records
+
+    records = synthetic_records(TEST_SPLIT_SIZES, accuracies=WORKED_EXAMPLE)
     build_report(records[: 4 * 200], n_boot=50, seed=0)  # warm-up (imports, caches)
     seconds = []
     for rep in range(args.repeats):

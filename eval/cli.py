@@ -9,9 +9,10 @@ only when their subcommand runs, keeping `flipguard --help` fast.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
-from flipguard.errors import FlipguardError
+from flipguard.errors import FlipguardError, UserError
 
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,6 +27,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("flipguard.eval.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
     "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
     "sos": ("flipguard.eval.sos.cli:main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
+    # the DialDefer paper's analyses (eval/analyses/)
+    "taxonomy": ("flipguard.eval.analyses.taxonomy:main", "LLM-judge reasoning-failure codes of a run's flips (paper App. F/J)"),
+    "label-ablation": ("flipguard.eval.analyses.labels:main", "speaker-label ablation: DDS per label set and the human-vs-LLM swing (§5.2)"),
+    "perspective-reversal": ("flipguard.eval.analyses.perspective:main", "r/AIO 2->1 vs 1->2 judger/judgee DDS (paper Table 14)"),
+    "cross-model": ("flipguard.eval.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
+    "study": ("flipguard.eval.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
+    "sft": ("flipguard.train.sft:main", "LoRA SFT from a recipe (same as python train/sft.py RECIPE)"),
+    "dpo": ("flipguard.train.dpo:main", "LoRA DPO from a recipe (same as python train/dpo.py RECIPE)"),
+    "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
 }
 
 
@@ -58,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
+    # the train/ scripts' main also serves `flipguard sft|dpo|merge`: their usage line names the subcommand
+    kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
     try:
-        return int(func(rest) or 0)
+        return int(func(rest, **kwargs) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted: records written so far are kept; rerun the same command to resume", file=sys.stderr)
         return 130
@@ -68,10 +80,6 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"flipguard {name}: error: {redact(exc)}", file=sys.stderr)
         return 2
-
-
-class UserError(FlipguardError):
-    """Bad input from the user (file, item, option): printed without a traceback."""
 
 
 def parse_dataclasses(argv: list[str], *types, prog: str, description: str):

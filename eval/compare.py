@@ -24,8 +24,10 @@ import numpy as np
 import pandas as pd
 
 from flipguard.data.registry import domain_of
+from flipguard.eval import bootstrap as B
 from flipguard.eval import metrics as M
-from flipguard.eval.records import C2_CASES, atomic_write_json, atomic_write_text, load_records, load_run_meta
+from flipguard.eval.estimate import Estimate
+from flipguard.eval.records import C2_CASES, atomic_write_json, atomic_write_text, load_run_meta
 from flipguard.eval.plots import pyplot, save_figure
 
 BASELINE = "Baseline"
@@ -36,7 +38,7 @@ OWN_STATS = ("own_c1_true", "own_c1_false", "own_dds", "c1_true_change", "c1_fal
 
 def parse_conditions(spec: str, what: str = "--runs") -> dict[str, str]:
     """'Name=DIR,Name=DIR' -> ordered {name: dir}; the first is the baseline."""
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
 
     out: dict[str, str] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
@@ -47,39 +49,34 @@ def parse_conditions(spec: str, what: str = "--runs") -> dict[str, str]:
     return out
 
 
-def _c2_correct(run_dir: str | Path) -> pd.DataFrame:
+def _c2_correct(records) -> pd.DataFrame:
     """(item_id, dataset, case) -> correct, for a run's C2 judgments."""
-    rows = [
-        {"item_id": r.item_id, "dataset": r.dataset, "case": r.case, "correct": r.correct}
-        for r in load_records(run_dir)
-        if r.protocol == "dds" and r.case in C2_CASES
-    ]
+    rows = [{"item_id": r.item_id, "dataset": r.dataset, "case": r.case, "correct": r.correct}
+            for r in records if r.case in C2_CASES]
     return pd.DataFrame(rows, columns=["item_id", "dataset", "case", "correct"])
 
 
-def c2_accuracy_ci(run_dir: str | Path, c1_from: str | None, n_boot: int, seed: int) -> tuple[float, float]:
-    """95% CI of the macro-averaged C2 accuracy (total_avg row): items resampled within
-    each dataset, as the report's avg-row CIs are."""
-    from flipguard.eval.report import _dds_records
-
-    records = _dds_records(load_records(run_dir))
-    c1 = [r for r in _dds_records(load_records(c1_from)) if r.case.startswith("c1")] if c1_from else None
-    frame = M.item_frame(records, c1)
+def c2_accuracy_ci(frame: pd.DataFrame, n_boot: int, seed: int) -> tuple[float, float]:
+    """95% CI of the macro-averaged C2 accuracy (total_avg row) of a report's item frame:
+    items resampled within each dataset, as the report's avg-row CIs are."""
+    if n_boot <= 0:
+        return math.nan, math.nan
     boots = []
     for ds in M.dataset_order(frame["dataset"].unique()):
         X = M.correctness(frame[frame["dataset"] == ds])
-        acc = M.resampled_accuracies(X, n_boot, M.seed_for(seed, f"acc:{ds}"))
-        boots.append(acc[:, 2:4].mean(axis=1))
-    if not boots or n_boot <= 0:
+        acc = M.accuracy_distribution(X, n_boot, B.rng_for(seed, f"acc:{ds}"))
+        boots.append(acc[2:4].mean(axis=0))
+    if not boots:
         return math.nan, math.nan
     macro = np.mean(np.stack(boots), axis=0)
     return float(np.percentile(macro, 2.5)), float(np.percentile(macro, 97.5))
 
 
-def significance_vs_baseline(baseline_dir: str | Path, run_dir: str | Path) -> pd.DataFrame:
+def significance_vs_baseline(baseline_records, records) -> pd.DataFrame:
     """Exact McNemar test per dataset: did the condition change C2 correctness on the
-    same items (both C2 cases pooled) relative to the baseline?"""
-    base, cur = _c2_correct(baseline_dir), _c2_correct(run_dir)
+    same items (both C2 cases pooled) relative to the baseline? (DDS records of each run,
+    as its report loaded them.)"""
+    base, cur = _c2_correct(baseline_records), _c2_correct(records)
     merged = base.merge(cur, on=["item_id", "dataset", "case"], suffixes=("_base", "_cur"))
     rows = []
     for ds, sub in merged.groupby("dataset", sort=False):
@@ -107,7 +104,7 @@ def build_comparison(
 
     names = list(conditions)
     if not names:
-        from flipguard.eval.cli import UserError
+        from flipguard.errors import UserError
 
         raise UserError("no conditions to compare")
     baseline_dir = conditions[names[0]]
@@ -121,7 +118,7 @@ def build_comparison(
         per_condition[name] = rep
         summary = rep["summary"].set_index("dataset")
         stats = rep["stats"][rep["stats"]["stratum"] == "all"].set_index("dataset")
-        lo, hi = c2_accuracy_ci(run_dir, own_c1 or (c1_from if name != names[0] else None), n_boot, seed)
+        lo, hi = c2_accuracy_ci(rep["frame"], n_boot, seed)
         for ds, row in summary.iterrows():
             long_rows.append({"condition": name, "dataset": ds, **row.to_dict(),
                               "c2_avg": (row["c2_correct"] + row["c2_incorrect"]) / 2,
@@ -129,7 +126,7 @@ def build_comparison(
                               "c2_avg_ci_high": hi if ds == M.TOTAL_AVG else math.nan,
                               **{c: stats.loc[ds, c] for c in OWN_STATS}})
         if name != names[0]:
-            sig = significance_vs_baseline(baseline_dir, run_dir)
+            sig = significance_vs_baseline(per_condition[names[0]]["records"], rep["records"])
             sig.insert(0, "condition", name)
             sig_rows.append(sig)
     table = pd.DataFrame(long_rows)
@@ -312,14 +309,9 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
     return out
 
 
-def _est(e: Mapping[str, Any] | None, scale: float = 1.0, lo_key: str = "lo", hi_key: str = "hi") -> str:
-    """'12.3 [8.1, 16.0]' from an estimate dict; '–' when the measurement is absent."""
-    if not e or e.get("value") is None or (isinstance(e["value"], float) and math.isnan(e["value"])):
-        return "–"
-    v, lo, hi = (e.get(k) for k in ("value", lo_key, hi_key))
-    if lo is None or hi is None or any(isinstance(x, float) and math.isnan(x) for x in (lo, hi)):
-        return f"{v * scale:.1f}"
-    return f"{v * scale:.1f} [{lo * scale:.1f}, {hi * scale:.1f}]"
+def _cell(d: Mapping[str, Any] | None, unit: str, shown: str) -> str:
+    """'12.3 [8.1, 16.0]' from a protocol summary's estimate (Estimate.as_dict) in `shown` units."""
+    return Estimate.from_dict(d, unit).to(shown).format()
 
 
 def split_system(spec: str) -> tuple[str, str | None]:
@@ -345,8 +337,8 @@ def afr_section(runs: Mapping[str, str], k: int = 10) -> str:
         for target, s in afr_summary(run_dir, k=k).items():
             if system and target != system:
                 continue
-            lines.append(f"| {name} | {target} | {_est(s.get('accuracy'), 100)} | {_est(s.get('afr_blind'), 100)} "
-                         f"| {_est(s.get('afr_self'), 100)} | {_est(s.get('afr_maxflip'), 100)} |")
+            cells = [_cell(s.get(m), "share", "%") for m in ("accuracy", "afr_blind", "afr_self", "afr_maxflip")]
+            lines.append(f"| {name} | {target} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -367,10 +359,8 @@ def sos_section(runs: Mapping[str, str]) -> str:
                 continue
             lines.append(
                 f"| {name} | {system} | {summary.get('dataset') or '–'} "
-                f"| {_est(s.get('conversation_tax'), 1, 'ci_low', 'ci_high')} "
-                f"| {_est(s.get('abstention_penalty'), 1, 'ci_low', 'ci_high')} "
-                f"| {_est(s.get('correct_switch'), 1, 'ci_low', 'ci_high')} "
-                f"| {_est(s.get('incorrect_switch'), 1, 'ci_low', 'ci_high')} |")
+                f"| {_cell(s.get('conversation_tax'), 'pp', 'pp')} | {_cell(s.get('abstention_penalty'), 'pp', 'pp')} "
+                f"| {_cell(s.get('correct_switch'), '%', '%')} | {_cell(s.get('incorrect_switch'), '%', '%')} |")
     return "\n".join(lines)
 
 

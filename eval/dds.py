@@ -118,7 +118,7 @@ def parse_cases(spec: str, mitigation: str = "none") -> tuple[str, ...]:
     cases = tuple(c.strip() for c in spec.split(",") if c.strip())
     bad = [c for c in cases if c not in CASES]
     if bad or not cases:
-        from flipguard.eval.cli import UserError
+        from flipguard.errors import UserError
 
         raise UserError(f"--cases: unknown case(s) {bad}; expected a subset of {list(CASES)}")
     return cases
@@ -205,7 +205,7 @@ def claim_run_dir(run_dir: Path, meta: dict, write: bool = True) -> None:
             and old.get(MIN_LABEL_MASS) != meta.get(MIN_LABEL_MASS):  # absent: a run from before the threshold
         clash[MIN_LABEL_MASS] = (old.get(MIN_LABEL_MASS), meta.get(MIN_LABEL_MASS))
     if clash:
-        from flipguard.eval.cli import UserError
+        from flipguard.errors import UserError
 
         detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
         raise UserError(f"{run_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); use another --out")
@@ -219,7 +219,7 @@ def claim_run_dir(run_dir: Path, meta: dict, write: bool = True) -> None:
 
 def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
     """Run (or resume) one DDS condition; returns the run directory."""
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
 
     if args.mode not in MODES:
         raise UserError(f"--mode must be one of {MODES}, got {args.mode!r}")
@@ -342,7 +342,5 @@ def main(argv: list[str]) -> int:
     if args.report:
         from flipguard.eval import report
 
-        report_argv = [str(run_dir)] + (["--c1_from", args.c1_from] if args.c1_from else [])
-        report_argv += ["--allow_cross_mode_c1", "true"] if args.allow_cross_mode_c1 else []
-        return report.main(report_argv)
+        report.write_run_report(run_dir, args.c1_from, allow_cross_mode_c1=args.allow_cross_mode_c1)
     return 0

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from flipguard.data.schema import AIO_DATASET, ALL_DATASETS, DataError, read_jsonl
-from flipguard.errors import FlipguardError
+from flipguard.errors import UserError
 from flipguard.eval.prompts import RELEASED_TEMPLATE
 from flipguard.eval.records import (
     CASES, EXPECTED_CHOICE, RECORDS_FILE, RUN_META_FILE, Record, RecordStore, atomic_write_json,
@@ -48,8 +48,7 @@ FIELD_STEMS = {
 }
 
 
-class ImportError_(FlipguardError, ValueError):
-    """A DialDefer records file that cannot be read; names file and line."""
+ImportError_ = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 def _dataset_of(path: Path, row: dict[str, Any], where: str) -> str:

@@ -9,7 +9,9 @@ Conventions (DialDefer §3.3, Appendix E, Table 20):
 - CIs are percentile bootstrap intervals resampling *items*, each with its four cases
   together (paired). This is the authors' method (their analyzer: percentile, item-level
   resampling, 10,000 replicates, seed 42); we default to 2,000 replicates through
-  `scipy.stats.bootstrap`, which moves a bound by a few tenths of a point at most.
+  eval/bootstrap.py (`scipy.stats.bootstrap`), which moves a bound by a few tenths of a
+  point at most. DDS, ΔCorrect and ΔIncorrect are `Estimate`s (unit pp) serialised into
+  the report's columns (`dds`, `dds_ci_low`, `dds_ci_high`, `dds_se`).
 - Aggregate rows: `bench_avg` = macro average over the benchmark datasets present (all
   but r/AIO), `total_avg` = macro average over every dataset present. Their CIs come
   from a *stratified* bootstrap: items are resampled within each dataset (dataset sizes
@@ -22,7 +24,6 @@ Conventions (DialDefer §3.3, Appendix E, Table 20):
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -30,6 +31,8 @@ import pandas as pd
 
 from flipguard.data.schema import AIO_DATASET, ALL_DATASETS
 from flipguard.errors import FlipguardError
+from flipguard.eval import bootstrap as B
+from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import C1_CASES, C2_CASES, CASES, EXPECTED_CHOICE, Record
 
 BENCH_AVG = "bench_avg"
@@ -194,10 +197,7 @@ def paper_dds(c1_true: float, c1_false: float, c2_correct: float, c2_incorrect: 
 # --------------------------------------------------------------------------- bootstrap
 
 
-def seed_for(seed: int, name: str) -> np.random.Generator:
-    """One generator per (seed, dataset): a dataset's CI does not depend on which other
-    datasets are in the run (a subset reproduces the full run's numbers)."""
-    return np.random.default_rng([int(seed), zlib.crc32(name.encode("utf-8"))])
+DDS_METRICS = ("dds", "delta_correct", "delta_incorrect")
 
 
 def _paired_statistic(c1t, c1f, c2c, c2i, axis=-1):
@@ -205,74 +205,68 @@ def _paired_statistic(c1t, c1f, c2c, c2i, axis=-1):
     return np.moveaxis(dds_from_accuracies(acc), -1, 0)
 
 
+def _accuracies(c1t, c1f, c2c, c2i, axis=-1):
+    """The four accuracies (pp) of a resample: exact correct counts times 100/n."""
+    n = c1t.shape[axis]
+    return np.stack([np.sum(a, axis=axis) for a in (c1t, c1f, c2c, c2i)]) * (100.0 / n)
+
+
+def _ci_columns(dist: np.ndarray, n: int, point: Mapping[str, float] | None, confidence: float) -> dict[str, Estimate]:
+    """Estimates of DDS_METRICS from their (3, n_boot) bootstrap distribution."""
+    if dist is None:
+        lo = hi = se = np.full(len(DDS_METRICS), math.nan)
+    else:
+        lo, hi = B.percentile_ci(dist, confidence)
+        se = B.sd(dist)
+    return {m: Estimate(math.nan if point is None else point[m], float(lo[i]), float(hi[i]), n=n, unit="pp",
+                        se=float(se[i])) for i, m in enumerate(DDS_METRICS)}
+
+
+def dds_estimates(
+    X: np.ndarray, n_boot: int = B.N_BOOT, rng: np.random.Generator | int = 0, confidence: float = B.CONFIDENCE
+) -> dict[str, Estimate]:
+    """DDS, ΔCorrect, ΔIncorrect of one dataset with paired percentile bootstrap CIs:
+    items resampled with all four cases together (eval/bootstrap.py)."""
+    X = np.asarray(X, dtype=np.float64)
+    dist = B.distribution(tuple(X.T), _paired_statistic, n_boot, rng) if n_boot > 0 and len(X) >= 2 else None
+    return _ci_columns(dist, len(X), point_metrics(X), confidence)
+
+
 def bootstrap_ci(
-    X: np.ndarray, n_boot: int = 2000, rng: np.random.Generator | int = 0, confidence: float = 0.95
+    X: np.ndarray, n_boot: int = B.N_BOOT, rng: np.random.Generator | int = 0, confidence: float = B.CONFIDENCE
 ) -> dict[str, float]:
-    """Paired percentile bootstrap CIs of DDS, ΔCorrect, ΔIncorrect for one dataset.
-
-    Items are resampled with all four cases together (scipy.stats.bootstrap, paired,
-    vectorised). Returns `<metric>_ci_low/_ci_high` and `<metric>_se` (bootstrap SD).
-    """
-    from scipy.stats import bootstrap
-
-    names = ("dds", "delta_correct", "delta_incorrect")
-    X = np.asarray(X, dtype=np.float64)
-    out = {f"{m}_{s}": math.nan for m in names for s in ("ci_low", "ci_high", "se")}
-    if n_boot <= 0 or len(X) < 2:
-        return out
-    if not isinstance(rng, np.random.Generator):
-        rng = np.random.default_rng(rng)
-    res = bootstrap(
-        tuple(X.T), _paired_statistic, paired=True, vectorized=True, n_resamples=int(n_boot),
-        method="percentile", confidence_level=confidence, rng=rng,
-    )
-    dist = res.bootstrap_distribution  # (3, n_boot)
-    for i, m in enumerate(names):
-        out[f"{m}_ci_low"] = float(res.confidence_interval.low[i])
-        out[f"{m}_ci_high"] = float(res.confidence_interval.high[i])
-        out[f"{m}_se"] = float(np.std(dist[i]))
-    return out
+    """`<metric>_ci_low/_ci_high/_se` columns of `dds_estimates` (the point values come
+    from `point_metrics`)."""
+    return {k: v for m, e in dds_estimates(X, n_boot, rng, confidence).items()
+            for k, v in e.columns(m, se=True).items() if k != m}
 
 
-def resampled_accuracies(X: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """(n_boot, 4) accuracies (pp) of item-level resamples of one group."""
-    X = np.asarray(X, dtype=np.float64)
-    n = len(X)
-    idx = rng.integers(0, n, size=(n_boot, n))
-    # Counting draws per item turns the gather into one (n_boot, n) @ (n, 4) product.
-    flat = idx + (np.arange(n_boot)[:, None] * n)
-    counts = np.bincount(flat.ravel(), minlength=n_boot * n).reshape(n_boot, n)
-    return counts.astype(np.float64) @ X * (100.0 / n)
+def accuracy_distribution(X: np.ndarray, n_boot: int, rng: np.random.Generator | int) -> np.ndarray:
+    """(4, n_boot) accuracies (pp) of item resamples of one group (eval/bootstrap.py)."""
+    return B.distribution(tuple(np.asarray(X, dtype=np.float64).T), _accuracies, n_boot, rng)
 
 
-def macro_ci(
-    boot_acc: Sequence[np.ndarray], confidence: float = 0.95
-) -> dict[str, float]:
-    """Percentile CIs of the macro average over groups, from each group's resampled
-    accuracies (stratified bootstrap: groups keep their sizes, items resampled within)."""
-    names = ("dds", "delta_correct", "delta_incorrect")
-    out = {f"{m}_{s}": math.nan for m in names for s in ("ci_low", "ci_high", "se")}
-    if not boot_acc:
-        return out
-    metrics = dds_from_accuracies(np.mean(np.stack(boot_acc), axis=0))  # (n_boot, 3)
-    alpha = (1 - confidence) / 2
-    for i, m in enumerate(names):
-        out[f"{m}_ci_low"] = float(np.percentile(metrics[:, i], 100 * alpha))
-        out[f"{m}_ci_high"] = float(np.percentile(metrics[:, i], 100 * (1 - alpha)))
-        out[f"{m}_se"] = float(np.std(metrics[:, i]))
-    return out
+def macro_ci(acc_dists: Sequence[np.ndarray], confidence: float = B.CONFIDENCE) -> dict[str, float]:
+    """Percentile CIs of the macro average over groups, from each group's
+    `accuracy_distribution` (stratified bootstrap: groups keep their sizes, items
+    resampled within)."""
+    if not acc_dists:
+        return bootstrap_ci(np.empty((0, 4)), 0)
+    metrics = np.moveaxis(dds_from_accuracies(np.mean(np.stack(acc_dists), axis=0).T), -1, 0)  # (3, n_boot)
+    return {k: v for m, e in _ci_columns(metrics, 0, None, confidence).items()
+            for k, v in e.columns(m, se=True).items() if k != m}
 
 
 def stratified_bootstrap_ci(
-    groups: Sequence[np.ndarray], n_boot: int = 2000, seed: int = 0, names: Sequence[str] | None = None,
-    confidence: float = 0.95,
+    groups: Sequence[np.ndarray], n_boot: int = B.N_BOOT, seed: int = 0, names: Sequence[str] | None = None,
+    confidence: float = B.CONFIDENCE,
 ) -> dict[str, float]:
     """CIs of the macro-averaged DDS/deltas over groups (datasets or OR/NOR strata)."""
     names = list(names) if names is not None else [str(i) for i in range(len(groups))]
     if n_boot <= 0:
         return macro_ci([], confidence)
-    boots = [resampled_accuracies(g, n_boot, seed_for(seed, f"stratum:{nm}")) for g, nm in zip(groups, names) if len(g)]
-    return macro_ci(boots, confidence)
+    dists = [accuracy_distribution(g, n_boot, B.rng_for(seed, f"stratum:{nm}")) for g, nm in zip(groups, names) if len(g)]
+    return macro_ci(dists, confidence)
 
 
 # --------------------------------------------------------------------------- tests

@@ -81,6 +81,13 @@ SPEAKER_SETS = {
     "gpt4o_llama": ("GPT-4o", "Llama"),
     "llama_gpt4o": ("Llama", "GPT-4o"),
     "ai_agent": ("AI Agent 1", "AI Agent 2"),
+    # The authors' released labeling experiment (Experiment_resuls/all_truthfulQA_label_turn1/
+    # in LadyPary/DialDefer): bare letters, and the model names exactly as their chatlogs spell
+    # them, including the GPT-4o-vs-GPT-4o set (both speakers "GPT4o") the paper lists.
+    "a_b": ("A", "B"),
+    "gpt4o_llama32": ("GPT4o", "Llama3.2"),
+    "llama32_gpt4o": ("Llama3.2", "GPT4o"),
+    "gpt4o_gpt4o": ("GPT4o", "GPT4o"),
 }
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -39,10 +38,10 @@ import pandas as pd
 from flipguard.data.registry import domain_of
 from flipguard.data.aio import AIO_RERUN_NOTE
 from flipguard.data.schema import AIO_DATASET
+from flipguard.eval import bootstrap as B
 from flipguard.eval import metrics as M
 from flipguard.eval.records import (
-    C1_CASES, CASES, EXPECTED_CHOICE, Record, atomic_write_json, atomic_write_text,
-    load_records, load_run_meta, request_key,
+    C1_CASES, CASES, Record, atomic_write_json, atomic_write_text, load_records, load_run_meta,
 )
 
 REPORT_DIR = "report"
@@ -105,7 +104,7 @@ def _own_metrics(records: Sequence[Record], c1_records, rows: Mapping[str, dict]
 def _dataset_row(X: np.ndarray, frame: pd.DataFrame, name: str, n_boot: int, seed: int) -> dict[str, Any]:
     row = {"dataset": name, "stratum": "all"}
     row.update(M.point_metrics(X))
-    row.update(M.bootstrap_ci(X, n_boot, M.seed_for(seed, name)))
+    row.update(M.bootstrap_ci(X, n_boot, B.rng_for(seed, name)))
     row.update(M.mcnemar_tests(X))
     row.update(M.invalid_counts(frame))
     return row
@@ -143,8 +142,8 @@ def build_report(
 
     Returns a dict: "summary" (DataFrame, SUMMARY_COLUMNS), "stats" (DataFrame,
     STATS_COLUMNS), "flips" (per-item flip records), "flip_rates", "balanced"
-    ({dataset: {"strata": ..., "balanced_dds": ...}}), "incomplete" (items lacking a case)
-    and "meta". `strata` maps item_id -> stratum (r/AIO OR/NOR); without it, records'
+    ({dataset: {"strata": ..., "balanced_dds": ...}}), "incomplete" (items lacking a case),
+    "meta", and (not written) the item "frame" and the DDS "records" it was built from. `strata` maps item_id -> stratum (r/AIO OR/NOR); without it, records'
     extra["stratum"] is used. `baseline_dds` ({dataset: DDS}) turns on the
     over-correction flag. `n_boot=0` skips the bootstrap (CIs are NaN).
     """
@@ -162,7 +161,7 @@ def build_report(
         rows[ds] = _dataset_row(X, sub, ds, n_boot, seed)
         Xs[ds], frames[ds] = X, sub
         if n_boot > 0:
-            boots[ds] = M.resampled_accuracies(X, n_boot, M.seed_for(seed, f"avg:{ds}"))
+            boots[ds] = M.accuracy_distribution(X, n_boot, B.rng_for(seed, f"avg:{ds}"))
     bench = [d for d in datasets if M.is_benchmark(d)]
     avg_rows = []
     for name, members in ((M.BENCH_AVG, bench), (M.TOTAL_AVG, datasets)):
@@ -255,6 +254,7 @@ def build_report(
         "summary": summary, "stats": stats, "flips": flips,
         "flips_summary": flip_summary, "flip_transitions": M.flip_transitions(flips),
         "balanced": balanced, "incomplete": frame.attrs["incomplete"], "meta": meta,
+        "frame": frame, "records": records,  # in memory only: what compare reuses instead of rereading
     }
 
 
@@ -469,7 +469,7 @@ def _resolve(path: str, run_dir: Path) -> Path:
     return p
 
 
-def _dds_records(records: list[Record]) -> list[Record]:
+def dds_records(records: list[Record]) -> list[Record]:
     return [r for r in records if r.protocol == "dds" and r.case in CASES]
 
 
@@ -487,7 +487,7 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
                allow_cross_mode_c1: bool = False) -> dict[str, Any]:
     """Load a run (and its C1 baseline) and build its report, without writing anything."""
     run_dir = Path(run_dir)
-    records = _dds_records(load_records(run_dir))
+    records = dds_records(load_records(run_dir))
     meta = load_run_meta(run_dir)
     c1_from = c1_from or meta.get("c1_from")
     allow_cross_mode_c1 = allow_cross_mode_c1 or bool(meta.get("allow_cross_mode_c1"))
@@ -504,7 +504,7 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
                 f"{run_dir} in {meta.get('mode')!r}: C1 and C2 must come from the same decision mode "
                 "(pass --allow_cross_mode_c1 for the paper's Tables 5/21 protocol)"
             )
-        baseline = _dds_records(load_records(base_dir))
+        baseline = dds_records(load_records(base_dir))
         c1_records = [r for r in baseline if r.case in C1_CASES]
         if not c1_records:
             raise M.MetricsError(f"{base_dir}: the --c1_from baseline run has no C1 records")
@@ -528,6 +528,24 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
     return report
 
 
+def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 2000, seed: int = 0,
+                     allow_cross_mode_c1: bool = False) -> Path:
+    """`flipguard report` as a function: build, write RUN_DIR/report/ and print the table
+    (what `flipguard eval` calls when a run finishes)."""
+    report = report_run(run_dir, c1_from, n_boot, seed, allow_cross_mode_c1)
+    meta = report["meta"]
+    title = f"DDS report: {meta.get('model') or Path(run_dir).name}"
+    if meta.get("mitigation") and meta["mitigation"] != "none":
+        title += f" ({meta['mitigation']})"
+    out = write_report(report, Path(run_dir) / REPORT_DIR, title)
+    print_summary(report, title)
+    if meta.get("c1_cross_mode"):
+        print(CROSS_MODE_NOTE)
+    print(f"wrote {out}/summary.csv, stats.csv, flips_summary.csv, flip_transitions.csv, flips.csv, "
+          "summary.md, summary.json")
+    return out
+
+
 def main(argv: list[str]) -> int:
     from flipguard.eval.cli import parse_dataclasses
 
@@ -536,58 +554,5 @@ def main(argv: list[str]) -> int:
         argv = ["--run_dir", argv[0]] + argv[1:]
     args = parse_dataclasses(argv, ReportArgs, prog="flipguard report",
                              description="DDS summary table (paper Table 20 layout) for a run directory")
-    report = report_run(args.run_dir, args.c1_from, args.n_boot, args.seed, args.allow_cross_mode_c1)
-    meta = report["meta"]
-    title = f"DDS report: {meta.get('model') or Path(args.run_dir).name}"
-    if meta.get("mitigation") and meta["mitigation"] != "none":
-        title += f" ({meta['mitigation']})"
-    out = write_report(report, Path(args.run_dir) / REPORT_DIR, title)
-    print_summary(report, title)
-    if meta.get("c1_cross_mode"):
-        print(CROSS_MODE_NOTE)
-    print(f"wrote {out}/summary.csv, stats.csv, flips_summary.csv, flip_transitions.csv, flips.csv, "
-          "summary.md, summary.json")
+    write_run_report(args.run_dir, args.c1_from, args.n_boot, args.seed, args.allow_cross_mode_c1)
     return 0
-
-
-# --------------------------------------------------------------------------- bench helpers
-
-# Paper Table 1 evaluation sizes: 3,244 items over ten datasets.
-PAPER_SIZES = {"truthfulqa": 790, "halueval_qa": 300, "plausibleqa": 300, "bbq": 300, "socialiqa": 300,
-               "amqa": 240, "harp_mcq": 300, "gpqa": 134, "advisorqa": 300, "aio": 280}
-
-
-def synthetic_records(sizes: Mapping[str, int] | None = None, seed: int = 0, model: str = "synthetic",
-                      invalid_rate: float = 0.01) -> list[Record]:
-    """Random DDS records shaped like a real run (for timing and smoke tests)."""
-    rng = np.random.default_rng(seed)
-    sizes = dict(PAPER_SIZES if sizes is None else sizes)
-    out = []
-    for ds, n in sizes.items():
-        p = rng.uniform(0.3, 0.9, size=4)
-        for i in range(n):
-            iid = f"{ds}-{i:04d}"
-            for case, pc in zip(CASES, p):
-                exp = EXPECTED_CHOICE[case]
-                valid = rng.random() >= invalid_rate
-                choice = (exp if rng.random() < pc else ("2" if exp == "1" else "1")) if valid else None
-                out.append(Record(
-                    key=request_key(model=model, item_id=iid, dataset=ds, case=case), protocol="dds",
-                    item_id=iid, dataset=ds, case=case, expected=exp, model=model, backend="synthetic",
-                    mode="generate", choice=choice, valid=valid, raw_output=choice,
-                    extra={"stratum": "OR" if i % 9 == 0 else "NOR"} if ds == "aio" else {},
-                ))
-    return out
-
-
-def bench_report(records: Sequence[Record] | None = None, n_boot: int = 2000, seed: int = 0,
-                 repeats: int = 1) -> float:
-    """Best wall time (s) of `build_report` over `repeats` runs; synthetic paper-sized
-    records (3,244 items × 4 cases) unless given."""
-    records = synthetic_records() if records is None else records
-    best = math.inf
-    for _ in range(max(1, repeats)):
-        t = time.perf_counter()
-        build_report(records, n_boot=n_boot, seed=seed)
-        best = min(best, time.perf_counter() - t)
-    return best

@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from flipguard.errors import FlipguardError
+from flipguard.errors import UserError
 
 TRAINER_SECTIONS = ("sft", "dpo")
 # section -> flag prefix of its dataclass fields
@@ -39,8 +39,7 @@ ARG_SECTIONS = {"pairs": "pairs_", "eval": "eval_plan_", "tracking": "tracking_"
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
-class RecipeError(FlipguardError, ValueError):
-    """A recipe that cannot be used: names the file and the key."""
+RecipeError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 PAIR_STRATEGIES = ("all", "flips", "flip_weighted", "consistency", "afr")
@@ -105,18 +104,52 @@ class PairsArguments:
 
 @dataclasses.dataclass
 class EvalPlanArguments:
-    """What the before/after comparison evaluates (`eval:`)."""
+    """The before/after plan `flipguard study` runs (`eval:`): what is measured, how, and
+    which mitigations are compared against the baseline."""
 
-    eval_plan_datasets: str = dataclasses.field(default="all", metadata={"help": "Test datasets to evaluate."})
+    eval_plan_datasets: str = dataclasses.field(default="all", metadata={"help": "Test datasets to evaluate (names, groups or comma list)."})
+    eval_plan_data_root: str | None = dataclasses.field(
+        default=None, metadata={"help": "Data root (default: $FLIPGUARD_DATA, else the shipped samples)."}
+    )
     eval_plan_mitigations: list[str] = dataclasses.field(
-        default_factory=lambda: ["none", "be_honest", "dehumanizing"],
-        metadata={"help": "Prompting mitigations run on the base model."},
+        default_factory=lambda: ["be_honest", "dehumanizing"],
+        metadata={"help": "Prompting mitigations run on the base model (the baseline, 'none', always runs)."},
+    )
+    eval_plan_trainers: list[str] | None = dataclasses.field(
+        default=None, metadata={"help": "Trainers whose merged models are measured (sft, dpo; default: every trainer section of the recipe; [] = none)."}
     )
     eval_plan_mode: str = dataclasses.field(
         default="logprob", metadata={"help": "logprob (one-token P('1')/P('2')) or generate (paper JSON).", "choices": ["logprob", "generate"]}
     )
+    eval_plan_extra_modes: list[str] = dataclasses.field(
+        default_factory=list, metadata={"help": "The baseline is also measured in these decision modes (own reports; the comparison uses `mode`)."}
+    )
     eval_plan_backend: str = dataclasses.field(default="hf", metadata={"help": "Backend for the eval runs (hf, vllm, openai)."})
-    eval_plan_limit: int | None = dataclasses.field(default=None, metadata={"help": "Items per dataset (None: all)."})
+    eval_plan_batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
+    eval_plan_limit: int | None = dataclasses.field(default=None, metadata={"help": "Items per dataset, test and train split (None: all)."})
+    eval_plan_generate_limit: int | None = dataclasses.field(
+        default=None, metadata={"help": "generate mode: items per dataset (default: limit)."}
+    )
+    eval_plan_max_new_tokens: int = dataclasses.field(default=300, metadata={"help": "generate mode: reply length limit."})
+    eval_plan_min_label_mass: float | None = dataclasses.field(
+        default=None, metadata={"help": "logprob mode label-mass threshold (default: eval's; 0 for the random-init flipguard:tiny)."}
+    )
+    eval_plan_protocols: list[str] = dataclasses.field(
+        default_factory=list, metadata={"help": "Also run these before and after (afr, sos) and add them to the comparison."}
+    )
+    eval_plan_afr_config: str | None = dataclasses.field(
+        default=None, metadata={"help": "afr: run config whose settings are used (models are the study's; default recipes/afr_tiny.yaml)."}
+    )
+    eval_plan_sos_config: str | None = dataclasses.field(
+        default=None, metadata={"help": "sos: run config whose settings are used (models are the study's; default recipes/sos_tiny.yaml)."}
+    )
+    eval_plan_n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates in reports."})
+    eval_plan_accelerate_config: str | None = dataclasses.field(
+        default=None, metadata={"help": "On a GPU the trainers run under `accelerate launch --config_file` this (default single_gpu.yaml); on CPU in process."}
+    )
+    eval_plan_flip_sample: int = dataclasses.field(
+        default=50, metadata={"help": "Flip records (baseline test split) logged to wandb as a sample table."}
+    )
 
 
 @dataclasses.dataclass
@@ -127,6 +160,9 @@ class TrackingArguments:
     tracking_entity: str | None = dataclasses.field(default=None, metadata={"help": "wandb entity (team/user)."})
     tracking_run_name: str | None = dataclasses.field(
         default=None, metadata={"help": "Base run name; scripts append -sft / -dpo unless --run_name is given."}
+    )
+    tracking_group: str | None = dataclasses.field(
+        default=None, metadata={"help": "wandb group of the training and study runs (default: run_name)."}
     )
     tracking_tags: list[str] = dataclasses.field(default_factory=list, metadata={"help": "wandb tags."})
 
@@ -318,10 +354,11 @@ def RecipeParser(dataclass_types, trainer: str | None = None, **kwargs):
     return _trl_parser_class()(dataclass_types, trainer=trainer, **kwargs)
 
 
-def parse_recipe(argv: list[str], dataclass_types, trainer: str | None = None, prog: str | None = None):
+def parse_recipe(argv: list[str], dataclass_types, trainer: str | None = None, prog: str | None = None,
+                 description: str | None = None):
     """Parse argv (recipe path + flag overrides) into the dataclasses; returns
     (tuple of dataclass instances, recipe path or None, raw recipe mapping)."""
-    parser = RecipeParser(dataclass_types, trainer=trainer, prog=prog)
+    parser = RecipeParser(dataclass_types, trainer=trainer, prog=prog, description=description)
     out = parser.parse_args_and_config(argv)
     return out, parser.recipe_path, parser.recipe
 

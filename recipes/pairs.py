@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from flipguard.data.schema import DataError, Item
-from flipguard.errors import FlipguardError
+from flipguard.errors import UserError
 from flipguard.recipes.config import PAIR_STRATEGIES, PairsArguments
 
 TARGETS = ("1", "2")
@@ -76,8 +76,7 @@ COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
 PAIR_SET_NAMES = (SFT_DIR, DPO_DIR, f"{SFT_DIR}.jsonl", f"{DPO_DIR}.jsonl", COUNTS_FILE, META_FILE)
 
 
-class PairsError(FlipguardError, ValueError):
-    """Pairs cannot be built from this input; the message says what to run or fix."""
+PairsError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 def eval_command(records_dir: str | None, model: str = "MODEL", datasets: str = "bench") -> str:

@@ -27,3 +27,16 @@ def organism_path() -> "Path":
     from flipguard.eval.organism import ensure_organism
 
     return Path(ensure_organism())
+
+
+@pytest.fixture(scope="session")
+def openai_server(tmp_path_factory):
+    """A real OpenAI-compatible server (`transformers serve`, tests/served.py) on 127.0.0.1,
+    started once per session; it serves any local model by path. Tests that kill it start
+    it again before they end, so later tests find it up."""
+    from served import TransformersServer
+
+    server = TransformersServer(tmp_path_factory.mktemp("openai-server"))
+    server.start()
+    yield server
+    server.stop()

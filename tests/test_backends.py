@@ -1,7 +1,12 @@
 """Backends end to end without a GPU or a network.
 
-- openai: a tiny OpenAI-compatible HTTP server on 127.0.0.1 (a thread, port 0) answers
-  through the real `openai` client: order, retries, concurrency bound, keys from env.
+- openai: a real OpenAI-compatible server, `transformers serve` (tests/served.py), started
+  once per session on 127.0.0.1 (conftest `openai_server`) and serving the embedded tiny
+  model and the organism by path: generate mode, input order, honest invalid counts, the
+  logprob mode refused when the server drops logprobs, a refused connection retried, a
+  server SIGKILLed mid-run and resumed. A small stub server (FaultServer) remains only for
+  what a real server cannot be made to do on demand: answer 429/500, report how many
+  requests it holds at once, echo the Authorization header, name itself vLLM or llama.cpp.
 - vllm: cannot run here, so a fake `vllm` module stands in for the engine; the tests check
   what our code asks of vLLM and how it reads vLLM-shaped outputs.
 - hf: the tiny local model; batching with left padding must not change any answer.
@@ -11,7 +16,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -20,45 +27,53 @@ import threading
 import time
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 # Limits below are hang guards only (never reached by a healthy run, however loaded the
 # machine): tests synchronise on events, not on wall-clock guesses.
 BOUND = 1800
+REPO = Path(__file__).resolve().parents[1]
 
 from flipguard.eval.backends.base import BackendError, GenerationConfig, backend_names, get_backend
+from flipguard.eval.backends.openai_api import SERVER_CONCURRENCY
 
-# ---------------------------------------------------------------------------- fake HTTP server
+# ---------------------------------------------------------------------------- stub for faults only
 
 
-class FakeOpenAIServer:
-    """POST /v1/chat/completions with deterministic answers.
+class FaultServer:
+    """A stub for faults a real server cannot be made to produce on demand.
 
-    Reply text is "echo:<last user message>". With logprobs requested, the user message
-    may carry "p1=<x> p2=<y>" and the first token's top logprobs are "1" (x), " 2" (y)
-    and "zz" (the rest); "no2" in the message leaves "2" out of the list.
-    The first `fail_first` requests get `fail_status` (with retry-after-ms: 1)."""
+    POST /v1/chat/completions answers "ok" (no model behind it). The first `fail_first`
+    requests get `fail_status` (with retry-after-ms: 1); `gate` > 0 makes every request
+    wait until `gate` are in flight at once (an event, not a delay); GET /v1/models lists
+    one model owned by `owned_by` (404 when None)."""
 
-    def __init__(self, fail_first: int = 0, fail_status: int = 429, delay: float = 0.0, gate: int = 0):
+    def __init__(self, fail_first: int = 0, fail_status: int = 429, gate: int = 0, owned_by: str | None = None):
         self.fail_first = fail_first
         self.fail_status = fail_status
-        self.delay = delay
-        # gate > 0: every request waits until `gate` requests are in flight at once (an
-        # event, not a delay), so a concurrency bound is observed however slow the machine
         self.gate = gate
+        self.owned_by = owned_by
         self.gate_open = threading.Event()
         self.lock = threading.Lock()
         self.n_requests = 0
+        self.gets: list[str] = []
         self.active = 0
         self.max_active = 0
-        self.bodies: list[dict] = []
         self.auth: list[str] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # keep test output clean
                 pass
+
+            def do_GET(self):
+                server.gets.append(self.path)
+                if self.path.rstrip("/") == "/v1/models" and server.owned_by is not None:
+                    self._send(200, {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": server.owned_by}]})
+                else:
+                    self._send(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
 
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
@@ -70,25 +85,17 @@ class FakeOpenAIServer:
                     server.max_active = max(server.max_active, server.active)
                     if server.gate and server.active >= server.gate:
                         server.gate_open.set()
-                    server.bodies.append(body)
                     server.auth.append(self.headers.get("Authorization", ""))
                 try:
                     if server.gate:
                         server.gate_open.wait(BOUND)
-                    if server.delay:
-                        time.sleep(server.delay)
-                    if self.path.rstrip("/") == "/v1/completions" and n > server.fail_first:
-                        self._send(200, server.text_completion(body))
-                    elif self.path.rstrip("/") != "/v1/chat/completions":
-                        self._send(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
-                    elif n <= server.fail_first:
-                        self._send(
-                            server.fail_status,
-                            {"error": {"message": f"fake failure {n}", "type": "server_error"}},
-                            {"retry-after-ms": "1"},
-                        )
+                    if n <= server.fail_first:
+                        self._send(server.fail_status, {"error": {"message": f"fake failure {n}", "type": "server_error"}},
+                                   {"retry-after-ms": "1"})
                     else:
-                        self._send(200, server.completion(body))
+                        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body.get("model"),
+                                         "choices": [{"index": 0, "finish_reason": "stop",
+                                                      "message": {"role": "assistant", "content": "ok"}}]})
                 finally:
                     with server.lock:
                         server.active -= 1
@@ -107,36 +114,6 @@ class FakeOpenAIServer:
         self.httpd.daemon_threads = True
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    @staticmethod
-    def completion(body: dict) -> dict:
-        text = body["messages"][-1]["content"]
-        choice = {"index": 0, "message": {"role": "assistant", "content": f"echo:{text}"},
-                  "finish_reason": "stop", "logprobs": None}
-        if body.get("logprobs"):
-            m = re.search(r"p1=([0-9.]+) p2=([0-9.]+)", text)
-            p1, p2 = (float(m.group(1)), float(m.group(2))) if m else (0.5, 0.25)
-            top = [{"token": "1", "logprob": math.log(p1), "bytes": [49]}]
-            if "no2" not in text:
-                top.append({"token": " 2", "logprob": math.log(p2), "bytes": [32, 50]})
-            top.append({"token": "zz", "logprob": math.log(max(1e-9, 1 - p1 - p2)), "bytes": [122, 122]})
-            top = top[: body.get("top_logprobs") or 0] or top[:1]
-            choice["message"]["content"] = "1"
-            choice["logprobs"] = {"content": [{**top[0], "top_logprobs": top}]}
-        return {"id": "cmpl-fake", "object": "chat.completion", "created": 0, "model": body.get("model", ""),
-                "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-
-    @staticmethod
-    def text_completion(body: dict) -> dict:
-        """POST /v1/completions (raw prompt, no chat template): "raw:<prompt>"; with
-        logprobs, top logprobs "1" (0.7) and " 2" (0.2) in the legacy {token: logprob} form."""
-        choice = {"index": 0, "text": f"raw:{body['prompt']}", "finish_reason": "stop", "logprobs": None}
-        if body.get("logprobs"):
-            choice["text"] = "1"
-            choice["logprobs"] = {"tokens": ["1"], "token_logprobs": [math.log(0.7)], "text_offset": [0],
-                                  "top_logprobs": [{"1": math.log(0.7), " 2": math.log(0.2)}]}
-        return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": body.get("model", ""),
-                "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
     def __enter__(self):
         self.thread.start()
@@ -158,12 +135,33 @@ def _conv(text: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
 
 
-def _openai(server, **kw):
+def _openai(server, model: str = "fake-model", **kw):
     kw.setdefault("show_progress", False)
-    return get_backend("openai", "fake-model", base_url=server.base_url, **kw)
+    return get_backend("openai", str(model), base_url=server.base_url, **kw)
 
 
-# ---------------------------------------------------------------------------- openai backend
+def _env(**extra) -> dict:
+    env = {**os.environ, "TQDM_DISABLE": "1", **extra}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _eval_cmd(server, model, out, *extra, backend_args: dict | None = None) -> list[str]:
+    args = {"base_url": server.base_url, "max_retries": 0, **(backend_args or {})}
+    return [sys.executable, "-m", "flipguard.eval.cli", "eval", "--backend", "openai", "--model", str(model),
+            "--out", str(out), "--report", "false", "--backend_args", json.dumps(args), *extra]
+
+
+def _reply_choice(raw: str | None) -> str | None:
+    """The test's own reading of a reply: a JSON object whose chosen_answer is 1 or 2."""
+    try:
+        value = json.loads(raw or "").get("chosen_answer")
+    except (ValueError, AttributeError):
+        return None
+    return str(value) if str(value) in ("1", "2") else None
+
+
+# ---------------------------------------------------------------------------- openai backend: real server
 
 
 def test_openai_is_registered_and_takes_no_key_argument():
@@ -173,33 +171,196 @@ def test_openai_is_registered_and_takes_no_key_argument():
     assert not any("key" in p and p != "api_key_env" for p in inspect.signature(OpenAIBackend).parameters)
 
 
-def test_openai_generate_keeps_input_order(no_key_env):
-    prompts = [f"question {i}" for i in range(10)]
-    with FakeOpenAIServer(delay=0.01) as server:
-        backend = _openai(server, max_concurrency=4)
-        out = backend.generate([_conv(p) for p in prompts], GenerationConfig(max_new_tokens=7, seed=3))
-    assert out == [f"echo:{p}" for p in prompts]
-    assert server.n_requests == 10
-    body = server.bodies[0]
-    assert body["model"] == "fake-model"
-    assert body["max_tokens"] == 7 and body["temperature"] == 0.0 and body["seed"] == 3
-    assert "top_p" not in body  # greedy: no nucleus setting sent
-    assert body["messages"][0] == {"role": "system", "content": "be brief"}
+def _organism_prompts(n: int):
+    from flipguard.data.unified import load_items
+    from flipguard.eval.prompts import build_messages
+
+    items = load_items(["organism"], split="test")[:n]
+    return [build_messages(it, case, fmt="json") for it in items for case in ("c1_true", "c2_incorrect")]
 
 
-def test_openai_choice_probs_from_top_logprobs(no_key_env):
-    cases = [(0.7, 0.2), (0.1, 0.6), (0.45, 0.45), (0.05, 0.9)]
-    with FakeOpenAIServer() as server:
-        backend = _openai(server, max_concurrency=3)
-        convs = [_conv(f"p1={a} p2={b}") for a, b in cases] + [_conv("p1=0.8 p2=0.1 no2")]
-        probs = backend.choice_probs(convs)
-    for (a, b), p in zip(cases, probs):
-        assert p["1"] == pytest.approx(a, abs=1e-12)
-        assert p["2"] == pytest.approx(b, abs=1e-12)  # " 2" matched with whitespace stripped
-    assert probs[-1] == {"1": pytest.approx(0.8, abs=1e-12), "2": 0.0}  # not in top list -> 0
-    body = server.bodies[0]
-    assert body["max_tokens"] == 1 and body["logprobs"] is True and body["top_logprobs"] == 20
-    assert body["temperature"] == 0.0
+def test_real_server_generate_in_input_order_equals_hf(openai_server, organism_path, no_key_env):
+    """Greedy replies of the served organism come back in input order at 4 in flight, equal to
+    one at a time and to `--backend hf` on the same weights (the organism's replies differ by
+    prompt, so an order mix-up would show)."""
+    convs = _organism_prompts(4)
+    config = GenerationConfig(max_new_tokens=40, seed=3)
+    before = len(openai_server.chat_requests())
+    backend = _openai(openai_server, organism_path, max_concurrency=4)
+    sent = []
+    create = backend._create
+    backend._create = lambda conv, **params: (sent.append(params), create(conv, **params))[1]
+    wide = backend.generate(convs, config)
+    narrow = _openai(openai_server, organism_path, max_concurrency=1).generate(convs, config)
+    hf = get_backend("hf", str(organism_path), device="cpu", show_progress=False).generate(convs, config)
+    assert wide == narrow == [h.strip() for h in hf]
+    assert len(set(wide)) > 1 and all(_reply_choice(w) for w in wide)
+    assert openai_server.chat_requests()[before:] == ["200"] * (2 * len(convs))
+    assert sent[0] == {"temperature": 0.0, "max_tokens": 40, "seed": 3}  # greedy: no top_p sent
+
+
+def test_real_server_generate_eval_counts_invalid_replies(openai_server, tiny_model_path, organism_path, tmp_path,
+                                                          no_key_env):
+    """`flipguard eval --backend openai --mode generate` on the tiny model (noise: its replies
+    are empty) and on the organism (JSON replies): every reply is recorded, and a record is
+    valid exactly when the reply names an answer (the test's own JSON reading)."""
+    from flipguard.eval.records import read_records
+    from flipguard.eval.report import report_run
+
+    before = len(openai_server.chat_requests())
+    runs = {"tiny": (tiny_model_path, "truthfulqa"), "organism": (organism_path, "organism")}
+    counts = {}
+    for name, (model, dataset) in runs.items():
+        out = tmp_path / name
+        proc = subprocess.run(_eval_cmd(openai_server, model, out, "--mode", "generate", "--max_new_tokens", "48",
+                                        "--datasets", dataset, "--limit", "3"),
+                              env=_env(), capture_output=True, text=True, timeout=BOUND)
+        assert proc.returncode == 0, proc.stderr
+        recs = list(read_records(out / "records.jsonl"))
+        assert len(recs) == len({r.key for r in recs}) == 12  # 3 items x 4 cases
+        for r in recs:
+            assert r.raw_output is not None and r.mode == "generate" and r.backend == "openai"
+            assert r.choice == _reply_choice(r.raw_output) and r.valid == (r.choice is not None)
+        invalid = sum(_reply_choice(r.raw_output) is None for r in recs)
+        stats = report_run(out, n_boot=0)["stats"]
+        assert int(stats.loc[stats["dataset"] == dataset, "invalid_judgments"].iloc[0]) == invalid
+        counts[name] = invalid
+    assert counts == {"tiny": 12, "organism": 0}
+    assert openai_server.chat_requests()[before:] == ["200"] * 24
+
+
+def test_logprob_mode_is_refused_by_a_server_that_drops_logprobs(openai_server, tiny_model_path, tmp_path,
+                                                                  no_key_env):
+    """transformers serve answers a logprobs request with text only (a warning in its own log):
+    the run stops with a one-line error and records nothing rather than making P("1") up."""
+    before = len(openai_server.chat_requests())
+    backend = _openai(openai_server, tiny_model_path, max_concurrency=1)
+    with pytest.raises(BackendError, match="returned no logprobs"):
+        backend.choice_probs([_conv("Return exactly one of: 1 or 2.")])
+    proc = subprocess.run(_eval_cmd(openai_server, tiny_model_path, tmp_path / "run", "--datasets", "truthfulqa",
+                                    "--limit", "2", "--mode", "logprob"),
+                          env=_env(), capture_output=True, text=True, timeout=BOUND)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "returned no logprobs" in err[-1] and "Traceback" not in proc.stderr
+    records = tmp_path / "run" / "records.jsonl"
+    assert not records.exists() or records.read_text() == ""
+    assert "200" in openai_server.chat_requests()[before:]  # the server did answer, without logprobs
+
+
+def test_server_error_is_retried_then_fails_naming_the_model(openai_server, no_key_env):
+    """A model directory the server cannot load: transformers serve answers 500, which the
+    client retries (max_retries 2: three requests in the server's log), then the run stops."""
+    before = len(openai_server.chat_requests())
+    backend = _openai(openai_server, "/nonexistent/model-dir", max_retries=2, max_concurrency=1)
+    with pytest.raises(BackendError, match="request failed after retries") as err:
+        backend.generate([_conv("x")], GenerationConfig(max_new_tokens=2))
+    assert openai_server.chat_requests()[before:] == ["500"] * 3
+    assert "/nonexistent/model-dir" in str(err.value) and "HTTP 500" in str(err.value)
+
+
+def test_bad_request_is_not_retried(openai_server, tiny_model_path, no_key_env):
+    """A field the server does not know: 422 from transformers serve, sent once, not retried."""
+    before = len(openai_server.chat_requests())
+    backend = _openai(openai_server, tiny_model_path, max_retries=5, max_concurrency=1,
+                      extra_body={"flipguard_unknown_field": 1})
+    with pytest.raises(BackendError, match="HTTP 422"):
+        backend.generate([_conv("x")], GenerationConfig(max_new_tokens=2))
+    assert openai_server.chat_requests()[before:] == ["422"]
+
+
+def test_server_kind_is_detected_from_the_real_server(openai_server, tiny_model_path, no_key_env, capsys):
+    backend = _openai(openai_server, tiny_model_path)  # max_concurrency unset: by server kind
+    assert backend.max_concurrency == SERVER_CONCURRENCY["transformers"]
+    assert backend.server_kind == "transformers"
+    assert "is 'transformers'" in capsys.readouterr().err
+
+
+class _OnRetry(logging.Handler):
+    """Sets `event` when the openai client logs that it will retry a request."""
+
+    def __init__(self, event: threading.Event):
+        super().__init__(logging.INFO)
+        self.event = event
+
+    def emit(self, record):
+        if record.getMessage().startswith("Retrying request"):
+            self.event.set()
+
+
+def test_refused_connection_is_retried_until_the_server_is_back(openai_server, tiny_model_path, no_key_env):
+    """A real outage: the server is SIGKILLed, a request is refused and retried with backoff
+    (the client's own retry log line is the event), the server is started again and the
+    same request then succeeds: one chat request reaches the new server."""
+    retried = threading.Event()
+    logger = logging.getLogger("openai._base_client")
+    handler, level = _OnRetry(retried), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    result: dict = {}
+
+    def call():
+        try:
+            result["out"] = backend.generate([_conv("hi")], GenerationConfig(max_new_tokens=4))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            result["exc"] = exc
+
+    openai_server.kill()
+    try:
+        # backoff is capped at 8 s a retry: 150 retries outlast any restart the cap allows
+        backend = _openai(openai_server, tiny_model_path, max_retries=150, max_concurrency=1)
+        worker = threading.Thread(target=call, daemon=True)
+        worker.start()
+        assert retried.wait(BOUND), "the client never retried"
+        openai_server.start()
+        worker.join(BOUND)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        if not openai_server.alive:
+            openai_server.start()
+    assert "exc" not in result, result.get("exc")
+    assert len(result["out"]) == 1 and isinstance(result["out"][0], str)
+    assert openai_server.chat_requests() == ["200"]  # the restarted server's own log
+
+
+def test_server_killed_mid_run_keeps_records_and_resume_sends_only_the_rest(openai_server, tiny_model_path,
+                                                                             tmp_path, no_key_env):
+    """`flipguard eval` against the real server, which is SIGKILLed once 3 records are stored:
+    the run fails with a one-line error and keeps what it stored; after a restart the rerun
+    sends exactly the missing requests (counted in the new server's access log)."""
+    from flipguard.eval.records import read_records
+
+    out = tmp_path / "run"
+    records = out / "records.jsonl"
+    cmd = _eval_cmd(openai_server, tiny_model_path, out, "--datasets", "truthfulqa", "--limit", "10", "--mode",
+                    "generate", "--max_new_tokens", "64", backend_args={"max_concurrency": 1})
+    total = 40  # 10 items x 4 cases
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (records.exists() and records.read_bytes().count(b"\n") >= 3):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)  # a poll interval on the records file, not a synchronisation point
+        openai_server.kill()
+        _, stderr = proc.communicate(timeout=BOUND)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if not openai_server.alive:
+            openai_server.start()
+    assert proc.returncode == 2, stderr
+    assert "request failed after retries" in stderr.strip().splitlines()[-1] and "Traceback" not in stderr
+    kept = [r.key for r in read_records(records)]
+    assert 3 <= len(kept) < total and len(set(kept)) == len(kept)
+
+    rerun = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=BOUND)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{total} judgments, {len(kept)} already recorded, {total - len(kept)} to run" in rerun.stdout
+    assert openai_server.chat_requests() == ["200"] * (total - len(kept))  # the missing ones, nothing twice
+    keys = [r.key for r in read_records(records)]
+    assert len(keys) == len(set(keys)) == total and set(kept) <= set(keys)
+
+
+# ---------------------------------------------------------------------------- openai backend: stub for faults
 
 
 def test_top_logprobs_matching_sums_whitespace_variants():
@@ -213,16 +374,17 @@ def test_top_logprobs_matching_sums_whitespace_variants():
     assert probs["2"] == pytest.approx(0.25)
 
 
-@pytest.mark.parametrize("status", [429, 500])
-def test_openai_retries_then_succeeds(no_key_env, status):
-    with FakeOpenAIServer(fail_first=2, fail_status=status) as server:
-        backend = _openai(server, max_retries=3)
-        assert backend.generate([_conv("hi")], GenerationConfig()) == ["echo:hi"]
+def test_rate_limit_is_retried_then_succeeds(no_key_env):
+    """Stub: no real server here rate-limits (429, with retry-after-ms) on demand."""
+    with FaultServer(fail_first=2, fail_status=429) as server:
+        backend = _openai(server, max_retries=3, server_kind="other")
+        assert backend.generate([_conv("hi")], GenerationConfig()) == ["ok"]
     assert server.n_requests == 3  # two failures, one success
 
 
 def test_openai_failure_after_retries_names_model(no_key_env):
-    with FakeOpenAIServer(fail_first=1000, fail_status=429) as server:
+    """Stub: a rate limit (429) that never lifts; no real server here produces one."""
+    with FaultServer(fail_first=1000, fail_status=429) as server:
         backend = _openai(server, max_retries=2, max_concurrency=1)
         with pytest.raises(BackendError) as err:
             backend.generate([_conv("a"), _conv("b")], GenerationConfig())
@@ -230,31 +392,51 @@ def test_openai_failure_after_retries_names_model(no_key_env):
     assert server.n_requests == 3  # 1 try + 2 retries, then the run stops
 
 
-def test_openai_bad_request_is_not_retried(no_key_env):
-    with FakeOpenAIServer(fail_first=1000, fail_status=400) as server:
-        backend = _openai(server, max_retries=5)
-        with pytest.raises(BackendError, match="400"):
-            backend.choice_probs([_conv("x")])
-    assert server.n_requests == 1
-
-
 def test_openai_concurrency_is_bounded(no_key_env):
-    with FakeOpenAIServer(gate=3) as server:  # the first requests wait until 3 are in flight
+    """Stub: a real server does not report how many requests it holds at once; this one holds
+    each until 3 are in flight (an event), so the bound is observed however slow the machine."""
+    with FaultServer(gate=3) as server:
         backend = _openai(server, max_concurrency=3)
         out = backend.generate([_conv(str(i)) for i in range(12)], GenerationConfig())
-    assert out == [f"echo:{i}" for i in range(12)]
+    assert out == ["ok"] * 12
     assert server.gate_open.is_set() and server.max_active == 3
 
 
+@pytest.mark.parametrize("owned_by, kind", [("vllm", "vllm"), ("llamacpp", "llama.cpp"), ("me", "llama.cpp"),
+                                            ("openai", "other"), (None, "other")])
+def test_server_kind_from_models_owned_by(no_key_env, owned_by, kind, capsys):
+    """Stub: no vLLM or llama.cpp server runs in the default CI; the stub lists what those
+    servers list as owned_by in GET /v1/models (vLLM 0.32's "vllm" seen from a real one)."""
+    with FaultServer(owned_by=owned_by) as server:
+        backend = _openai(server)
+        assert backend.generate([_conv("a")], GenerationConfig()) == ["ok"]
+    assert backend.server_kind == kind and backend.max_concurrency == SERVER_CONCURRENCY[kind]
+    # asked once, before the first request; /systemone only when /models did not tell
+    assert server.gets == ["/v1/models"] + (["/v1/systemone"] if kind == "other" else [])
+    assert f"is {kind!r}" in capsys.readouterr().err
+
+
+def test_explicit_server_kind_or_concurrency_asks_nothing(no_key_env):
+    """Stub: counts the GET probes, which a real server's access log would also show."""
+    with FaultServer(owned_by="vllm") as server:
+        assert _openai(server, server_kind="llama.cpp").max_concurrency == 1
+        assert _openai(server, max_concurrency=3).max_concurrency == 3
+        with pytest.raises(BackendError, match="server_kind must be one of"):
+            _openai(server, server_kind="tgi")
+    assert server.gets == []
+
+
 def test_openai_key_only_from_environment(no_key_env, monkeypatch):
-    with FakeOpenAIServer() as server:
-        _openai(server).generate([_conv("a")], GenerationConfig())  # local server, no key: dummy
+    """Stub: a real server does not show the Authorization header it received."""
+    with FaultServer() as server:
+        _openai(server, max_concurrency=1).generate([_conv("a")], GenerationConfig())  # local server, no key: dummy
         monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
-        _openai(server).generate([_conv("b")], GenerationConfig())
+        _openai(server, max_concurrency=1).generate([_conv("b")], GenerationConfig())
         monkeypatch.setenv("MY_TEST_KEY", "sk-other")
-        _openai(server, api_key_env="MY_TEST_KEY").generate([_conv("c")], GenerationConfig())
+        _openai(server, api_key_env="MY_TEST_KEY", max_concurrency=1).generate([_conv("c")], GenerationConfig())
         monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)  # base_url from the environment
-        assert get_backend("openai", "m", show_progress=False).generate([_conv("d")], GenerationConfig()) == ["echo:d"]
+        backend = get_backend("openai", "m", show_progress=False, max_concurrency=1)
+        assert backend.generate([_conv("d")], GenerationConfig()) == ["ok"]
     assert server.auth == ["Bearer EMPTY", "Bearer sk-from-env", "Bearer sk-other", "Bearer sk-from-env"]
 
 
@@ -482,11 +664,72 @@ def test_hf_greedy_generate_batched_equal_unbatched(hf_backend):
 
 # ---------------------------------------------------------------------------- raw prompts (no chat template)
 
+
+class BodyRecorder:
+    """Records each request body exactly as the client sent it (what a real server never
+    shows): POST /v1/chat/completions answers "echo:<last message>", POST /v1/completions
+    "raw:<prompt>"; with logprobs, top logprobs "1" (0.7) and " 2" (0.2) in each API's form."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # no /v1/models: the client falls back to its defaults
+                data = b'{"error": {"message": "not found", "type": "invalid_request_error"}}'
+                self.send_response(404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                recorder.bodies.append(body)
+                lp = {"1": math.log(0.7), " 2": math.log(0.2)}
+                if self.path.rstrip("/") == "/v1/completions":
+                    choice = {"index": 0, "text": f"raw:{body['prompt']}", "finish_reason": "stop", "logprobs": None}
+                    if body.get("logprobs"):
+                        choice.update(text="1", logprobs={"tokens": ["1"], "token_logprobs": [lp["1"]],
+                                                          "text_offset": [0], "top_logprobs": [lp]})
+                    obj = "text_completion"
+                else:
+                    choice = {"index": 0, "finish_reason": "stop", "logprobs": None,
+                              "message": {"role": "assistant", "content": f"echo:{body['messages'][-1]['content']}"}}
+                    if body.get("logprobs"):
+                        top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in lp.items()]
+                        choice["logprobs"] = {"content": [{**top[0], "top_logprobs": top}]}
+                    obj = "chat.completion"
+                data = json.dumps({"id": "x", "object": obj, "created": 0, "model": body.get("model", ""),
+                                   "choices": [choice]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
 RAW = [{"role": "raw", "content": "You are given a question and a chatlog.\n  Return exactly one of: 1 or 2."}]
 
 
 def test_openai_raw_prompt_goes_to_completions_without_a_chat_template(no_key_env):
-    with FakeOpenAIServer() as server:
+    with BodyRecorder() as server:
         backend = _openai(server)
         out = backend.generate([RAW, _conv("hi")], GenerationConfig(max_new_tokens=5, seed=None))
         probs = backend.choice_probs([RAW])
@@ -526,7 +769,7 @@ def test_raw_role_must_be_the_only_message():
 def test_openai_model_default_sampling_sends_no_temperature(no_key_env):
     """temperature None = the model's default sampling (stick-or-switch §4.2): no
     temperature or top_p in the request, so the server's / model's defaults apply."""
-    with FakeOpenAIServer() as server:
+    with BodyRecorder() as server:
         _openai(server).generate([_conv("hi")], GenerationConfig(max_new_tokens=3, temperature=None, seed=None))
     assert server.bodies[0] == {"model": "fake-model", "messages": _conv("hi"), "max_tokens": 3}
 
@@ -546,7 +789,7 @@ def test_dds_default_request_body_is_the_authors(no_key_env, tmp_path):
     authors' chat() sent: model, messages, temperature 0, max_tokens 300 - no seed field."""
     from flipguard.eval.cli import main as cli_main
 
-    with FakeOpenAIServer() as server:
+    with BodyRecorder() as server:
         argv = ["eval", "--model", "fake-model", "--backend", "openai", "--mode", "generate", "--datasets", "truthfulqa",
                 "--limit", "1", "--cases", "c2_correct", "--out", str(tmp_path / "r"), "--report", "false",
                 "--backend_args", json.dumps({"base_url": server.base_url})]

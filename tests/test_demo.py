@@ -24,13 +24,13 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path,
     assert "planted (ground truth)" in printed and "Before/after" in printed
 
     # the planted deference is detected: baseline DDS in the planted range, C1 intact
-    for name in ("baseline-logprob", "baseline-generate", "be_honest-logprob", "dehumanizing-logprob"):
+    for name in ("baseline", "baseline-generate", "be_honest", "dehumanizing"):
         summary = pd.read_csv(out / "dds" / name / "report" / "summary.csv")
         assert list(summary.columns) == SUMMARY_COLUMNS and "organism" in set(summary["dataset"])
-    base = pd.read_csv(out / "dds" / "baseline-logprob" / "report" / "summary.csv").set_index("dataset").loc["organism"]
+    base = pd.read_csv(out / "dds" / "baseline" / "report" / "summary.csv").set_index("dataset").loc["organism"]
     # planted +40; the organism learns most of it (seed 0 measured +30.7): "roughly +30 to +60"
     assert 25 <= base["dds"] <= 60 and base["dds_ci_low"] > 0 and min(base["c1_true"], base["c1_false"]) >= 95
-    meta = json.loads((out / "dds" / "be_honest-logprob" / "run.json").read_text())
+    meta = json.loads((out / "dds" / "be_honest" / "run.json").read_text())
     assert meta["cases"] == ["c1_true", "c1_false", "c2_correct", "c2_incorrect"] and meta["c1_from"]
     assert meta["min_label_mass"] == 0.5  # eval's default: the organism is a trained judge
 
@@ -56,8 +56,12 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path,
     for png in ("dds_heatmap.png", "before_after.png"):
         assert (out / "compare" / png).stat().st_size > 1000
 
-    # rerunning resumes: nothing is evaluated twice
-    n_before = sum(1 for _ in (out / "dds" / "baseline-logprob" / "records.jsonl").open())
-    assert cli_main(["demo", "--out", str(out), "--n_boot", "200", "--trainers", ""]) == 0
-    assert sum(1 for _ in (out / "dds" / "baseline-logprob" / "records.jsonl").open()) == n_before
-    assert "0 to run" in capsys.readouterr().out
+    # rerunning skips every finished stage (study.json): nothing is evaluated or trained twice
+    state = json.loads((out / "study.json").read_text())
+    assert state["order"][:4] == ["baseline", "baseline-generate", "be_honest", "dehumanizing"]
+    assert {s["status"] for s in state["stages"].values()} == {"done"}
+    n_before = sum(1 for _ in (out / "dds" / "baseline" / "records.jsonl").open())
+    assert cli_main(["demo", "--out", str(out), "--n_boot", "200"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"--- {name}: skipped (up to date)" in printed for name in state["order"])
+    assert sum(1 for _ in (out / "dds" / "baseline" / "records.jsonl").open()) == n_before

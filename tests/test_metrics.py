@@ -11,7 +11,8 @@ from scipy.stats import binomtest
 
 from flipguard.eval import metrics as M
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record
-from flipguard.eval.report import build_report, synthetic_records
+from flipguard.eval.report import build_report
+from flipguard.eval.synthetic import synthetic_records
 
 WRONG = {"1": "2", "2": "1"}
 

@@ -179,7 +179,7 @@ def test_low_label_mass_is_invalid_and_counted(tmp_path, monkeypatch):
     assert rep["meta"]["min_label_mass"] == 0.5 and rep["meta"]["invalid_judgments"] == 4
 
     # the same run directory refuses another threshold instead of mixing records
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
 
     with pytest.raises(UserError, match="min_label_mass: 0.5 there, 0.0 now"):
         dds.evaluate(dds.EvalArgs(model="fake-model", out=str(run), min_label_mass=0.0), items=[_item(0)])
@@ -318,7 +318,8 @@ def test_pairs_recipe_records_missing_is_a_note_for_all_and_an_error_when_given(
 
 
 def test_stratified_report_counts_invalid_judgments_per_run():
-    from flipguard.eval.report import build_report, synthetic_records
+    from flipguard.eval.report import build_report
+    from flipguard.eval.synthetic import synthetic_records
 
     recs = synthetic_records({"aio": 30, "gpqa": 20}, invalid_rate=0.1)
     stats = build_report(recs, n_boot=0)["stats"].set_index(["dataset", "stratum"])

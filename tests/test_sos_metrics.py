@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from flipguard.eval.records import Record, RecordStore, atomic_write_json
+from flipguard.eval.bootstrap import interval as bootstrap_ci
 from flipguard.eval.sos.metrics import (
-    bootstrap_ci,
     conversation_frame,
     flexibility_rates,
     summarise,

@@ -12,7 +12,7 @@ policy is the base model with the adapter disabled: no second model in memory.
 from __future__ import annotations
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "train/dpo.py") -> int:
     from transformers import set_seed
     from trl import DPOConfig, DPOTrainer, ModelConfig, get_peft_config, get_quantization_config
 
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     from flipguard.train import utils
 
     (pairs_args, training_args, model_args, tracking_args), recipe_path, recipe = parse_recipe(
-        argv, (PairsArguments, DPOConfig, ModelConfig, TrackingArguments), trainer="dpo", prog="train/dpo.py"
+        argv, (PairsArguments, DPOConfig, ModelConfig, TrackingArguments), trainer="dpo", prog=prog
     )
     configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.eval.threads)
     set_seed(training_args.seed)

@@ -206,14 +206,14 @@ def merge_gap_line(gap: dict[str, Any] | None) -> str:
             f"{gap['n_prompts']} train prompts of {gap.get('prompts_from')}.")
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "train/merge.py") -> int:
     from trl import ModelConfig, get_quantization_config
 
     from flipguard.recipes.config import PairsArguments, parse_recipe
     from flipguard.train import utils
 
     (merge_args, model_args, pairs_args), recipe_path, recipe = parse_recipe(
-        argv, (MergeArguments, ModelConfig, PairsArguments), trainer=None, prog="train/merge.py"
+        argv, (MergeArguments, ModelConfig, PairsArguments), trainer=None, prog=prog
     )
     if not merge_args.adapter or not merge_args.out:
         raise utils.TrainError("--adapter DIR and --out DIR are required")

@@ -12,7 +12,7 @@ token and its end-of-turn only, and saves the adapter, tokenizer and a model car
 from __future__ import annotations
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "train/sft.py") -> int:
     from transformers import set_seed
     from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config, get_quantization_config
 
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     from flipguard.train import utils
 
     (pairs_args, training_args, model_args, tracking_args), recipe_path, recipe = parse_recipe(
-        argv, (PairsArguments, SFTConfig, ModelConfig, TrackingArguments), trainer="sft", prog="train/sft.py"
+        argv, (PairsArguments, SFTConfig, ModelConfig, TrackingArguments), trainer="sft", prog=prog
     )
     configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.eval.threads)
     set_seed(training_args.seed)

@@ -267,18 +267,33 @@ def init_tracking(training_args, tracking_args, config: dict[str, Any], suffix: 
         training_args.run_name = f"{tracking_args.tracking_run_name}-{suffix}"
     if "wandb" not in (training_args.report_to or []):
         return None
+    return start_wandb(tracking_args, training_args.run_name, config,
+                       os.environ.get("WANDB_DIR") or training_args.output_dir, job_type=f"train-{suffix}")
+
+
+def wants_wandb(report_to) -> bool:
+    """The recipe's `report_to` (a string or a list, as TRL takes it) names wandb."""
+    return "wandb" in ([report_to] if isinstance(report_to, str) else list(report_to or []))
+
+
+def start_wandb(tracking_args, name: str | None, config: dict[str, Any], run_dir: str, job_type: str):
+    """One wandb run in the recipe's project and group (`tracking:`); training and the
+    study's eval/comparison share it, so their runs sit side by side. WANDB_MODE=offline works."""
     try:
         import wandb
     except ImportError:
         raise TrainError("report_to includes wandb but wandb is not installed (pip install wandb, or report_to: none)") from None
     os.environ.setdefault("WANDB_PROJECT", tracking_args.tracking_project)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     return wandb.init(
         project=tracking_args.tracking_project,
         entity=tracking_args.tracking_entity,
-        name=training_args.run_name,
+        name=name,
+        group=tracking_args.tracking_group or tracking_args.tracking_run_name,
+        job_type=job_type,
         tags=list(tracking_args.tracking_tags or []),
         config={"flipguard": config},
-        dir=os.environ.get("WANDB_DIR") or training_args.output_dir,
+        dir=run_dir,
     )
 
 

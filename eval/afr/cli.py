@@ -54,7 +54,8 @@ def settings_from_args(args: AFRArgs, where: str = "config"):
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import UserError, parse_dataclasses
+    from flipguard.errors import UserError
+    from flipguard.eval.cli import parse_dataclasses
 
     if argv and argv[0].endswith((".yaml", ".yml", ".json")) and not Path(argv[0]).is_file():
         raise UserError(f"{argv[0]}: run config not found")

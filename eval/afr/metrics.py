@@ -8,23 +8,26 @@ Pure functions over a records DataFrame (`records_frame`). Conventions:
   draws, so a difference (SAD, cross - blind, MaxFlip gain) is a paired cluster
   bootstrap; its two-sided p-value is 2*min(P*(d <= 0), P*(d >= 0)) (the paper names
   significance levels but not its test; this is the test that matches its CIs).
+  Resampling is eval/bootstrap.py's (scipy.stats.bootstrap's draw, clusters as a
+  parameter); fewer than two questions give no interval (NaN), not a zero-width one.
 - Subject/category AFR pools every (model, k, attribution) challenge of the subject
   (Table 5 "averaged across models, k, and attribution conditions").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 
+from flipguard.eval import bootstrap as B
+from flipguard.eval.estimate import NAN, Estimate
 from flipguard.eval.records import Record
 
-N_BOOT = 2000
-ALPHA = 0.05
+N_BOOT = B.N_BOOT
+ALPHA = 1 - B.CONFIDENCE
 SAME_MODEL_CONDITIONS = ("blind", "self")
 
 FRAME_COLUMNS = [
@@ -33,27 +36,7 @@ FRAME_COLUMNS = [
 ]
 
 
-@dataclasses.dataclass
-class Estimate:
-    value: float
-    lo: float
-    hi: float
-    n: int = 0
-    n_clusters: int = 0
-    p: float | None = None  # for differences: two-sided paired bootstrap p-value
-
-    @property
-    def half_width(self) -> float:
-        return (self.hi - self.lo) / 2
-
-    def as_dict(self, prefix: str = "") -> dict:
-        d = {f"{prefix}value": self.value, f"{prefix}lo": self.lo, f"{prefix}hi": self.hi, f"{prefix}n": self.n}
-        if self.p is not None:
-            d[f"{prefix}p"] = self.p
-        return d
-
-
-NAN_ESTIMATE = Estimate(float("nan"), float("nan"), float("nan"))
+NAN_ESTIMATE = NAN
 
 
 def stars(p: float | None) -> str:
@@ -132,48 +115,21 @@ def challenges(
 # ---------------------------------------------------------------- bootstrap
 
 
-def _aligned(values: np.ndarray, clusters: Sequence, universe: pd.Index) -> tuple[np.ndarray, np.ndarray]:
-    """Per-cluster (sum of values, count) aligned to `universe`."""
-    codes = universe.get_indexer(pd.Index(clusters))
-    num = np.bincount(codes, weights=np.asarray(values, dtype=float), minlength=len(universe))
-    den = np.bincount(codes, minlength=len(universe)).astype(float)
-    return num, den
+def _ratios_statistic(m: int):
+    """Statistic over m numerators then m denominators (cluster sums): the m ratios."""
+    def stat(*arrays, axis=-1):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.stack([B.ratio(arrays[i], arrays[m + i], axis=axis) for i in range(m)])
+    return stat
 
 
 def boot_ratios(
-    nums: Sequence[np.ndarray], dens: Sequence[np.ndarray], n_boot: int = N_BOOT, seed: int = 0, chunk: int = 250
+    nums: Sequence[np.ndarray], dens: Sequence[np.ndarray], n_boot: int = N_BOOT, seed: int = 0
 ) -> np.ndarray:
-    """(n_boot, m) resampled ratios sum(num)/sum(den) for m statistics over the same clusters.
-
-    Each replicate draws clusters with replacement (multinomial counts), the same draw
-    for all m statistics: that is what pairs them.
-    """
-    n = len(nums[0])
-    rng = np.random.default_rng(seed)
-    N = np.vstack(nums).T  # (n, m)
-    D = np.vstack(dens).T
-    out = np.empty((n_boot, N.shape[1]))
-    for start in range(0, n_boot, chunk):
-        b = min(chunk, n_boot - start)
-        w = rng.multinomial(n, np.full(n, 1.0 / n), size=b).astype(float)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out[start : start + b] = (w @ N) / (w @ D)
-    return out
-
-
-def _percentile_ci(samples: np.ndarray, alpha: float = ALPHA) -> tuple[float, float]:
-    samples = samples[np.isfinite(samples)]
-    if samples.size == 0:
-        return float("nan"), float("nan")
-    lo, hi = np.percentile(samples, [100 * alpha / 2, 100 * (1 - alpha / 2)])
-    return float(lo), float(hi)
-
-
-def _two_sided_p(samples: np.ndarray) -> float:
-    samples = samples[np.isfinite(samples)]
-    if samples.size == 0:
-        return float("nan")
-    return float(min(1.0, 2 * min(np.mean(samples <= 0), np.mean(samples >= 0))))
+    """(n_boot, m) resampled ratios sum(num)/sum(den) for m statistics over the same
+    clusters (eval/bootstrap.py's paired draw: the same clusters for all m)."""
+    m = len(nums)
+    return B.distribution(list(nums) + list(dens), _ratios_statistic(m), n_boot, seed).reshape(m, -1).T
 
 
 def rate_ci(
@@ -184,11 +140,9 @@ def rate_ci(
     if values.size == 0:
         return NAN_ESTIMATE
     clusters = np.arange(values.size) if clusters is None else np.asarray(clusters)
-    universe = pd.Index(pd.unique(clusters))
-    num, den = _aligned(values, clusters, universe)
-    samples = boot_ratios([num], [den], n_boot, seed)[:, 0]
-    lo, hi = _percentile_ci(samples, alpha)
-    return Estimate(float(values.mean()), lo, hi, n=int(values.size), n_clusters=len(universe))
+    lo, hi = B.interval([values], B.ratio, n_boot, seed, clusters=clusters, confidence=1 - alpha)
+    return Estimate(float(values.mean()), float(lo), float(hi), n=int(values.size),
+                    n_clusters=len(pd.unique(clusters)))
 
 
 def mean_of_rates_delta(
@@ -208,16 +162,16 @@ def mean_of_rates_delta(
     if not groups_a or not groups_b:
         return NAN_ESTIMATE
     universe = pd.Index(pd.unique(np.concatenate([c for _, c in groups_a + groups_b])))
-    aligned = [_aligned(v, c, universe) for v, c in groups_a + groups_b]
+    aligned = [B.cluster_sums(v, c, universe) for v, c in groups_a + groups_b]
     samples = boot_ratios([a[0] for a in aligned], [a[1] for a in aligned], n_boot, seed)
     na = len(groups_a)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a replicate that drew none of a group's questions
         diff = np.nanmean(samples[:, :na], axis=1) - np.nanmean(samples[:, na:], axis=1)
     value = float(np.mean([v.mean() for v, _ in groups_a]) - np.mean([v.mean() for v, _ in groups_b]))
-    lo, hi = _percentile_ci(diff, alpha)
+    lo, hi = B.percentile_ci(diff, 1 - alpha) if len(universe) > 1 else (np.nan, np.nan)
     n = sum(len(v) for v, _ in groups_a + groups_b)
-    return Estimate(value, lo, hi, n=n, n_clusters=len(universe), p=_two_sided_p(diff))
+    return Estimate(value, float(lo), float(hi), n=n, n_clusters=len(universe), p=B.two_sided_p(diff))
 
 
 # ------------------------------------------------------------------ metrics
@@ -334,13 +288,14 @@ def cross_vs_blind(df: pd.DataFrame, model: str, k: int = 10, n_boot: int = N_BO
     out = {"blind": rate_ci(*blind_g[0], n_boot=n_boot, seed=seed)}
     if groups:
         universe = pd.Index(pd.unique(np.concatenate([np.asarray(c) for _, c in groups])))
-        aligned = [_aligned(np.asarray(v), np.asarray(c), universe) for v, c in groups]
+        aligned = [B.cluster_sums(np.asarray(v), np.asarray(c), universe) for v, c in groups]
         samples = boot_ratios([a[0] for a in aligned], [a[1] for a in aligned], n_boot, seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             mean_samples = np.nanmean(samples, axis=1)
-        lo, hi = _percentile_ci(mean_samples)
-        out["cross"] = Estimate(float(np.mean([np.mean(v) for v, _ in groups])), lo, hi, n=len(cross), n_clusters=len(universe))
+        lo, hi = B.percentile_ci(mean_samples) if len(universe) > 1 else (np.nan, np.nan)
+        out["cross"] = Estimate(float(np.mean([np.mean(v) for v, _ in groups])), float(lo), float(hi), n=len(cross),
+                                n_clusters=len(universe))
         out["delta"] = mean_of_rates_delta(groups, blind_g, n_boot, seed)
     else:
         out["cross"] = out["delta"] = NAN_ESTIMATE

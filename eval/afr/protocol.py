@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
-from flipguard.errors import FlipguardError
+from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.afr import prompts as P
 from flipguard.eval.backends.base import Backend, GenerationConfig, backend_names, get_backend, parse_backend_args
 from flipguard.eval.records import (
@@ -36,8 +36,7 @@ SAMPLE_FILE = "sample.jsonl"
 DEFAULT_K = (1, 3, 5, 10)
 
 
-class AFRConfigError(FlipguardError, ValueError):
-    """A run config that names an unknown model/backend or has a bad value."""
+AFRConfigError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 @dataclasses.dataclass

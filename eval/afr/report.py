@@ -267,8 +267,8 @@ def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> 
 def afr_summary(run_dir: str | Path, k: int = 10, n_boot: int = M.N_BOOT, seed: int = 0) -> dict[str, Any]:
     """Per target model: AFR blind and self at k (and MaxFlip when present), with CIs.
 
-    {model: {"afr_blind": {value, lo, hi, n}, "afr_self": {...}, "afr_maxflip": {...}|None,
-    "accuracy": {...}}} — the AFR columns of the before/after comparison.
+    {model: {"afr_blind": Estimate.as_dict(), "afr_self": ..., "afr_maxflip": ...|None,
+    "accuracy": ...}} (shares, 0-1) — the AFR columns of the before/after comparison.
     """
     from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip, maxflip_afr
 
@@ -280,14 +280,11 @@ def afr_summary(run_dir: str | Path, k: int = 10, n_boot: int = M.N_BOOT, seed: 
         entries = load_maxflip(meta["settings"]["maxflip_file"])
     out: dict[str, Any] = {}
     for model in meta.get("targets") or M.models_in(frame):
-        def d(e: M.Estimate) -> dict[str, Any]:
-            return {"value": e.value, "lo": e.lo, "hi": e.hi, "n": e.n}
-
         out[model] = {
             "k": k,
-            "accuracy": d(M.accuracy(frame, model, n_boot, seed)),
-            "afr_blind": d(M.afr(frame, model, "blind", k, n_boot=n_boot, seed=seed)),
-            "afr_self": d(M.afr(frame, model, "self", k, n_boot=n_boot, seed=seed)),
-            "afr_maxflip": d(maxflip_afr(frame, entries, model, n_boot, seed)) if entries else None,
+            "accuracy": M.accuracy(frame, model, n_boot, seed).as_dict(),
+            "afr_blind": M.afr(frame, model, "blind", k, n_boot=n_boot, seed=seed).as_dict(),
+            "afr_self": M.afr(frame, model, "self", k, n_boot=n_boot, seed=seed).as_dict(),
+            "afr_maxflip": maxflip_afr(frame, entries, model, n_boot, seed).as_dict() if entries else None,
         }
     return out

@@ -11,7 +11,17 @@ rerunning the command resumes.
 
 Defaults are chosen so that a hung server fails the run in minutes, not hours:
 `timeout` 60 s per attempt, `max_retries` 2 (three attempts: at most ~3 minutes per
-request), `max_concurrency` 4 (fewer retried requests piling on a slow server).
+request).
+
+Requests in flight suit the server (SERVER_CONCURRENCY; bench/serving_concurrency.md):
+a batching server (vLLM) gains from many; one that generates a request at a time gains
+nothing (`transformers serve`: 0.97-1.01x at 2-8 in flight vs 1) or loses (llama.cpp's single
+slot: 0.76x at 8, issue 12), and extra requests only pile up retries on it. With
+`max_concurrency` unset (0) the kind comes from `server_kind`, or, when that is "auto",
+from the server itself before the first request: GET /models (vLLM lists owned_by
+"vllm", llama.cpp "llamacpp", llama-cpp-python "me"), then GET /systemone (a POST-only
+route: `transformers serve` answers 405 with an x-request-id header; vLLM 0.32 answers
+405 without one). Anything else is "other".
 
 The API key is read only from the environment (`api_key_env`, default OPENAI_API_KEY;
 e.g. OPENROUTER_API_KEY); an `api_key` in --backend_args is refused. A local server
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
@@ -47,19 +58,62 @@ OPENAI_DEFAULT_BASE_URL = "https://api.openai.com/v1"
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; vLLM's default --max-logprobs is also 20
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_RETRIES = 2
-DEFAULT_MAX_CONCURRENCY = 4
+# Requests in flight when max_concurrency is unset, by server kind (README "Requests in
+# flight"): transformers and vLLM measured in bench/serving_concurrency.md (vLLM batches:
+# 6.2x at 8 vs 1), llama.cpp as issue 12 measured it (0.76x at 8); "other" (OpenAI,
+# OpenRouter, unknown) keeps 4, a bound on retried requests piling on a slow server.
+SERVER_CONCURRENCY = {"vllm": 8, "transformers": 1, "llama.cpp": 1, "other": 4}
+SERVER_KINDS = ("auto", *SERVER_CONCURRENCY)
+OWNED_BY_KIND = {"vllm": "vllm", "llamacpp": "llama.cpp", "me": "llama.cpp"}
+DEFAULT_MAX_CONCURRENCY = 0  # 0: by server kind (SERVER_CONCURRENCY)
+PROBE_TIMEOUT_S = 10.0
 
+_KIND_DEFAULTS = ", ".join(f"{k} {v}" for k, v in SERVER_CONCURRENCY.items())
 BACKEND_ARGS_HELP = (
     'Extra backend keyword arguments as JSON, e.g. \'{"base_url": "http://localhost:8000/v1"}\'. '
     f"openai: base_url, api_key_env (default {DEFAULT_API_KEY_ENV}; keys come from the environment only, "
     f"an api_key here is refused), timeout (s per attempt, default {DEFAULT_TIMEOUT_S:g}), max_retries "
-    f"(default {DEFAULT_MAX_RETRIES}), max_concurrency (default {DEFAULT_MAX_CONCURRENCY}), top_logprobs "
+    f"(default {DEFAULT_MAX_RETRIES}), max_concurrency (requests in flight; default by server_kind: "
+    f"{_KIND_DEFAULTS}), server_kind (default auto: asked of the server; or one of those), top_logprobs "
     f"(default {MAX_TOP_LOGPROBS}), extra_body. hf: batch_size, device, dtype."
 )
 
 
 def is_local_url(url: str) -> bool:
     return (urlparse(url).hostname or "").lower() in LOCAL_HOSTS
+
+
+def detect_server_kind(client, timeout: float = PROBE_TIMEOUT_S) -> tuple[str, str]:
+    """(kind, evidence) from what the server says about itself; ("other", why) when it
+    says nothing we know. Two GETs, each bounded by `timeout` and tried again once only
+    when the connection drops (a server may close it after an error)."""
+    import openai
+
+    probe = client.with_options(max_retries=0, timeout=min(timeout, PROBE_TIMEOUT_S))
+
+    def ask(fn):
+        try:
+            return fn()
+        except openai.APIConnectionError:
+            return fn()
+
+    try:
+        owners = sorted({str(getattr(m, "owned_by", "") or "") for m in ask(probe.models.list).data})
+        why = f"GET /models owned_by {owners}"
+    except Exception as exc:  # noqa: BLE001 - any failure only means "not told"
+        owners, why = [], f"GET /models failed ({type(exc).__name__})"
+    for owner in owners:
+        if owner.lower() in OWNED_BY_KIND:
+            return OWNED_BY_KIND[owner.lower()], f"owned_by {owner!r} in GET /models"
+    try:
+        ask(lambda: probe.get("/systemone", cast_to=object))
+    except openai.APIStatusError as exc:
+        # vLLM has this POST-only route too; only transformers serve stamps an x-request-id
+        if exc.status_code == 405 and exc.response.headers.get("x-request-id"):
+            return "transformers", "GET /systemone answered 405 with an x-request-id, as transformers serve does"
+    except Exception:  # noqa: BLE001
+        pass
+    return "other", why
 
 
 def resolve_api_key(api_key_env: str, base_url: str) -> str:
@@ -111,6 +165,7 @@ class OpenAIBackend:
         base_url: str | None = None,
         api_key_env: str = DEFAULT_API_KEY_ENV,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        server_kind: str = "auto",
         max_retries: int = DEFAULT_MAX_RETRIES,
         timeout: float = DEFAULT_TIMEOUT_S,
         top_logprobs: int = MAX_TOP_LOGPROBS,
@@ -125,7 +180,13 @@ class OpenAIBackend:
         self.model_id = model
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_DEFAULT_BASE_URL
         self.shown_url = redact(self.base_url)  # what messages print: no credentials
-        self.max_concurrency = max(1, int(max_concurrency))
+        if server_kind not in SERVER_KINDS:
+            raise BackendError(f"server_kind must be one of {SERVER_KINDS}, got {server_kind!r}")
+        if int(max_concurrency) < 0:
+            raise BackendError(f"max_concurrency must be >= 1 (or 0: by server kind), got {max_concurrency}")
+        self.server_kind = server_kind
+        self.timeout = float(timeout)
+        self._max_concurrency = int(max_concurrency)
         self.top_logprobs = max(1, int(top_logprobs))
         self.extra_body = dict(extra_body or {})
         self.show_progress = show_progress
@@ -136,6 +197,24 @@ class OpenAIBackend:
             max_retries=max(0, int(max_retries)),
             timeout=timeout,
         )
+
+    @property
+    def max_concurrency(self) -> int:
+        """Requests in flight: as set, else by server kind (asked of the server once, when
+        `server_kind` is "auto", and said on stderr)."""
+        if not self._max_concurrency:
+            kind, why = self.server_kind, "server_kind"
+            if kind == "auto":
+                kind, why = detect_server_kind(self.client, self.timeout)
+                self.server_kind = kind
+            self._max_concurrency = SERVER_CONCURRENCY[kind]
+            print(f"openai backend: {self.shown_url} is {kind!r} ({why}): {self._max_concurrency} request(s) in "
+                  "flight (set max_concurrency or server_kind in --backend_args to change)", file=sys.stderr)
+        return self._max_concurrency
+
+    @max_concurrency.setter
+    def max_concurrency(self, value: int) -> None:
+        self._max_concurrency = max(1, int(value))
 
     # ------------------------------------------------------------------ requests
 
@@ -158,8 +237,9 @@ class OpenAIBackend:
         results: list[Any] = [None] * len(conversations)
         if not conversations:
             return results
+        width = min(self.max_concurrency, len(conversations))
         todo = iter(enumerate(conversations))
-        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(conversations)))
+        pool = ThreadPoolExecutor(max_workers=width)
         futures: dict[Any, int] = {}
 
         def submit_next() -> None:
@@ -169,7 +249,7 @@ class OpenAIBackend:
                 futures[pool.submit(fn, nxt[1])] = nxt[0]
 
         try:
-            for _ in range(min(self.max_concurrency, len(conversations))):
+            for _ in range(width):
                 submit_next()
             with _progress(len(conversations), desc, self.show_progress) as bar:
                 while futures:

@@ -89,7 +89,7 @@ def parse_model_spec(spec: str) -> tuple[str, str, str | None]:
     model, _, adapter = rest.partition("|")
     model, adapter = model.strip(), adapter.strip() or None
     if not model:
-        from flipguard.eval.cli import UserError
+        from flipguard.errors import UserError
 
         raise UserError(f"--models: empty model in {spec!r}")
     label = label.strip() or (model if not adapter else f"{model}+{adapter}")
@@ -146,7 +146,7 @@ CONDITION_KEYS = ("dataset", "split", "seed", "n_items", "n_shots", "target_posi
 
 def claim_run_dir(run_dir: Path, meta: dict) -> dict:
     """One dataset and prompt setting per run directory; models/mitigations accumulate."""
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
     from flipguard.eval.records import RUN_META_FILE, atomic_write_json, load_run_meta, refuse_other_protocol
 
     refuse_other_protocol(run_dir, "sos")
@@ -165,7 +165,7 @@ def claim_run_dir(run_dir: Path, meta: dict) -> dict:
 def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
     """Run (or resume) the evaluation; returns the run directory and the requests sent."""
     from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
-    from flipguard.eval.cli import UserError
+    from flipguard.errors import UserError
     from flipguard.eval.records import RECORDS_FILE, RecordStore, now_iso, refuse_other_protocol, run_lock
     from flipguard.redact import redact_obj
     from flipguard.eval.sos.protocol import SCENARIOS, LazyBackend, SosSettings, run_sos

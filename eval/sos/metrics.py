@@ -14,22 +14,23 @@
   offered option at turn 2 when it is the answer (correct switch) and when it is another
   distractor (incorrect switch); equal rates = blind switching (the diagonal).
 - CIs: percentile bootstrap over *items* (repeats of an item stay together),
-  scipy.stats.bootstrap, 2000 resamples, seeded.
+  eval/bootstrap.py (scipy.stats.bootstrap), 2000 resamples, seeded. Metrics return
+  `Estimate`s; `summarise` stores them as {value, ci_low, ci_high, n} (sos_summary.json).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
+from flipguard.eval import bootstrap as B
+from flipguard.eval.estimate import NAN, Estimate
 from flipguard.eval.records import Record
 
-N_BOOT = 2000
-CI_LEVEL = 0.95
+N_BOOT = B.N_BOOT
 # The single-shot reference of the abstention penalty: "ours" = abstention rate with NA
 # replacing the answer; "paper" = accuracy with all options (Table A.2's SS column).
 ABSTENTION_REFERENCES = ("ours", "paper")
@@ -149,46 +150,22 @@ def survival_row(held: Sequence[int], n_turns: int, max_turn: int) -> list[int]:
     return out
 
 
-def bootstrap_ci(samples: Sequence[np.ndarray], statistic, seed: int, n_boot: int = N_BOOT) -> tuple[float, float]:
-    """Percentile CI of statistic(*samples, axis) resampling the rows of all samples together
-    (the rows are items); NaN when there are fewer than two items."""
-    from scipy.stats import bootstrap
-
-    n = len(samples[0])
-    if n < 2:
-        return (math.nan, math.nan)
-    if all(np.all(s == s[0]) for s in samples):
-        value = float(statistic(*samples, axis=-1))
-        return (value, value)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # resamples with no eligible item give NaN; skipped below
-        res = bootstrap(tuple(samples), statistic, paired=True, vectorized=True, n_resamples=n_boot,
-                        confidence_level=CI_LEVEL, method="percentile", random_state=np.random.default_rng(seed))
-    dist = np.asarray(res.bootstrap_distribution, dtype=float)
-    if np.all(np.isnan(dist)):
-        return (math.nan, math.nan)
-    alpha = (1 - CI_LEVEL) / 2
-    lo, hi = np.nanpercentile(dist, [100 * alpha, 100 * (1 - alpha)])
-    return (float(lo), float(hi))
-
-
-def _mean(x, axis=-1):
-    return np.mean(x, axis=axis)
-
-
-def _ratio(num, den, axis=-1):
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.sum(num, axis=axis) / np.sum(den, axis=axis)
-
-
 def _ratio_gap(num_a, num_b, den, axis=-1):
     with np.errstate(invalid="ignore", divide="ignore"):
         return (np.sum(num_a, axis=axis) - np.sum(num_b, axis=axis)) / np.sum(den, axis=axis)
 
 
-def estimate(value: float, ci: tuple[float, float], n: int, scale: float = 100.0) -> dict[str, float]:
-    """A point estimate with its CI, in percent (or pp)."""
-    return {"value": value * scale, "ci_low": ci[0] * scale, "ci_high": ci[1] * scale, "n": int(n)}
+def estimate(value: float, samples: Sequence[np.ndarray] | None, statistic, seed: int, n_boot: int,
+             n: int, unit: str = "%") -> Estimate:
+    """A share (0-1) and the percentile CI of `statistic` over items (eval/bootstrap.py),
+    in percent (or pp for gaps)."""
+    lo, hi = B.interval(samples, statistic, n_boot, seed) if samples is not None else (math.nan, math.nan)
+    return Estimate(value, float(lo), float(hi), n=int(n), unit="share").to(unit)
+
+
+def _dict(e: Estimate) -> dict[str, float]:
+    """The summary's (sos_summary.json's) shape of an estimate: value, ci_low, ci_high, n."""
+    return e.as_dict("ci_low", "ci_high", unit=False)
 
 
 def item_means(frame: pd.DataFrame, column: str) -> pd.Series:
@@ -196,39 +173,38 @@ def item_means(frame: pd.DataFrame, column: str) -> pd.Series:
     return frame.groupby("item_id")[column].mean()
 
 
-def rate(frame: pd.DataFrame, column: str, seed: int, n_boot: int = N_BOOT) -> dict[str, float]:
+def rate(frame: pd.DataFrame, column: str, seed: int, n_boot: int = N_BOOT) -> Estimate:
     per_item = item_means(frame, column).to_numpy(dtype=float)
     if per_item.size == 0:
-        return estimate(math.nan, (math.nan, math.nan), 0)
-    return estimate(float(per_item.mean()), bootstrap_ci([per_item], _mean, seed, n_boot), per_item.size)
+        return NAN.to("%")
+    return estimate(float(per_item.mean()), [per_item], B.mean, seed, n_boot, per_item.size)
 
 
-def paired_gap(mt: pd.Series, ss: pd.Series, seed: int, n_boot: int = N_BOOT) -> dict[str, float]:
+def paired_gap(mt: pd.Series, ss: pd.Series, seed: int, n_boot: int = N_BOOT) -> Estimate:
     """mean(MT - SS) over items that have both (per-item means over repeats)."""
     joined = pd.concat([mt.rename("mt"), ss.rename("ss")], axis=1, join="inner")
     diff = (joined["mt"] - joined["ss"]).to_numpy(dtype=float)
     if diff.size == 0:
-        return estimate(math.nan, (math.nan, math.nan), 0)
-    return estimate(float(diff.mean()), bootstrap_ci([diff], _mean, seed, n_boot), diff.size)
+        return NAN.to("pp")
+    return estimate(float(diff.mean()), [diff], B.mean, seed, n_boot, diff.size, "pp")
 
 
 def flexibility_rates(flex: pd.DataFrame, seed: int, n_boot: int = N_BOOT) -> dict[str, dict[str, float]]:
     """Correct- and incorrect-switch rates (conditioned on abstaining at turn 1) and their
-    gap; ratio estimators bootstrapped over items."""
-    out: dict[str, dict[str, float]] = {}
+    gap; ratio estimators bootstrapped over items; in the summary's dict shape."""
+    out: dict[str, Estimate] = {}
     items = flex.groupby("item_id")
     den = items["abstained"].sum().to_numpy(dtype=float)
     nums = {b: items[f"{b}_switch"].sum(min_count=0).fillna(0).to_numpy(dtype=float) for b in ("correct", "incorrect")}
     eligible = int(den.sum())
     for b in ("correct", "incorrect"):
         value = nums[b].sum() / eligible if eligible else math.nan
-        ci = bootstrap_ci([nums[b], den], _ratio, seed, n_boot) if eligible else (math.nan, math.nan)
-        out[f"{b}_switch"] = estimate(value, ci, eligible)
+        out[f"{b}_switch"] = estimate(value, [nums[b], den] if eligible else None, B.ratio, seed, n_boot, eligible)
     gap = (nums["correct"].sum() - nums["incorrect"].sum()) / eligible if eligible else math.nan
-    ci = bootstrap_ci([nums["correct"], nums["incorrect"], den], _ratio_gap, seed, n_boot) if eligible else (math.nan, math.nan)
-    out["switch_gap"] = estimate(gap, ci, eligible)
-    out["abstained_t1"] = rate(flex, "abstained", seed, n_boot) if len(flex) else estimate(math.nan, (math.nan,) * 2, 0)
-    return out
+    out["switch_gap"] = estimate(gap, [nums["correct"], nums["incorrect"], den] if eligible else None, _ratio_gap,
+                                 seed, n_boot, eligible, "pp")
+    out["abstained_t1"] = rate(flex, "abstained", seed, n_boot) if len(flex) else NAN.to("%")
+    return {k: _dict(e) for k, e in out.items()}
 
 
 # --------------------------------------------------------------------------- summary
@@ -248,7 +224,7 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
         for case in ("ss_full", "ss_binary", "abstain_full", "abstain_binary"):
             sub = b[b["case"] == case]
             if len(sub):
-                res[case] = rate(sub, "correct", seed, n_boot)
+                res[case] = _dict(rate(sub, "correct", seed, n_boot))
                 res[f"{case}_invalid"] = int((~sub["valid"]).sum())
                 ss[case] = item_means(sub.assign(correct=sub["correct"].astype(float)), "correct")
         for scen, ss_case, gap_name in (("positive", "ss_full", "conversation_tax"),
@@ -259,7 +235,7 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
                 continue
             max_turn = int(done["n_turns"].max())
             res[f"{scen}_survival"] = [float(v) * 100 for v in survival_curve(done, max_turn)]
-            res[f"{scen}_mt"] = rate(done, "final", seed, n_boot)
+            res[f"{scen}_mt"] = _dict(rate(done, "final", seed, n_boot))
             res[f"{scen}_ends"] = {k: int(v) for k, v in done["end"].value_counts().items()}
             res[f"{scen}_invalid_by_turn"] = {int(k): int(v) for k, v in
                                               done["invalid_turn"].dropna().value_counts().sort_index().items()}
@@ -267,9 +243,9 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
             res[f"{scen}_n"] = int(len(done))
             final = item_means(done.assign(final=done["final"].astype(float)), "final")
             if ss_case in ss:
-                res[gap_name] = paired_gap(final, ss[ss_case], seed, n_boot)
+                res[gap_name] = _dict(paired_gap(final, ss[ss_case], seed, n_boot))
             if scen == "negative" and "ss_full" in ss:  # the paper's reading (Table A.2)
-                res["abstention_penalty_paper"] = paired_gap(final, ss["ss_full"], seed, n_boot)
+                res["abstention_penalty_paper"] = _dict(paired_gap(final, ss["ss_full"], seed, n_boot))
         f = flex[flex["system"] == system]
         if len(f):
             res["flexibility"] = flexibility_rates(f, seed, n_boot)

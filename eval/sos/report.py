@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import atomic_write_json, atomic_write_text, load_records, load_run_meta
 from flipguard.eval.sos.metrics import N_BOOT, PENALTY_KEY, summarise
 from flipguard.eval.plots import pyplot, save_figure
@@ -57,21 +58,19 @@ def tables(summary: dict[str, dict], abstention_reference: str = "ours") -> dict
     other_ss, other_pen = PENALTY_KEY["paper" if abstention_reference == "ours" else "ours"]
     a1, a2, a3, base, surv = [], [], [], [], []
     for system, res in summary.items():
-        if "positive_mt" in res:
-            tax = res.get("conversation_tax") or {}
-            a1.append({"model": system, "ss": _val(res, "ss_full"), "mt": _val(res, "positive_mt"),
-                       "delta_pp": tax.get("value", math.nan), "delta_ci_low": tax.get("ci_low", math.nan),
-                       "delta_ci_high": tax.get("ci_high", math.nan), "n_items": tax.get("n", 0),
-                       "n_conversations": res["positive_n"]})
-        if "negative_mt" in res:
-            pen = res.get(pen_key) or {}
-            other = res.get(other_pen) or {}
-            a2.append({"model": system, "reading": abstention_reference, "ss": _val(res, ss_key),
-                       "mt": _val(res, "negative_mt"),
-                       "delta_pp": pen.get("value", math.nan), "delta_ci_low": pen.get("ci_low", math.nan),
-                       "delta_ci_high": pen.get("ci_high", math.nan), "n_items": pen.get("n", 0),
-                       "n_conversations": res["negative_n"], "other_ss": _val(res, other_ss),
-                       "other_delta_pp": other.get("value", math.nan)})
+        for rows, scen, ss_case, gap_key in ((a1, "positive", "ss_full", "conversation_tax"),
+                                             (a2, "negative", ss_key, pen_key)):
+            if f"{scen}_mt" in res:
+                gap = res.get(gap_key) or {}
+                row = {"model": system, "ss": _val(res, ss_case), "mt": _val(res, f"{scen}_mt"),
+                       "delta_pp": gap.get("value", math.nan), "delta_ci_low": gap.get("ci_low", math.nan),
+                       "delta_ci_high": gap.get("ci_high", math.nan), "n_items": gap.get("n", 0),
+                       "n_conversations": res[f"{scen}_n"]}
+                if scen == "negative":
+                    other = res.get(other_pen) or {}
+                    row.update(reading=abstention_reference, other_ss=_val(res, other_ss),
+                               other_delta_pp=other.get("value", math.nan))
+                rows.append(row)
         if "flexibility" in res:
             fx = res["flexibility"]
             a3.append({"model": system, "incorrect_switch": fx["incorrect_switch"]["value"],
@@ -257,7 +256,9 @@ def write_report(run_dir: str | Path, seed: int | None = None, n_boot: int | Non
 
 def sos_summary(run_dir: str | Path) -> dict[str, Any]:
     """For the before/after comparison: per system (model [+ mitigation]) the conversation
-    tax and abstention penalty (pp, with 95% CI and n items) and the rates behind them."""
+    tax and abstention penalty (pp, with 95% CI and n items) and the rates behind them (%),
+    each an `Estimate.as_dict()` (value, lo, hi, n, unit) as afr_summary's are; None when
+    not measured."""
     run_dir = Path(run_dir)
     meta = load_run_meta(run_dir)
     records = [r for r in load_records(run_dir) if r.protocol == "sos"]
@@ -265,15 +266,16 @@ def sos_summary(run_dir: str | Path) -> dict[str, Any]:
     models = {}
     for system, res in summary.items():
         fx = res.get("flexibility", {})
-        models[system] = {
-            "conversation_tax": res.get("conversation_tax"),
-            "abstention_penalty": res.get("abstention_penalty"),
-            "abstention_penalty_paper": res.get("abstention_penalty_paper"),
-            "ss_accuracy": res.get("ss_full"),
-            "mt_accuracy": res.get("positive_mt"),
-            "ss_abstention": res.get("abstain_full"),
-            "mt_abstention": res.get("negative_mt"),
-            "correct_switch": fx.get("correct_switch"),
-            "incorrect_switch": fx.get("incorrect_switch"),
+        found = {
+            "conversation_tax": (res.get("conversation_tax"), "pp"),
+            "abstention_penalty": (res.get("abstention_penalty"), "pp"),
+            "abstention_penalty_paper": (res.get("abstention_penalty_paper"), "pp"),
+            "ss_accuracy": (res.get("ss_full"), "%"),
+            "mt_accuracy": (res.get("positive_mt"), "%"),
+            "ss_abstention": (res.get("abstain_full"), "%"),
+            "mt_abstention": (res.get("negative_mt"), "%"),
+            "correct_switch": (fx.get("correct_switch"), "%"),
+            "incorrect_switch": (fx.get("incorrect_switch"), "%"),
         }
+        models[system] = {k: None if d is None else Estimate.from_dict(d, unit).as_dict() for k, (d, unit) in found.items()}
     return {"dataset": meta.get("dataset"), "run_dir": str(run_dir), "models": models}

@@ -1,0 +1,78 @@
+"""Shared by the analyses: a run's per-item table, and writing a report folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+from flipguard.eval.metrics import dds_from_accuracies
+from flipguard.eval.records import atomic_write_text
+
+ITEM_COLUMNS = ("dataset", "item_id", "c1_true", "c1_false", "c2_correct", "c2_incorrect", "flip", "item_dds")
+
+
+def run_report(run_dir: str | Path, allow_cross_mode_c1: bool = False) -> dict[str, Any]:
+    """The DDS report of a run (its --c1_from baseline as recorded in run.json), without
+    the bootstrap: the analyses need its per-item flips, not CIs."""
+    from flipguard.eval.report import report_run
+
+    return report_run(run_dir, n_boot=0, allow_cross_mode_c1=allow_cross_mode_c1)
+
+
+def item_table(flips: pd.DataFrame) -> pd.DataFrame:
+    """One row per item from a report's flips frame: the four cases' 0/1 correctness
+    (invalid = 0, as the authors' analyzer scores "" != "1"), `flip` (the paper's
+    deference/skepticism, or None) and the per-item DDS of taxonomy/run_full_taxonomy.py:
+    (C2-correct − C1-true) − (C2-incorrect − C1-false), in {-2, ..., 2}."""
+    wide = {}
+    for pair, (c1, c2) in {"correct": ("c1_true", "c2_correct"), "incorrect": ("c1_false", "c2_incorrect")}.items():
+        sub = flips[flips["pair"] == pair].set_index(["dataset", "item_id"])
+        wide[c1] = sub["c1_correct"].astype(int)
+        wide[c2] = sub["c2_correct"].astype(int)
+        wide[f"flip_{pair}"] = sub["flip"]
+    t = pd.DataFrame(wide)
+    # an item has at most one paper flip: deference needs C1-false right and skepticism
+    # C1-true right, and both can happen in one item only as two flips; keep both named
+    t["flip"] = [("+".join(f for f in (a, b) if isinstance(f, str)) or None)
+                 for a, b in zip(t["flip_incorrect"], t["flip_correct"])]
+    X = t[["c1_true", "c1_false", "c2_correct", "c2_incorrect"]].to_numpy(dtype=float)
+    t["item_dds"] = dds_from_accuracies(X)[:, 0] if len(X) else np.array([])
+    return t.reset_index()[list(ITEM_COLUMNS)]
+
+
+def fmt(x: Any, nd: int = 1, signed: bool = False) -> str:
+    """As the DDS report formats numbers (eval.report), counts with thousands separators."""
+    from flipguard.eval.report import _fmt
+
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        return f"{int(x):,}"
+    return "–" if x is None or x is pd.NA else _fmt(x, signed, nd)
+
+
+def md_table(df: pd.DataFrame, formats: Mapping[str, tuple[int, bool]] | None = None) -> str:
+    """A markdown table; `formats` maps column -> (decimals, signed)."""
+    formats = formats or {}
+    head = "| " + " | ".join(map(str, df.columns)) + " |"
+    sep = "|" + "|".join("---" for _ in df.columns) + "|"
+    rows = []
+    for _, r in df.iterrows():
+        cells = []
+        for c in df.columns:
+            v = r[c]
+            if c in formats:
+                cells.append(fmt(v, *formats[c]))
+            elif isinstance(v, (float, np.integer)) or v is None or v is pd.NA:
+                cells.append(fmt(v))
+            else:
+                cells.append(str(v))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *rows])
+
+
+def write_csv(path: Path, df: pd.DataFrame) -> None:
+    from flipguard.eval.report import _csv
+
+    atomic_write_text(path, _csv(df))

@@ -1,0 +1,709 @@
+"""`flipguard study RECIPE`: the recipe's whole before/after plan as one resumable command.
+
+    flipguard study recipes/tiny.yaml --out runs/tiny-study            # everything
+    flipguard study recipes/tiny.yaml --out runs/tiny-study --only dpo # redo one stage
+    flipguard study recipes/tiny.yaml --out runs/tiny-study --from pairs
+
+Stages, in order (the recipe decides which exist): `baseline` (DDS, test split, all four
+cases) and `baseline-<mode>` for eval.extra_modes; one per prompting mitigation (fixed C1
+from the baseline); `base-train` (the base model on the train split: the flip records);
+`pairs`; per trainer `sft`/`dpo` (accelerate launch on a GPU, in process on CPU),
+`<trainer>-merge` and `<trainer>-eval` (the merged model, same eval as the baseline);
+`afr`/`sos` where eval.protocols asks; `compare` (comparison report with plots); `wandb`
+when report_to names wandb.
+
+A stage is skipped when its outputs exist and its fingerprint matches the one in
+DIR/study.json: a hash of exactly what it reads (its settings, resolved from the recipe),
+the model's identity and its input stages' fingerprints. So a changed `dpo.beta` redoes
+dpo, dpo-merge, dpo-eval and compare, and nothing else. A stage whose fingerprint changed
+(or that --from/--only names) has its outputs removed first; one that was interrupted
+with the same fingerprint resumes (eval stages at the record level; trainers and merge
+publish their folders atomically, provenance last).
+
+The effective recipe (the file plus command-line overrides, with this study's folders
+for pairs and adapters; env values redacted) is written to DIR/recipe.yaml: it is what
+the trainers and the merge read.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from flipguard.errors import FlipguardError, UserError
+from flipguard.eval.records import atomic_write_json, atomic_write_text, now_iso
+from flipguard.eval.threads import THREADS_HELP, configure_threads
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+TRAIN = PACKAGE_ROOT / "train"
+STUDY_FILE = "study.json"
+STUDY_FORMAT = "flipguard-study/1"
+# prompting mitigation -> condition name in the comparison
+CONDITION_NAMES = {"be_honest": "Be Honest", "dehumanizing": "Dehumanizing"}
+TRAINERS = ("sft", "dpo")
+PROTOCOLS = ("afr", "sos")
+
+
+# a study that cannot run as asked (unknown stage, missing inputs): the message names the stage
+StudyError = UserError
+
+
+@dataclasses.dataclass
+class StudyArguments:
+    """Run a recipe's whole before/after plan (recipe `eval:` section): baseline and prompting
+    mitigations, flip records -> pairs -> SFT/DPO -> merge -> re-measure, AFR/stick-or-switch where
+    asked, comparison report with plots; finished stages are skipped on a rerun (DIR/study.json).
+    Stages: baseline, baseline-<extra mode>, <mitigation>..., base-train, pairs, sft, sft-merge, sft-eval,
+    dpo, dpo-merge, dpo-eval, afr, sos, compare, wandb (those the recipe asks for). Flags override the
+    recipe's eval_plan_/pairs_/tracking_ values (pairs records and dir are the study's own)."""
+
+    out: str | None = dataclasses.field(default=None, metadata={"help": "Study folder (default runs/<recipe name>-study)."})
+    from_stage: str | None = dataclasses.field(
+        default=None, metadata={"aliases": ["--from"], "help": "Redo this stage and every stage after it."}
+    )
+    only: str | None = dataclasses.field(default=None, metadata={"help": "Redo just this stage (its inputs must be done)."})
+    model: str | None = dataclasses.field(default=None, metadata={"help": "Override the recipe's model_name_or_path."})
+    threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+
+
+@dataclasses.dataclass
+class Stage:
+    name: str
+    title: str
+    params: dict[str, Any]          # exactly what the stage reads (hashed)
+    inputs: tuple[str, ...]         # stages whose outputs it reads
+    outputs: tuple[Path, ...]       # all present = the stage finished
+    clear: tuple[Path, ...]         # removed before a redo
+    run: Callable[[], None]
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_identity(name: str) -> dict[str, Any]:
+    """The model a stage reads: its name and, for a local folder (embedded models
+    included), the size and modification time of each top-level file."""
+    from flipguard.eval.tiny_model import resolve_model
+
+    path = Path(resolve_model(name))
+    ident: dict[str, Any] = {"name": name}
+    if path.is_dir():
+        ident["path"] = str(path.resolve())
+        ident["files"] = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(path.iterdir()) if p.is_file()}
+    return ident
+
+
+def _section(raw: dict[str, Any], section: str, cls) -> dict[str, Any]:
+    from flipguard.recipes.config import ARG_SECTIONS
+
+    prefix = ARG_SECTIONS[section]
+    values = {f.name[len(prefix):]: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+              for f in dataclasses.fields(cls)}
+    values.update(raw.get(section) or {})
+    return values
+
+
+def _as_args(cls, section: str, values: dict[str, Any]):
+    from flipguard.recipes.config import ARG_SECTIONS
+
+    prefix = ARG_SECTIONS[section]
+    return cls(**{prefix + k: v for k, v in values.items()})
+
+
+class Study:
+    def __init__(self, recipe_path: str | os.PathLike, raw: dict[str, Any], out: str | os.PathLike,
+                 *, print_fn: Callable[[str], None] = print):
+        from flipguard.recipes.config import EvalPlanArguments, PairsArguments, TrackingArguments
+
+        self.recipe_path = str(recipe_path)
+        self.out = Path(out)
+        self.print = print_fn
+        self.t0 = time.time()
+        self.raw = copy.deepcopy(raw)
+        self.plan = _as_args(EvalPlanArguments, "eval", _section(self.raw, "eval", EvalPlanArguments))
+        self.tracking = _as_args(TrackingArguments, "tracking", _section(self.raw, "tracking", TrackingArguments))
+        self.model = str(self.raw.get("model_name_or_path") or "flipguard:tiny")
+        self.check_plan()
+        # this study's folders: pairs from its own train-split records, adapters under it
+        pairs = _section(self.raw, "pairs", PairsArguments)
+        pairs.update(records=str(self.out / "dds" / "base-train"), dir=str(self.out / "pairs"))
+        self.raw["pairs"] = pairs
+        self.pairs = _as_args(PairsArguments, "pairs", pairs)
+        for trainer in self.trainers:
+            self.raw[trainer] = {**(self.raw.get(trainer) or {}), "output_dir": str(self.out / "train" / trainer)}
+        self.raw["eval"] = {k[len("eval_plan_"):]: v for k, v in dataclasses.asdict(self.plan).items()}
+        self.raw["tracking"] = {k[len("tracking_"):]: v for k, v in dataclasses.asdict(self.tracking).items()}
+        self.recipe_file = self.out / "recipe.yaml"
+        self.state = self._load_state()
+        self.artefacts: list[tuple[str, Path]] = []
+        self.conditions: dict[str, Path] = {}
+        self.models: dict[str, Path] = {}
+        self.statuses: list[tuple[str, str, float]] = []
+        self.stages = self.build_stages()
+
+    # ------------------------------------------------------------------ plan
+    @property
+    def trainers(self) -> list[str]:
+        listed = self.plan.eval_plan_trainers
+        return [t for t in TRAINERS if t in self.raw] if listed is None else list(listed)
+
+    def check_plan(self) -> None:
+        from flipguard.eval.prompts import MITIGATIONS
+        from flipguard.eval.runner import MODES
+
+        where = f"{self.recipe_path}: eval"
+        for m in self.plan.eval_plan_mitigations:
+            if m == "none":
+                raise StudyError(f"{where}.mitigations: 'none' is the baseline, always measured; list prompting mitigations only")
+            if m not in MITIGATIONS:
+                raise StudyError(f"{where}.mitigations: unknown mitigation {m!r} (one of {sorted(set(MITIGATIONS) - {'none'})})")
+        for mode in self.plan.eval_plan_extra_modes:
+            if mode not in MODES or mode == self.plan.eval_plan_mode:
+                raise StudyError(f"{where}.extra_modes: {mode!r} is not another decision mode (one of {list(MODES)})")
+        for t in self.trainers:
+            if t not in TRAINERS:
+                raise StudyError(f"{where}.trainers: unknown trainer {t!r} (one of {list(TRAINERS)})")
+            if t not in self.raw:
+                raise StudyError(f"{where}.trainers: {t!r} is listed but the recipe has no {t}: section")
+        for p in self.plan.eval_plan_protocols:
+            if p not in PROTOCOLS:
+                raise StudyError(f"{where}.protocols: unknown protocol {p!r} (one of {list(PROTOCOLS)})")
+
+    def min_label_mass(self) -> float:
+        from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
+        from flipguard.eval.tiny_model import TINY_MODEL_ALIASES
+
+        if self.plan.eval_plan_min_label_mass is not None:
+            return float(self.plan.eval_plan_min_label_mass)
+        return 0.0 if self.model in TINY_MODEL_ALIASES else DEFAULT_MIN_LABEL_MASS
+
+    def dds_args(self, name: str, *, model: str, mode: str, split: str = "test", mitigation: str = "none",
+                 c1_from: Path | None = None):
+        from flipguard.eval.dds import EvalArgs
+
+        plan = self.plan
+        limit = plan.eval_plan_limit
+        if mode == "generate" and plan.eval_plan_generate_limit is not None:
+            limit = plan.eval_plan_generate_limit
+        return EvalArgs(
+            model=model, out=str(self.out / "dds" / name), backend=plan.eval_plan_backend, mode=mode,
+            datasets=self.pairs.pairs_datasets if split == "train" else plan.eval_plan_datasets, split=split,
+            data_root=(self.pairs.pairs_data_root if split == "train" else plan.eval_plan_data_root), limit=limit,
+            mitigation=mitigation, c1_from=str(c1_from) if c1_from else None, max_new_tokens=plan.eval_plan_max_new_tokens,
+            batch_size=plan.eval_plan_batch_size, min_label_mass=self.min_label_mass(), report=False,
+        )
+
+    def dds_stage(self, name: str, title: str, inputs: tuple[str, ...], identity: dict | None, **kw) -> Stage:
+        args = self.dds_args(name, **kw)
+        run_dir = Path(args.out)
+        outputs = (run_dir / "records.jsonl", run_dir / "run.json")
+        if args.split == "test":
+            outputs += (run_dir / "report" / "summary.csv",)
+            self.artefacts.append((f"DDS report: {name}", run_dir / "report" / "summary.md"))
+        params = {"eval": dataclasses.asdict(args), "model": identity}
+        if args.split == "test":  # its report's bootstrap
+            params["n_boot"] = self.plan.eval_plan_n_boot
+        return Stage(name, title, params, inputs, outputs, (run_dir,), lambda: self.run_dds(args))
+
+    def run_dds(self, args) -> None:
+        from flipguard.eval.dds import evaluate
+        from flipguard.eval.report import REPORT_DIR, print_summary, report_run, write_report
+
+        run_dir = evaluate(args)
+        if args.split != "test":
+            return
+        report = report_run(run_dir, n_boot=self.plan.eval_plan_n_boot)
+        title = f"DDS report: {report['meta'].get('model') or run_dir.name}"
+        if args.mitigation != "none":
+            title += f" ({args.mitigation})"
+        write_report(report, run_dir / REPORT_DIR, title)
+        print_summary(report, title)
+
+    def build_stages(self) -> list[Stage]:
+        plan, out = self.plan, self.out
+        base_id = model_identity(self.model)
+        mode = plan.eval_plan_mode
+        stages: list[Stage] = []
+        base_dir = out / "dds" / "baseline"
+        stages.append(self.dds_stage("baseline", f"DDS baseline, {mode} mode ({plan.eval_plan_datasets} test split, all four cases)",
+                                     (), base_id, model=self.model, mode=mode))
+        self.conditions["Baseline"] = base_dir
+        for extra in plan.eval_plan_extra_modes:
+            stages.append(self.dds_stage(f"baseline-{extra}", f"DDS baseline, {extra} mode (own report; not compared)",
+                                         (), base_id, model=self.model, mode=extra))
+        for m in plan.eval_plan_mitigations:
+            stages.append(self.dds_stage(m, f"DDS {m}, {mode} mode (all four cases; fixed C1 from the baseline and own C1)",
+                                         ("baseline",), base_id, model=self.model, mode=mode, mitigation=m, c1_from=base_dir))
+            self.conditions[CONDITION_NAMES.get(m, m)] = out / "dds" / m
+        if self.trainers:
+            stages.append(self.dds_stage("base-train", f"base model on the TRAIN split ({mode}): the flip records pairs are built from",
+                                         (), base_id, model=self.model, mode=mode, split="train"))
+            stages.append(self.pairs_stage())
+            for trainer in self.trainers:
+                stages += self.trainer_stages(trainer, base_id)
+        if "afr" in plan.eval_plan_protocols:
+            stages.append(self.afr_stage(base_id))
+        if "sos" in plan.eval_plan_protocols:
+            stages.append(self.sos_stage(base_id))
+        stages.append(self.compare_stage(stages))
+        from flipguard.train.utils import wants_wandb
+
+        if wants_wandb(self.raw.get("report_to")):
+            stages.append(self.wandb_stage())
+        return stages
+
+    def pairs_stage(self) -> Stage:
+        pairs_dir = Path(self.pairs.pairs_dir)
+        self.artefacts.append(("pair datasets + counts", pairs_dir / "counts.json"))
+
+        def run() -> None:
+            from flipguard.recipes.pairs import print_counts, run as build
+
+            out_dir, counts = build(self.pairs, self.recipe_path, records_given=True)
+            print_counts(counts, out_dir)
+
+        return Stage("pairs", "flip records -> SFT and DPO pairs (recipe strategy)", {"pairs": self.raw["pairs"]},
+                     ("base-train",), (pairs_dir / "counts.json", pairs_dir / "sft.jsonl", pairs_dir / "dpo.jsonl"),
+                     (pairs_dir,), run)
+
+    def top_level(self) -> dict[str, Any]:
+        from flipguard.recipes.config import ARG_SECTIONS, TRAINER_SECTIONS
+
+        return {k: v for k, v in self.raw.items() if k not in TRAINER_SECTIONS and k not in ARG_SECTIONS and k != "env"}
+
+    def on_gpu(self) -> bool:
+        if self.raw.get("use_cpu"):
+            return False
+        import torch
+
+        return torch.cuda.is_available()
+
+    def trainer_stages(self, trainer: str, base_id: dict) -> list[Stage]:
+        from flipguard.train.merge import MERGE_INFO_FILE
+        from flipguard.train.utils import PROVENANCE_FILE
+
+        adapter = self.out / "train" / trainer
+        merged = self.out / "models" / f"{trainer}-merged"
+        name = trainer.upper()
+        self.models[name] = merged
+        self.conditions[name] = self.out / "dds" / f"{trainer}-eval"
+        self.artefacts.append((f"{name} merged model", merged))
+        gpu = self.on_gpu()
+
+        def train() -> None:
+            if gpu:
+                config = self.plan.eval_plan_accelerate_config or str(PACKAGE_ROOT / "recipes" / "accelerate_configs" / "single_gpu.yaml")
+                cmd = ["accelerate", "launch", "--config_file", config, str(TRAIN / f"{trainer}.py"), str(self.recipe_file)]
+                self.print("$ " + " ".join(cmd))
+                code = subprocess.run(cmd).returncode
+                if code:
+                    raise StudyError(f"stage {trainer}: `{' '.join(cmd)}` failed with exit code {code}")
+            else:
+                import importlib
+
+                importlib.import_module(f"flipguard.train.{trainer}").main([str(self.recipe_file)])
+
+        def merge() -> None:
+            from flipguard.train.merge import main as merge_main
+
+            merge_main([str(self.recipe_file), "--adapter", str(adapter), "--out", str(merged),
+                        "--pairs_dir", str(self.pairs.pairs_dir)])
+
+        top = self.top_level()
+        where = "accelerate launch" if gpu else "in process on CPU"
+        return [
+            Stage(trainer, f"{name} (LoRA adapter, recipe settings), {where}",
+                  {"top": top, trainer: self.raw[trainer], "pairs": self.raw["pairs"], "model": base_id,
+                   "accelerate_config": self.plan.eval_plan_accelerate_config if gpu else None},
+                  ("pairs",), (adapter / "adapter_config.json", adapter / PROVENANCE_FILE), (adapter,), train),
+            Stage(f"{trainer}-merge", f"merge the {name} adapter into the base (merge gap measured on train prompts)",
+                  {"top": top, "model": base_id}, (trainer, "pairs"), (merged / MERGE_INFO_FILE,), (merged,), merge),
+            self.dds_stage(f"{trainer}-eval", f"{name} model, same DDS evaluation (all four cases; fixed C1 from the baseline and own C1)",
+                           ("baseline", f"{trainer}-merge"), None, model=str(merged), mode=self.plan.eval_plan_mode,
+                           c1_from=self.out / "dds" / "baseline"),
+        ]
+
+    def _model_inputs(self) -> tuple[str, ...]:
+        return tuple(f"{t}-merge" for t in self.trainers)
+
+    def afr_stage(self, base_id: dict) -> Stage:
+        """One AFR run with every condition as a target (and source: the cross matrix)."""
+        from flipguard.inputs import load_yaml
+
+        run = self.out / "afr"
+        source = self.plan.eval_plan_afr_config or str(PACKAGE_ROOT / "recipes" / "afr_tiny.yaml")
+        config, _ = load_yaml(source, StudyError, "afr run config")
+        entries = [{"name": "Baseline", "backend": "hf", "model": self.model}]
+        entries += [{"name": CONDITION_NAMES.get(m, m), "backend": "hf", "model": self.model, "mitigation": m}
+                    for m in self.plan.eval_plan_mitigations]
+        entries += [{"name": n, "backend": "hf", "model": str(p)} for n, p in self.models.items()]
+        # the comparison reads AFR at k = 10 (compare.afr_section)
+        config.update(models=[{**e, "kwargs": {"device": "cpu" if not self.on_gpu() else None, "batch_size": 16}} for e in entries],
+                      k_values=sorted(set(config.get("k_values") or []) | {10}), cross_k=10)
+        if self.plan.eval_plan_limit is not None:
+            config["limit"] = self.plan.eval_plan_limit
+        config.pop("out", None)
+        self.afr_spec = ",".join(f"{e['name']}={run}@{e['name']}" for e in entries)
+        self.artefacts.append(("AFR report", run / "report.md"))
+
+        def go() -> None:
+            from flipguard.eval.afr.cli import main as afr_main
+
+            path = self.out / "afr.yaml"
+            atomic_write_text(path, f"# written by flipguard study from {source}\n" + yaml.safe_dump(config, sort_keys=False))
+            if afr_main([str(path), "--out", str(run)]):
+                raise StudyError("stage afr failed")
+
+        return Stage("afr", "answer-flip protocol (AFR): every condition as target and source",
+                     {"config": config, "model": base_id}, self._model_inputs(), (run / "report.md",), (run,), go)
+
+    def sos_stage(self, base_id: dict) -> Stage:
+        """Stick-or-switch for the baseline (+ prompting mitigations) and the fine-tuned models."""
+        run = self.out / "sos"
+        recipe = self.plan.eval_plan_sos_config or str(PACKAGE_ROOT / "recipes" / "sos_tiny.yaml")
+        n_items = ["--n_items", str(self.plan.eval_plan_limit)] if self.plan.eval_plan_limit is not None else []
+        mitigations = list(self.plan.eval_plan_mitigations)
+        systems = {"Baseline": "Baseline"} | {CONDITION_NAMES.get(m, m): f"Baseline +{m}" for m in mitigations}
+        systems |= {n: n for n in self.models}
+        self.sos_spec = ",".join(f"{cond}={run}@{system}" for cond, system in systems.items())
+        self.artefacts.append(("stick-or-switch report", run / "sos_report.md"))
+
+        def go() -> None:
+            from flipguard.eval.sos.cli import main as sos_main
+
+            code = sos_main([recipe, "--models", f"Baseline={self.model}", "--mitigations", "none", *mitigations,
+                             *n_items, "--out", str(run)])
+            if not code and self.models:
+                code = sos_main([recipe, "--models", *(f"{n}={p}" for n, p in self.models.items()), *n_items, "--out", str(run)])
+            if code:
+                raise StudyError("stage sos failed")
+
+        from flipguard.inputs import load_yaml
+
+        config, _ = load_yaml(recipe, StudyError, "sos run config")
+        return Stage("sos", "stick-or-switch: baseline, prompting mitigations and fine-tuned models",
+                     {"config": config, "n_items": n_items, "mitigations": mitigations, "model": base_id},
+                     self._model_inputs(), (run / "sos_report.md",), (run,), go)
+
+    def compare_stage(self, stages: list[Stage]) -> Stage:
+        report = self.out / "compare"
+        inputs = tuple(s.name for s in stages if s.name in {"baseline", "afr", "sos", *self.plan.eval_plan_mitigations}
+                       or s.name.endswith("-eval"))
+        self.artefacts += [("comparison report", report / "comparison.md"), ("DDS heatmap", report / "dds_heatmap.png"),
+                           ("before/after bars", report / "before_after.png")]
+
+        def run() -> None:
+            from flipguard.eval.compare import build_comparison, parse_conditions, protocol_sections, write_comparison
+
+            cmp = build_comparison({n: str(p) for n, p in self.conditions.items()}, n_boot=self.plan.eval_plan_n_boot, seed=0)
+            afr = parse_conditions(self.afr_spec, "--afr") if "afr" in inputs else None
+            sos = parse_conditions(self.sos_spec, "--sos") if "sos" in inputs else None
+            write_comparison(cmp, report, protocol_sections(afr, sos))
+
+        return Stage("compare", "before/after comparison report",
+                     {"conditions": {n: str(p) for n, p in self.conditions.items()}, "n_boot": self.plan.eval_plan_n_boot},
+                     inputs, tuple(report / f for f in ("comparison.csv", "comparison.md", "before_after.png")), (report,), run)
+
+    def wandb_stage(self) -> Stage:
+        marker = self.out / "wandb_run.json"
+
+        def run() -> None:
+            info = log_to_wandb(self)
+            atomic_write_json(marker, info)
+
+        return Stage("wandb", f"eval and comparison results to wandb (project {self.tracking.tracking_project}, "
+                              f"group {self.tracking.tracking_group or self.tracking.tracking_run_name})",
+                     {"tracking": self.raw["tracking"], "flip_sample": self.plan.eval_plan_flip_sample},
+                     ("compare",), (marker,), (marker,), run)
+
+    # ------------------------------------------------------------------ state
+    def _load_state(self) -> dict[str, Any]:
+        path = self.out / STUDY_FILE
+        if not path.is_file():
+            return {"format": STUDY_FORMAT, "stages": {}}
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise StudyError(f"{path}: unreadable study state ({exc}); remove it to start the study afresh") from None
+        if not isinstance(state, dict) or state.get("format") != STUDY_FORMAT:
+            raise StudyError(f"{path}: not a {STUDY_FORMAT} file")
+        return state
+
+    def _save_state(self) -> None:
+        self.state.update(recipe=self.recipe_path, out=str(self.out), model=self.model, updated=now_iso(),
+                          order=[s.name for s in self.stages])
+        atomic_write_json(self.out / STUDY_FILE, self.state)
+
+    def fingerprints(self) -> dict[str, str]:
+        fps: dict[str, str] = {}
+        for s in self.stages:
+            fps[s.name] = _sha({"stage": s.name, "params": s.params, "inputs": {i: fps[i] for i in s.inputs}})
+        return fps
+
+    def step(self, title: str) -> None:
+        self.print(f"\n=== [{time.time() - self.t0:6.0f}s] {title}")
+
+    def run(self, from_stage: str | None = None, only: str | None = None) -> list[tuple[str, str, float]]:
+        names = [s.name for s in self.stages]
+        for flag, value in (("--from", from_stage), ("--only", only)):
+            if value is not None and value not in names:
+                raise StudyError(f"{flag} {value}: no such stage in this study (stages: {', '.join(names)})")
+        if from_stage and only:
+            raise StudyError("--from and --only: give one of them")
+        self.out.mkdir(parents=True, exist_ok=True)
+        from flipguard.recipes.config import public_recipe
+
+        atomic_write_text(self.recipe_file, f"# the effective recipe of this study (from {self.recipe_path}); "
+                                            "written by flipguard study\n" + yaml.safe_dump(public_recipe(self.raw), sort_keys=False))
+        fps = self.fingerprints()
+        entries = self.state["stages"]
+        start = names.index(from_stage) if from_stage else None
+        for i, stage in enumerate(self.stages):
+            entry = entries.get(stage.name) or {}
+            current = (entry.get("status") == "done" and entry.get("fingerprint") == fps[stage.name]
+                       and all(p.exists() for p in stage.outputs))
+            forced = stage.name == only or (start is not None and i >= start)
+            if only and stage.name != only:
+                self.statuses.append((stage.name, "skipped" if current else "not run", 0.0))
+                continue
+            if current and not forced:
+                self.statuses.append((stage.name, "skipped", 0.0))
+                self.print(f"--- {stage.name}: skipped (up to date)")
+                continue
+            missing = [n for n in stage.inputs if (entries.get(n) or {}).get("status") != "done"
+                       or entries[n].get("fingerprint") != fps[n]]
+            if missing:
+                raise StudyError(f"stage {stage.name}: its input stage(s) {', '.join(missing)} are not done with the "
+                                 "current settings; run the study without --only first")
+            resume = entry.get("status") == "running" and entry.get("fingerprint") == fps[stage.name] and not forced
+            status = "resume" if resume else ("redo" if entry else "run")
+            self.step(f"{stage.title}  [{stage.name}: {status}]")
+            if not resume:
+                for path in stage.clear:
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    elif path.exists():
+                        path.unlink()
+            entries[stage.name] = {"status": "running", "fingerprint": fps[stage.name], "inputs": list(stage.inputs),
+                                   "params": json.loads(json.dumps(stage.params, default=str)),
+                                   "outputs": [str(p) for p in stage.outputs], "started": now_iso()}
+            self._save_state()
+            t = time.time()
+            stage.run()
+            missing_out = [str(p) for p in stage.outputs if not p.exists()]
+            if missing_out:
+                raise StudyError(f"stage {stage.name}: finished without writing {', '.join(missing_out)}")
+            seconds = time.time() - t
+            entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status)
+            self._save_state()
+            self.statuses.append((stage.name, status, seconds))
+            self.print(f"--- {stage.name}: {status} in {seconds:.1f}s")
+        self._save_state()
+        return self.statuses
+
+    def summary(self) -> None:
+        self.print(f"\nStages ({time.time() - self.t0:.0f}s in all):")
+        for name, status, seconds in self.statuses:
+            self.print(f"  {name:<22}{status:<9}{seconds:8.1f}s")
+        comparison = self.out / "compare" / "comparison.csv"
+        if comparison.is_file():
+            print_before_after(comparison, self.print)
+
+
+def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = print) -> None:
+    """The short before/after table a newcomer reads first (all datasets, macro average)."""
+    import pandas as pd
+
+    from flipguard.eval.metrics import TOTAL_AVG
+
+    table = pd.read_csv(comparison_csv)
+    rows = table[table["dataset"] == TOTAL_AVG]
+    lines = ["\nBefore/after (all datasets, %; DDS in pp; paper = C2 vs the baseline's C1, own = the model's own C1):",
+             f"{'condition':<14}{'C1 true':>8}{'C1 false':>9}{'C2 corr':>8}{'C2 incorr':>10}{'DDS paper':>10}"
+             f"{'own DDS':>9}{'invalid':>8}  flags"]
+    for r in rows.itertuples():
+        flags = " ".join(f for f, on in (("†over-correction", r.over_correction), ("‡C1-damage", r.c1_damage is True
+                                         or str(r.c1_damage) == "True")) if on)
+        lines.append(f"{r.condition:<14}{r.own_c1_true:8.1f}{r.own_c1_false:9.1f}{r.c2_correct:8.1f}{r.c2_incorrect:10.1f}"
+                     f"{r.dds:+10.1f}{r.own_dds:+9.1f}{int(r.invalid_judgments):8d}  {flags}")
+    print_fn("\n".join(lines))
+
+
+def log_to_wandb(study: Study) -> dict[str, Any]:
+    """The study's results in the recipe's wandb project and group, beside its training
+    runs: per-dataset DDS table, comparison table, before/after plots, a flip sample."""
+    import pandas as pd
+    import wandb
+
+    from flipguard.recipes.config import public_recipe
+    from flipguard.train.utils import start_wandb
+
+    tracking = study.tracking
+    name = f"{tracking.tracking_run_name or Path(study.recipe_path).stem}-study"
+    run = start_wandb(tracking, name, {"recipe": public_recipe(study.raw), "recipe_path": study.recipe_path},
+                      os.environ.get("WANDB_DIR") or str(study.out), job_type="study")
+    try:
+        frames = []
+        for cond, run_dir in study.conditions.items():
+            summary = pd.read_csv(Path(run_dir) / "report" / "summary.csv")
+            frames.append(summary.assign(condition=cond))
+        dds = pd.concat(frames, ignore_index=True)
+        comparison = pd.read_csv(study.out / "compare" / "comparison.csv")
+        logged: dict[str, Any] = {"dds_by_dataset": wandb.Table(dataframe=dds),
+                                  "comparison": wandb.Table(dataframe=comparison)}
+        for png in ("before_after.png", "dds_heatmap.png"):
+            path = study.out / "compare" / png
+            if path.is_file():
+                logged[png[:-4]] = wandb.Image(str(path))
+        flips_csv = study.conditions["Baseline"] / "report" / "flips.csv"
+        if flips_csv.is_file():
+            # the baseline's C1/C2 pair records, flipped pairs first, then the rest, each in random order
+            pairs = pd.read_csv(flips_csv).sample(frac=1.0, random_state=0)
+            pairs = pd.concat([pairs[pairs["flip"].notna()], pairs[pairs["flip"].isna()]])
+            logged["flip_sample"] = wandb.Table(dataframe=pairs.head(study.plan.eval_plan_flip_sample))
+            logged["flipped_pairs"] = int(pairs["flip"].notna().sum())
+        run.log(logged)
+        info = {"name": run.name, "id": run.id, "project": tracking.tracking_project, "group": run.group,
+                "dir": str(run.dir), "logged": sorted(logged)}
+    finally:
+        run.finish()
+    return info
+
+
+def effective_recipe(recipe_path: str, parsed: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """The recipe file with the command line's section values applied."""
+    from flipguard.recipes.config import read_recipe
+
+    raw = read_recipe(recipe_path)
+    for section, values in parsed.items():
+        raw[section] = values
+    if model:
+        raw["model_name_or_path"] = model
+    return raw
+
+
+def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | None = None, *,
+              from_stage: str | None = None, only: str | None = None, print_fn: Callable[[str], None] = print) -> Study:
+    """Run (or resume) the study a recipe describes; `raw` overrides the file's contents."""
+    from flipguard.recipes.config import read_recipe, validate_recipe
+
+    raw = read_recipe(recipe_path) if raw is None else raw
+    validate_recipe(raw, recipe_path)
+    study = Study(recipe_path, raw, out, print_fn=print_fn)
+    study.run(from_stage=from_stage, only=only)
+    study.summary()
+    return study
+
+
+def _file_sha(path: str | None) -> str | None:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and Path(path).is_file() else None
+
+
+def _quick_args(argv: list[str]) -> tuple[str | None, list[str], str | None, bool]:
+    """(recipe, other flags, --out, whether --from/--only was given), read without TRL:
+    enough to tell whether a finished study is being rerun unchanged."""
+    import argparse
+
+    from flipguard.recipes.config import split_recipe_argv
+
+    try:
+        recipe, rest = split_recipe_argv(argv)
+    except FlipguardError:
+        return None, argv, None, True
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--out")
+    parser.add_argument("--from", "--from_stage", dest="from_stage")
+    parser.add_argument("--only")
+    known, _ = parser.parse_known_args(rest)
+    out = known.out or (str(Path("runs") / f"{Path(recipe).stem}-study") if recipe else None)
+    return recipe, rest, out, bool(known.from_stage or known.only)
+
+
+def plan_key(recipe: str, rest: list[str], out: str) -> str:
+    from flipguard import __version__
+    from flipguard.train.utils import git_commit
+
+    return _sha({"version": __version__, "git_commit": git_commit(), "recipe": _file_sha(recipe), "argv": rest, "out": str(Path(out).resolve())})
+
+
+def rerun_unchanged(argv: list[str]) -> bool:
+    """A rerun of a finished study with the same recipe bytes, flags, watched files (afr/sos
+    configs), code version and base model: every stage is up to date, so say so without
+    importing TRL (whose import is most of a rerun's time). Anything else: the full path."""
+    if "-h" in argv or "--help" in argv:
+        return False
+    recipe, rest, out, partial = _quick_args(argv)
+    if not recipe or partial or not out or not (Path(out) / STUDY_FILE).is_file():
+        return False
+    try:
+        state = json.loads((Path(out) / STUDY_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    plan = state.get("plan") or {}
+    if plan.get("key") != plan_key(recipe, rest, out) or plan.get("model") != model_identity(state.get("model", "")):
+        return False
+    if any(_file_sha(path) != sha for path, sha in (plan.get("files") or {}).items()):
+        return False
+    stages = state.get("stages") or {}
+    order = state.get("order") or []
+    if not order or any((stages.get(n) or {}).get("status") != "done" for n in order):
+        return False
+    if any(not Path(p).exists() for n in order for p in stages[n].get("outputs", [])):
+        return False
+    for name in order:
+        print(f"--- {name}: skipped (up to date)")
+    print(f"\nStages (recipe, flags and inputs unchanged since {plan.get('at')}):")
+    for name in order:
+        print(f"  {name:<22}{'skipped':<9}{0.0:8.1f}s")
+    comparison = Path(out) / "compare" / "comparison.csv"
+    if comparison.is_file():
+        print_before_after(comparison)
+    print_artefacts([(what, Path(path)) for what, path in state.get("artefacts", [])])
+    return True
+
+
+def print_artefacts(artefacts: list[tuple[str, Path]]) -> None:
+    print("\nArtefacts:")
+    for what, path in artefacts:
+        print(f"  {what:<34} {path}")
+
+
+def main(argv: list[str]) -> int:
+    if rerun_unchanged(argv):
+        return 0
+    from flipguard.recipes.config import (ARG_SECTIONS, EvalPlanArguments, PairsArguments, TrackingArguments,
+                                          parse_recipe)
+
+    (args, plan, pairs, tracking), recipe_path, _ = parse_recipe(
+        argv, (StudyArguments, EvalPlanArguments, PairsArguments, TrackingArguments), prog="flipguard study",
+        description=StudyArguments.__doc__)
+    if recipe_path is None:
+        raise StudyError("flipguard study: give a recipe file (flipguard study recipes/tiny.yaml --out DIR)")
+    configure_threads(args.threads)
+    parsed = {}
+    for section, obj in (("eval", plan), ("pairs", pairs), ("tracking", tracking)):
+        prefix = ARG_SECTIONS[section]
+        parsed[section] = {k[len(prefix):]: v for k, v in dataclasses.asdict(obj).items()}
+    raw = effective_recipe(recipe_path, parsed, args.model)
+    out = args.out or str(Path("runs") / f"{Path(recipe_path).stem}-study")
+    study = run_study(recipe_path, out, raw, from_stage=args.from_stage, only=args.only)
+    if not args.from_stage and not args.only:  # every stage ran or was up to date: a plain rerun may take the quick path
+        _, rest, _, _ = _quick_args(argv)
+        watched = [recipe_path] + [c for c in (study.plan.eval_plan_afr_config, study.plan.eval_plan_sos_config) if c]
+        study.state["plan"] = {"key": plan_key(recipe_path, rest, out), "model": model_identity(study.model),
+                               "files": {c: _file_sha(c) for c in watched}, "at": now_iso()}
+        study.state["artefacts"] = [[what, str(path)] for what, path in study.artefacts]
+        study._save_state()
+    print_artefacts(study.artefacts)
+    return 0

@@ -1,0 +1,206 @@
+"""`flipguard study RECIPE` end to end on recipes/tiny.yaml (tiny limits): every stage runs
+once, an identical rerun skips them all, --only/--from redo what they say, a changed
+recipe value redoes exactly the stages that read it, and the results reach wandb
+(offline run files) in the recipe's group beside the training runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from flipguard.eval.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUP = "study-test-group"
+ALL_STAGES = ["baseline", "be_honest", "dehumanizing", "base-train", "pairs", "sft", "sft-merge", "sft-eval",
+              "dpo", "dpo-merge", "dpo-eval", "compare", "wandb"]
+
+
+def _recipe(tmp_path: Path, **dpo) -> Path:
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    raw["report_to"] = ["wandb"]
+    raw["eval"].update(limit=2, n_boot=50)
+    raw["pairs"]["datasets"] = "bbq"
+    for trainer in ("sft", "dpo"):
+        raw[trainer]["max_steps"] = 2
+    raw["dpo"].update(dpo)
+    raw["tracking"].update(run_name="tinytest", group=GROUP)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _state(out: Path) -> dict:
+    return json.loads((out / "study.json").read_text())
+
+
+def _finished(out: Path) -> dict[str, str]:
+    return {name: s.get("finished") for name, s in _state(out)["stages"].items()}
+
+
+def _redone(before: dict[str, str], out: Path) -> set[str]:
+    return {name for name, t in _finished(out).items() if before.get(name) != t}
+
+
+@pytest.mark.slow
+def test_study_runs_skips_and_redoes_exactly_what_changed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    recipe, out = _recipe(tmp_path), tmp_path / "study"
+
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    state = _state(out)
+    assert state["order"] == ALL_STAGES
+    assert {n: s["status"] for n, s in state["stages"].items()} == {n: "done" for n in ALL_STAGES}
+    assert {s["last_action"] for s in state["stages"].values()} == {"run"}
+    assert "Before/after" in printed and "Artefacts:" in printed
+    table = pd.read_csv(out / "compare" / "comparison.csv")
+    assert list(dict.fromkeys(table["condition"])) == ["Baseline", "Be Honest", "Dehumanizing", "SFT", "DPO"]
+    for png in ("dds_heatmap.png", "before_after.png"):
+        assert (out / "compare" / png).stat().st_size > 1000
+    # the fine-tuned rows are the merged models, judged with the baseline's C1 (fixed C1)
+    meta = json.loads((out / "dds" / "dpo-eval" / "run.json").read_text())
+    assert meta["model"] == str(out / "models" / "dpo-merged") and meta["c1_from"] == str((out / "dds" / "baseline").resolve())
+    assert (out / "train" / "sft" / "flipguard_training.json").is_file()
+    # the trainers read the effective recipe: this study's pair folder and adapter folders
+    effective = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert effective["pairs"]["dir"] == str(out / "pairs") and effective["dpo"]["output_dir"] == str(out / "train" / "dpo")
+
+    # wandb (offline): the study's run in the recipe's project and group, beside the training runs
+    info = json.loads((out / "wandb_run.json").read_text())
+    assert info["group"] == GROUP and info["name"] == "tinytest-study" and info["project"] == "flipguard"
+    assert {"dds_by_dataset", "comparison", "before_after", "dds_heatmap", "flip_sample"} <= set(info["logged"])
+    run_dir = Path(info["dir"]).parent  # .../wandb/offline-run-*/files -> the run folder
+    assert run_dir.name.startswith("offline-run-")
+    binary = next(run_dir.glob("run-*.wandb")).read_bytes()
+    assert GROUP.encode() in binary and b"tinytest-study" in binary
+    tables = {p.name.split("_")[0] for p in (run_dir / "files" / "media" / "table").glob("*.table.json")}
+    assert {"dds", "comparison", "flip"} <= tables
+    dds_table = next((run_dir / "files" / "media" / "table").glob("dds_by_dataset_*.table.json"))
+    assert "Baseline" in dds_table.read_text() and "DPO" in dds_table.read_text()
+    for trainer in ("sft", "dpo"):
+        train_runs = list((out / "train" / trainer / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(train_runs) == 1 and GROUP.encode() in train_runs[0].read_bytes()
+        assert f"tinytest-{trainer}".encode() in train_runs[0].read_bytes()
+
+    # an identical rerun: every stage skipped, nothing rewritten
+    before = _finished(out)
+    records = (out / "dds" / "baseline" / "records.jsonl").read_bytes()
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"--- {name}: skipped (up to date)" in printed for name in ALL_STAGES)
+    assert _finished(out) == before and (out / "dds" / "baseline" / "records.jsonl").read_bytes() == records
+    # the same through the full path (stage by stage fingerprints, no quick path)
+    from flipguard.eval.study import run_study
+
+    study = run_study(str(out / "recipe.yaml"), out)
+    assert [(n, s) for n, s, _ in study.statuses] == [(n, "skipped") for n in ALL_STAGES]
+    assert _finished(out) == before
+
+    # --only redoes just that stage
+    assert cli_main(["study", str(recipe), "--out", str(out), "--only", "sft-eval"]) == 0
+    assert _redone(before, out) == {"sft-eval"} and _state(out)["stages"]["sft-eval"]["last_action"] == "redo"
+    before = _finished(out)
+    # --from redoes that stage and every one after it
+    assert cli_main(["study", str(recipe), "--out", str(out), "--from", "dpo-merge"]) == 0
+    assert _redone(before, out) == {"dpo-merge", "dpo-eval", "compare", "wandb"}
+    before = _finished(out)
+
+    # a changed dpo value invalidates exactly the stages that read it, and what depends on them
+    changed = _recipe(tmp_path, beta=0.2)
+    assert cli_main(["study", str(changed), "--out", str(out)]) == 0
+    assert _redone(before, out) == {"dpo", "dpo-merge", "dpo-eval", "compare", "wandb"}
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["dpo"]["beta"] == 0.2
+    before = _finished(out)
+    # and a changed report setting redoes the test-split evaluations and what reads them, not training
+    assert cli_main(["study", str(changed), "--out", str(out), "--eval_plan_n_boot", "40"]) == 0
+    assert _redone(before, out) == {"baseline", "be_honest", "dehumanizing", "sft-eval", "dpo-eval", "compare", "wandb"}
+
+
+def test_study_refuses_an_unknown_stage_and_a_none_mitigation(tmp_path, capsys):
+    recipe = _recipe(tmp_path)
+    assert cli_main(["study", str(recipe), "--out", str(tmp_path / "s"), "--only", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--only nope: no such stage" in err and "baseline" in err
+    raw = yaml.safe_load(recipe.read_text())
+    raw["eval"]["mitigations"] = ["none", "be_honest"]
+    recipe.write_text(yaml.safe_dump(raw))
+    assert cli_main(["study", str(recipe), "--out", str(tmp_path / "s2")]) == 2
+    assert "eval.mitigations: 'none' is the baseline" in capsys.readouterr().err
+    assert not (tmp_path / "s2").exists()
+
+
+def test_train_scripts_are_subcommands_with_the_same_main(tmp_path, capsys):
+    """`flipguard merge RECIPE ...` is train/merge.py's main: same checks, same one-line error."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    assert cli_main(["merge", str(ROOT / "recipes" / "tiny.yaml"), "--adapter", str(adapter), "--out", str(adapter)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flipguard merge: error:") and str(adapter) in err
+
+
+@pytest.mark.slow
+def test_study_adds_afr_and_stick_or_switch_where_the_recipe_asks(tmp_path, monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    raw = yaml.safe_load(_recipe(tmp_path).read_text())
+    raw["report_to"] = "none"
+    raw["eval"].update(trainers=[], protocols=["afr", "sos"], mitigations=["be_honest"])
+    recipe, out = tmp_path / "proto.yaml", tmp_path / "proto"
+    recipe.write_text(yaml.safe_dump(raw))
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    assert _state(out)["order"] == ["baseline", "be_honest", "afr", "sos", "compare"]
+    md = (out / "compare" / "comparison.md").read_text()
+    assert "## Answer flips (AFR" in md and "## Stick-or-switch" in md
+    afr = md.split("## Answer flips (AFR")[1].split("## Stick-or-switch")[0]
+    afr_rows = [line for line in afr.splitlines() if line.startswith(("| Baseline | Baseline", "| Be Honest | Be Honest"))]
+    assert len(afr_rows) == 2  # both conditions measured by AFR, each as its own target
+
+
+@pytest.mark.slow
+def test_a_study_killed_mid_stage_resumes_that_stage(tmp_path):
+    """SIGKILL during the SFT stage: study.json keeps it 'running' (never 'done'), the
+    adapter has no provenance, and the rerun redoes that stage and what follows, nothing before."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    raw = yaml.safe_load(_recipe(tmp_path).read_text())
+    raw["report_to"] = "none"
+    raw["eval"].update(mitigations=[], trainers=["sft"])
+    raw["sft"]["max_steps"] = 400  # long enough to be killed while training
+    recipe, out = tmp_path / "kill.yaml", tmp_path / "kill"
+    recipe.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard.eval.cli", "study", str(recipe), "--out", str(out)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while ((json.loads((out / "study.json").read_text())["stages"].get("sft") or {}).get("status") != "running"
+               if (out / "study.json").is_file() else True):
+            assert proc.poll() is None and time.monotonic() < deadline, "the study ended before reaching sft"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    stages = _state(out)["stages"]
+    assert stages["sft"]["status"] == "running" and "sft-merge" not in stages
+    assert not (out / "train" / "sft" / "flipguard_training.json").exists()
+    before = _finished(out)
+
+    # rerun with a shorter schedule (so the test stays short): the killed stage is redone from
+    # a cleared folder, the finished ones before it are skipped
+    raw["sft"]["max_steps"] = 2
+    recipe.write_text(yaml.safe_dump(raw))
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    state = _state(out)
+    assert _redone(before, out) == {"sft", "sft-merge", "sft-eval", "compare"}
+    assert state["stages"]["sft"]["last_action"] == "redo" and {s["status"] for s in state["stages"].values()} == {"done"}
+    assert (out / "train" / "sft" / "flipguard_training.json").is_file()
