@@ -232,7 +232,8 @@ def train_organism(model, tokenizer, args: OrganismArgs, log=print) -> None:
 
 
 def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None) -> dict:
-    """Held-out (test split) accuracy per case and DDS in logprob mode, default prompts."""
+    """Held-out (test split) accuracy per case and DDS in logprob mode, v0 prompts (pinned:
+    the build's bar and organism.json do not move with the DDS default template)."""
     import numpy as np
 
     from flipguard.eval.backends.base import get_backend
@@ -247,7 +248,7 @@ def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None)
         convs, expected = [], []
         for case in CASES:
             for item in items:
-                convs.append(build_messages(item, case, mitigation, fmt="one_token"))
+                convs.append(build_messages(item, case, mitigation, template="v0", fmt="one_token"))
                 expected.append((case, EXPECTED_CHOICE[case]))
         probs = backend.choice_probs(convs)
         right = [("1" if p["1"] >= p["2"] else "2") == want for (_, want), p in zip(expected, probs)]
