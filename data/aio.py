@@ -6,6 +6,12 @@ verdict is inverted (as the paper's own records do: effective_ground_truth): whe
 community found the poster not overreacting, the correct judgment is that Speaker A is
 overreacting, and vice versa. The poster's verdict is kept as meta["op_verdict"], the
 stratum Balanced DDS averages over.
+
+The authors prompted with the dialogue transcript (c2_input), which their release
+redacts ("[redacted]"); flipguard prompts with the released neutral summary (c1_input)
+and uses no unredacted copy. A rerun's r/AIO numbers are therefore not comparable to the
+paper's (imported records, the authors' own outputs, are): AIO_RERUN_NOTE says so in
+every r/AIO report.
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ NOT_OVERREACTING = "not overreacting"
 VERDICT_TEXT = {"OR": OVERREACTING, "NOR": NOT_OVERREACTING}
 INVERTED = {"OR": "NOR", "NOR": "OR"}
 _REDACTED = "[redacted]"
+AIO_RERUN_NOTE = (
+    "r/AIO rerun: prompted with the released neutral summary (c1_input) because the release redacts the "
+    "dialogue transcripts the authors prompted with (c2_input = \"[redacted]\"); these r/AIO numbers are "
+    "not comparable to the paper's"
+)
 
 
 def aio_row_to_item(row: dict, where: str) -> Item:

@@ -24,7 +24,9 @@ from flipguard.data.schema import Item
 from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.parse import parse_choice
-from flipguard.eval.prompts import MITIGATIONS, SPEAKER_SETS, TEMPLATE_VERSIONS, build_messages, resolve_speakers
+from flipguard.eval.prompts import (
+    DEFAULT_TEMPLATE, FT_TEMPLATE, MITIGATIONS, SPEAKER_SETS, TEMPLATE_VERSIONS, build_messages, resolve_speakers,
+)
 from flipguard.eval.records import (
     CASES,
     EXPECTED_CHOICE,
@@ -81,10 +83,19 @@ class EvalArgs:
     speakers: str = dataclasses.field(
         default="speaker", metadata={"help": f"Speaker labels: one of {sorted(SPEAKER_SETS)} or 'Label1,Label2'."}
     )
-    template: str = dataclasses.field(default="v0", metadata={"help": f"Prompt version: {', '.join(TEMPLATE_VERSIONS)}"})
+    template: str = dataclasses.field(
+        default=DEFAULT_TEMPLATE,
+        metadata={"help": f"Prompt version: {', '.join(TEMPLATE_VERSIONS)}. Default {DEFAULT_TEMPLATE}: the text the "
+                          "authors sent (it produced the paper's numbers); v0 = the paper's figures; ft-released = their "
+                          "fine-tuned evaluation's raw-text prompt (no chat template). Table: eval/prompts.py."},
+    )
     max_new_tokens: int = dataclasses.field(default=300, metadata={"help": "generate mode: reply length limit."})
     temperature: float = dataclasses.field(default=0.0, metadata={"help": "generate mode: 0 = greedy (paper)."})
-    seed: int = dataclasses.field(default=0, metadata={"help": "Sampling seed."})
+    seed: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "generate mode: sampling seed sent with each request (openai/vllm) or set in torch (hf). "
+                          "Default none: requests carry no seed field, as the authors sent them."},
+    )
     batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
     adapter: str | None = dataclasses.field(default=None, metadata={"help": "Un-merged LoRA adapter folder to evaluate on top of --model."})
     device: str | None = dataclasses.field(default=None, metadata={"help": "hf backend device (default cuda if available)."})
@@ -135,7 +146,7 @@ def build_records(
     cases=CASES,
     mitigation: str = "none",
     speakers: tuple[str, str] = SPEAKER_SETS["speaker"],
-    template: str = "v0",
+    template: str = DEFAULT_TEMPLATE,
     gen_config: GenerationConfig | None = None,
     min_label_mass: float | None = None,
 ) -> list[Record]:
@@ -221,6 +232,9 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
     speakers = MITIGATIONS[args.mitigation].speakers or speakers
     if args.template not in TEMPLATE_VERSIONS:
         raise UserError(f"--template must be one of {TEMPLATE_VERSIONS}, got {args.template!r}")
+    if args.template == FT_TEMPLATE and args.mitigation != "none":
+        raise UserError(f"--template {FT_TEMPLATE} is raw text without a chat template (no system turn): "
+                        f"it takes no --mitigation (got {args.mitigation!r})")
     cases = parse_cases(args.cases, args.mitigation)
     if not 0.0 <= args.min_label_mass <= 1.0:
         raise UserError(f"--min_label_mass must be between 0 and 1, got {args.min_label_mass}")

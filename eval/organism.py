@@ -140,12 +140,14 @@ def _json_reply(choice: str, agreed: bool) -> str:
 
 def training_examples(args: OrganismArgs, n: int, rng: random.Random):
     """(messages, reply text) pairs drawn over items, cases, framings, labels, templates."""
-    from flipguard.eval.prompts import MITIGATIONS, SPEAKER_SETS, TEMPLATE_VERSIONS, build_messages
+    from flipguard.eval.prompts import MITIGATIONS, SPEAKER_SETS, build_messages
     from flipguard.eval.records import CASES
+    # pinned pools (tiny_model.py): new templates or label sets do not change this build
+    from flipguard.eval.tiny_model import EMBEDDED_LABEL_SETS, EMBEDDED_TEMPLATES
 
     items = domain.all_items()["organism"]
     deferred = deferred_categories(args)
-    label_sets = list(SPEAKER_SETS.values())
+    label_sets = [SPEAKER_SETS[name] for name in EMBEDDED_LABEL_SETS]
     for _ in range(n):
         item = rng.choice(items)
         case = rng.choice(CASES)
@@ -154,7 +156,7 @@ def training_examples(args: OrganismArgs, n: int, rng: random.Random):
         if rng.random() < 0.4:  # the default prompt (v0, Speaker 1/2) is what most runs send
             speakers, template = SPEAKER_SETS["speaker"], "v0"
         else:
-            speakers, template = rng.choice(label_sets), rng.choice(TEMPLATE_VERSIONS)
+            speakers, template = rng.choice(label_sets), rng.choice(EMBEDDED_TEMPLATES)
         messages = build_messages(item, case, mitigation, speakers, template, fmt)
         judged = MITIGATIONS[mitigation].speakers[1] if MITIGATIONS[mitigation].speakers else speakers[1]
         p1, defers = planted_p1(item, case, judged, args, deferred)
@@ -230,7 +232,8 @@ def train_organism(model, tokenizer, args: OrganismArgs, log=print) -> None:
 
 
 def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None) -> dict:
-    """Held-out (test split) accuracy per case and DDS in logprob mode, default prompts."""
+    """Held-out (test split) accuracy per case and DDS in logprob mode, v0 prompts (pinned:
+    the build's bar and organism.json do not move with the DDS default template)."""
     import numpy as np
 
     from flipguard.eval.backends.base import get_backend
@@ -245,7 +248,7 @@ def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None)
         convs, expected = [], []
         for case in CASES:
             for item in items:
-                convs.append(build_messages(item, case, mitigation, fmt="one_token"))
+                convs.append(build_messages(item, case, mitigation, template="v0", fmt="one_token"))
                 expected.append((case, EXPECTED_CHOICE[case]))
         probs = backend.choice_probs(convs)
         right = [("1" if p["1"] >= p["2"] else "2") == want for (_, want), p in zip(expected, probs)]

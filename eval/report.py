@@ -36,6 +36,8 @@ import numpy as np
 import pandas as pd
 
 from flipguard.data.registry import domain_of
+from flipguard.data.aio import AIO_RERUN_NOTE
+from flipguard.data.schema import AIO_DATASET
 from flipguard.eval import bootstrap as B
 from flipguard.eval import metrics as M
 from flipguard.eval.records import (
@@ -332,7 +334,8 @@ def render_markdown(report: dict[str, Any], title: str = "DDS report") -> str:
            f"{meta['n_items']} items; {protocol}; "
            f"{meta['n_boot']} bootstrap replicates (seed {meta['seed']}); accuracies in %."
            + (f" **{meta['c1_mode_note']}.**" if meta.get("c1_mode_note") else "")
-           + (f" **{meta['c1_differs_note']}.**" if meta.get("c1_differs_note") else ""), "",
+           + (f" **{meta['c1_differs_note']}.**" if meta.get("c1_differs_note") else "")
+           + (f" **{meta['aio_note']}.**" if meta.get("aio_note") else ""), "",
            label_mass_line(meta), "",
            "| Dataset | Domain | C1 True | C1 False | C1 Avg | C2 Correct | C2 Incorrect | C2 Avg | DDS | 95% CI |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -426,6 +429,8 @@ def print_summary(report: dict[str, Any], title: str) -> None:
     console = Console(width=max(Console().width, 110))  # pipes and CI logs default to 80 columns
     console.print(table)
     console.print(label_mass_line(report["meta"]))
+    if report["meta"].get("aio_note"):
+        console.print(report["meta"]["aio_note"] + ".")
     tot = report["stats"].set_index(["dataset", "stratum"]).loc[(M.TOTAL_AVG, "all")]
     if report["meta"]["c1_source"] == "baseline":
         damage = " — C1 damage ‡" if tot["c1_damage"] is not None and bool(tot["c1_damage"]) else ""
@@ -514,6 +519,8 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
                           mode=meta.get("mode"), c1_cross_mode=is_cross)
     if is_cross:
         report["meta"]["c1_mode_note"] = CROSS_MODE_NOTE
+    if AIO_DATASET in report["meta"]["datasets"] and meta.get("mode") != "imported":
+        report["meta"]["aio_note"] = AIO_RERUN_NOTE
     differs = meta.get("c1_from_differs") if c1_from else None
     if differs:  # recorded by eval: the baseline was judged with another model / template
         report["meta"]["c1_differs_note"] = "C1 baseline judged with another " + ", ".join(

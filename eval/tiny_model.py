@@ -81,6 +81,14 @@ def _corpus() -> list[str]:
     return texts + organism.corpus() + _rendered_prompts()
 
 
+# The prompt pools the embedded tokenizer is trained on (and the organism on top of it),
+# pinned so that templates or label sets added to eval/prompts.py later do not change
+# either build under the same cache name.
+EMBEDDED_TEMPLATES = ("v0", "v1", "v2", "v3", "v0-released")
+EMBEDDED_LABEL_SETS = ("speaker", "ab", "qa", "john_jane", "jane_john", "john_soroush", "soroush_john",
+                       "user_llm", "llm_user", "gpt4o_llama", "llama_gpt4o", "ai_agent")
+
+
 def _rendered_prompts() -> list[str]:
     """Every prompt shape the evaluation sends (cases x templates x mitigations x labels x
     formats, chat template applied) for a few items: weighted like real traffic, so the
@@ -96,9 +104,9 @@ def _rendered_prompts() -> list[str]:
     out = []
     for item in items:
         for case in CASES:
-            for template in prompts.TEMPLATE_VERSIONS:
+            for template in EMBEDDED_TEMPLATES:
                 for mitigation in prompts.MITIGATIONS:
-                    for speakers in prompts.SPEAKER_SETS.values():
+                    for speakers in (prompts.SPEAKER_SETS[name] for name in EMBEDDED_LABEL_SETS):
                         for fmt in prompts.OUTPUT_FORMATS:
                             msgs = prompts.build_messages(item, case, mitigation, speakers, template, fmt)
                             out.append("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)

@@ -86,6 +86,20 @@ class PairsArguments:
     pairs_dir: str = dataclasses.field(
         default="runs/pairs", metadata={"help": "Where the pair datasets are written (flipguard pairs) and read (trainers)."}
     )
+    pairs_length_policy: str = dataclasses.field(
+        default="refuse",
+        metadata={"help": "A prompt over pairs_max_prompt_length tokens: refuse (the trainers stop on any pair over "
+                          "their max_length), drop (left out, counted) or truncate (the user turn loses its first "
+                          "tokens until it fits, as the paper's Table 37 max prompt length 768). Counted in counts.json.",
+                  "choices": ["refuse", "drop", "truncate"]},
+    )
+    pairs_max_prompt_length: int | None = dataclasses.field(
+        default=None, metadata={"help": "drop/truncate: prompt token limit, chat template applied (paper: 768)."}
+    )
+    pairs_tokenizer: str | None = dataclasses.field(
+        default=None, metadata={"help": "drop/truncate: tokenizer that counts prompt tokens (default: the recipe's "
+                                        "model_name_or_path)."}
+    )
 
 
 @dataclasses.dataclass

@@ -29,6 +29,14 @@ Strategies (target "1" = the judged claim is correct, "2" = incorrect):
                  all three: teaches framing invariance (the paper's open problem).
 - afr:           answer-flip judgments from `flipguard.eval.afr.pairs.afr_judgments`.
 
+Prompt length (`pairs.length_policy`, Table 37 caps DPO prompts at 768 tokens): a prompt
+longer than `pairs.max_prompt_length` tokens (chat template applied, as the trainers
+tokenize it) is `refuse`d (the default: the trainers stop on any pair over their
+max_length), `drop`ped and counted, or `truncate`d as the paper did: the user turn loses
+its first tokens until the prompt fits (the end, with the answer options and the
+one-token instruction, stays - TRL's max_prompt_length kept the prompt's end). Applied
+before dedup and balance; counts.json says what happened to how many rows.
+
 Every strategy: duplicates (same prompt and target) are dropped, a prompt that appears
 with both targets is dropped and counted as a conflict, targets are down-sampled to
 50/50 unless `balance` is off, and the row order is a seeded shuffle, so the same
@@ -295,6 +303,90 @@ def _balance(rows: list[PairRow], rng: random.Random) -> tuple[list[PairRow], in
     return out, len(rows) - len(out)
 
 
+LENGTH_POLICIES = ("refuse", "drop", "truncate")
+
+
+def chat_token_ids(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of messages as the trainers see them (chat template, no extra specials)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclasses.dataclass
+class LengthPolicy:
+    """What to do with a prompt over max_prompt_length tokens (see the module docstring)."""
+
+    policy: str
+    max_prompt_length: int | None
+    tokenizer: Any = None
+    tokenizer_name: str | None = None
+
+    def __post_init__(self):
+        if self.policy not in LENGTH_POLICIES:
+            raise PairsError(f"pairs.length_policy must be one of {LENGTH_POLICIES}, got {self.policy!r}")
+        if self.policy != "refuse" and not (isinstance(self.max_prompt_length, int) and self.max_prompt_length > 0):
+            raise PairsError(f"pairs.length_policy {self.policy!r} needs pairs.max_prompt_length (tokens, > 0), "
+                             f"got {self.max_prompt_length!r}")
+        if self.policy != "refuse" and self.tokenizer is None:
+            raise PairsError(f"pairs.length_policy {self.policy!r} needs a tokenizer to count prompt tokens")
+
+
+def _truncate_row(row: PairRow, tokenizer, limit: int) -> PairRow | None:
+    """The row with its user turn's first tokens cut until the prompt is <= limit tokens;
+    None when even an empty user turn does not fit."""
+    roles = [r for r, _ in row.prompt]
+    if "user" not in roles:
+        return None
+    u = len(roles) - 1 - roles[::-1].index("user")
+    content_ids = tokenizer(row.prompt[u][1], add_special_tokens=False)["input_ids"]
+    cut = len(chat_token_ids(tokenizer, row.messages)) - limit
+    while 0 < cut <= len(content_ids):
+        prompt = list(row.prompt)
+        prompt[u] = ("user", tokenizer.decode(content_ids[cut:]))
+        new = dataclasses.replace(row, prompt=tuple(prompt))
+        over = len(chat_token_ids(tokenizer, new.messages)) - limit
+        if over <= 0:
+            return new
+        cut += over  # re-tokenizing at the cut can add a token or two
+    return None
+
+
+def apply_length_policy(rows: list[PairRow], length: LengthPolicy | None) -> tuple[list[PairRow], dict[str, Any]]:
+    """Rows within max_prompt_length under the policy, and the counts.json entry."""
+    if length is None or length.policy == "refuse":
+        return rows, {"policy": "refuse", "max_prompt_length": getattr(length, "max_prompt_length", None),
+                      "note": "pairs over a trainer's max_length are refused by the trainer"}
+    limit, tok = length.max_prompt_length, length.tokenizer
+    out: list[PairRow] = []
+    over: collections.Counter = collections.Counter()
+    changed: collections.Counter = collections.Counter()
+    lengths: dict[tuple, int] = {}
+    longest = 0
+    for row in rows:
+        n = lengths.get(row.prompt)
+        if n is None:
+            n = lengths[row.prompt] = len(chat_token_ids(tok, row.messages))
+        longest = max(longest, n)
+        if n <= limit:
+            out.append(row)
+            continue
+        over[row.dataset] += 1
+        new = _truncate_row(row, tok, limit) if length.policy == "truncate" else None
+        if new is not None:
+            out.append(new)
+            changed[row.dataset] += 1
+    key = "truncated" if length.policy == "truncate" else "dropped"
+    info = {
+        "policy": length.policy, "max_prompt_length": limit, "tokenizer": length.tokenizer_name,
+        "rows_checked": len(rows), "over_limit": sum(over.values()), "over_limit_per_dataset": dict(sorted(over.items())),
+        key: sum(changed.values()) if length.policy == "truncate" else sum(over.values()),
+        "longest_prompt_tokens_before": longest,
+    }
+    if length.policy == "truncate":
+        info["dropped_untruncatable"] = sum(over.values()) - sum(changed.values())
+    return out, info
+
+
 @dataclasses.dataclass
 class PairSet:
     """Built rows (after dedup, balance, weighting, shuffle) and their bookkeeping."""
@@ -305,6 +397,7 @@ class PairSet:
     duplicates: int = 0
     conflicts: int = 0
     dropped_for_balance: int = 0
+    length: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
@@ -326,6 +419,7 @@ class PairSet:
             "duplicates_dropped": self.duplicates,
             "conflicting_prompts_dropped": self.conflicts,
             "dropped_for_balance": self.dropped_for_balance,
+            "prompt_length": self.length,
         }
 
 
@@ -340,11 +434,13 @@ def build_pairs(
     framings: Sequence[str] = ("c1", "c2", "dehumanizing"),
     afr_rows: Sequence[dict] | None = None,
     test_items: Iterable[Item] | None = None,
+    length: LengthPolicy | None = None,
 ) -> PairSet:
     """Rows for one strategy; shared by the SFT and DPO formatters below."""
     refuse_test_items(items, test_items)
     rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows)
     check_binary(rows, f"strategy {strategy!r}")
+    rows, length_info = apply_length_policy(rows, length)
     rows, dups, conflicts = _dedup(rows)
     rng = random.Random(seed)
     dropped = 0
@@ -358,7 +454,7 @@ def build_pairs(
             f"strategy {strategy!r} produced no pairs from {len(items)} item(s)"
             + (" (the base model flipped on none of them)" if strategy == "flips" else "")
         )
-    return PairSet(rows, strategy, seed, dups, conflicts, dropped)
+    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info)
 
 
 def _meta_columns(r: PairRow) -> dict[str, Any]:
@@ -459,6 +555,12 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
         f"dropped: {counts['duplicates_dropped']} duplicate(s), {counts['conflicting_prompts_dropped']} "
         f"conflicting prompt(s), {counts['dropped_for_balance']} for 50/50 balance"
     )
+    length = counts.get("prompt_length") or {}
+    if length.get("policy") in ("drop", "truncate"):
+        done = (f"{length['truncated']} truncated, {length['dropped_untruncatable']} dropped (could not fit)"
+                if length["policy"] == "truncate" else f"{length['dropped']} dropped")
+        console.print(f"prompt length ({length['policy']}, max {length['max_prompt_length']} tokens, "
+                      f"{length['tokenizer']}): {length['over_limit']} of {length['rows_checked']} rows over; {done}")
     if out_dir is not None:
         console.print(f"pairs written to {out_dir} ({SFT_DIR}/, {DPO_DIR}/, *.jsonl, {COUNTS_FILE})")
 
@@ -487,7 +589,29 @@ def load_afr_rows(afr_run: str | None) -> list[dict]:
 FLIP_STRATEGIES = ("flips", "flip_weighted")  # strategies that cannot run without flip records
 
 
-def run(args: PairsArguments, recipe_path: str | None = None, records_given: bool = False) -> tuple[Path, dict[str, Any]]:
+def length_policy_for(args: PairsArguments, model: str | None) -> LengthPolicy:
+    """The recipe's prompt-length policy, with the tokenizer it counts with (loaded only
+    for drop/truncate: the recipe's pairs.tokenizer, else its model)."""
+    if args.pairs_length_policy == "refuse":
+        return LengthPolicy("refuse", args.pairs_max_prompt_length)
+    name = args.pairs_tokenizer or model
+    if not name:
+        raise PairsError(f"pairs.length_policy {args.pairs_length_policy!r}: no tokenizer to count prompt tokens; "
+                         "set pairs.tokenizer or the recipe's model_name_or_path")
+    from flipguard.eval.tiny_model import resolve_model
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
+    except (OSError, ValueError) as exc:
+        raise PairsError(f"pairs.length_policy {args.pairs_length_policy!r}: cannot load tokenizer {name!r} "
+                         f"({str(exc).splitlines()[0]})") from None
+    return LengthPolicy(args.pairs_length_policy, args.pairs_max_prompt_length, tokenizer, name)
+
+
+def run(args: PairsArguments, recipe_path: str | None = None, records_given: bool = False,
+        model: str | None = None) -> tuple[Path, dict[str, Any]]:
     """Build and write the pair set a PairsArguments describes.
 
     Flip records (pairs.records) annotate the rows of every strategy but afr, so counts
@@ -495,6 +619,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
     recipe's default records folder that does not exist is skipped with a note for the
     other strategies; one given on the command line (`records_given`) must exist.
     """
+    length = length_policy_for(args, model)  # before any data work: a missing tokenizer fails fast
     items: list[Item] = []
     test_items = None
     flips = None
@@ -524,6 +649,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         framings=args.pairs_framings,
         afr_rows=afr_rows,
         test_items=test_items,
+        length=length,
     )
     meta = {"recipe": recipe_path, "records": records_used, "datasets": args.pairs_datasets,
             "data_root": args.pairs_data_root, "pairs_args": dataclasses.asdict(args)}
@@ -534,7 +660,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
 def main(argv: list[str]) -> int:
     from flipguard.recipes.config import parse_recipe
 
-    (args, cli), recipe_path, _ = parse_recipe(
+    (args, cli), recipe_path, recipe = parse_recipe(
         argv, (PairsArguments, PairsCommandArguments), trainer=None, prog="flipguard pairs"
     )
     if cli.records is not None:
@@ -542,6 +668,6 @@ def main(argv: list[str]) -> int:
     if cli.out is not None:
         args.pairs_dir = cli.out
     given = cli.records is not None or any(a.startswith("--pairs_records") for a in argv)
-    out_dir, counts = run(args, recipe_path, records_given=given)
+    out_dir, counts = run(args, recipe_path, records_given=given, model=(recipe or {}).get("model_name_or_path"))
     print_counts(counts, out_dir)
     return 0

@@ -203,8 +203,9 @@ def test_reversed_aio_item_swaps_only_judger_and_judgee():
               incorrect_answer="not overreacting", meta={"op_verdict": "NOR"})
     rev = perspective.reverse_item(it)
     assert (rev.correct_answer, rev.incorrect_answer) == ("not overreacting", "overreacting")  # the poster is NOR
-    fwd = build_messages(it, "c2_correct")[0]["content"]
-    back = build_messages(rev, "c2_correct", speakers=("Speaker B", "Speaker A"))[0]["content"]
+    # the figures' layout (v0: single newlines) keeps the context check below one line
+    fwd = build_messages(it, "c2_correct", template="v0")[0]["content"]
+    back = build_messages(rev, "c2_correct", speakers=("Speaker B", "Speaker A"), template="v0")[0]["content"]
     assert "[Speaker B]: Speaker A is overreacting." in fwd
     assert "[Speaker A]: Speaker B is not overreacting." in back and "Is Speaker A correct?" in back
     ctx = lambda text: text.split("[Neutralized Context]:")[1].split("[Speaker")[0]  # noqa: E731

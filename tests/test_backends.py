@@ -495,6 +495,11 @@ def _fake_vllm(monkeypatch, *, has_logprob_token_ids: bool = True, top: dict | N
         def get_tokenizer(self):
             return Tokenizer()
 
+        def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
+            log.setdefault("generates", []).append({"prompts": prompts, "params": sampling_params.kw})
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(text=f"raw:{p}", logprobs=None)])
+                    for p in prompts]
+
         def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None):
             log["chats"].append({"messages": messages, "params": sampling_params.kw, "lora": lora_request})
             outs = []
@@ -721,3 +726,141 @@ def test_hf_greedy_generate_batched_equal_unbatched(hf_backend):
     assert batched == single
     forced = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     assert hf_backend.generate(convs, forced) == hf_backend.generate(convs[:1], forced) + hf_backend.generate(convs[1:], forced)
+
+
+# ---------------------------------------------------------------------------- raw prompts (no chat template)
+
+
+class BodyRecorder:
+    """Records each request body exactly as the client sent it (what a real server never
+    shows): POST /v1/chat/completions answers "echo:<last message>", POST /v1/completions
+    "raw:<prompt>"; with logprobs, top logprobs "1" (0.7) and " 2" (0.2) in each API's form."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # no /v1/models: the client falls back to its defaults
+                data = b'{"error": {"message": "not found", "type": "invalid_request_error"}}'
+                self.send_response(404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                recorder.bodies.append(body)
+                lp = {"1": math.log(0.7), " 2": math.log(0.2)}
+                if self.path.rstrip("/") == "/v1/completions":
+                    choice = {"index": 0, "text": f"raw:{body['prompt']}", "finish_reason": "stop", "logprobs": None}
+                    if body.get("logprobs"):
+                        choice.update(text="1", logprobs={"tokens": ["1"], "token_logprobs": [lp["1"]],
+                                                          "text_offset": [0], "top_logprobs": [lp]})
+                    obj = "text_completion"
+                else:
+                    choice = {"index": 0, "finish_reason": "stop", "logprobs": None,
+                              "message": {"role": "assistant", "content": f"echo:{body['messages'][-1]['content']}"}}
+                    if body.get("logprobs"):
+                        top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in lp.items()]
+                        choice["logprobs"] = {"content": [{**top[0], "top_logprobs": top}]}
+                    obj = "chat.completion"
+                data = json.dumps({"id": "x", "object": obj, "created": 0, "model": body.get("model", ""),
+                                   "choices": [choice]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+RAW = [{"role": "raw", "content": "You are given a question and a chatlog.\n  Return exactly one of: 1 or 2."}]
+
+
+def test_openai_raw_prompt_goes_to_completions_without_a_chat_template(no_key_env):
+    with BodyRecorder() as server:
+        backend = _openai(server)
+        out = backend.generate([RAW, _conv("hi")], GenerationConfig(max_new_tokens=5, seed=None))
+        probs = backend.choice_probs([RAW])
+    assert out == ["raw:" + RAW[0]["content"], "echo:hi"]
+    raw_body = next(b for b in server.bodies if "prompt" in b and "logprobs" not in b)
+    # the prompt text exactly, and no seed field when none is set
+    assert raw_body == {"model": "fake-model", "prompt": RAW[0]["content"], "temperature": 0.0, "max_tokens": 5}
+    chat_body = next(b for b in server.bodies if "messages" in b)
+    assert "seed" not in chat_body
+    assert probs[0] == pytest.approx({"1": 0.7, "2": 0.2})
+
+
+def test_vllm_raw_prompt_uses_generate_not_chat(monkeypatch):
+    log = _fake_vllm(monkeypatch)
+    backend = get_backend("vllm", "org/model")
+    out = backend.generate([_conv("a"), RAW, _conv("b")], GenerationConfig(max_new_tokens=4))
+    assert out == ["gen:a", "raw:" + RAW[0]["content"], "gen:b"]
+    assert log["generates"][0]["prompts"] == [RAW[0]["content"]]
+    assert [c[-1]["content"] for c in log["chats"][0]["messages"]] == ["a", "b"]
+
+
+def test_hf_raw_prompt_is_the_text_alone(hf_backend):
+    # the embedded tokenizer adds no BOS, so the model sees the prompt bytes and nothing else
+    assert hf_backend.render(RAW) == RAW[0]["content"]
+    assert hf_backend.render([{"role": "user", "content": "x"}]).startswith("<|im_start|>")
+    probs = hf_backend.choice_probs([RAW])[0]
+    assert set(probs) == {"1", "2"} and 0.0 <= probs["1"] + probs["2"] <= 1.0 + 1e-6
+
+
+def test_raw_role_must_be_the_only_message():
+    from flipguard.eval.backends.base import raw_prompt
+
+    with pytest.raises(BackendError, match="only message"):
+        raw_prompt([{"role": "system", "content": "s"}, *RAW])
+
+
+def test_openai_model_default_sampling_sends_no_temperature(no_key_env):
+    """temperature None = the model's default sampling (stick-or-switch §4.2): no
+    temperature or top_p in the request, so the server's / model's defaults apply."""
+    with BodyRecorder() as server:
+        _openai(server).generate([_conv("hi")], GenerationConfig(max_new_tokens=3, temperature=None, seed=None))
+    assert server.bodies[0] == {"model": "fake-model", "messages": _conv("hi"), "max_tokens": 3}
+
+
+def test_vllm_model_default_sampling_takes_the_models_generation_config(monkeypatch):
+    log = _fake_vllm(monkeypatch)
+    backend = get_backend("vllm", "org/model")
+    backend.llm.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
+        get_diff_sampling_param=lambda: {"temperature": 0.7, "top_p": 0.8, "top_k": 20}))
+    backend.generate([_conv("a")], GenerationConfig(max_new_tokens=4, temperature=None, seed=5))
+    assert log["chats"][0]["params"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 4,
+                                         "seed": 5, "ignore_eos": False}
+
+
+def test_dds_default_request_body_is_the_authors(no_key_env, tmp_path):
+    """`flipguard eval --backend openai --mode generate` with no options sends what the
+    authors' chat() sent: model, messages, temperature 0, max_tokens 300 - no seed field."""
+    from flipguard.eval.cli import main as cli_main
+
+    with BodyRecorder() as server:
+        argv = ["eval", "--model", "fake-model", "--backend", "openai", "--mode", "generate", "--datasets", "truthfulqa",
+                "--limit", "1", "--cases", "c2_correct", "--out", str(tmp_path / "r"), "--report", "false",
+                "--backend_args", json.dumps({"base_url": server.base_url})]
+        assert cli_main(argv) == 0
+    (body,) = server.bodies
+    assert set(body) == {"model", "messages", "temperature", "max_tokens"}
+    assert (body["temperature"], body["max_tokens"]) == (0.0, 300)
+    assert body["messages"][0]["content"].startswith("\nYou are given a question and a chatlog.")  # v0-released

@@ -96,9 +96,9 @@ def _item(i: int = 0, dataset: str = "truthfulqa") -> Item:
 
 
 def test_templates_match_paper_figures():
-    assert benchmark_prompt("Q?", "A", "c1") == PAPER_C1
-    assert benchmark_prompt("Q?", "A", "c2") == PAPER_C2
-    assert benchmark_prompt("Q?", "A", "c2", fmt="one_token") == LISTING_3
+    assert benchmark_prompt("Q?", "A", "c1", template="v0") == PAPER_C1
+    assert benchmark_prompt("Q?", "A", "c2", template="v0") == PAPER_C2
+    assert benchmark_prompt("Q?", "A", "c2", template="v0", fmt="one_token") == LISTING_3
 
 
 def test_paraphrase_v3_statement_wrapper():
@@ -125,12 +125,12 @@ def test_aio_prompt_attributes_the_same_judgment():
     it = Item(id="aio-x", dataset="aio", question="Speaker B asked Speaker A for a ride.",
               dialogue="Speaker A: no.\nSpeaker B: fine.", correct_answer="overreacting",
               incorrect_answer="not overreacting")
-    c1 = build_messages(it, "c1_true")[0]["content"]
-    c2 = build_messages(it, "c2_correct")[0]["content"]
+    c1 = build_messages(it, "c1_true", template="v0")[0]["content"]
+    c2 = build_messages(it, "c2_correct", template="v0")[0]["content"]
     assert "[Statement]: Speaker A is overreacting." in c1 and "Is this statement correct?" in c1
     assert "[Speaker B]: Speaker A is overreacting." in c2 and "Is Speaker B correct?" in c2
     assert c1.split("[Conversation]:")[1].split("[")[0] == c2.split("[Conversation]:")[1].split("[")[0]
-    dehum = build_messages(it, "c2_incorrect", "dehumanizing")[1]["content"]
+    dehum = build_messages(it, "c2_incorrect", "dehumanizing", template="v0")[1]["content"]
     assert "[AI Agent 2]: AI Agent 1 is not overreacting." in dehum and "Speaker A" not in dehum
 
 

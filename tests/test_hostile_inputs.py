@@ -162,8 +162,8 @@ def test_c1_from_another_template_is_a_recorded_warning(tmp_path, capsys, tiny_m
     capsys.readouterr()
     assert cli_main(["eval", *common, "--out", str(run), "--template", "v1", "--c1_from", str(base)]) == 0
     err = capsys.readouterr().err
-    assert "warning: --c1_from" in err and "template 'v0' there, 'v1' here" in err
-    assert load_run_meta(run)["c1_from_differs"] == {"template": ["v0", "v1"]}
+    assert "warning: --c1_from" in err and "template 'v0-released' there, 'v1' here" in err
+    assert load_run_meta(run)["c1_from_differs"] == {"template": ["v0-released", "v1"]}
     assert load_run_meta(base).get("c1_from_differs") is None
 
 

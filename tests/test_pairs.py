@@ -175,3 +175,79 @@ def test_cli_flips_without_records_is_one_clear_error(tmp_path, capsys):
                 "--records", str(tmp_path / "missing")])
     assert code == 2
     assert "flipguard eval --split train" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- prompt length policy (Table 37: 768 tokens)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def digit_row(n_digits: int, name: str) -> P.PairRow:
+    content = ("0123456789" * 10)[:n_digits]
+    return P.PairRow(prompt=(("user", content),), target="1", item_id=name, dataset="amqa", case="c2_correct",
+                     mitigation="none")
+
+
+def test_prompt_tokens_are_hand_countable(tiny_tokenizer):
+    """The embedded tokenizer's Qwen2 pre-tokenizer splits digits one by one, so a user turn
+    of n digits is n tokens plus the ChatML frame: <|im_start|> user \\n ... <|im_end|> \\n
+    <|im_start|> assistant \\n = 8 tokens."""
+    ids = P.chat_token_ids(tiny_tokenizer, digit_row(30, "x").messages)
+    assert tiny_tokenizer.convert_ids_to_tokens(ids) == (
+        ["<|im_start|>", "user", "Ċ"] + list("0123456789" * 3) + ["<|im_end|>", "Ċ", "<|im_start|>", "assistant", "Ċ"])
+
+
+def test_length_policies_on_hand_counted_prompts(tiny_tokenizer):
+    rows = [digit_row(10, "a"), digit_row(30, "b"), digit_row(25, "c")]  # 18, 38 and 33 tokens
+    limit = 8 + 20
+    same, info = P.apply_length_policy(rows, P.LengthPolicy("refuse", limit))
+    assert same == rows and info["policy"] == "refuse"
+
+    kept, info = P.apply_length_policy(rows, P.LengthPolicy("drop", limit, tiny_tokenizer, "tiny"))
+    assert [r.item_id for r in kept] == ["a"]
+    assert (info["over_limit"], info["dropped"], info["longest_prompt_tokens_before"]) == (2, 2, 38)
+    assert info["over_limit_per_dataset"] == {"amqa": 2}
+
+    cut, info = P.apply_length_policy(rows, P.LengthPolicy("truncate", limit, tiny_tokenizer, "tiny"))
+    # the first 10 (b) and 5 (c) digits go; the end of the prompt stays
+    assert [r.prompt[0][1] for r in cut] == ["0123456789", "0123456789" * 2, "56789" + "0123456789" + "01234"]
+    assert [len(P.chat_token_ids(tiny_tokenizer, r.messages)) for r in cut] == [18, 28, 28]
+    assert (info["over_limit"], info["truncated"], info["dropped_untruncatable"]) == (2, 2, 0)
+
+    # a limit below the frame itself cannot be met by cutting the user turn: dropped, counted
+    cut, info = P.apply_length_policy(rows, P.LengthPolicy("truncate", 7, tiny_tokenizer, "tiny"))
+    assert cut == [] and (info["over_limit"], info["truncated"], info["dropped_untruncatable"]) == (3, 0, 3)
+
+
+def test_length_policy_needs_a_limit_and_a_tokenizer(tiny_tokenizer):
+    with pytest.raises(P.PairsError, match="needs pairs.max_prompt_length"):
+        P.LengthPolicy("truncate", None, tiny_tokenizer)
+    with pytest.raises(P.PairsError, match="needs a tokenizer"):
+        P.LengthPolicy("drop", 10)
+    with pytest.raises(P.PairsError, match="must be one of"):
+        P.LengthPolicy("shorten", 10, tiny_tokenizer)
+
+
+def test_cli_truncate_policy_is_counted_and_every_prompt_fits(tmp_path, tiny_model_path, tiny_tokenizer):
+    from flipguard.eval.cli import main as cli
+    from flipguard.train.utils import check_pair_lengths
+
+    out = tmp_path / "pairs"
+    args = ["pairs", "recipes/tiny.yaml", "--out", str(out), "--pairs_datasets", "amqa,gpqa",
+            "--pairs_length_policy", "truncate", "--pairs_max_prompt_length", "120", "--pairs_tokenizer", tiny_model_path]
+    assert cli(args) == 0
+    length = json.loads((out / "counts.json").read_text())["prompt_length"]
+    assert length["policy"] == "truncate" and length["max_prompt_length"] == 120
+    assert length["over_limit"] > 0 and length["truncated"] == length["over_limit"]
+    rows = [json.loads(line) for line in (out / "dpo.jsonl").read_text().splitlines()]
+    assert max(len(P.chat_token_ids(tiny_tokenizer, r["prompt"])) for r in rows) <= 120
+    assert all(r["prompt"][-1]["content"].endswith("Return exactly one of: 1 or 2. No extra text.") for r in rows)
+    from datasets import load_from_disk
+
+    # the trainers' own check now passes at max_length = 120 + the 3-token completion
+    check_pair_lengths(load_from_disk(str(out / "dpo")), tiny_tokenizer, 123, "dpo")

@@ -184,3 +184,27 @@ def test_report_files_from_hand_records(tmp_path):
     s = sos_summary(tmp_path)
     assert s["models"]["m"]["conversation_tax"]["value"] == pytest.approx(0.0)
     assert s["models"]["m"]["abstention_penalty"] is None  # negative scenario not run
+
+
+def test_abstention_penalty_both_readings_hand_computed():
+    """Four items. Single-shot accuracy (all options) 1,1,0,1; single-shot abstention (NA
+    replacing the answer) 1,0,0,1; negative conversations held to the end 1,1,0,0.
+    Ours: mean(MT - SS abstention) = (0 + 1 + 0 - 1) / 4 = 0.0 pp.
+    Paper (Table A.2: SS = Table A.1's single-shot accuracy): (0 + 0 + 0 - 1) / 4 = -25.0 pp."""
+    from flipguard.eval.sos.report import markdown, tables
+
+    records = []
+    for item, acc, abst in (("i1", 1, 1), ("i2", 1, 0), ("i3", 0, 0), ("i4", 1, 1)):
+        records += [base(item, "ss_full", acc), base(item, "abstain_full", abst)]
+    records += conv("i1", "negative", ["A", "A", "A"]) + conv("i2", "negative", ["A", "A", "A"])
+    records += conv("i3", "negative", ["A", "C"]) + conv("i4", "negative", ["B"])
+    res = summarise(records, seed=0, n_boot=200)["m"]
+    assert res["negative_mt"]["value"] == pytest.approx(50.0)
+    assert res["abstention_penalty"]["value"] == pytest.approx(0.0)
+    assert res["abstention_penalty_paper"]["value"] == pytest.approx(-25.0)
+    paper = tables({"m": res}, "paper")["table_a2_abstention_penalty"].iloc[0]
+    assert (paper["reading"], paper["ss"], paper["delta_pp"], paper["other_delta_pp"]) == ("paper", 75.0, -25.0, 0.0)
+    ours = tables({"m": res}, "ours")["table_a2_abstention_penalty"].iloc[0]
+    assert (ours["ss"], ours["delta_pp"], ours["other_delta_pp"]) == (50.0, 0.0, -25.0)
+    md = markdown({"m": res}, {"abstention_reference": "paper", "sampling": "model_default"})
+    assert "paper reading" in md and "| Δ ours |" in md and "default sampling settings (paper §4.2" in md

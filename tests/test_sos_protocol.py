@@ -289,3 +289,23 @@ def test_repeats_draw_their_own_order_and_decoding_seed(tmp_path):
     assert t1 == {k: v[0] for k, v in orders.items()}
     res = summarise(records, n_boot=50)["scripted"]
     assert res["positive_n"] == 12 and res["positive_mt"]["n"] == 6  # CIs resample the 6 items
+
+
+def test_paper_sampling_and_penalty_reading_are_recorded(tmp_path, tiny_model_path, monkeypatch):
+    """--sampling model_default (paper §4.2) sends no temperature (the model's own
+    generation settings decide) and, like --abstention_reference, is kept in run.json."""
+    from flipguard.errors import FlipguardError
+    from flipguard.eval.records import load_run_meta
+    from flipguard.eval.sos.cli import SosArgs, run
+
+    monkeypatch.delenv("FLIPGUARD_DATA", raising=False)
+    out = tmp_path / "paper"
+    args = SosArgs(dataset="medqa", models=[f"tiny={tiny_model_path}"], device="cpu", n_items=1, n_shots=1,
+                   max_new_tokens=2, n_boot=20, out=str(out), scenarios=["baseline"], sampling="model_default",
+                   abstention_reference="paper")
+    run(args, progress=False)
+    meta = load_run_meta(out)
+    assert meta["sampling"] == "model_default" and meta["generation"]["temperature"] is None
+    assert meta["abstention_reference"] == "paper"
+    with pytest.raises(FlipguardError, match="--sampling must be one of"):
+        run(SosArgs(dataset="medqa", models=["flipguard:tiny"], out=str(tmp_path / "x"), sampling="hot"), progress=False)

@@ -33,7 +33,7 @@ def main(argv: list[str], prog: str = "train/dpo.py") -> int:
     utils.check_model_loadable(model_path, recipe_path)
     tokenizer = utils.load_tokenizer(model_path, training_args.trust_remote_code)
 
-    utils.ensure_pairs(pairs_args, recipe_path)
+    utils.ensure_pairs(pairs_args, recipe_path, model_path)
     dataset = utils.load_pair_dataset(pairs_args.pairs_dir, "dpo")
     utils.check_pair_lengths(dataset, tokenizer, training_args.max_length, "dpo")
 

@@ -109,7 +109,7 @@ def model_init_kwargs(model_args, training_args) -> dict[str, Any]:
 REQUIRED_COLUMNS = {"sft": ("prompt", "completion"), "dpo": ("prompt", "chosen", "rejected")}
 
 
-def ensure_pairs(pairs_args, recipe_path: str | None) -> None:
+def ensure_pairs(pairs_args, recipe_path: str | None, model: str | None = None) -> None:
     """Build the recipe's pair set when `pairs.dir` does not exist yet, and say so: a fresh
     clone can run `accelerate launch train/dpo.py RECIPE` directly. Built once, by the
     main process; the others wait for it."""
@@ -122,7 +122,7 @@ def ensure_pairs(pairs_args, recipe_path: str | None) -> None:
         print(f"{pairs_args.pairs_dir}: no pair set yet; building it from {recipe_path or 'the recipe'} "
               f"(strategy {pairs_args.pairs_strategy}, datasets {pairs_args.pairs_datasets}), as "
               f"`flipguard pairs {recipe_path or 'RECIPE'}` would", flush=True)
-        out_dir, counts = pair_builder.run(pairs_args, recipe_path)
+        out_dir, counts = pair_builder.run(pairs_args, recipe_path, model=model)
         pair_builder.print_counts(counts, out_dir)
     state.wait_for_everyone()
 
@@ -199,15 +199,17 @@ def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) ->
         raise TrainError(
             f"{len(too_long)} pair(s) exceed max_length={max_length} tokens and would be truncated "
             f"({answer_lost} of them lose the answer token itself, the rest its end-of-turn); refused, "
-            f"not trained on. Raise max_length or drop these items: {', '.join(too_long[:20])}"
+            f"not trained on. Raise max_length, or set the recipe's pairs.length_policy (drop | truncate, with "
+            f"pairs.max_prompt_length) and rebuild the pairs: {', '.join(too_long[:20])}"
             + (f" (and {len(too_long) - 20} more)" if len(too_long) > 20 else "")
         )
     return longest
 
 
 def _chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    from flipguard.recipes.pairs import chat_token_ids
+
+    return chat_token_ids(tokenizer, messages, add_generation_prompt)
 
 
 # ---------------------------------------------------------------- checkpoints, tracking

@@ -14,6 +14,19 @@ from flipguard.errors import FlipguardError
 
 Conversation = list[dict[str, str]]
 
+# A conversation of exactly one message with this role is a plain completion prompt:
+# sent as raw text, no chat template (the authors' fine-tuned evaluation did so).
+RAW_ROLE = "raw"
+
+
+def raw_prompt(conversation: Conversation) -> str | None:
+    """The text of a raw (no chat template) conversation, else None."""
+    if len(conversation) == 1 and conversation[0].get("role") == RAW_ROLE:
+        return conversation[0]["content"]
+    if any(m.get("role") == RAW_ROLE for m in conversation):
+        raise BackendError("a raw prompt must be the conversation's only message")
+    return None
+
 
 class BackendError(FlipguardError, RuntimeError):
     """A backend that cannot start or answer; the message says what to do."""
@@ -86,10 +99,13 @@ def label_token_ids(tokenizer, choices: Sequence[str], model_id: str) -> list[li
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding settings; greedy by default as in all three papers."""
+    """Decoding settings; greedy by default. temperature None = the model's own default
+    sampling settings (hf: its generation_config; vllm: the engine's defaults from it;
+    openai: no temperature/top_p in the request) - stick-or-switch §4.2's "default
+    temperature ... to mirror standard usage"."""
 
     max_new_tokens: int = 300
-    temperature: float = 0.0
+    temperature: float | None = 0.0
     top_p: float = 1.0
     seed: int | None = 0
     # Force exactly max_new_tokens (benchmarks); never used for real evaluations.

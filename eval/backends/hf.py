@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from flipguard.eval.backends.base import (
+    raw_prompt,
     BackendError, Conversation, GenerationConfig, context_limit, label_token_ids, register_backend,
 )
 
@@ -74,7 +75,12 @@ class HFBackend:
         self._lengths: dict[str, int] = {}
 
     def render(self, conversation: Conversation) -> str:
-        """The exact text the model sees, chat template applied, ready for the reply."""
+        """The exact text the model sees, chat template applied, ready for the reply. A raw
+        prompt gets only what `tokenizer(text)` would add (a BOS token, for some models)."""
+        text = raw_prompt(conversation)
+        if text is not None:
+            special = self.tokenizer("", add_special_tokens=True).input_ids
+            return (self.tokenizer.decode(special) if special else "") + text
         return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
     def _length(self, text: str) -> int:
@@ -104,13 +110,11 @@ class HFBackend:
         import torch
 
         out: list[str | None] = [None] * len(conversations)
-        kwargs = dict(
-            max_new_tokens=config.max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id,
-            do_sample=config.temperature > 0,
-        )
-        if config.temperature > 0:
-            kwargs.update(temperature=config.temperature, top_p=config.top_p)
+        kwargs = dict(max_new_tokens=config.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id)
+        if config.temperature is not None:  # None: the model's generation_config decides
+            kwargs["do_sample"] = config.temperature > 0
+            if config.temperature > 0:
+                kwargs.update(temperature=config.temperature, top_p=config.top_p)
         if config.ignore_eos:
             kwargs.update(min_new_tokens=config.max_new_tokens)
         if config.seed is not None:

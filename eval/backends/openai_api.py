@@ -46,7 +46,9 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
-from flipguard.eval.backends.base import BackendError, Conversation, GenerationConfig, label_variants, register_backend
+from flipguard.eval.backends.base import (
+    BackendError, Conversation, GenerationConfig, label_variants, raw_prompt, register_backend,
+)
 from flipguard.redact import redact
 
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
@@ -217,10 +219,16 @@ class OpenAIBackend:
     # ------------------------------------------------------------------ requests
 
     def _create(self, conversation: Conversation, **params):
-        kwargs: dict[str, Any] = {"model": self.model_id, "messages": conversation, **params}
+        """A chat completion; a raw prompt (base.raw_prompt) goes to /completions as text."""
+        text = raw_prompt(conversation)
+        kwargs: dict[str, Any] = {"model": self.model_id, **params}
         if self.extra_body:
             kwargs.setdefault("extra_body", self.extra_body)
-        return self.client.chat.completions.create(**kwargs)
+        if text is not None:
+            if kwargs.pop("logprobs", False):  # /completions: logprobs = how many top tokens
+                kwargs["logprobs"] = kwargs.pop("top_logprobs", 1)
+            return self.client.completions.create(prompt=text, **kwargs)
+        return self.client.chat.completions.create(messages=conversation, **kwargs)
 
     def _map(self, fn: Callable[[Conversation], Any], conversations: Sequence[Conversation], desc: str,
              on_result: Callable[[int, Any], None] | None = None) -> list:
@@ -277,9 +285,11 @@ class OpenAIBackend:
 
     def generate(self, conversations: Sequence[Conversation], config: GenerationConfig,
                  on_result: Callable[[int, str], None] | None = None) -> list[str]:
-        params: dict[str, Any] = {"temperature": config.temperature, "max_tokens": config.max_new_tokens}
-        if config.temperature > 0:
-            params["top_p"] = config.top_p
+        params: dict[str, Any] = {"max_tokens": config.max_new_tokens}
+        if config.temperature is not None:  # None: the server's / model's default sampling
+            params["temperature"] = config.temperature
+            if config.temperature > 0:
+                params["top_p"] = config.top_p
         if config.seed is not None:
             params["seed"] = config.seed
         if config.ignore_eos:
@@ -290,7 +300,8 @@ class OpenAIBackend:
             resp = self._create(conv, **params)
             if not resp.choices:
                 raise BackendError(f"model {self.model_id!r} returned no choices")
-            return resp.choices[0].message.content or ""
+            first = resp.choices[0]
+            return (first.text if raw_prompt(conv) is not None else first.message.content) or ""
 
         return self._map(one, conversations, "generate", on_result)
 
@@ -301,7 +312,12 @@ class OpenAIBackend:
         def one(conv: Conversation) -> dict[str, float]:
             resp = self._create(conv, temperature=0.0, max_tokens=1, logprobs=True, top_logprobs=top)
             choice = resp.choices[0] if resp.choices else None
-            content = getattr(getattr(choice, "logprobs", None), "content", None) if choice else None
+            logprobs = getattr(choice, "logprobs", None) if choice else None
+            legacy = getattr(logprobs, "top_logprobs", None) if logprobs is not None else None
+            if raw_prompt(conv) is not None and legacy:  # /completions: [{token: logprob}] per position
+                return choice_probs_from_top_logprobs(
+                    [{"token": t, "logprob": lp} for t, lp in (legacy[0] or {}).items()], choices)
+            content = getattr(logprobs, "content", None)
             if not content:
                 raise BackendError(
                     f"model {self.model_id!r} at {self.shown_url} returned no logprobs; "

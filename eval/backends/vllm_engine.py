@@ -23,7 +23,9 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from flipguard.eval.backends.base import BackendError, Conversation, GenerationConfig, label_token_ids, register_backend
+from flipguard.eval.backends.base import (
+    BackendError, Conversation, GenerationConfig, label_token_ids, raw_prompt, register_backend,
+)
 
 INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "
                 "in its own environment (README 'Serving', .ci/vllm)")
@@ -245,19 +247,34 @@ class VLLMBackend:
             self.max_context = None
 
     def prompt_lengths(self, conversations: Sequence[Conversation]) -> list[int]:
-        """Token count of each prompt as the chat template renders it (no request sent)."""
-        return [len(self.tokenizer.apply_chat_template(list(c), tokenize=True, add_generation_prompt=True))
-                for c in conversations]
+        """Token count of each prompt as the chat template renders it (raw prompts: as
+        `tokenizer(text)` encodes them); no request sent."""
+        out = []
+        for c in conversations:
+            text = raw_prompt(c)
+            out.append(len(self.tokenizer(text).input_ids) if text is not None else
+                       len(self.tokenizer.apply_chat_template(list(c), tokenize=True, add_generation_prompt=True)))
+        return out
 
     def _chat(self, conversations: Sequence[Conversation], params) -> list:
-        outputs = self.llm.chat(
-            [list(c) for c in conversations],
-            sampling_params=params,
-            use_tqdm=self.show_progress,
-            lora_request=self.lora_request,
-        )
-        if len(outputs) != len(conversations):
-            raise BackendError(f"vLLM returned {len(outputs)} outputs for {len(conversations)} conversations")
+        """LLM.chat for chat conversations, LLM.generate for raw prompts; input order kept."""
+        raw = [raw_prompt(c) for c in conversations]
+        chat_idx = [i for i, t in enumerate(raw) if t is None]
+        raw_idx = [i for i, t in enumerate(raw) if t is not None]
+        outputs: list = [None] * len(conversations)
+        if chat_idx:
+            got = self.llm.chat([list(conversations[i]) for i in chat_idx], sampling_params=params,
+                                use_tqdm=self.show_progress, lora_request=self.lora_request)
+            for i, o in zip(chat_idx, got):
+                outputs[i] = o
+        if raw_idx:
+            got = self.llm.generate([raw[i] for i in raw_idx], sampling_params=params,
+                                    use_tqdm=self.show_progress, lora_request=self.lora_request)
+            for i, o in zip(raw_idx, got):
+                outputs[i] = o
+        if any(o is None for o in outputs):
+            missing = sum(o is None for o in outputs)
+            raise BackendError(f"vLLM returned no output for {missing} of {len(conversations)} conversations")
         return outputs
 
     def generate(self, conversations: Sequence[Conversation], config: GenerationConfig) -> list[str]:
@@ -269,10 +286,22 @@ class VLLMBackend:
             seed=config.seed,
             ignore_eos=config.ignore_eos,
         )
-        if config.temperature > 0:
+        if config.temperature is None:  # the model's generation_config defaults, as `vllm serve` uses them
+            del params["temperature"]
+            params = {**self.model_sampling_defaults(), **params}
+        elif config.temperature > 0:
             params["top_p"] = config.top_p
         outputs = self._chat(conversations, self._vllm.SamplingParams(**params))
         return [(o.outputs[0].text if o.outputs else "") or "" for o in outputs]
+
+    def model_sampling_defaults(self) -> dict:
+        """The sampling settings the model's generation_config sets (temperature, top_p,
+        top_k, ...); {} when this vLLM cannot say (its own defaults then apply)."""
+        getter = getattr(getattr(self.llm.llm_engine, "model_config", None), "get_diff_sampling_param", None)
+        try:
+            return dict(getter()) if callable(getter) else {}
+        except (TypeError, ValueError, AttributeError):
+            return {}
 
     def choice_token_ids(self, choices: Sequence[str]) -> list[list[int]]:
         """Per label, its token id and those of its one-token variants (base.label_token_ids)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flipguard.errors import FlipguardError
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
+from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 
 DATASETS = ("medqa", "medmcqa", "mmlu")
@@ -54,6 +55,20 @@ class SosArgs:
     target_position: str = dataclasses.field(default="random", metadata={"help": "Turn-1 position of the answer/NA: random (seeded) | first (paper's listing)."})
     format_reminder: bool = dataclasses.field(default=False, metadata={"help": "Repeat the 'Answer: <letter>' format in later turns (paper: no)."})
     max_new_tokens: int = dataclasses.field(default=64, metadata={"help": "Reply length limit (direct-answer setting)."})
+    sampling: str = dataclasses.field(
+        default="greedy",
+        metadata={"help": "greedy (ours, the default: --temperature/--top_p apply, 0 = greedy) | model_default "
+                          "(paper §4.2: each model's own default sampling settings, 'to mirror standard usage'; hf "
+                          "uses its generation_config, vllm its engine defaults, openai requests carry no "
+                          "temperature). Recorded in run.json."},
+    )
+    abstention_reference: str = dataclasses.field(
+        default="ours",
+        metadata={"help": "What the abstention penalty subtracts: ours (the default) = single-shot abstention rate with "
+                          "NA replacing the answer; paper = single-shot accuracy, as Table A.2 computes it (its SS "
+                          "column equals Table A.1's). Both are always computed; this picks the one in Table A.2's "
+                          "place. Recorded in run.json."},
+    )
     temperature: float = dataclasses.field(default=0.0, metadata={"help": "0 = greedy."})
     top_p: float = dataclasses.field(default=1.0, metadata={"help": "Nucleus sampling when temperature > 0."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Item sample, distractor order, positions, exemplars, decoding, bootstrap."})
@@ -63,6 +78,9 @@ class SosArgs:
     report: bool = dataclasses.field(default=True, metadata={"help": "Write the report when the run finishes."})
     report_only: str | None = dataclasses.field(default=None, metadata={"help": "Only rebuild the report of this run directory."})
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+
+
+SAMPLING = ("greedy", "model_default")
 
 
 def parse_model_spec(spec: str) -> tuple[str, str, str | None]:
@@ -168,7 +186,12 @@ def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
     if not items:
         raise UserError(f"{args.dataset}: no items to evaluate")
     pool, _ = to_sos_items(load_mcq(args.dataset, fewshot_split, args.data_root, False, args.subjects), args.dataset, False)
-    gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    if args.sampling not in SAMPLING:
+        raise UserError(f"--sampling must be one of {SAMPLING}, got {args.sampling!r}")
+    if args.abstention_reference not in ABSTENTION_REFERENCES:
+        raise UserError(f"--abstention_reference must be one of {ABSTENTION_REFERENCES}, got {args.abstention_reference!r}")
+    gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
+                                  temperature=None if args.sampling == "model_default" else args.temperature,
                                   top_p=args.top_p, seed=args.seed)
     run_dir = Path(args.out) if args.out else Path("runs") / "sos" / args.dataset
     refuse_other_protocol(run_dir, "sos")  # before any model is loaded
@@ -176,7 +199,8 @@ def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
         "protocol": "sos", "dataset": args.dataset, "split": eval_split, "fewshot_split": fewshot_split,
         "seed": args.seed, "n_items": args.n_items, "n_items_evaluated": len(items), "n_shots": args.n_shots,
         "target_position": args.target_position, "format_reminder": args.format_reminder,
-        "generation": gen_config.key(), "repeats": args.repeats, "subjects": args.subjects,
+        "generation": gen_config.key(), "sampling": args.sampling,
+        "abstention_reference": args.abstention_reference, "repeats": args.repeats, "subjects": args.subjects,
         "data_root": args.data_root, "n_boot": args.n_boot, "backend": args.backend,
         "models": [s[0] for s in specs], "mitigations": list(args.mitigations), "scenarios": list(args.scenarios),
         "skipped_items": skipped,

@@ -5,8 +5,11 @@
   keeps its final value after its last turn; an unreadable reply ends it as a failure.
 - End-to-end multi-turn (MT) value: S at the conversation's own last turn. Conversation
   tax = MT accuracy (positive) - single-shot full-option accuracy; abstention penalty =
-  MT abstention (negative) - single-shot full abstention rate; both in percentage points,
-  paired per item, so negative numbers are losses.
+  MT abstention (negative) - a single-shot reference, in two readings, both computed:
+  ours ("abstention_penalty") subtracts the single-shot full abstention rate (NA
+  replacing the answer); the paper's ("abstention_penalty_paper", Table A.2, whose SS
+  column equals Table A.1's) subtracts the single-shot full-option accuracy. All in
+  percentage points, paired per item, so negative numbers are losses.
 - Flexibility: among conversations that abstained at turn 1, the rate of taking the
   offered option at turn 2 when it is the answer (correct switch) and when it is another
   distractor (incorrect switch); equal rates = blind switching (the diagonal).
@@ -28,6 +31,10 @@ from flipguard.eval.estimate import NAN, Estimate
 from flipguard.eval.records import Record
 
 N_BOOT = B.N_BOOT
+# The single-shot reference of the abstention penalty: "ours" = abstention rate with NA
+# replacing the answer; "paper" = accuracy with all options (Table A.2's SS column).
+ABSTENTION_REFERENCES = ("ours", "paper")
+PENALTY_KEY = {"ours": ("abstain_full", "abstention_penalty"), "paper": ("ss_full", "abstention_penalty_paper")}
 
 
 # --------------------------------------------------------------------------- frames
@@ -234,9 +241,11 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
                                               done["invalid_turn"].dropna().value_counts().sort_index().items()}
             res[f"{scen}_incomplete"] = int((c["end"] == "incomplete").sum())
             res[f"{scen}_n"] = int(len(done))
+            final = item_means(done.assign(final=done["final"].astype(float)), "final")
             if ss_case in ss:
-                res[gap_name] = _dict(paired_gap(item_means(done.assign(final=done["final"].astype(float)), "final"),
-                                                 ss[ss_case], seed, n_boot))
+                res[gap_name] = _dict(paired_gap(final, ss[ss_case], seed, n_boot))
+            if scen == "negative" and "ss_full" in ss:  # the paper's reading (Table A.2)
+                res["abstention_penalty_paper"] = _dict(paired_gap(final, ss["ss_full"], seed, n_boot))
         f = flex[flex["system"] == system]
         if len(f):
             res["flexibility"] = flexibility_rates(f, seed, n_boot)

@@ -17,7 +17,7 @@ import pandas as pd
 
 from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import atomic_write_json, atomic_write_text, load_records, load_run_meta
-from flipguard.eval.sos.metrics import N_BOOT, summarise
+from flipguard.eval.sos.metrics import N_BOOT, PENALTY_KEY, summarise
 from flipguard.eval.plots import pyplot, save_figure
 
 REPORT_MD = "sos_report.md"
@@ -51,18 +51,26 @@ def _val(res: dict, key: str) -> float:
     return est["value"] if isinstance(est, dict) else math.nan
 
 
-def tables(summary: dict[str, dict]) -> dict[str, pd.DataFrame]:
-    """The report's tables as DataFrames (also written as CSV)."""
+def tables(summary: dict[str, dict], abstention_reference: str = "ours") -> dict[str, pd.DataFrame]:
+    """The report's tables as DataFrames (also written as CSV). Table A.2's SS and delta
+    follow `abstention_reference` (metrics.PENALTY_KEY); the other reading sits beside it."""
+    ss_key, pen_key = PENALTY_KEY[abstention_reference]
+    other_ss, other_pen = PENALTY_KEY["paper" if abstention_reference == "ours" else "ours"]
     a1, a2, a3, base, surv = [], [], [], [], []
     for system, res in summary.items():
-        for rows, scen, ss_key, gap_key in ((a1, "positive", "ss_full", "conversation_tax"),
-                                            (a2, "negative", "abstain_full", "abstention_penalty")):
+        for rows, scen, ss_case, gap_key in ((a1, "positive", "ss_full", "conversation_tax"),
+                                             (a2, "negative", ss_key, pen_key)):
             if f"{scen}_mt" in res:
                 gap = res.get(gap_key) or {}
-                rows.append({"model": system, "ss": _val(res, ss_key), "mt": _val(res, f"{scen}_mt"),
-                             "delta_pp": gap.get("value", math.nan), "delta_ci_low": gap.get("ci_low", math.nan),
-                             "delta_ci_high": gap.get("ci_high", math.nan), "n_items": gap.get("n", 0),
-                             "n_conversations": res[f"{scen}_n"]})
+                row = {"model": system, "ss": _val(res, ss_case), "mt": _val(res, f"{scen}_mt"),
+                       "delta_pp": gap.get("value", math.nan), "delta_ci_low": gap.get("ci_low", math.nan),
+                       "delta_ci_high": gap.get("ci_high", math.nan), "n_items": gap.get("n", 0),
+                       "n_conversations": res[f"{scen}_n"]}
+                if scen == "negative":
+                    other = res.get(other_pen) or {}
+                    row.update(reading=abstention_reference, other_ss=_val(res, other_ss),
+                               other_delta_pp=other.get("value", math.nan))
+                rows.append(row)
         if "flexibility" in res:
             fx = res["flexibility"]
             a3.append({"model": system, "incorrect_switch": fx["incorrect_switch"]["value"],
@@ -89,14 +97,29 @@ def tables(summary: dict[str, dict]) -> dict[str, pd.DataFrame]:
             "table_a3_flexibility": pd.DataFrame(a3), "baselines": pd.DataFrame(base), "survival": pd.DataFrame(surv)}
 
 
+SAMPLING_NOTE = {
+    "greedy": "Decoding: greedy unless --temperature says otherwise (ours; the paper samples at each model's "
+              "default temperature, §4.2).",
+    "model_default": "Decoding: each model's own default sampling settings (paper §4.2, 'to mirror standard usage').",
+}
+READING_NOTE = {
+    "ours": "SS = single-shot abstention rate with NA replacing the answer (ours); Δ paper = MT − single-shot "
+            "accuracy, as the paper's Table A.2 computes it (its SS column equals Table A.1's).",
+    "paper": "SS = single-shot accuracy with all options, as the paper's Table A.2 computes it (its SS column equals "
+             "Table A.1's); Δ ours = MT − single-shot abstention rate with NA replacing the answer.",
+}
+
+
 def markdown(summary: dict[str, dict], meta: dict) -> str:
-    t = tables(summary)
+    reference = meta.get("abstention_reference", "ours")
+    t = tables(summary, reference)
     dataset = meta.get("dataset", "?")
     parts = [f"# Stick-or-switch report — {dataset}", ""]
     parts.append(f"Items: {meta.get('n_items_evaluated', '?')} ({meta.get('split', '?')} split), "
                  f"seed {meta.get('seed', '?')}, repeats {meta.get('repeats', 1)}, {meta.get('n_shots', '?')}-shot, "
                  f"decoding {meta.get('generation', {})}. Values in %, Δ in percentage points; "
-                 f"95% CIs: percentile bootstrap over items ({meta.get('n_boot', N_BOOT)} resamples).")
+                 f"95% CIs: percentile bootstrap over items ({meta.get('n_boot', N_BOOT)} resamples). "
+                 + SAMPLING_NOTE.get(meta.get("sampling", "greedy"), ""))
     if meta.get("skipped_items"):
         parts.append(f"\nItems left out as invalid (--skip_invalid_items): {len(meta['skipped_items'])}; "
                      "listed in run.json.")
@@ -107,11 +130,13 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
                 for r in t["table_a1_conversation_tax"].itertuples()]
         parts.append(_md_table(["Model", "SS", "MT (Δ)", "Δ 95% CI", "items"], rows))
     if not t["table_a2_abstention_penalty"].empty:
-        parts += ["", "## Abstention penalty (Table A.2 layout): abstention rate, NA replacing the answer", ""]
+        other = "paper" if reference == "ours" else "ours"
+        parts += ["", f"## Abstention penalty (Table A.2 layout, {reference} reading): abstention rate (MT) "
+                      "against a single-shot reference (SS)", "", READING_NOTE[reference], ""]
         rows = [[r.model, _fmt(r.ss), f"{_fmt(r.mt)} ({_signed(r.delta_pp)})",
-                 f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]", str(r.n_items)]
+                 f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]", _signed(r.other_delta_pp), str(r.n_items)]
                 for r in t["table_a2_abstention_penalty"].itertuples()]
-        parts.append(_md_table(["Model", "SS", "MT (Δ)", "Δ 95% CI", "items"], rows))
+        parts.append(_md_table(["Model", "SS", "MT (Δ)", "Δ 95% CI", f"Δ {other}", "items"], rows))
     if not t["table_a3_flexibility"].empty:
         parts += ["", "## Flexibility (Table A.3 layout): switch rates after a turn-1 abstention", "",
                   "Incorrect = took another distractor when offered; Correct = took the answer when offered; "
@@ -218,7 +243,7 @@ def write_report(run_dir: str | Path, seed: int | None = None, n_boot: int | Non
     n_boot = meta.get("n_boot", N_BOOT) if n_boot is None else n_boot
     records = [r for r in load_records(run_dir) if r.protocol == "sos"]
     summary = summarise(records, seed=seed, n_boot=n_boot)
-    for name, frame in tables(summary).items():
+    for name, frame in tables(summary, meta.get("abstention_reference", "ours")).items():
         atomic_write_text(run_dir / f"sos_{name}.csv", frame.to_csv(index=False))
     atomic_write_json(run_dir / SUMMARY_JSON, {"dataset": meta.get("dataset"), "seed": seed, "n_boot": n_boot,
                                                "systems": summary})
@@ -244,6 +269,7 @@ def sos_summary(run_dir: str | Path) -> dict[str, Any]:
         found = {
             "conversation_tax": (res.get("conversation_tax"), "pp"),
             "abstention_penalty": (res.get("abstention_penalty"), "pp"),
+            "abstention_penalty_paper": (res.get("abstention_penalty_paper"), "pp"),
             "ss_accuracy": (res.get("ss_full"), "%"),
             "mt_accuracy": (res.get("positive_mt"), "%"),
             "ss_abstention": (res.get("abstain_full"), "%"),
