@@ -42,7 +42,39 @@ from flipguard.eval.backends.openai_api import SERVER_CONCURRENCY
 # ---------------------------------------------------------------------------- stub for faults only
 
 
-class FaultServer:
+def send_json(handler: BaseHTTPRequestHandler, status: int, payload, headers=None) -> None:
+    """One JSON response with its length (the stubs below answer only JSON)."""
+    data = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    for k, v in (headers or {}).items():
+        handler.send_header(k, v)
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+class StubServer:
+    """A stub HTTP server on a free 127.0.0.1 port, served from a daemon thread while
+    the `with` block runs."""
+
+    def _listen(self, handler_class) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+class FaultServer(StubServer):
     """A stub for faults a real server cannot be made to produce on demand.
 
     POST /v1/chat/completions answers "ok" (no model behind it). The first `fail_first`
@@ -71,9 +103,9 @@ class FaultServer:
             def do_GET(self):
                 server.gets.append(self.path)
                 if self.path.rstrip("/") == "/v1/models" and server.owned_by is not None:
-                    self._send(200, {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": server.owned_by}]})
+                    send_json(self, 200, {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": server.owned_by}]})
                 else:
-                    self._send(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
+                    send_json(self, 404, {"error": {"message": "not found", "type": "invalid_request_error"}})
 
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
@@ -90,39 +122,17 @@ class FaultServer:
                     if server.gate:
                         server.gate_open.wait(BOUND)
                     if n <= server.fail_first:
-                        self._send(server.fail_status, {"error": {"message": f"fake failure {n}", "type": "server_error"}},
+                        send_json(self, server.fail_status, {"error": {"message": f"fake failure {n}", "type": "server_error"}},
                                    {"retry-after-ms": "1"})
                     else:
-                        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body.get("model"),
+                        send_json(self, 200, {"id": "x", "object": "chat.completion", "created": 0, "model": body.get("model"),
                                          "choices": [{"index": 0, "finish_reason": "stop",
                                                       "message": {"role": "assistant", "content": "ok"}}]})
                 finally:
                     with server.lock:
                         server.active -= 1
 
-            def _send(self, status, payload, headers=None):
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
+        self._listen(Handler)
 
 
 @pytest.fixture
@@ -731,7 +741,7 @@ def test_hf_greedy_generate_batched_equal_unbatched(hf_backend):
 # ---------------------------------------------------------------------------- raw prompts (no chat template)
 
 
-class BodyRecorder:
+class BodyRecorder(StubServer):
     """Records each request body exactly as the client sent it (what a real server never
     shows): POST /v1/chat/completions answers "echo:<last message>", POST /v1/completions
     "raw:<prompt>"; with logprobs, top logprobs "1" (0.7) and " 2" (0.2) in each API's form."""
@@ -745,12 +755,7 @@ class BodyRecorder:
                 pass
 
             def do_GET(self):  # no /v1/models: the client falls back to its defaults
-                data = b'{"error": {"message": "not found", "type": "invalid_request_error"}}'
-                self.send_response(404)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, 404, {"error": {"message": "not found", "type": "invalid_request_error"}})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -769,27 +774,11 @@ class BodyRecorder:
                         top = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in lp.items()]
                         choice["logprobs"] = {"content": [{**top[0], "top_logprobs": top}]}
                     obj = "chat.completion"
-                data = json.dumps({"id": "x", "object": obj, "created": 0, "model": body.get("model", ""),
-                                   "choices": [choice]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, 200, {"id": "x", "object": obj, "created": 0, "model": body.get("model", ""),
+                                      "choices": [choice]})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._listen(Handler)
 
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
 
 RAW = [{"role": "raw", "content": "You are given a question and a chatlog.\n  Return exactly one of: 1 or 2."}]
 

@@ -2,16 +2,49 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
 
+from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.metrics import dds_from_accuracies
+from flipguard.eval.prompts import TEMPLATE_VERSIONS
 from flipguard.eval.records import atomic_write_text
+from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
+from flipguard.eval.threads import THREADS_HELP
 
 ITEM_COLUMNS = ("dataset", "item_id", "c1_true", "c1_false", "c2_correct", "c2_incorrect", "flip", "item_dds")
+
+
+@dataclasses.dataclass(kw_only=True)
+class JudgedModelArgs:
+    """How the analyses that run DDS evaluations reach and decode the judged model: the
+    same options as `flipguard eval`, declared once for every analysis."""
+
+    backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
+    backend_args: str = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
+    mode: str = dataclasses.field(default="generate", metadata={"help": "generate (paper's JSON reply) | logprob"})
+    template: str = dataclasses.field(default="v0-released", metadata={"help": f"Prompt version: {', '.join(TEMPLATE_VERSIONS)}"})
+    max_new_tokens: int = dataclasses.field(default=300, metadata={"help": "generate mode: reply length limit."})
+    temperature: float = dataclasses.field(default=0.0, metadata={"help": "generate mode: 0 = greedy."})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
+    device: str | None = dataclasses.field(default=None, metadata={"help": "hf backend device."})
+    min_label_mass: float = dataclasses.field(default=DEFAULT_MIN_LABEL_MASS, metadata={"help": "logprob mode, as flipguard eval."})
+    n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates for CIs (0 = none)."})
+    threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+
+    def eval_args(self, **fields):
+        """`flipguard eval`'s arguments for one run of the judged model (no per-run report:
+        the analysis writes its own)."""
+        from flipguard.eval.dds import EvalArgs
+
+        return EvalArgs(backend=self.backend, mode=self.mode, template=self.template,
+                        max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                        batch_size=self.batch_size, device=self.device, backend_args=self.backend_args,
+                        min_label_mass=self.min_label_mass, threads=self.threads, report=False, **fields)
 
 
 def run_report(run_dir: str | Path, allow_cross_mode_c1: bool = False) -> dict[str, Any]:

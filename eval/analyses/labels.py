@@ -25,14 +25,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flipguard.eval.analyses.common import md_table, write_csv
-from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
+from flipguard.eval.analyses.common import JudgedModelArgs, md_table, write_csv
 from flipguard.eval.bootstrap import rng_for
 from flipguard.eval.metrics import AVG_ROWS, TOTAL_AVG, bootstrap_ci
-from flipguard.eval.prompts import SPEAKER_SETS, TEMPLATE_VERSIONS
+from flipguard.eval.prompts import SPEAKER_SETS
 from flipguard.eval.records import atomic_write_text
-from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
-from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.eval.threads import configure_threads
 
 BASELINE = "speaker"
 # Fig. 7's sets (abstract, gendered, ethnicity-coded, human-vs-LLM, LLM-vs-LLM), LLM names
@@ -43,7 +41,7 @@ SWING = ("llm_user", "user_llm")  # (Speaker 2 = User, Speaker 2 = LLM)
 
 
 @dataclasses.dataclass
-class LabelAblationArgs:
+class LabelAblationArgs(JudgedModelArgs):
     """Speaker-label ablation (DialDefer §5.2, Fig. 7): one DDS run per label set (C2 only, scored
     against the baseline's C1), ΔDDS per set and the human-vs-LLM swing (the paper's 17.7 pp)."""
 
@@ -56,29 +54,12 @@ class LabelAblationArgs:
     datasets: str = dataclasses.field(default="truthfulqa", metadata={"help": "Datasets (paper: TruthfulQA)."})
     data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root (as flipguard eval)."})
     limit: int | None = dataclasses.field(default=None, metadata={"help": "At most this many items per dataset."})
-    backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
-    backend_args: str = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
-    mode: str = dataclasses.field(default="generate", metadata={"help": "generate (paper's JSON reply) | logprob"})
-    template: str = dataclasses.field(default="v0-released", metadata={"help": f"Prompt version: {', '.join(TEMPLATE_VERSIONS)}"})
-    max_new_tokens: int = dataclasses.field(default=300, metadata={"help": "generate mode: reply length limit."})
-    temperature: float = dataclasses.field(default=0.0, metadata={"help": "generate mode: 0 = greedy."})
-    batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
-    device: str | None = dataclasses.field(default=None, metadata={"help": "hf backend device."})
-    min_label_mass: float = dataclasses.field(default=DEFAULT_MIN_LABEL_MASS, metadata={"help": "logprob mode, as flipguard eval."})
-    n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates for CIs (0 = none)."})
-    threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
 
 
 def _eval_args(args: LabelAblationArgs, label_set: str, run_dir: Path, baseline: Path | None):
-    from flipguard.eval.dds import EvalArgs
-
-    return EvalArgs(model=args.model, out=str(run_dir), backend=args.backend, mode=args.mode,
-                    datasets=args.datasets, data_root=args.data_root, limit=args.limit,
-                    cases="auto" if baseline is None else "c2_correct,c2_incorrect",
-                    c1_from=str(baseline) if baseline else None, speakers=label_set, template=args.template,
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                    device=args.device, backend_args=args.backend_args, min_label_mass=args.min_label_mass,
-                    threads=args.threads, report=False)
+    return args.eval_args(model=args.model, out=str(run_dir), datasets=args.datasets, data_root=args.data_root,
+                          limit=args.limit, cases="auto" if baseline is None else "c2_correct,c2_incorrect",
+                          c1_from=str(baseline) if baseline else None, speakers=label_set)
 
 
 def parse_sets(spec: str) -> list[str]:

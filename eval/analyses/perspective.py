@@ -31,12 +31,10 @@ import pandas as pd
 
 from flipguard.data.aio import VERDICT_TEXT
 from flipguard.data.schema import AIO_DATASET, Item
-from flipguard.eval.analyses.common import md_table, write_csv
-from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
+from flipguard.eval.analyses.common import JudgedModelArgs, md_table, write_csv
 from flipguard.eval.prompts import AIO_LABELS, relabel
 from flipguard.eval.records import atomic_write_text
-from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
-from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.eval.threads import configure_threads
 
 DIRECTIONS = {"2to1": "Speaker B judges Speaker A (paper's main setup)", "1to2": "Speaker A judges Speaker B"}
 REVERSED_LABELS = "Speaker B,Speaker A"
@@ -56,7 +54,7 @@ def reverse_item(item: Item) -> Item:
 
 
 @dataclasses.dataclass
-class PerspectiveArgs:
+class PerspectiveArgs(JudgedModelArgs):
     """r/AIO perspective reversal (DialDefer Appendix C.4, Table 14): DDS with Speaker B judging
     Speaker A (2to1, the paper's setup) and Speaker A judging Speaker B (1to2), and their difference."""
 
@@ -66,17 +64,6 @@ class PerspectiveArgs:
     data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root holding dialdefer/aio/aio.jsonl."})
     limit: int | None = dataclasses.field(default=None, metadata={"help": "At most this many r/AIO items."})
     mitigation: str = dataclasses.field(default="none", metadata={"help": "none | be_honest (dehumanizing relabels speakers: refused)."})
-    backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
-    backend_args: str = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
-    mode: str = dataclasses.field(default="generate", metadata={"help": "generate (paper's JSON reply) | logprob"})
-    template: str = dataclasses.field(default="v0-released", metadata={"help": "Prompt version (as flipguard eval)."})
-    max_new_tokens: int = dataclasses.field(default=300, metadata={"help": "generate mode: reply length limit."})
-    temperature: float = dataclasses.field(default=0.0, metadata={"help": "generate mode: 0 = greedy."})
-    batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
-    device: str | None = dataclasses.field(default=None, metadata={"help": "hf backend device."})
-    min_label_mass: float = dataclasses.field(default=DEFAULT_MIN_LABEL_MASS, metadata={"help": "logprob mode, as flipguard eval."})
-    n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates for CIs (0 = none)."})
-    threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
 
 
 def parse_directions(spec: str) -> list[str]:
@@ -91,7 +78,7 @@ def parse_directions(spec: str) -> list[str]:
 
 def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> dict[str, Path]:
     from flipguard.errors import UserError
-    from flipguard.eval.dds import EvalArgs, evaluate, limit_per_dataset
+    from flipguard.eval.dds import evaluate, limit_per_dataset
 
     if args.mitigation not in ("none", "be_honest"):
         raise UserError(f"--mitigation {args.mitigation!r}: perspective reversal supports none and be_honest "
@@ -107,12 +94,9 @@ def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> di
     out, dirs = Path(args.out), {}
     for d in directions:
         print(f"direction {d}: {DIRECTIONS[d]}", file=sys.stderr)
-        ev = EvalArgs(model=args.model, out=str(out / d), backend=args.backend, mode=args.mode, datasets=AIO_DATASET,
-                      data_root=args.data_root, mitigation=args.mitigation,
-                      speakers="speaker" if d == "2to1" else REVERSED_LABELS, template=args.template,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                      device=args.device, backend_args=args.backend_args, min_label_mass=args.min_label_mass,
-                      threads=args.threads, report=False)
+        ev = args.eval_args(model=args.model, out=str(out / d), datasets=AIO_DATASET, data_root=args.data_root,
+                            mitigation=args.mitigation,
+                            speakers="speaker" if d == "2to1" else REVERSED_LABELS)
         dirs[d] = evaluate(ev, items=items if d == "2to1" else [reverse_item(it) for it in items])
     return dirs
 

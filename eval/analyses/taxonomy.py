@@ -22,7 +22,6 @@ primary code is counted as invalid, never guessed. Flips whose C1 or C2 reasonin
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from collections import Counter
 from pathlib import Path
