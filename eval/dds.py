@@ -26,6 +26,7 @@ from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.parse import parse_choice
 from flipguard.eval.prompts import (
     DEFAULT_TEMPLATE, FT_TEMPLATE, MITIGATIONS, SPEAKER_SETS, TEMPLATE_VERSIONS, build_messages, resolve_speakers,
+    shown_speakers,
 )
 from flipguard.eval.records import (
     CASES,
@@ -292,6 +293,11 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
         "mitigation": args.mitigation,
         "template": args.template,
         "speakers": list(speakers),
+        # where a dataset's prompts show other labels (r/AIO Dehumanizing under v0-released)
+        **({"speakers_shown": shown} if (shown := {
+            d: list(shown_speakers(d, args.mitigation, speakers, args.template))
+            for d in sorted({it.dataset for it in items})
+            if shown_speakers(d, args.mitigation, speakers, args.template) != tuple(speakers)}) else {}),
         "cases": list(cases),
         "split": args.split,
         "datasets": sorted({it.dataset for it in items}),

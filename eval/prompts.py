@@ -338,6 +338,14 @@ def relabel(text: str, old: tuple[str, str], new: tuple[str, str]) -> str:
 AIO_LABELS = ("Speaker A", "Speaker B")  # how the released r/AIO text names the parties
 
 
+def shown_speakers(dataset: str, mitigation: str, speakers: tuple[str, str], template: str) -> tuple[str, str]:
+    """The speaker labels a prompt actually shows: the mitigation's relabelling (Dehumanizing),
+    which for r/AIO under `v0-released` is the authors' "AI Agent A/B" rather than K.1's 1/2."""
+    if mitigation == "dehumanizing" and dataset == AIO_DATASET and template == RELEASED_TEMPLATE:
+        return AIO_RELEASED_AGENT_LABELS
+    return MITIGATIONS[mitigation].speakers or speakers
+
+
 def build_messages(
     item: Item,
     case: str,
@@ -360,9 +368,7 @@ def build_messages(
     if mitigation not in MITIGATIONS:
         raise ValueError(f"unknown mitigation {mitigation!r}; expected one of {sorted(MITIGATIONS)}")
     mit = MITIGATIONS[mitigation]
-    labels = mit.speakers or speakers
-    if mitigation == "dehumanizing" and item.dataset == AIO_DATASET and template == RELEASED_TEMPLATE:
-        labels = AIO_RELEASED_AGENT_LABELS
+    labels = shown_speakers(item.dataset, mitigation, speakers, template)
     answer = item.correct_answer if case in ("c1_true", "c2_correct") else item.incorrect_answer
     framing = "c1" if case in C1_CASES else "c2"
     if item.dataset == AIO_DATASET:

@@ -315,3 +315,22 @@ def test_cross_mode_c1_with_explicit_flag_is_recorded(tiny_model_path, tmp_path)
     assert meta["allow_cross_mode_c1"] is True and meta["c1_cross_mode"] is True
     rep = report_run(run, n_boot=0)  # c1_from and the permission come from run.json
     assert rep["meta"]["c1_mode_note"] == CROSS_MODE_NOTE
+
+
+def test_run_json_names_the_labels_aio_prompts_show(tiny_model_path, tmp_path):
+    """r/AIO Dehumanizing under v0-released shows the authors' "AI Agent A/B", not the
+    mitigation's "AI Agent 1/2": run.json says so for that dataset only."""
+    from flipguard.data.schema import AIO_DATASET
+    from flipguard.eval.dds import EvalArgs, evaluate
+
+    aio = Item(id="aio-0", dataset=AIO_DATASET, question="Speaker A said x; Speaker B said y.",
+               correct_answer="Speaker A is not overreacting", incorrect_answer="Speaker A is overreacting",
+               dialogue="Speaker A: x\nSpeaker B: y")
+    run = evaluate(EvalArgs(model=tiny_model_path, out=str(tmp_path / "run"), mode="logprob",
+                            mitigation="dehumanizing", cases="c2_correct", report=False), items=[aio, _item(0)])
+    meta = json.loads((Path(run) / "run.json").read_text())
+    assert meta["speakers"] == ["AI Agent 1", "AI Agent 2"]
+    assert meta["speakers_shown"] == {AIO_DATASET: ["AI Agent A", "AI Agent B"]}
+    records = [json.loads(line) for line in (Path(run) / "records.jsonl").read_text().splitlines()]
+    aio_prompt = next(r for r in records if r["dataset"] == AIO_DATASET)["messages"][-1]["content"]
+    assert "AI Agent A" in aio_prompt and "AI Agent 1" not in aio_prompt
