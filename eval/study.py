@@ -58,6 +58,15 @@ PROTOCOLS = ("afr", "sos")
 StudyError = UserError
 
 
+
+def written_by_flipguard(path: Path) -> bool:
+    """A stage output left by an earlier flipguard command: a run directory (run.json) or a
+    published folder (owner file); anything else in --out is the user's and is kept."""
+    from flipguard.eval.records import OWNER_FILE, RUN_META_FILE
+
+    return path.is_dir() and ((path / RUN_META_FILE).is_file() or (path / OWNER_FILE).is_file())
+
+
 @dataclasses.dataclass
 class StudyArguments:
     """Run a recipe's whole before/after plan (recipe `eval:` section): baseline and prompting
@@ -491,6 +500,10 @@ class Study:
             self.step(f"{stage.title}  [{stage.name}: {status}]")
             if not resume:
                 for path in stage.clear:
+                    if not entry and path.exists() and not written_by_flipguard(path):
+                        # never destroy what flipguard did not write
+                        raise StudyError(f"stage {stage.name}: {path} exists and was not written by this study "
+                                         "(nor by flipguard); move it away or use another --out")
                     if path.is_dir():
                         shutil.rmtree(path)
                     elif path.exists():

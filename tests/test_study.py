@@ -136,6 +136,20 @@ def test_study_refuses_an_unknown_stage_and_a_none_mitigation(tmp_path, capsys):
     assert not (tmp_path / "s2").exists()
 
 
+
+def test_study_keeps_a_folder_it_did_not_write(tmp_path, capsys):
+    """A stage output path already holding the user's files (no study entry, no run.json, no
+    owner file) is refused, not cleared: flipguard never destroys what it did not write."""
+    recipe, out = _recipe(tmp_path), tmp_path / "s"
+    mine = out / "dds" / "baseline" / "notes.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("my notes")
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "dds/baseline exists and was not written by this study" in err
+    assert mine.read_text() == "my notes"
+
+
 def test_train_scripts_are_subcommands_with_the_same_main(tmp_path, capsys):
     """`flipguard merge RECIPE ...` is train/merge.py's main: same checks, same one-line error."""
     adapter = tmp_path / "adapter"
