@@ -165,6 +165,39 @@ def test_second_eval_on_the_same_out_is_refused_naming_the_holder(tmp_path, no_k
     assert len(recs) == len({r.key for r in recs}) == 4  # one item x four cases, nothing twice
 
 
+def test_second_afr_on_the_same_out_is_refused_naming_the_holder(tmp_path, no_key_env):
+    """A real second `flipguard afr` while the first holds the run directory (waiting on its
+    first request, which the server holds): refused with the holder's pid, nothing written
+    twice; the first finishes and its run.json carries the common header."""
+    out = tmp_path / "run"
+    hold = threading.Event()
+    with Server(lambda n, body, headers: completion([("A", 0.9)], content="A"), hold=hold) as server:
+        config = tmp_path / "afr.yaml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "models": [{"name": "fake", "backend": "openai", "model": "fake-model",
+                        "kwargs": {"base_url": server.base_url, "max_retries": 0}}],
+            "limit": 1, "k_values": [1], "cross": False, "maxflip": False, "n_boot": 10, "progress": False,
+        }))
+        cmd = _flipguard("afr", str(config), "--out", str(out))
+        first = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert server.received.wait(BOUND), first.communicate()
+            second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=BOUND)
+        finally:
+            hold.set()
+        out1, err1 = first.communicate(timeout=BOUND)
+    assert second.returncode == 2, second.stderr
+    err = second.stderr.strip()
+    assert "another flipguard process is writing this run directory" in err
+    assert f"pid {first.pid}" in err and "afr" in err.split("pid", 1)[1] and "Traceback" not in err, err
+    assert first.returncode == 0, err1
+    recs = list(read_records(out / "records.jsonl"))
+    assert len(recs) == len({r.key for r in recs}) > 0
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["protocol"] == "afr" and meta["flipguard_version"] and meta["created"]
+    assert len(meta["invocations"]) == 1  # the refused process recorded nothing
+
+
 @pytest.mark.parametrize("command", ["eval", "afr", "sos", "import-records"])
 def test_every_writer_refuses_a_held_run_dir(tmp_path, command):
     out = tmp_path / "run"
