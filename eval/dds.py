@@ -35,13 +35,14 @@ from flipguard.eval.records import (
     RUN_META_FILE,
     Record,
     RecordStore,
-    atomic_write_json,
+    RunDir,
     load_run_meta,
     now_iso,
-    run_lock,
+    open_run_dir,
+    pending_record,
 )
 from flipguard.redact import redact_obj
-from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MIN_LABEL_MASS, MODES, check_context, keyed, run_records
+from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MIN_LABEL_MASS, MODES, check_context, run_records
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 
 # Settings that define a run's condition: a run directory holds exactly one.
@@ -158,11 +159,10 @@ def build_records(
     out = []
     for item in items:
         for case in cases:
-            rec = Record(
-                key="",
+            out.append(pending_record(
+                item,
+                gen_config=gen_config,
                 protocol="dds",
-                item_id=item.id,
-                dataset=item.dataset,
                 case=case,
                 expected=EXPECTED_CHOICE[case],
                 model=model,
@@ -171,14 +171,12 @@ def build_records(
                 mitigation=mitigation,
                 speakers=list(labels),
                 template=template,
-                split=item.split,
                 messages=build_messages(item, case, mitigation, speakers, template, fmt),
                 # r/AIO: the community verdict on the poster is the Balanced-DDS stratum
                 extra={**({"stratum": item.meta["op_verdict"]} if "op_verdict" in item.meta else {}),
                        **({MIN_LABEL_MASS: float(min_label_mass)}
                           if mode == "logprob" and min_label_mass is not None else {})},
-            )
-            out.append(keyed(rec, gen_config))
+            ))
     return out
 
 
@@ -197,10 +195,10 @@ def default_run_dir(args: EvalArgs) -> Path:
     return Path("runs") / name / f"{args.split}-{args.mitigation}-{args.mode}"
 
 
-def claim_run_dir(run_dir: Path, meta: dict, write: bool = True) -> None:
+def claim_run_dir(run: RunDir, meta: dict, write: bool = True) -> None:
     """One condition per run directory: refuse to mix a different model or setting in;
     then (write=True) record the run's settings in run.json."""
-    old = load_run_meta(run_dir)
+    old, run_dir = run.old, run.path
     clash = {k: (old.get(k), meta.get(k)) for k in CONDITION_KEYS if k in old and old.get(k) != meta.get(k)}
     if old and meta.get("mode") == "logprob" and old.get("mode") == "logprob" \
             and old.get(MIN_LABEL_MASS) != meta.get(MIN_LABEL_MASS):  # absent: a run from before the threshold
@@ -212,10 +210,10 @@ def claim_run_dir(run_dir: Path, meta: dict, write: bool = True) -> None:
         raise UserError(f"{run_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); use another --out")
     if not write:
         return
-    merged = {**old, **meta, "created": old.get("created", meta["updated"])}
+    merged = {**old, **meta}
     if old.get("cases"):
         merged["cases"] = sorted(set(old["cases"]) | set(meta["cases"]), key=CASES.index)
-    atomic_write_json(run_dir / RUN_META_FILE, merged)
+    run.write_meta(merged)
 
 
 def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
@@ -313,8 +311,8 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
         "git_commit": git_commit(),
         "updated": now_iso(),
     }
-    with run_lock(run_dir):  # one writer per run directory, held until the last record
-        claim_run_dir(run_dir, meta, write=False)  # another condition: refused before any model loads
+    with open_run_dir(run_dir, "dds") as run:  # one writer per run directory, held until the last record
+        claim_run_dir(run, meta, write=False)  # another condition: refused before any model loads
         records = build_records(
             items, model=model_label, backend=args.backend, mode=args.mode, cases=cases,
             mitigation=args.mitigation, speakers=speakers, template=args.template, gen_config=gen_config,
@@ -329,7 +327,7 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
             # an item longer than the model's context: refused (item id, token count, limit)
             # before run.json is written and before any forward pass
             check_context(backend, pending, gen_config)
-        claim_run_dir(run_dir, meta)
+        claim_run_dir(run, meta)
         if pending:
             run_records(
                 store, pending, backend, gen_config=gen_config, parse=parse_choice,

@@ -8,8 +8,10 @@ O_APPEND write.
 
 Writers and readers:
 - one writer per run directory: `run_lock(RUN_DIR)` (fcntl.flock on RUN_DIR/.lock, held
-  for the whole run, the file naming the holder) is taken by eval, afr, sos and
-  import-records; a second writer is refused with a message naming the holder.
+  for the whole run, the file naming the holder) is taken by eval, afr, sos (through
+  `open_run_dir`, which also refuses another protocol's run and writes run.json under one
+  header: protocol, flipguard_version, created, updated) and import-records; a second
+  writer is refused with a message naming the holder.
 - readers (`read_records`, `load_records`, reports, compare) never modify a file: a last
   line without its newline that does not parse is a write in progress (or torn by a
   crash) and is skipped, never cut; `load_records` keeps one record per key.
@@ -118,6 +120,33 @@ def request_key(**content: Any) -> str:
     # surrogatepass: a lone surrogate (seen in released model outputs) hashes instead of
     # crashing; every other string encodes exactly as UTF-8, so existing keys are unchanged
     return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def keyed(record: Record, gen_config: Any = None, choices: Iterable[str] = ("1", "2")) -> Record:
+    """Set the record's content key from everything that determines the model's output
+    (`gen_config`: a GenerationConfig; its key() is the decoding of a generated reply)."""
+    decoding = gen_config.key() if record.mode == "generate" and gen_config else {"choices": list(choices)}
+    record.key = request_key(
+        protocol=record.protocol,
+        item_id=record.item_id,
+        dataset=record.dataset,
+        case=record.case,
+        model=record.model,
+        mode=record.mode,
+        messages=record.messages,
+        decoding=decoding,
+        extra=record.extra,
+    )
+    return record
+
+
+def pending_record(item: Any, *, gen_config: Any = None, choices: Iterable[str] = ("1", "2"), **fields: Any) -> Record:
+    """The one builder of a request still to run (no output yet), keyed: item_id, dataset
+    and split come from `item` (any item type with id/dataset[/split]) unless given."""
+    base = {"item_id": item.id, "dataset": item.dataset}
+    if hasattr(item, "split"):
+        base["split"] = item.split
+    return keyed(Record(key="", **{**base, **fields}), gen_config, choices)
 
 
 def dumps_utf8(obj: Any, **kw: Any) -> str:
@@ -350,6 +379,40 @@ def refuse_other_protocol(run_dir: str | os.PathLike, protocol: str) -> None:
         raise RecordError(
             f"{Path(run_dir) / RUN_META_FILE}: holds a {old!r} run, not {protocol!r}; use another --out"
         )
+
+
+class RunDir:
+    """A run directory opened for writing by `open_run_dir`: `old` is its run.json as found."""
+
+    def __init__(self, path: Path, protocol: str, old: dict[str, Any]):
+        self.path, self.protocol, self.old = path, protocol, old
+
+    def write_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Write run.json atomically: `meta` (the protocol's own settings, already merged
+        with `old` where the protocol accumulates) under the common header (protocol,
+        flipguard_version, created, updated)."""
+        from flipguard import __version__
+
+        now = now_iso()
+        doc = {**meta, "protocol": self.protocol, "flipguard_version": __version__,
+               "created": self.old.get("created") or meta.get("created") or meta.get("updated") or now,
+               "updated": meta.get("updated") or now}
+        atomic_write_json(self.path / RUN_META_FILE, doc)
+        self.old = doc
+        return doc
+
+
+@contextlib.contextmanager
+def open_run_dir(run_dir: str | os.PathLike, protocol: str, command: str | None = None) -> Iterator[RunDir]:
+    """The one way a protocol (eval, afr, sos, import-records) opens a run directory for
+    writing: refuse another protocol's run (before and under the lock), hold the writer
+    lock (`run_lock`) for the block. Nothing is written but the lock file until the
+    protocol calls `write_meta`, so a run refused inside the block (bad input, an
+    oversized item) leaves no run directory behind."""
+    refuse_other_protocol(run_dir, protocol)  # before the lock: a clear refusal, nothing created
+    with run_lock(run_dir, command) as path:
+        refuse_other_protocol(path, protocol)
+        yield RunDir(path, protocol, load_run_meta(path))
 
 
 # ---------------------------------------------------------------- output directories

@@ -13,7 +13,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from flipguard.eval.backends.base import Backend, GenerationConfig
-from flipguard.eval.records import Record, RecordStore, now_iso, request_key
+from flipguard.eval.records import Record, RecordStore, keyed, now_iso  # noqa: F401  (keyed: callers import it here)
 
 # raw text -> (choice or None, reasoning or None)
 Parser = Callable[[str], tuple[str | None, str | None]]
@@ -65,23 +65,6 @@ def check_context(backend: Backend, records: Sequence[Record], gen_config: Gener
         f"{getattr(backend, 'model_id', 'the model')} takes ({limit:,} tokens, {source}){more}; nothing was run. "
         "Shorten or remove the item"
     )
-
-
-def keyed(record: Record, gen_config: GenerationConfig | None, choices: Sequence[str] = ("1", "2")) -> Record:
-    """Set the record's content key from everything that determines the model's output."""
-    decoding = gen_config.key() if record.mode == "generate" and gen_config else {"choices": list(choices)}
-    record.key = request_key(
-        protocol=record.protocol,
-        item_id=record.item_id,
-        dataset=record.dataset,
-        case=record.case,
-        model=record.model,
-        mode=record.mode,
-        messages=record.messages,
-        decoding=decoding,
-        extra=record.extra,
-    )
-    return record
 
 
 def run_records(

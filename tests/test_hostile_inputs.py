@@ -302,3 +302,44 @@ def test_every_protocol_checks_the_context_before_the_first_request(tmp_path, ti
                                              r"\+ 8 reply tokens, more than .* \(8,192 tokens"):
         run_records(store, records, lazy, gen_config=GenerationConfig(max_new_tokens=8), parse=lambda t: (None, None))
     assert lazy.calls == 0 and len(store) == 0 and not (tmp_path / "records.jsonl").exists()
+
+
+def _mmlu_with_an_oversized_question(root: Path) -> Path:
+    """An MMLU folder (the shipped dev split for exemplars) whose one test question is
+    longer than the tiny model's 8,192-token context."""
+    import csv
+    import shutil
+
+    mmlu = root / "mmlu"
+    shutil.copytree(REPO / "data" / "samples" / "mmlu" / "dev", mmlu / "dev")
+    (mmlu / "test").mkdir()
+    with open(mmlu / "test" / "formal_logic_test.csv", "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
+        w.writerow(["Which letter? " * 5000, "alpha", "beta", "gamma", "delta", 1])
+    return root
+
+
+@pytest.mark.parametrize("command", ["afr", "sos"])
+def test_over_context_item_is_refused_before_anything_is_written(tmp_path, capsys, tiny_model_path, command):
+    """AFR and stick-or-switch refuse an oversized item before the sample, run.json or any
+    record is written: a new --out is not created, an existing one is left as it was."""
+    root = _mmlu_with_an_oversized_question(tmp_path / "data")
+    args = {
+        "afr": ["afr", "--models", f"tiny=hf:{tiny_model_path}", "--data_root", str(root), "--per_subject", "1",
+                "--k_values", "1", "--cross", "false", "--progress", "false"],
+        "sos": ["sos", "--dataset", "mmlu", "--models", tiny_model_path, "--data_root", str(root), "--n_items", "1",
+                "--device", "cpu", "--report", "false"],
+    }[command]
+    new = tmp_path / "new"
+    assert cli_main([*args, "--out", str(new)]) == 2
+    _one_line_error(capsys, "formal_logic", "tokens", "8,192", "nothing was run")
+    assert not new.exists()
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    assert cli_main([*args, "--out", str(existing)]) == 2
+    _one_line_error(capsys, "8,192")
+    assert sorted(p.name for p in existing.iterdir()) == [".lock", "notes.txt"]
+    assert (existing / "notes.txt").read_text() == "mine"

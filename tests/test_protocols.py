@@ -327,3 +327,42 @@ def test_stratified_report_counts_invalid_judgments_per_run():
         assert stats.loc[(ds, "all"), "invalid_judgments"] == sum(not r.valid for r in recs if r.dataset == ds)
     assert stats.loc[("total_avg", "all"), "invalid_judgments"] == sum(not r.valid for r in recs)
     assert pd.isna(stats.loc[("aio", "OR"), "invalid_judgments"])  # strata rows carry no run-level count
+
+
+def test_record_builder_keeps_the_keys_of_existing_run_directories():
+    """DDS, AFR and stick-or-switch build their requests with one builder
+    (records.pending_record): the content keys are the ones the per-protocol builders
+    gave before it (written down at commit df0f28c), so existing run directories resume."""
+    from flipguard.data.mmlu import MCQItem
+    from flipguard.eval import dds
+    from flipguard.eval.afr import protocol as afr
+    from flipguard.eval.backends.base import GenerationConfig
+    from flipguard.eval.sos.protocol import SosItem, SosSettings, baseline_records, start_conversation
+
+    g = GenerationConfig(max_new_tokens=8, seed=0)
+    it = Item(id="truthfulqa-0", dataset="truthfulqa", question="Is 0 even?", correct_answer="yes",
+              incorrect_answer="maybe")
+    assert [r.key for r in dds.build_records([it], model="m", backend="hf", mode="logprob", min_label_mass=0.5)] == [
+        "f8f14629b11576bff97a17b1", "00407eb1f9dc9fe50e6bad58", "5610bef5d33030abd478718e", "d3aa5c64057ea05faa8dd3e1"]
+    generated = dds.build_records([it], model="m", backend="hf", mode="generate",
+                                  gen_config=GenerationConfig(max_new_tokens=8))
+    assert [r.key for r in generated] == [
+        "45ac8224dcd3e533db249333", "13242e56f80628d826ab9e30", "07ad09dd89915f86836232a8", "b49db9ea7c55eed09e9c7d90"]
+
+    q = MCQItem(id="mmlu-x-0", subject="anatomy", category="STEM", question="Q?", options=["a", "b", "c", "d"],
+                answer="B")
+    spec = afr.ModelSpec(name="t", backend="hf", model="flipguard:tiny")
+    assert [r.key for r in afr.coercion_records(q, spec, [1], g)] == [
+        "81157216d97497d8e1a1922f", "ac6d06f96274d424b8b70930", "d6253f0b4bfa30c07f3097d2"]
+    base = afr.baseline_record(q, spec, g)
+    assert base.key == "20908f1a4a13591eca36c9a4"
+    assert afr.baseline_record(q, spec, g, "logprob").key == "dfb01deb8c14f50de0817d35"
+    base.raw_output = "B"
+    assert afr.challenge_record(q, spec, base, "A", 1, "Because.", "blind", "t", g).key == "3585eaec2821c8ed4a68f405"
+
+    s = SosItem(dataset="medqa", id="medqa-0", question="Q?", options=("a", "b", "c", "d"), answer_index=1)
+    st = SosSettings(n_shots=0)
+    common = dict(model="m", backend="hf", split="test", gen_config=g)
+    assert [r.key for r in baseline_records([s], [], st, 0, **common)] == [
+        "93deaa5e036433c04ee98fcc", "4a6214ade12b6e591d01c481", "cc9bd2ac876a2a286fc481c6", "5e047156325f8fff434bcb89"]
+    assert start_conversation(s, "flexibility", [], st, 0).record(st, **common).key == "d9e0939ed683342d4736f14e"

@@ -141,28 +141,55 @@ def _eval_args(out, base_url, **kw):
 # ---------------------------------------------------------------------------- 2. one writer per run
 
 
-def test_second_eval_on_the_same_out_is_refused_naming_the_holder(tmp_path, no_key_env):
-    out = tmp_path / "run"
-    hold = threading.Event()
-    with Server(labels, hold=hold) as server:
-        backend_args = json.dumps({"base_url": server.base_url, "max_retries": 0})
-        cmd = _flipguard("eval", "--model", "fake-model", "--backend", "openai", "--backend_args", backend_args,
-                         "--datasets", "truthfulqa", "--limit", "1", "--out", str(out), "--report", "false")
-        first = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            # the first eval holds the lock and waits on its first request, which we hold
-            assert server.received.wait(BOUND), first.communicate()
-            second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=BOUND)
-        finally:
-            hold.set()
-        out1, err1 = first.communicate(timeout=BOUND)
+def _second_writer_is_refused(cmd: list[str], server: "Server", hold: threading.Event) -> int:
+    """Start `cmd`, and while it holds the lock (waiting on its first request, which the
+    server holds) run it again: the second is refused naming the first's pid; the first
+    then finishes. Returns the first's pid."""
+    first = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.received.wait(BOUND), first.communicate()
+        second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=BOUND)
+    finally:
+        hold.set()
+    _, err1 = first.communicate(timeout=BOUND)
     assert second.returncode == 2, second.stderr
     err = second.stderr.strip()
     assert "another flipguard process is writing this run directory" in err
     assert f"pid {first.pid}" in err and "Traceback" not in err
     assert first.returncode == 0, err1
+    return first.pid
+
+
+def test_second_eval_on_the_same_out_is_refused_naming_the_holder(tmp_path, no_key_env):
+    out = tmp_path / "run"
+    hold = threading.Event()
+    with Server(labels, hold=hold) as server:
+        backend_args = json.dumps({"base_url": server.base_url, "max_retries": 0})
+        _second_writer_is_refused(_flipguard(
+            "eval", "--model", "fake-model", "--backend", "openai", "--backend_args", backend_args,
+            "--datasets", "truthfulqa", "--limit", "1", "--out", str(out), "--report", "false"), server, hold)
     recs = list(read_records(out / "records.jsonl"))
     assert len(recs) == len({r.key for r in recs}) == 4  # one item x four cases, nothing twice
+
+
+def test_second_afr_on_the_same_out_is_refused_naming_the_holder(tmp_path, no_key_env):
+    """AFR opens its run directory like eval: a real second `flipguard afr` is refused; the
+    first's run.json carries the common header and one invocation (the refused one wrote nothing)."""
+    out = tmp_path / "run"
+    hold = threading.Event()
+    with Server(lambda n, body, headers: completion([("A", 0.9)], content="A"), hold=hold) as server:
+        config = tmp_path / "afr.yaml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "models": [{"name": "fake", "backend": "openai", "model": "fake-model",
+                        "kwargs": {"base_url": server.base_url, "max_retries": 0}}],
+            "limit": 1, "k_values": [1], "cross": False, "maxflip": False, "n_boot": 10, "progress": False,
+        }))
+        _second_writer_is_refused(_flipguard("afr", str(config), "--out", str(out)), server, hold)
+    recs = list(read_records(out / "records.jsonl"))
+    assert len(recs) == len({r.key for r in recs}) > 0
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["protocol"] == "afr" and meta["flipguard_version"] and meta["created"]
+    assert len(meta["invocations"]) == 1
 
 
 @pytest.mark.parametrize("command", ["eval", "afr", "sos", "import-records"])

@@ -26,11 +26,10 @@ from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.afr import prompts as P
 from flipguard.eval.backends.base import Backend, GenerationConfig, backend_names, get_backend, parse_backend_args
 from flipguard.eval.records import (
-    RECORDS_FILE, RUN_META_FILE, Record, RecordStore, atomic_write_json, atomic_write_text, now_iso,
-    refuse_other_protocol, run_lock,
+    RECORDS_FILE, Record, RecordStore, RunDir, atomic_write_text, now_iso, open_run_dir, pending_record,
 )
 from flipguard.redact import redact_obj
-from flipguard.eval.runner import keyed, run_records
+from flipguard.eval.runner import check_context, run_records
 
 SAMPLE_FILE = "sample.jsonl"
 DEFAULT_K = (1, 3, 5, 10)
@@ -181,22 +180,11 @@ def _extra(item: MCQItem, spec: ModelSpec, **kw) -> dict[str, Any]:
 
 
 def _record(item: MCQItem, spec: ModelSpec, case: str, messages, gen: GenerationConfig, mode: str = "generate", **extra) -> Record:
-    rec = Record(
-        key="",
-        protocol="afr",
-        item_id=item.id,
-        dataset=item.dataset,
-        case=case,
-        expected=item.answer,
-        model=spec.name,
-        backend=spec.backend,
-        mode=mode,
-        mitigation=spec.mitigation if case != "coerce" else "none",
-        split=item.split,
-        messages=messages,
-        extra=_extra(item, spec, **extra),
+    return pending_record(
+        item, gen_config=gen, choices=item.letters, protocol="afr", case=case, expected=item.answer,
+        model=spec.name, backend=spec.backend, mode=mode, mitigation=spec.mitigation if case != "coerce" else "none",
+        messages=messages, extra=_extra(item, spec, **extra),
     )
-    return keyed(rec, gen, choices=item.letters)
 
 
 def coercion_records(item: MCQItem, spec: ModelSpec, ks: Iterable[int], gen: GenerationConfig) -> list[Record]:
@@ -271,26 +259,23 @@ def run_afr(
 ) -> AFRResult:
     """Run (or resume) the whole protocol; returns the calls made by this invocation.
     Holds the run directory's writer lock throughout; refuses another protocol's run."""
-    out = Path(out_dir)
-    refuse_other_protocol(out, "afr")
-    with run_lock(out):
-        return _run_afr_locked(settings, out, backends, progress, write_report)
+    with open_run_dir(out_dir, "afr") as run_dir:
+        return _run_afr_locked(settings, run_dir, backends, progress, write_report)
 
 
-def _run_afr_locked(settings: AFRSettings, out: Path, backends, progress: bool, write_report: bool) -> AFRResult:
-    refuse_other_protocol(out, "afr")
+def _run_afr_locked(settings: AFRSettings, run_dir: RunDir, backends, progress: bool, write_report: bool) -> AFRResult:
+    out = run_dir.path
     items = select_items(settings)
     if not items:
         raise AFRConfigError("the MMLU sample is empty (check subjects / per_subject / limit)")
-    atomic_write_text(out / SAMPLE_FILE, "".join(json.dumps(it.to_dict(), ensure_ascii=False) + "\n" for it in items))
-    store = RecordStore(out / RECORDS_FILE)
-    pool = BackendPool(settings, backends)
-    run = _Executor(store, pool, settings, progress)
-    n_opt = max(len(it.options) for it in items)
     if settings.answer_mode not in ("generate", "logprob"):
         raise AFRConfigError(f"answer_mode must be 'generate' or 'logprob', got {settings.answer_mode!r}")
     if settings.answer_mode == "logprob" and len({len(it.options) for it in items}) != 1:
         raise AFRConfigError("answer_mode 'logprob' needs the same number of options for every question")
+    store = RecordStore(out / RECORDS_FILE)
+    pool = BackendPool(settings, backends)
+    run = _Executor(store, pool, settings, progress)
+    n_opt = max(len(it.options) for it in items)
     mode = settings.answer_mode
     answer_parse = P.letter_parser(n_opt) if mode == "generate" else None
     letters = tuple(items[0].letters)
@@ -300,19 +285,36 @@ def _run_afr_locked(settings: AFRSettings, out: Path, backends, progress: bool, 
     gen_ans = GenerationConfig(max_new_tokens=settings.answer_max_new_tokens, seed=settings.seed)
     cross_sources = settings.sources if settings.cross else []
 
-    # Stage I + baseline, one model at a time (one backend load each).
-    arguments: dict[tuple[str, str, str, int], str] = {}  # (source, item, x, k) -> argument
-    baselines: dict[tuple[str, str], Record] = {}
+    # Every model's first requests (Stage I arguments, baselines) are known before any is
+    # sent: an item longer than a model's context is refused here, before the sample,
+    # run.json or any record is written (challenges extend these chats; run_records checks them).
+    first: dict[str, tuple[list[Record], list[Record]]] = {}
     for spec in settings.models:
         ks = set(settings.k_values) if spec.name in settings.targets else set()
         if spec.name in cross_sources:
             ks.add(settings.cross_k)
-        recs = [r for it in items for r in coercion_records(it, spec, sorted(ks), gen_arg)]
-        for r in run(recs, spec.name, P.parse_coercion, gen_arg, "coerce"):
+        first[spec.name] = (
+            [r for it in items for r in coercion_records(it, spec, sorted(ks), gen_arg)],
+            [baseline_record(it, spec, gen_ans, mode) for it in items] if spec.name in settings.targets else [],
+        )
+    for spec in reversed(settings.models):  # the first model to run is the one left loaded
+        coerce, base = ([r for r in recs if r.key not in store] for recs in first[spec.name])
+        if coerce or base:
+            check_context(pool.get(spec.name), coerce, gen_arg)
+            check_context(pool.get(spec.name), base, gen_ans)
+    atomic_write_text(out / SAMPLE_FILE, "".join(json.dumps(it.to_dict(), ensure_ascii=False) + "\n" for it in items))
+    run_dir.write_meta({**run_dir.old, **_settings_meta(settings, items)})
+
+    # Stage I + baseline, one model at a time (one backend load each).
+    arguments: dict[tuple[str, str, str, int], str] = {}  # (source, item, x, k) -> argument
+    baselines: dict[tuple[str, str], Record] = {}
+    for spec in settings.models:
+        coerce, base = first[spec.name]
+        for r in run(coerce, spec.name, P.parse_coercion, gen_arg, "coerce"):
             if r.choice == "argued":
                 arguments[(spec.name, r.item_id, r.extra["target_option"], r.extra["k"])] = P.parse_coercion(r.raw_output)[1]
-        if spec.name in settings.targets:
-            for r in run([baseline_record(it, spec, gen_ans, mode) for it in items], spec.name, answer_parse, gen_ans, "baseline", letters):
+        if base:
+            for r in run(base, spec.name, answer_parse, gen_ans, "baseline", letters):
                 baselines[(spec.name, r.item_id)] = r
 
     # Stage II challenges, one target at a time (last-loaded first saves a reload).
@@ -364,7 +366,7 @@ def _run_afr_locked(settings: AFRSettings, out: Path, backends, progress: bool, 
 
     all_records = list(store.iter_records())
     calls = dict(run.calls)
-    _write_run_meta(out, settings, items, calls, all_records)
+    _write_run_meta(run_dir, settings, items, calls, all_records)
     if write_report:
         from flipguard.eval.afr.report import write_report as _write
 
@@ -408,22 +410,26 @@ def call_accounting(settings: AFRSettings, items: list[MCQItem], records: list[R
     }
 
 
-def _write_run_meta(out: Path, settings: AFRSettings, items: list[MCQItem], calls: dict[str, int], records: list[Record]) -> None:
-    meta_path = out / RUN_META_FILE
-    previous = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.exists() else {}
-    history = previous.get("invocations", []) + [{"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]
-    atomic_write_json(
-        meta_path,
-        {
-            "protocol": "afr",
-            "settings": settings.to_dict(),
-            "models": [m.name for m in settings.models],
-            "targets": settings.targets,
-            "sources": settings.sources,
-            "k_values": settings.k_values,
-            "cross_k": settings.cross_k,
-            "sample_ids": [it.id for it in items],
-            "calls": call_accounting(settings, items, records),
-            "invocations": history,
-        },
-    )
+def _settings_meta(settings: AFRSettings, items: list[MCQItem]) -> dict[str, Any]:
+    return {
+        "protocol": "afr",
+        "settings": settings.to_dict(),
+        "models": [m.name for m in settings.models],
+        "targets": settings.targets,
+        "sources": settings.sources,
+        "k_values": settings.k_values,
+        "cross_k": settings.cross_k,
+        "sample_ids": [it.id for it in items],
+    }
+
+
+def _write_run_meta(run_dir: RunDir, settings: AFRSettings, items: list[MCQItem], calls: dict[str, int],
+                    records: list[Record]) -> None:
+    history = run_dir.old.get("invocations", []) + [
+        {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]
+    run_dir.write_meta({
+        **run_dir.old,
+        **_settings_meta(settings, items),
+        "calls": call_accounting(settings, items, records),
+        "invocations": history,
+    })

@@ -144,31 +144,31 @@ CONDITION_KEYS = ("dataset", "split", "seed", "n_items", "n_shots", "target_posi
                   "generation", "repeats", "subjects", "data_root")
 
 
-def claim_run_dir(run_dir: Path, meta: dict) -> dict:
-    """One dataset and prompt setting per run directory; models/mitigations accumulate."""
+def claim_run_dir(run, meta: dict, write: bool = True) -> dict:
+    """One dataset and prompt setting per run directory (`run`: an open RunDir); models/
+    mitigations accumulate. write=False: only the check."""
     from flipguard.errors import UserError
-    from flipguard.eval.records import RUN_META_FILE, atomic_write_json, load_run_meta, refuse_other_protocol
+    from flipguard.eval.records import RUN_META_FILE
 
-    refuse_other_protocol(run_dir, "sos")
-    old = load_run_meta(run_dir)
+    old = run.old
     clash = {k: (old.get(k), meta.get(k)) for k in CONDITION_KEYS if k in old and old.get(k) != meta.get(k)}
     if clash:
         detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
-        raise UserError(f"{run_dir / RUN_META_FILE}: this run directory holds another setting ({detail}); use another --out")
-    merged = {**old, **meta, "created": old.get("created", meta["updated"])}
+        raise UserError(f"{run.path / RUN_META_FILE}: this run directory holds another setting ({detail}); use another --out")
+    merged = {**old, **meta}
     for key in ("models", "mitigations", "scenarios"):
         merged[key] = list(dict.fromkeys(list(old.get(key, [])) + list(meta.get(key, []))))
-    atomic_write_json(run_dir / RUN_META_FILE, merged)
-    return merged
+    return run.write_meta(merged) if write else merged
 
 
 def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
     """Run (or resume) the evaluation; returns the run directory and the requests sent."""
     from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
     from flipguard.errors import UserError
-    from flipguard.eval.records import RECORDS_FILE, RecordStore, now_iso, refuse_other_protocol, run_lock
+    from flipguard.eval.records import RECORDS_FILE, RecordStore, now_iso, open_run_dir
+    from flipguard.eval.runner import check_context
     from flipguard.redact import redact_obj
-    from flipguard.eval.sos.protocol import SCENARIOS, LazyBackend, SosSettings, run_sos
+    from flipguard.eval.sos.protocol import SCENARIOS, LazyBackend, SosSettings, first_requests, run_sos
 
     if args.dataset not in DATASETS:
         raise UserError(f"--dataset must be one of {DATASETS}, got {args.dataset!r}")
@@ -194,7 +194,11 @@ def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
                                   temperature=None if args.sampling == "model_default" else args.temperature,
                                   top_p=args.top_p, seed=args.seed)
     run_dir = Path(args.out) if args.out else Path("runs") / "sos" / args.dataset
-    refuse_other_protocol(run_dir, "sos")  # before any model is loaded
+    try:
+        settings_of = {m: SosSettings(seed=args.seed, n_shots=args.n_shots, target_position=args.target_position,
+                                      format_reminder=args.format_reminder, mitigation=m) for m in args.mitigations}
+    except FlipguardError as exc:
+        raise UserError(str(exc)) from None
     meta = {
         "protocol": "sos", "dataset": args.dataset, "split": eval_split, "fewshot_split": fewshot_split,
         "seed": args.seed, "n_items": args.n_items, "n_items_evaluated": len(items), "n_shots": args.n_shots,
@@ -207,27 +211,39 @@ def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
         "command": redact_obj(["flipguard", "sos", *sys.argv[2:]]) if sys.argv[1:2] == ["sos"] else None,
         "updated": now_iso(),
     }
-    with run_lock(run_dir):  # one writer per run directory, held until the last record
-        claim_run_dir(run_dir, meta)
+    with open_run_dir(run_dir, "sos") as claimed:  # one writer per run directory, held until the last record
+        claim_run_dir(claimed, meta, write=False)  # another setting: refused before any model loads
         store = RecordStore(run_dir / RECORDS_FILE)
-        sent = 0
+        backends = []
         for label, model, adapter in specs:
             kwargs = dict(backend_kwargs)
             if args.backend == "hf":
                 kwargs = {"batch_size": args.batch_size, "device": args.device, **kwargs}
             if adapter:
                 kwargs["adapter"] = adapter
-            backend = LazyBackend(lambda m=model, kw=kwargs: get_backend(args.backend, m, **kw))
+            backends.append((label, LazyBackend(lambda m=model, kw=kwargs: get_backend(args.backend, m, **kw))))
+        # an item longer than a model's context: refused (item id, token count, limit) before
+        # run.json or any record is written; the first model to run is the one left loaded
+        for i, (label, backend) in reversed(list(enumerate(backends))):
+            pending = [r for m in args.mitigations
+                       for r in first_requests(items, pool, model=label, backend_name=args.backend,
+                                               settings=settings_of[m], scenarios=args.scenarios, split=eval_split,
+                                               gen_config=gen_config, repeats=args.repeats)
+                       if r.key not in store]
+            if pending:
+                check_context(backend, pending, gen_config)
+                if i:
+                    backend.release()
+        claim_run_dir(claimed, meta)
+        sent = 0
+        for label, backend in backends:
             for mitigation in args.mitigations:
-                try:
-                    settings = SosSettings(seed=args.seed, n_shots=args.n_shots, target_position=args.target_position,
-                                           format_reminder=args.format_reminder, mitigation=mitigation)
-                except FlipguardError as exc:
-                    raise UserError(str(exc)) from None
-                sent += run_sos(items, pool, backend, store, model=label, backend_name=args.backend, settings=settings,
-                                scenarios=args.scenarios, split=eval_split, gen_config=gen_config, repeats=args.repeats,
+                sent += run_sos(items, pool, backend, store, model=label, backend_name=args.backend,
+                                settings=settings_of[mitigation], scenarios=args.scenarios, split=eval_split,
+                                gen_config=gen_config, repeats=args.repeats,
                                 chunk_size=max(args.batch_size * 4, 16), progress=progress)
-            del backend
+            backend.release()
+        del backends
     print(f"{run_dir}: {len(items)} items x {len(specs)} model(s) x {len(args.mitigations)} mitigation(s); "
           f"{sent} new model requests")
     return run_dir, sent

@@ -29,8 +29,8 @@ from typing import Any, Iterable, Sequence
 
 from flipguard.data.schema import DataError
 from flipguard.eval.backends.base import Backend, GenerationConfig
-from flipguard.eval.records import Record, RecordStore
-from flipguard.eval.runner import keyed, run_records
+from flipguard.eval.records import Record, RecordStore, pending_record
+from flipguard.eval.runner import run_records
 from flipguard.eval.sos.prompts import (
     LETTERS,
     NONE_OF_THE_ABOVE,
@@ -185,12 +185,10 @@ def exemplar_messages(
 def _record(item: SosItem, case: str, expected: str, messages: list[dict[str, str]], extra: dict,
             *, model: str, backend: str, settings: SosSettings, split: str,
             gen_config: GenerationConfig) -> Record:
-    rec = Record(
-        key="", protocol=PROTOCOL, item_id=item.id, dataset=item.dataset, case=case, expected=expected,
-        model=model, backend=backend, mode="generate", mitigation=settings.mitigation, template=TEMPLATE,
-        split=split, messages=messages, extra=extra,
+    return pending_record(
+        item, gen_config=gen_config, protocol=PROTOCOL, case=case, expected=expected, model=model, backend=backend,
+        mode="generate", mitigation=settings.mitigation, template=TEMPLATE, split=split, messages=messages, extra=extra,
     )
-    return keyed(rec, gen_config)
 
 
 def baseline_records(items: Sequence[SosItem], pool: Sequence[SosItem], settings: SosSettings, repeat: int,
@@ -344,6 +342,10 @@ class LazyBackend:
             self.backend.show_progress = False  # the runner shows one bar
         return self.backend.generate(conversations, config, **kwargs)
 
+    def release(self) -> None:
+        """Drop the loaded model (it is built again on the next call)."""
+        self._backend = None
+
     def choice_probs(self, conversations, choices=("1", "2"), **kwargs):  # pragma: no cover - unused here
         return self.backend.choice_probs(conversations, choices, **kwargs)
 
@@ -363,6 +365,29 @@ def _run_grouped(store: RecordStore, records: list[Record], backend, index: dict
             if rec.raw_output is not None or rec.key in store:
                 index.setdefault(rec.key, rec)
     return done
+
+
+def _repeat_config(base_config: GenerationConfig, repeat: int) -> GenerationConfig:
+    return dataclasses.replace(base_config, seed=(base_config.seed or 0) + repeat)
+
+
+def first_requests(items: Sequence[SosItem], pool: Sequence[SosItem], *, model: str, backend_name: str,
+                   settings: SosSettings, scenarios: Iterable[str] = SCENARIOS, split: str = "test",
+                   gen_config: GenerationConfig | None = None, repeats: int = 1) -> list[Record]:
+    """The requests `run_sos` sends first (baseline prompts, turn 1 of every chat), known
+    before any model output: checked against the context before anything is written.
+    Later turns extend these chats and are checked when they are sent."""
+    scenarios = list(scenarios)
+    base_config = gen_config or GenerationConfig(max_new_tokens=64)
+    out: list[Record] = []
+    for repeat in range(repeats):
+        config = _repeat_config(base_config, repeat)
+        common = dict(model=model, backend=backend_name, split=split, gen_config=config)
+        if "baseline" in scenarios:
+            out += baseline_records(items, pool, settings, repeat, **common)
+        out += [start_conversation(item, s, pool, settings, repeat).record(settings, **common)
+                for s in MULTI_TURN if s in scenarios for item in items]
+    return out
 
 
 def run_sos(
@@ -392,7 +417,7 @@ def run_sos(
     index: dict[str, Record] = {rec.key: rec for rec in store.iter_records()}
     sent = 0
     for repeat in range(repeats):
-        config = dataclasses.replace(base_config, seed=(base_config.seed or 0) + repeat)
+        config = _repeat_config(base_config, repeat)
         common = dict(model=model, backend=backend_name, split=split, gen_config=config)
         if "baseline" in scenarios:
             recs = baseline_records(items, pool, settings, repeat, **common)
