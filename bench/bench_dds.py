@@ -122,7 +122,7 @@ def sample_requests(n: int, fmt: str, offset: int = 0) -> list[tuple]:
 def make_records(requests, model_id: str, mode: str, gen_config, tag: str):
     from flipguard.eval.prompts import build_messages
     from flipguard.eval.records import EXPECTED_CHOICE, Record
-    from flipguard.eval.runner import keyed
+    from flipguard.eval.records import keyed
 
     recs = []
     for item, case, fmt in requests:

@@ -13,7 +13,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from flipguard.eval.backends.base import Backend, GenerationConfig
-from flipguard.eval.records import Record, RecordStore, keyed, now_iso  # noqa: F401  (keyed: callers import it here)
+from flipguard.eval.records import Record, RecordStore, now_iso
 
 # raw text -> (choice or None, reasoning or None)
 Parser = Callable[[str], tuple[str | None, str | None]]

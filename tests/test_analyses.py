@@ -16,7 +16,7 @@ from flipguard.data.schema import Item
 from flipguard.eval.analyses import cross_model, labels, perspective, taxonomy
 from flipguard.eval.prompts import SPEAKER_SETS, benchmark_prompt, build_messages
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, atomic_write_json
-from flipguard.eval.runner import keyed
+from flipguard.eval.records import keyed
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dialdefer"
 FULL = Path("/work/shared/data/dialdefer/records")

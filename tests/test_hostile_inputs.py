@@ -287,7 +287,8 @@ def test_every_protocol_checks_the_context_before_the_first_request(tmp_path, ti
     backend): an oversized conversation is refused there too, nothing stored."""
     from flipguard.eval.backends.base import ContextTooLong, GenerationConfig, get_backend
     from flipguard.eval.records import Record, RecordStore
-    from flipguard.eval.runner import keyed, run_records
+    from flipguard.eval.records import keyed
+    from flipguard.eval.runner import run_records
     from flipguard.eval.sos.protocol import LazyBackend
 
     def rec(i: int, text: str) -> Record:

@@ -38,7 +38,8 @@ from flipguard.eval.records import (
     RECORDS_FILE, Record, RecordStore, atomic_write_json, atomic_write_text, load_records, load_run_meta,
     now_iso, read_records, run_lock,
 )
-from flipguard.eval.runner import keyed, run_records
+from flipguard.eval.records import keyed
+from flipguard.eval.runner import run_records
 
 PROTOCOL = "taxonomy"
 
