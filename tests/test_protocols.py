@@ -366,3 +366,32 @@ def test_record_builder_keeps_the_keys_of_existing_run_directories():
     assert [r.key for r in baseline_records([s], [], st, 0, **common)] == [
         "93deaa5e036433c04ee98fcc", "4a6214ade12b6e591d01c481", "cc9bd2ac876a2a286fc481c6", "5e047156325f8fff434bcb89"]
     assert start_conversation(s, "flexibility", [], st, 0).record(st, **common).key == "d9e0939ed683342d4736f14e"
+
+
+@pytest.mark.parametrize("spec, expected", [
+    # (label, backend, model, adapter), written by hand from the syntax "[label=][backend:]model[|adapter]"
+    ("flipguard:tiny", ("flipguard:tiny", "hf", "flipguard:tiny", None)),
+    ("hf:flipguard:tiny", ("flipguard:tiny", "hf", "flipguard:tiny", None)),
+    ("base=Qwen/Qwen2.5-7B-Instruct", ("base", "hf", "Qwen/Qwen2.5-7B-Instruct", None)),
+    ("sft=vllm:runs/x/merged", ("sft", "vllm", "runs/x/merged", None)),
+    ("openai:gpt-4o-mini", ("gpt-4o-mini", "openai", "gpt-4o-mini", None)),
+    ("m|runs/adapter", ("m+runs/adapter", "hf", "m", "runs/adapter")),
+    ("a=hf:m|ad", ("a", "hf", "m", "ad")),
+    ("runs/x=y/model", ("runs/x=y/model", "hf", "runs/x=y/model", None)),  # '=' after a '/' is part of a path
+])
+def test_one_model_spec_syntax(spec, expected):
+    from flipguard.eval.backends.base import parse_model_ref
+
+    ref = parse_model_ref(spec)
+    assert (ref.label, ref.backend, ref.model, ref.adapter) == expected
+
+
+def test_afr_and_sos_read_model_specs_alike():
+    """afr's string entries and sos's --models go through the same parser."""
+    from flipguard.errors import FlipguardError
+    from flipguard.eval.afr.protocol import parse_model_entry
+
+    spec = parse_model_entry("t=hf:flipguard:tiny|runs/ad", "cli")
+    assert (spec.name, spec.backend, spec.model, spec.kwargs) == ("t", "hf", "flipguard:tiny", {"adapter": "runs/ad"})
+    with pytest.raises(FlipguardError, match="no model in"):
+        parse_model_entry("t=hf:", "cli")

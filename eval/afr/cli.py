@@ -2,7 +2,7 @@
 list of models and write records, run.json, report.md, tables (csv) and figures (PNG).
 
 The YAML keys are the fields of AFRArgs; `models` is a list of mappings
-{name, backend, model, kwargs, mitigation} (or "name=backend:model" strings on the
+{name, backend, model, kwargs, mitigation} (or "[name=][backend:]model[|adapter]" strings on the
 command line). Rerunning the same command resumes: finished calls are never repeated.
 """
 
@@ -20,7 +20,7 @@ from flipguard.eval.threads import THREADS_HELP, configure_threads
 class AFRArgs:
     """Answer-flip protocol (Who Flips?) on MMLU for one or more models."""
 
-    models: list[str] = dataclasses.field(default_factory=list, metadata={"help": "Models: in YAML a list of {name, backend, model, kwargs, mitigation}; on the command line 'name=backend:model' (model 'flipguard:tiny' = the tiny local model)."})
+    models: list[str] = dataclasses.field(default_factory=list, metadata={"help": "Models: in YAML a list of {name, backend, model, kwargs, mitigation}; on the command line [name=][backend:]model[|adapter] (the model-spec syntax sos shares; backend defaults to hf; model 'flipguard:tiny' = the tiny local model)."})
     out: Optional[str] = dataclasses.field(default=None, metadata={"help": "Run directory (records.jsonl, run.json, report.md, figures)."})
     targets: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Model names challenged in Stage II (default: all)."})
     sources: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Model names whose arguments are used in the cross condition (default: all)."})
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
         print(write_report(args.out, n_boot=args.n_boot, seed=args.seed))
         return 0
     if not args.models:
-        raise AFRConfigError(f"{where}: no models listed (`models:` in the config or --models name=backend:model)")
+        raise AFRConfigError(f"{where}: no models listed (`models:` in the config or --models [name=][backend:]model[|adapter])")
     settings = settings_from_args(args, where)
     result = run_afr(settings, args.out, progress=args.progress)
     total = sum(result.calls.values())

@@ -24,7 +24,9 @@ from typing import Any, Iterable
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.afr import prompts as P
-from flipguard.eval.backends.base import Backend, GenerationConfig, backend_names, get_backend, parse_backend_args
+from flipguard.eval.backends.base import (
+    Backend, BackendError, GenerationConfig, backend_names, get_backend, parse_backend_args, parse_model_ref,
+)
 from flipguard.eval.records import (
     RECORDS_FILE, Record, RecordStore, RunDir, atomic_write_text, now_iso, open_run_dir, pending_record,
 )
@@ -89,15 +91,17 @@ class AFRSettings:
 
 
 def parse_model_entry(entry: Any, where: str) -> ModelSpec:
-    """A dict {name, backend, model, kwargs, mitigation} or a string "[name=]backend:model"."""
+    """A dict {name, backend, model, kwargs, mitigation} or a string in the one model-spec
+    syntax "[name=][backend:]model[|adapter]" (backends.base.parse_model_ref)."""
     from flipguard.eval.prompts import MITIGATIONS
 
     if isinstance(entry, str):
-        name, _, rest = entry.partition("=") if "=" in entry.split(":", 1)[0] else ("", "", entry)
-        backend, sep, model = rest.partition(":")
-        if not sep or not model:
-            raise AFRConfigError(f"{where}: model entry {entry!r} must be 'backend:model' or 'name=backend:model'")
-        entry = {"name": name or model, "backend": backend, "model": model}
+        try:
+            ref = parse_model_ref(entry, "hf", f"{where}: model entry")
+        except BackendError as exc:
+            raise AFRConfigError(str(exc)) from None
+        entry = {"name": ref.label, "backend": ref.backend, "model": ref.model,
+                 **({"kwargs": {"adapter": ref.adapter}} if ref.adapter else {})}
     if not isinstance(entry, dict):
         raise AFRConfigError(f"{where}: model entry must be a mapping, got {entry!r}")
     unknown = set(entry) - {"name", "backend", "model", "kwargs", "mitigation"}

@@ -181,6 +181,35 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     return backend
 
 
+
+@dataclasses.dataclass(frozen=True)
+class ModelRef:
+    """One model of a multi-model command: `label` names it in records and tables."""
+
+    label: str
+    backend: str
+    model: str
+    adapter: str | None = None
+
+
+def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--models") -> ModelRef:
+    """The one model-spec syntax of every command that takes several models (afr, sos):
+    "[label=][backend:]model[|adapter]". A `backend:` prefix counts only when it names a
+    registered backend, so ids such as "flipguard:tiny" or "org/model" pass through whole;
+    the label defaults to the model (+adapter)."""
+    head, sep, tail = spec.partition("=")
+    label, rest = (head.strip(), tail) if sep and not any(c in head for c in ":/|") else ("", spec)
+    prefix, colon, after = rest.partition(":")
+    backend, rest = (prefix.strip(), after) if colon and prefix.strip() in backend_names() else (default_backend, rest)
+    model, _, adapter = rest.partition("|")
+    model, adapter = model.strip(), adapter.strip() or None
+    if not model:
+        raise BackendError(f"{where}: no model in {spec!r}; expected [label=][backend:]model[|adapter]")
+    if backend not in backend_names():
+        raise BackendError(f"{where}: unknown backend {backend!r} for {spec!r}; expected one of {backend_names()}")
+    return ModelRef(label or (model if not adapter else f"{model}+{adapter}"), backend, model, adapter)
+
+
 def _load_builtin() -> None:
     # Importing registers; heavy engines (vllm, openai) are imported inside their classes.
     from flipguard.eval.backends import hf, openai_api, vllm_engine  # noqa: F401

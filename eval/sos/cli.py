@@ -32,7 +32,7 @@ class SosArgs:
     dataset: str = dataclasses.field(default="medqa", metadata={"help": f"One of {', '.join(DATASETS)}."})
     models: list[str] = dataclasses.field(
         default_factory=lambda: ["flipguard:tiny"],
-        metadata={"help": "Models as [label=]model[|adapter_dir]: hub id, local folder or 'flipguard:tiny'."},
+        metadata={"help": "Models as [label=][backend:]model[|adapter_dir] (the model-spec syntax afr shares; backend defaults to --backend): hub id, local folder or 'flipguard:tiny'."},
     )
     backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
     backend_args: str = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
@@ -81,19 +81,6 @@ class SosArgs:
 
 
 SAMPLING = ("greedy", "model_default")
-
-
-def parse_model_spec(spec: str) -> tuple[str, str, str | None]:
-    """"[label=]model[|adapter]" -> (label, model, adapter)."""
-    label, _, rest = spec.partition("=") if "=" in spec else ("", "", spec)
-    model, _, adapter = rest.partition("|")
-    model, adapter = model.strip(), adapter.strip() or None
-    if not model:
-        from flipguard.errors import UserError
-
-        raise UserError(f"--models: empty model in {spec!r}")
-    label = label.strip() or (model if not adapter else f"{model}+{adapter}")
-    return label, model, adapter
 
 
 def load_mcq(dataset: str, split: str, data_root: str | None, skip_invalid: bool, subjects: str | None):
@@ -163,7 +150,7 @@ def claim_run_dir(run, meta: dict, write: bool = True) -> dict:
 
 def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
     """Run (or resume) the evaluation; returns the run directory and the requests sent."""
-    from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
+    from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args, parse_model_ref
     from flipguard.errors import UserError
     from flipguard.eval.records import RECORDS_FILE, RecordStore, now_iso, open_run_dir
     from flipguard.eval.runner import check_context
@@ -178,7 +165,10 @@ def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
     if args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     backend_kwargs = parse_backend_args(args.backend_args)
-    specs = [parse_model_spec(s) for s in args.models]
+    try:
+        specs = [parse_model_ref(s, args.backend, "--models") for s in args.models]
+    except FlipguardError as exc:
+        raise UserError(str(exc)) from None
     eval_split, fewshot_split = DEFAULT_SPLITS[args.dataset]
     mcq = load_mcq(args.dataset, eval_split, args.data_root, args.skip_invalid_items, args.subjects)
     items, skipped = to_sos_items(mcq, args.dataset, args.skip_invalid_items)
@@ -206,7 +196,10 @@ def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
         "generation": gen_config.key(), "sampling": args.sampling,
         "abstention_reference": args.abstention_reference, "repeats": args.repeats, "subjects": args.subjects,
         "data_root": args.data_root, "n_boot": args.n_boot, "backend": args.backend,
-        "models": [s[0] for s in specs], "mitigations": list(args.mitigations), "scenarios": list(args.scenarios),
+        "models": [s.label for s in specs],
+        **({"model_backends": {s.label: s.backend for s in specs}}
+           if any(s.backend != args.backend for s in specs) else {}),
+        "mitigations": list(args.mitigations), "scenarios": list(args.scenarios),
         "skipped_items": skipped,
         "command": redact_obj(["flipguard", "sos", *sys.argv[2:]]) if sys.argv[1:2] == ["sos"] else None,
         "updated": now_iso(),
@@ -215,13 +208,13 @@ def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
         claim_run_dir(claimed, meta, write=False)  # another setting: refused before any model loads
         store = RecordStore(run_dir / RECORDS_FILE)
         backends = []
-        for label, model, adapter in specs:
+        for ref in specs:
             kwargs = dict(backend_kwargs)
-            if args.backend == "hf":
+            if ref.backend == "hf":
                 kwargs = {"batch_size": args.batch_size, "device": args.device, **kwargs}
-            if adapter:
-                kwargs["adapter"] = adapter
-            backends.append((label, LazyBackend(lambda m=model, kw=kwargs: get_backend(args.backend, m, **kw))))
+            if ref.adapter:
+                kwargs["adapter"] = ref.adapter
+            backends.append((ref.label, LazyBackend(lambda r=ref, kw=kwargs: get_backend(r.backend, r.model, **kw))))
         # an item longer than a model's context: refused (item id, token count, limit) before
         # run.json or any record is written; the first model to run is the one left loaded
         for i, (label, backend) in reversed(list(enumerate(backends))):
