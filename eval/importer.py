@@ -28,9 +28,8 @@ from flipguard.data.schema import AIO_DATASET, ALL_DATASETS, DataError, read_jso
 from flipguard.errors import UserError
 from flipguard.eval.prompts import RELEASED_TEMPLATE
 from flipguard.eval.records import (
-    CASES, EXPECTED_CHOICE, RECORDS_FILE, RUN_META_FILE, Record, RecordStore, atomic_write_json,
-    refuse_other_protocol, run_lock,
-    load_run_meta, now_iso, request_key,
+    CASES, EXPECTED_CHOICE, RECORDS_FILE, RUN_META_FILE, Record, RecordStore, load_run_meta, now_iso,
+    open_run_dir, refuse_other_protocol, request_key,
 )
 
 BACKEND = "dialdefer"
@@ -259,8 +258,9 @@ def unique_records(records: list[Record], paths: dict[str, Path] | None = None) 
 
 
 def _refuse_other_run(out: Path, model: str) -> None:
-    """One model per run directory: an --out holding another model's records (or a run
-    that is not an import) is refused, naming both."""
+    """One model per run directory: an --out holding another protocol's run, another
+    model's records or a run that is not an import is refused, naming both."""
+    refuse_other_protocol(out, "dds")
     meta = load_run_meta(out)
     if not meta:
         return
@@ -299,10 +299,8 @@ def import_records(src: str | Path, out: str | Path, model: str | None = None) -
     model = model or (src.name if src.is_dir() else src.parent.name)
     files = source_files(src)
     records = unique_records([rec for path in files for rec in read_file(path, model)], {p.name: p for p in files})
-    refuse_other_protocol(out, "dds")
-    _refuse_other_run(out, model)
-    with run_lock(out):  # one writer per run directory
-        refuse_other_protocol(out, "dds")
+    _refuse_other_run(out, model)  # before the lock: a clear refusal, nothing created
+    with open_run_dir(out, "dds") as run:  # one writer per run directory
         _refuse_other_run(out, model)
         store = RecordStore(out / RECORDS_FILE)
         stored = {r.key: r for r in store.iter_records()} if len(store) else {}
@@ -310,7 +308,7 @@ def import_records(src: str | Path, out: str | Path, model: str | None = None) -
         if changed:
             store = _apply_corrections(store, changed)
         added = store.append(records)
-        meta = load_run_meta(out)
+        meta = dict(run.old)
         cases = sorted({r.case for r in records}, key=CASES.index)
         meta.update(
             model=model, backend=BACKEND, mode="imported", mitigation=meta.get("mitigation", "none"),
@@ -321,7 +319,7 @@ def import_records(src: str | Path, out: str | Path, model: str | None = None) -
         if changed:
             meta["corrections"] = [*meta.get("corrections", []), {"time": now_iso(), "records": len(changed),
                                                                  "files": sorted({r.extra.get("source_file") for r in changed.values()})}]
-        atomic_write_json(out / RUN_META_FILE, meta)
+        run.write_meta(meta)
     return {"files": [p.name for p in files], "records": len(records), "added": added, "corrected": len(changed),
             "invalid": sum(not r.valid for r in records),
             "recovered": sum(bool(r.extra.get("recovered")) for r in records), "cases": cases}

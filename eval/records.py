@@ -8,10 +8,10 @@ O_APPEND write.
 
 Writers and readers:
 - one writer per run directory: `run_lock(RUN_DIR)` (fcntl.flock on RUN_DIR/.lock, held
-  for the whole run, the file naming the holder) is taken by eval, afr, sos (through
-  `open_run_dir`, which also refuses another protocol's run and writes run.json under one
-  header: protocol, flipguard_version, created, updated) and import-records; a second
-  writer is refused with a message naming the holder.
+  for the whole run, the file naming the holder) is taken by eval, afr, sos and
+  import-records, all through `open_run_dir` (which also refuses another protocol's run
+  and writes run.json under one header: protocol, flipguard_version, created, updated); a
+  second writer is refused with a message naming the holder.
 - readers (`read_records`, `load_records`, reports, compare) never modify a file: a last
   line without its newline that does not parse is a write in progress (or torn by a
   crash) and is skipped, never cut; `load_records` keeps one record per key.
