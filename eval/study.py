@@ -58,7 +58,6 @@ PROTOCOLS = ("afr", "sos")
 StudyError = UserError
 
 
-
 def written_by_flipguard(path: Path) -> bool:
     """A stage output left by an earlier flipguard command: a run directory (run.json) or a
     published folder (owner file); anything else in --out is the user's and is kept."""
@@ -379,6 +378,8 @@ class Study:
 
     def sos_stage(self, base_id: dict) -> Stage:
         """Stick-or-switch for the baseline (+ prompting mitigations) and the fine-tuned models."""
+        from flipguard.inputs import load_yaml
+
         run = self.out / "sos"
         recipe = self.plan.eval_plan_sos_config or str(PACKAGE_ROOT / "recipes" / "sos_tiny.yaml")
         n_items = ["--n_items", str(self.plan.eval_plan_limit)] if self.plan.eval_plan_limit is not None else []
@@ -397,8 +398,6 @@ class Study:
                 code = sos_main([recipe, "--models", *(f"{n}={p}" for n, p in self.models.items()), *n_items, "--out", str(run)])
             if code:
                 raise StudyError("stage sos failed")
-
-        from flipguard.inputs import load_yaml
 
         config, _ = load_yaml(recipe, StudyError, "sos run config")
         return Stage("sos", "stick-or-switch: baseline, prompting mitigations and fine-tuned models",
@@ -526,12 +525,18 @@ class Study:
         return self.statuses
 
     def summary(self) -> None:
-        self.print(f"\nStages ({time.time() - self.t0:.0f}s in all):")
-        for name, status, seconds in self.statuses:
-            self.print(f"  {name:<22}{status:<9}{seconds:8.1f}s")
-        comparison = self.out / "compare" / "comparison.csv"
-        if comparison.is_file():
-            print_before_after(comparison, self.print)
+        print_outcome(f"Stages ({time.time() - self.t0:.0f}s in all):", self.statuses, self.out, self.print)
+
+
+def print_outcome(header: str, statuses: list[tuple[str, str, float]], out: Path,
+                  print_fn: Callable[[str], None] = print) -> None:
+    """The stage table, then the before/after table when the comparison exists."""
+    print_fn(f"\n{header}")
+    for name, status, seconds in statuses:
+        print_fn(f"  {name:<22}{status:<9}{seconds:8.1f}s")
+    comparison = out / "compare" / "comparison.csv"
+    if comparison.is_file():
+        print_before_after(comparison, print_fn)
 
 
 def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = print) -> None:
@@ -676,12 +681,8 @@ def rerun_unchanged(argv: list[str]) -> bool:
         return False
     for name in order:
         print(f"--- {name}: skipped (up to date)")
-    print(f"\nStages (recipe, flags and inputs unchanged since {plan.get('at')}):")
-    for name in order:
-        print(f"  {name:<22}{'skipped':<9}{0.0:8.1f}s")
-    comparison = Path(out) / "compare" / "comparison.csv"
-    if comparison.is_file():
-        print_before_after(comparison)
+    print_outcome(f"Stages (recipe, flags and inputs unchanged since {plan.get('at')}):",
+                  [(name, "skipped", 0.0) for name in order], Path(out))
     print_artefacts([(what, Path(path)) for what, path in state.get("artefacts", [])])
     return True
 
