@@ -181,15 +181,17 @@ def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) ->
     """
     if max_length is None:
         return {}
+    from flipguard.recipes.pairs import chat_token_ids
+
     completion_cols = ("completion",) if kind == "sft" else ("chosen", "rejected")
     too_long: list[str] = []
     answer_lost = 0
     longest = {"prompt": 0, "sequence": 0}
     for i, row in enumerate(dataset):
-        prompt_ids = _chat_ids(tokenizer, row["prompt"], add_generation_prompt=True)
+        prompt_ids = chat_token_ids(tokenizer, row["prompt"], add_generation_prompt=True)
         longest["prompt"] = max(longest["prompt"], len(prompt_ids))
         for col in completion_cols:
-            full_ids = _chat_ids(tokenizer, row["prompt"] + row[col], add_generation_prompt=False)
+            full_ids = chat_token_ids(tokenizer, row["prompt"] + row[col], add_generation_prompt=False)
             longest["sequence"] = max(longest["sequence"], len(full_ids))
             if len(full_ids) > max_length:
                 too_long.append(f"{row.get('item_id', f'row {i}')}/{row.get('case', col)} ({len(full_ids)} tokens)")
@@ -204,12 +206,6 @@ def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) ->
             + (f" (and {len(too_long) - 20} more)" if len(too_long) > 20 else "")
         )
     return longest
-
-
-def _chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    from flipguard.recipes.pairs import chat_token_ids
-
-    return chat_token_ids(tokenizer, messages, add_generation_prompt)
 
 
 # ---------------------------------------------------------------- checkpoints, tracking

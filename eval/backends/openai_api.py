@@ -212,10 +212,6 @@ class OpenAIBackend:
                   "flight (set max_concurrency or server_kind in --backend_args to change)", file=sys.stderr)
         return self._max_concurrency
 
-    @max_concurrency.setter
-    def max_concurrency(self, value: int) -> None:
-        self._max_concurrency = max(1, int(value))
-
     # ------------------------------------------------------------------ requests
 
     def _create(self, conversation: Conversation, **params):

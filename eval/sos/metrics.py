@@ -227,8 +227,8 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
                 res[case] = _dict(rate(sub, "correct", seed, n_boot))
                 res[f"{case}_invalid"] = int((~sub["valid"]).sum())
                 ss[case] = item_means(sub.assign(correct=sub["correct"].astype(float)), "correct")
-        for scen, ss_case, gap_name in (("positive", "ss_full", "conversation_tax"),
-                                        ("negative", "abstain_full", "abstention_penalty")):
+        # each scenario's gaps to a single-shot reference: the tax; the penalty in both readings
+        for scen, gaps in (("positive", (("ss_full", "conversation_tax"),)), ("negative", tuple(PENALTY_KEY.values()))):
             c = conv[(conv["system"] == system) & (conv["scenario"] == scen)]
             done = c[c["end"] != "incomplete"]
             if done.empty:
@@ -242,10 +242,9 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
             res[f"{scen}_incomplete"] = int((c["end"] == "incomplete").sum())
             res[f"{scen}_n"] = int(len(done))
             final = item_means(done.assign(final=done["final"].astype(float)), "final")
-            if ss_case in ss:
-                res[gap_name] = _dict(paired_gap(final, ss[ss_case], seed, n_boot))
-            if scen == "negative" and "ss_full" in ss:  # the paper's reading (Table A.2)
-                res["abstention_penalty_paper"] = _dict(paired_gap(final, ss["ss_full"], seed, n_boot))
+            for ss_case, gap_name in gaps:
+                if ss_case in ss:
+                    res[gap_name] = _dict(paired_gap(final, ss[ss_case], seed, n_boot))
         f = flex[flex["system"] == system]
         if len(f):
             res["flexibility"] = flexibility_rates(f, seed, n_boot)
