@@ -54,19 +54,24 @@ def _json_objects(text: str):
                     break
 
 
+def reply_json_objects(text: str):
+    """The JSON objects of a model reply, in the order a reader trusts them: those inside
+    code fences first, then every object in the whole text."""
+    for cand in [m.group(1) for m in _FENCE.finditer(text)] + [text]:
+        yield from _json_objects(cand)
+
+
 def parse_choice(raw: str | None) -> tuple[str | None, str | None]:
     """("1"|"2", reasoning) from a model reply, or (None, None) if no answer is readable."""
     if not raw or not raw.strip():
         return None, None
     text = raw.strip()
-    candidates = [m.group(1) for m in _FENCE.finditer(text)] + [text]
-    for cand in candidates:
-        for obj in _json_objects(cand):
-            lowered = {str(k).lower(): v for k, v in obj.items()}
-            choice = _choice_value(lowered.get("chosen_answer"))
-            if choice:
-                reasoning = lowered.get("reasoning")
-                return choice, reasoning if isinstance(reasoning, str) else None
+    for obj in reply_json_objects(text):
+        lowered = {str(k).lower(): v for k, v in obj.items()}
+        choice = _choice_value(lowered.get("chosen_answer"))
+        if choice:
+            reasoning = lowered.get("reasoning")
+            return choice, reasoning if isinstance(reasoning, str) else None
     m = _CHOSEN.search(text)  # broken JSON that still names the answer
     if m:
         r = _REASONING.search(text[m.end() :])

@@ -33,7 +33,7 @@ from flipguard.eval.analyses.common import md_table, run_report, write_csv
 from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.metrics import dataset_order
-from flipguard.eval.parse import _FENCE, _json_objects
+from flipguard.eval.parse import reply_json_objects
 from flipguard.eval.records import (
     RECORDS_FILE, Record, RecordStore, atomic_write_json, atomic_write_text, load_records, load_run_meta,
     now_iso, read_records, run_lock,
@@ -139,17 +139,16 @@ def parse_judge_reply(raw: str | None) -> dict[str, Any]:
         return {"valid": False, "primary": None, "secondary": [], "error": "empty reply"}
     text = raw.strip()
     seen_json = False
-    for cand in [m.group(1) for m in _FENCE.finditer(text)] + [text]:
-        for obj in _json_objects(cand):
-            seen_json = True
-            primary = obj.get("primary_code")
-            if not isinstance(primary, str) or primary.strip().upper() not in CODEBOOK:
-                continue
-            primary = primary.strip().upper()
-            flags = obj.get("flags")
-            flags = flags if isinstance(flags, dict) else {}
-            secondary = [c for c in CODES if c != primary and flags.get(c) is True]
-            return {"valid": True, "primary": primary, "secondary": secondary, "error": None}
+    for obj in reply_json_objects(text):
+        seen_json = True
+        primary = obj.get("primary_code")
+        if not isinstance(primary, str) or primary.strip().upper() not in CODEBOOK:
+            continue
+        primary = primary.strip().upper()
+        flags = obj.get("flags")
+        flags = flags if isinstance(flags, dict) else {}
+        secondary = [c for c in CODES if c != primary and flags.get(c) is True]
+        return {"valid": True, "primary": primary, "secondary": secondary, "error": None}
     return {"valid": False, "primary": None, "secondary": [],
             "error": "no primary_code among the 14 codes" if seen_json else "no JSON object"}
 
