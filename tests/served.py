@@ -32,35 +32,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class TransformersServer:
-    """`transformers serve` on 127.0.0.1:<free port>; start(), kill() (SIGKILL), restart()."""
+class ServerProcess:
+    """An OpenAI-compatible server as a real subprocess on 127.0.0.1:<free port> (its own
+    process group); start() returns once `ready_path` answers 200 (and, when set, holds
+    `ready_text`), kill() (SIGKILL), restart(). Subclasses give the command line."""
 
-    kind = "transformers"
+    name = "server"
+    ready_path = "/health"
+    ready_text: str | None = None
 
-    def __init__(self, log_dir: str | os.PathLike, port: int | None = None, extra_args: tuple[str, ...] = (),
-                 ready_cap_s: float = READY_CAP_S):
+    def __init__(self, log_dir: str | os.PathLike, port: int | None = None, ready_cap_s: float = READY_CAP_S,
+                 env: dict[str, str] | None = None):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
-        self.extra_args = tuple(extra_args)
         self.ready_cap_s = ready_cap_s
+        self.env = env or {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.log_path: Path | None = None
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1",
-                "--port", str(self.port), "--device", "cpu", "--log-level", "info",
-                "--model-timeout", "86400", *self.extra_args]
+        raise NotImplementedError
 
-    def start(self) -> "TransformersServer":
+    def start(self) -> "ServerProcess":
         assert self.proc is None or self.proc.poll() is not None, "server already running"
         self.starts += 1
         self.log_path = self.log_dir / f"server-{self.starts}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env={**self.env, "PYTHONUNBUFFERED": "1"},
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         self.wait_ready()
         return self
@@ -69,32 +71,33 @@ class TransformersServer:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
     def wait_ready(self) -> float:
-        """Poll /health until it answers 200; returns the seconds it took."""
+        """Poll `ready_path` until it answers 200; returns the seconds it took."""
         t0 = time.monotonic()
-        url = f"http://127.0.0.1:{self.port}/health"
+        url = f"http://127.0.0.1:{self.port}{self.ready_path}"
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited with {self.proc.returncode} before it was ready; "
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready; "
                                    f"its log ({self.log_path}):\n{self.log_text()[-4000:]}")
             try:
                 with urllib.request.urlopen(url, timeout=5) as resp:
-                    if resp.status == 200:
+                    if resp.status == 200 and (self.ready_text is None or self.ready_text in resp.read().decode()):
                         return time.monotonic() - t0
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             if time.monotonic() - t0 > self.ready_cap_s:
                 self.kill()
-                raise RuntimeError(f"transformers serve not ready after {self.ready_cap_s:.0f} s; "
+                raise RuntimeError(f"{self.name} not ready after {self.ready_cap_s:.0f} s; "
                                    f"its log ({self.log_path}):\n{self.log_text()[-4000:]}")
             time.sleep(POLL_S)  # a poll interval, not a synchronisation point
 
     def kill(self) -> None:
-        """SIGKILL, as a crash or an OOM kill would: no shutdown handlers run."""
+        """SIGKILL to the server's process group, as a crash or an OOM kill would: no
+        shutdown handlers run (vLLM's engine core is a child process)."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def restart(self) -> "TransformersServer":
+    def restart(self) -> "ServerProcess":
         self.kill()
         return self.start()
 
@@ -120,3 +123,20 @@ class TransformersServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class TransformersServer(ServerProcess):
+    """`transformers serve`, unpinned: it serves any local model directory by its path."""
+
+    name = "transformers serve"
+    ready_path = "/health"
+
+    def __init__(self, log_dir: str | os.PathLike, port: int | None = None, extra_args: tuple[str, ...] = (),
+                 ready_cap_s: float = READY_CAP_S):
+        super().__init__(log_dir, port, ready_cap_s)
+        self.extra_args = tuple(extra_args)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), "--device", "cpu", "--log-level", "info",
+                "--model-timeout", "86400", *self.extra_args]

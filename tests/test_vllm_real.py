@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -40,6 +36,7 @@ except ImportError as exc:  # the default CI environment
                 allow_module_level=True)
 
 from flipguard.eval.records import load_records
+from served import ServerProcess
 
 # Hang guard only (never reached by a healthy run, however loaded the machine): the tests wait
 # on events (a server answering, a records file growing, a process exiting).
@@ -202,54 +199,25 @@ def test_adapter_vllm_does_not_cover_is_refused_in_one_line(organism, tmp_path):
 # ---------------------------------------------------------------------------- api_server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class VLLMServer(ServerProcess):
+    """vLLM's OpenAI-compatible api_server of one checkpoint; ready when /v1/models lists it."""
 
-
-class VLLMServer:
-    """vLLM's OpenAI-compatible api_server of one checkpoint, a real subprocess on 127.0.0.1."""
+    name = "vLLM api_server"
+    ready_path = "/v1/models"
+    ready_text = SERVED_NAME
 
     def __init__(self, model: Path, log_dir: Path):
-        self.model, self.log_dir, self.port = model, log_dir, free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
+        super().__init__(log_dir, ready_cap_s=BOUND, env=ENV)
+        self.model = model
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                 "--served-model-name", SERVED_NAME, "--dtype", "float32", "--enforce-eager",
                 "--max-logprobs", "20", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(self.port)]
 
-    def start(self) -> None:
-        self.starts += 1
-        self.log = self.log_dir / f"server-{self.starts}.log"
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=ENV,
-                                         start_new_session=True)
-        deadline = time.monotonic() + BOUND
-        while time.monotonic() < deadline:  # ready when /v1/models answers; dead when it exits
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vLLM server exited {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/models", timeout=5) as resp:
-                    if resp.status == 200 and SERVED_NAME in resp.read().decode():
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"vLLM server not ready after {BOUND} s")
-
-    def kill(self) -> None:
-        """SIGKILL to the server's process group (its engine core is a child process)."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=BOUND)
-
     def completions_served(self) -> int:
         """Chat-completion requests this server process answered (its access log)."""
-        return self.log.read_text().count("POST /v1/chat/completions HTTP/1.1\" 200")
+        return len(self.chat_requests("200"))
 
 
 @pytest.fixture(scope="module")
