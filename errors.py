@@ -8,8 +8,9 @@ Classes exist only where a caller catches that kind apart from the rest:
                              (InputError, AFRConfigError, ImportError_, PairsError and
                              RecipeError and StudyError are this class under the names callers know)
   DataError (data/schema.py)         a dataset file or item; caught to add context
-  RecordError (eval/records.py)      a records file or run directory (RunDirBusy: locked)
-  MetricsError (eval/metrics.py)     records that cannot be scored (report: C2-only runs)
+  RecordError                a records file, run directory or output file that cannot be
+                             read or written (RunDirBusy in eval/records.py: locked)
+  MetricsError (eval/dds/metrics.py)     records that cannot be scored (report: C2-only runs)
   BackendError / ContextTooLong      a model backend (eval/backends/base.py)
   TrainError (train/utils.py)        training setup
 """
@@ -21,3 +22,7 @@ class FlipguardError(Exception):
 
 class UserError(FlipguardError, ValueError):
     """Bad input that no caller tells apart (option, config, recipe, import, pairs)."""
+
+
+class RecordError(FlipguardError, ValueError):
+    """A records file, run directory or output file that cannot be read or written; names file and line."""

@@ -1,22 +1,27 @@
-"""Reading the files a user hands flipguard (data, import, recipe and run-config files).
+"""Files in and out: reading what a user hands flipguard (data, import, recipe and
+run-config files), writing outputs atomically, and where cached models live.
 
 One place decides what a hostile file gets: bytes that are not UTF-8, YAML that does not
 parse, or a value of the wrong type raise a FlipguardError (subclass chosen by the caller)
 whose one-line message names the file and the line or key, before anything is run or
-written.
+written. One writer (temp file + rename) for every output, so a reader never sees half a
+file. Every layer (data/, eval/, train/) imports these from here, so none has to import
+the eval core for a file helper.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
+import tempfile
 import types
 import typing
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from flipguard.errors import FlipguardError, UserError
+from flipguard.errors import FlipguardError, RecordError, UserError
 
 
 InputError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
@@ -63,6 +68,63 @@ def iter_lines(path: str | os.PathLike, error: type[FlipguardError] = InputError
                 yield raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise _not_utf8(path, raw, exc, error, line_offset=lineno - 1) from None
+
+
+# ---------------------------------------------------------------- writing
+
+
+def flipguard_home() -> Path:
+    """Where embedded models and registered datasets are cached ($FLIPGUARD_HOME)."""
+    return Path(os.environ.get("FLIPGUARD_HOME") or Path.home() / ".cache" / "flipguard")
+
+
+def dumps_utf8(obj: Any, **kw: Any) -> str:
+    """JSON text that is always valid UTF-8: readable non-ASCII text as is, but a string
+    holding a lone surrogate (unencodable) makes the whole text \\u-escaped
+    (ensure_ascii), which json.loads reads back to the identical string."""
+    text = json.dumps(obj, ensure_ascii=False, default=str, **kw)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, ensure_ascii=True, default=str, **kw)
+    return text
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write via a temp file in the same folder and rename: readers never see half a file."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise RecordError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide reports from other users
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise RecordError(f"{path}: cannot write ({exc.strerror or exc}); the previous version, if any, "
+                          "is unchanged") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, dumps_utf8(obj, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- YAML

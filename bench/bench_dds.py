@@ -120,7 +120,7 @@ def sample_requests(n: int, fmt: str, offset: int = 0) -> list[tuple]:
 
 
 def make_records(requests, model_id: str, mode: str, gen_config, tag: str):
-    from flipguard.eval.prompts import build_messages
+    from flipguard.eval.dds.prompts import build_messages
     from flipguard.eval.records import EXPECTED_CHOICE, Record
     from flipguard.eval.records import keyed
 
@@ -137,7 +137,7 @@ def make_records(requests, model_id: str, mode: str, gen_config, tag: str):
 
 def timed_run(backend, records, *, batch_size: int, chunk_size: int, gen_config=None) -> float:
     """Seconds for run_records over `records` into a fresh store (nothing resumed)."""
-    from flipguard.eval.parse import parse_choice
+    from flipguard.eval.dds.parse import parse_choice
     from flipguard.eval.records import RecordStore
     from flipguard.eval.runner import run_records
 
@@ -223,9 +223,9 @@ WORKED_EXAMPLE = {"c1_true": 0.60, "c1_false": 0.80, "c2_correct": 0.75, "c2_inc
 
 def bench_report(args: BenchArgs) -> dict:
     try:
-        from flipguard.eval.report import build_report
+        from flipguard.eval.dds.report import build_report
     except ImportError as exc:
-        return {"status": f"skipped: flipguard.eval.report is not available ({exc})"}
+        return {"status": f"skipped: flipguard.eval.dds.report is not available ({exc})"}
     from flipguard.eval.synthetic import synthetic_records
 
     records = synthetic_records(TEST_SPLIT_SIZES, accuracies=WORKED_EXAMPLE)
@@ -321,8 +321,8 @@ def render_markdown(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from flipguard.eval.cli import parse_dataclasses
-    from flipguard.eval.records import atomic_write_json, atomic_write_text
+    from flipguard.config import parse_dataclasses
+    from flipguard.files import atomic_write_json, atomic_write_text
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_dataclasses(argv, BenchArgs, prog="bench_dds.py", description=BenchArgs.__doc__)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 
 def prompts(n: int) -> list[list[dict]]:
     from flipguard.data.unified import load_items
-    from flipguard.eval.prompts import build_messages
+    from flipguard.eval.dds.prompts import build_messages
 
     items = load_items(["truthfulqa", "gpqa", "harp_mcq", "bbq"], split="test")
     cases = ("c1_true", "c1_false", "c2_correct", "c2_incorrect")

@@ -45,8 +45,8 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
-    from flipguard.eval.records import atomic_write_text
+    from flipguard.config import parse_dataclasses
+    from flipguard.files import atomic_write_text
 
     args = parse_dataclasses(
         argv, DataArgs, prog="flipguard data",

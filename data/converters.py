@@ -74,7 +74,7 @@ def _harp_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             members = [m for m in archive.namelist() if m.endswith(".jsonl")]
             if len(members) != 1:
                 raise DataError(f"{path}: expected exactly one .jsonl member, found {members}")
-            from flipguard.inputs import decode_utf8
+            from flipguard.files import decode_utf8
 
             text = decode_utf8(archive.read(members[0]), f"{path}!{members[0]}", DataError)
         return parse_jsonl_lines(text.splitlines(), f"{path}!{members[0]}")

@@ -87,7 +87,7 @@ def load_medmcqa(split: str = "dev", data_root: str | Path | None = None, skip_i
 def write_samples(full_root: str | Path, n_dev: int = 24) -> None:
     """Regenerate data/samples/medmcqa: the pool and the next `n_dev` valid single-choice
     items by question hash, as verbatim upstream lines."""
-    from flipguard.eval.records import atomic_write_text
+    from flipguard.files import atomic_write_text
 
     path = dev_file(Path(full_root))
     lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]

@@ -185,7 +185,7 @@ def select_pool(items: list[MCQItem], size: int = POOL_SIZE) -> tuple[list[MCQIt
 def write_samples(full_root: str | Path, n_test: int = 24) -> None:
     """Regenerate data/samples/medqa from the full file: the pool and the next `n_test`
     items by question hash, as verbatim upstream lines."""
-    from flipguard.eval.records import atomic_write_text
+    from flipguard.files import atomic_write_text
 
     path = Path(full_root) / DATASET / TEST_FILE
     lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]

@@ -171,7 +171,7 @@ def read_mmlu_csv(path: str | os.PathLike, subject: str | None = None, split: st
     if subject is None:
         subject = path.stem.rsplit(f"_{split}", 1)[0]
     items: list[MCQItem] = []
-    from flipguard.inputs import read_text
+    from flipguard.files import read_text
 
     with io.StringIO(read_text(path, DataError, "MMLU file"), newline="") as fh:
         reader = csv.reader(fh)

@@ -87,7 +87,7 @@ def read_entry(path: str | Path) -> DatasetEntry:
 
 
 def user_registry_dir() -> Path:
-    from flipguard.eval.tiny_model import flipguard_home
+    from flipguard.files import flipguard_home
 
     return flipguard_home() / "datasets"
 
@@ -128,7 +128,7 @@ def register(path: str | Path) -> Path:
     """Copy an entry (split paths made absolute) into the user registry; returns its path."""
     import yaml
 
-    from flipguard.eval.records import atomic_write_text
+    from flipguard.files import atomic_write_text
 
     entry = read_entry(path)
     for split in entry.splits:

@@ -111,7 +111,7 @@ def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str,
 def read_jsonl(path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, row) pairs of a JSONL file; see parse_jsonl_lines. Bytes that are
     not UTF-8 raise DataError naming file:line, as does a missing or unreadable file."""
-    from flipguard.inputs import iter_lines
+    from flipguard.files import iter_lines
 
     if not Path(path).is_file():
         raise DataError(f"{path}: file not found")

@@ -10,7 +10,7 @@ Two parameters cover what DDS, AFR and stick-or-switch need:
   statistic then sees per-cluster sums, the last sample being the rows per cluster.
 A stratified (macro-averaged) interval is the percentile of the average of per-group
 distributions, each group resampled with its own generator (`percentile_ci` over
-`distribution`s). This is a module of its own, not part of eval/metrics.py, because
+`distribution`s). This is a module of its own, not part of eval/dds/metrics.py, because
 metrics.py is the DDS task's and the AFR and SoS tasks must not import it.
 """
 

@@ -1,9 +1,10 @@
 """`flipguard` console entry point: one subcommand per job.
 
 Each subcommand is a `main(argv) -> int` that parses its own dataclasses with
-transformers' HfArgumentParser (the parser TRL's scripts build on), so every option
-has a type, a default and help text, and `--help` explains it. Modules are imported
-only when their subcommand runs, keeping `flipguard --help` fast.
+flipguard.config.parse_dataclasses (TRL's TrlParser, the parser of TRL's scripts), so
+every option has a type, a default and help text, and `--help` explains it. Modules are
+imported only when their subcommand runs, keeping `flipguard --help` fast. Nothing
+imports this module: it holds only the command table and `main`.
 """
 
 from __future__ import annotations
@@ -12,26 +13,26 @@ import importlib
 import inspect
 import sys
 
-from flipguard.errors import FlipguardError, UserError
+from flipguard.errors import FlipguardError
 
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("flipguard.eval.demo:main", "the whole loop end to end on the planted-bias organism: detect, mitigate, re-measure"),
-    "eval": ("flipguard.eval.dds:main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
-    "report": ("flipguard.eval.report:main", "summary table (paper Table 20 layout) from a run directory"),
-    "import-records": ("flipguard.eval.importer:main", "read DialDefer-format per-item records into a run directory"),
+    "eval": ("flipguard.eval.dds.protocol:main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
+    "report": ("flipguard.eval.dds.report:main", "summary table (paper Table 20 layout) from a run directory"),
+    "import-records": ("flipguard.eval.dds.importer:main", "read DialDefer-format per-item records into a run directory"),
     "data": ("flipguard.data.cli:main", "inspect, validate and export dataset splits; register your own dataset"),
-    "organism": ("flipguard.eval.organism:main", "build (once, cached) the planted-bias judge organism the demo measures"),
+    "organism": ("flipguard.eval.dds.organism:main", "build (once, cached) the planted-bias judge organism the demo measures"),
     "tiny-model": ("flipguard.eval.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
-    "pairs": ("flipguard.recipes.pairs:main", "build SFT/DPO pair datasets from flip records (recipe strategy)"),
+    "pairs": ("flipguard.train.pairs:main", "build SFT/DPO pair datasets from flip records (recipe strategy)"),
     "compare": ("flipguard.eval.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
     "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
     "sos": ("flipguard.eval.sos.cli:main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
-    # the DialDefer paper's analyses (eval/analyses/)
-    "taxonomy": ("flipguard.eval.analyses.taxonomy:main", "LLM-judge reasoning-failure codes of a run's flips (paper App. F/J)"),
-    "label-ablation": ("flipguard.eval.analyses.labels:main", "speaker-label ablation: DDS per label set and the human-vs-LLM swing (§5.2)"),
-    "perspective-reversal": ("flipguard.eval.analyses.perspective:main", "r/AIO 2->1 vs 1->2 judger/judgee DDS (paper Table 14)"),
-    "cross-model": ("flipguard.eval.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
+    # the DialDefer paper's analyses (eval/dds/analyses/)
+    "taxonomy": ("flipguard.eval.dds.analyses.taxonomy:main", "LLM-judge reasoning-failure codes of a run's flips (paper App. F/J)"),
+    "label-ablation": ("flipguard.eval.dds.analyses.labels:main", "speaker-label ablation: DDS per label set and the human-vs-LLM swing (§5.2)"),
+    "perspective-reversal": ("flipguard.eval.dds.analyses.perspective:main", "r/AIO 2->1 vs 1->2 judger/judgee DDS (paper Table 14)"),
+    "cross-model": ("flipguard.eval.dds.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
     "study": ("flipguard.eval.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
     "sft": ("flipguard.train.sft:main", "LoRA SFT from a recipe (same as python train/sft.py RECIPE)"),
     "dpo": ("flipguard.train.dpo:main", "LoRA DPO from a recipe (same as python train/dpo.py RECIPE)"),
@@ -80,33 +81,6 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"flipguard {name}: error: {redact(exc)}", file=sys.stderr)
         return 2
-
-
-def parse_dataclasses(argv: list[str], *types, prog: str, description: str):
-    """Parse argv into the given dataclasses; a single YAML/JSON path is read as a config
-    file (TRL/alignment-handbook style) and later flags override it."""
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(types, prog=prog, description=description)
-    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
-        from flipguard.inputs import check_types, field_types, load_yaml
-
-        # broken YAML, bytes that are not UTF-8, an unknown key or a value of the wrong
-        # type: one line naming the file (line) and key, before anything runs or is written
-        config, lines = load_yaml(argv[0], UserError, "run config")
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise UserError(f"{argv[0]}: a run config must be a YAML mapping of option: value, "
-                            f"got {type(config).__name__}")
-        known = {f for t in types for f in t.__dataclass_fields__}
-        unknown = sorted(set(config) - known, key=str)
-        if unknown:
-            raise UserError(f"{argv[0]}: unknown key(s) {unknown}")
-        check_types(config, field_types(*types), argv[0], UserError, lines)
-        parser.set_defaults(**config)
-        argv = argv[1:]
-    out = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
-    return out if len(types) > 1 else out[0]
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ import pandas as pd
 
 from flipguard.data.registry import domain_of
 from flipguard.eval import bootstrap as B
-from flipguard.eval import metrics as M
+from flipguard.eval.dds import metrics as M
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.records import C2_CASES, atomic_write_json, atomic_write_text, load_run_meta
+from flipguard.eval.records import C2_CASES, load_run_meta
+from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.eval.plots import pyplot, save_figure
 
 BASELINE = "Baseline"
@@ -100,7 +101,7 @@ def build_comparison(
     conditions: Mapping[str, str], c1_from: str | None = None, n_boot: int = 2000, seed: int = 0
 ) -> dict[str, Any]:
     """Reports of every condition, aligned on datasets, with deltas against the first."""
-    from flipguard.eval.report import report_run
+    from flipguard.eval.dds.report import report_run
 
     names = list(conditions)
     if not names:
@@ -194,7 +195,7 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
              "(logprob mode).", ""]
     cross = [n for n in names if cmp.get("reports", {}).get(n, {}).get("meta", {}).get("c1_cross_mode")]
     if cross:
-        from flipguard.eval.report import CROSS_MODE_NOTE
+        from flipguard.eval.dds.report import CROSS_MODE_NOTE
 
         lines += [f"{', '.join(cross)}: {CROSS_MODE_NOTE}.", ""]
     lines += ["## Overview (paper Table 5 layout)", "",
@@ -388,7 +389,7 @@ def protocol_sections(afr: Mapping[str, str] | None, sos: Mapping[str, str] | No
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     args = parse_dataclasses(argv, CompareArgs, prog="flipguard compare", description=CompareArgs.__doc__)
     cmp = build_comparison(parse_conditions(args.runs), c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)

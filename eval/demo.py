@@ -1,6 +1,6 @@
 """`flipguard demo`: the whole loop, end to end, offline, on the embedded default.
 
-The embedded default is the planted-bias judge organism (flipguard.eval.organism): a
+The embedded default is the planted-bias judge organism (flipguard.eval.dds.organism): a
 small chat model built here in a few minutes, judging C1 by the truth and deferring to
 speakers on a known share of C2 claims. Against that known ground truth a newcomer sees
 every stage and every artefact, on a CPU, in minutes:
@@ -22,7 +22,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from flipguard.eval.organism import ORGANISM_ALIAS, ORGANISM_FILE
+from flipguard.eval.dds.organism import ORGANISM_ALIAS, ORGANISM_FILE
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ def _comma(value: str) -> list[str]:
 
 def study_recipe(args: DemoArgs) -> dict:
     """The recipe with the demo's options applied (its `eval:` / `pairs:` values)."""
-    from flipguard.recipes.config import read_recipe
+    from flipguard.config import read_recipe
 
     raw = read_recipe(args.recipe)
     plan = dict(raw.get("eval") or {})
@@ -89,7 +89,7 @@ def study_recipe(args: DemoArgs) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
     from flipguard.eval.study import print_artefacts, run_study
     from flipguard.eval.tiny_model import resolve_model
 

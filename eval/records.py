@@ -38,7 +38,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from flipguard.errors import FlipguardError
+from flipguard.errors import RecordError
+# the atomic writers live with the other file helpers; re-exported for callers of this module
+from flipguard.files import atomic_write_json, atomic_write_text, dumps_utf8  # noqa: F401
 
 RECORDS_FILE = "records.jsonl"
 RUN_META_FILE = "run.json"
@@ -50,10 +52,6 @@ CASES = ("c1_true", "c1_false", "c2_correct", "c2_incorrect")
 EXPECTED_CHOICE = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
 C1_CASES = ("c1_true", "c1_false")
 C2_CASES = ("c2_correct", "c2_incorrect")
-
-
-class RecordError(FlipguardError, ValueError):
-    """A records file or run directory that cannot be read; names file and line."""
 
 
 @dataclasses.dataclass
@@ -147,55 +145,6 @@ def pending_record(item: Any, *, gen_config: Any = None, choices: Iterable[str] 
     if hasattr(item, "split"):
         base["split"] = item.split
     return keyed(Record(key="", **{**base, **fields}), gen_config, choices)
-
-
-def dumps_utf8(obj: Any, **kw: Any) -> str:
-    """JSON text that is always valid UTF-8: readable non-ASCII text as is, but a string
-    holding a lone surrogate (unencodable) makes the whole text \\u-escaped
-    (ensure_ascii), which json.loads reads back to the identical string."""
-    text = json.dumps(obj, ensure_ascii=False, default=str, **kw)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(obj, ensure_ascii=True, default=str, **kw)
-    return text
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _current_umask()
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temp file in the same folder and rename: readers never see half a file."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    except OSError as exc:
-        raise RecordError(f"{path}: cannot write ({exc.strerror or exc})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide reports from other users
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise RecordError(f"{path}: cannot write ({exc.strerror or exc}); the previous version, if any, "
-                          "is unchanged") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, dumps_utf8(obj, indent=2) + "\n")
 
 
 def _parse_line(line: str, path: Path, lineno: int) -> Record:

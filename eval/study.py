@@ -41,7 +41,8 @@ from typing import Any, Callable
 import yaml
 
 from flipguard.errors import FlipguardError, UserError
-from flipguard.eval.records import atomic_write_json, atomic_write_text, now_iso
+from flipguard.eval.records import now_iso
+from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ def model_identity(name: str) -> dict[str, Any]:
 
 
 def _section(raw: dict[str, Any], section: str, cls) -> dict[str, Any]:
-    from flipguard.recipes.config import ARG_SECTIONS
+    from flipguard.config import ARG_SECTIONS
 
     prefix = ARG_SECTIONS[section]
     values = {f.name[len(prefix):]: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
@@ -123,7 +124,7 @@ def _section(raw: dict[str, Any], section: str, cls) -> dict[str, Any]:
 
 
 def _as_args(cls, section: str, values: dict[str, Any]):
-    from flipguard.recipes.config import ARG_SECTIONS
+    from flipguard.config import ARG_SECTIONS
 
     prefix = ARG_SECTIONS[section]
     return cls(**{prefix + k: v for k, v in values.items()})
@@ -132,7 +133,7 @@ def _as_args(cls, section: str, values: dict[str, Any]):
 class Study:
     def __init__(self, recipe_path: str | os.PathLike, raw: dict[str, Any], out: str | os.PathLike,
                  *, print_fn: Callable[[str], None] = print):
-        from flipguard.recipes.config import EvalPlanArguments, PairsArguments, TrackingArguments
+        from flipguard.config import EvalPlanArguments, PairsArguments, TrackingArguments
 
         self.recipe_path = str(recipe_path)
         self.out = Path(out)
@@ -167,7 +168,7 @@ class Study:
         return [t for t in TRAINERS if t in self.raw] if listed is None else list(listed)
 
     def check_plan(self) -> None:
-        from flipguard.eval.prompts import MITIGATIONS
+        from flipguard.eval.mitigations import MITIGATIONS
         from flipguard.eval.runner import MODES
 
         where = f"{self.recipe_path}: eval"
@@ -198,7 +199,7 @@ class Study:
 
     def dds_args(self, name: str, *, model: str, mode: str, split: str = "test", mitigation: str = "none",
                  c1_from: Path | None = None):
-        from flipguard.eval.dds import EvalArgs
+        from flipguard.eval.dds.protocol import EvalArgs
 
         plan = self.plan
         limit = plan.eval_plan_limit
@@ -225,8 +226,8 @@ class Study:
         return Stage(name, title, params, inputs, outputs, (run_dir,), lambda: self.run_dds(args))
 
     def run_dds(self, args) -> None:
-        from flipguard.eval.dds import evaluate
-        from flipguard.eval.report import REPORT_DIR, print_summary, report_run, write_report
+        from flipguard.eval.dds.protocol import evaluate
+        from flipguard.eval.dds.report import REPORT_DIR, print_summary, report_run, write_report
 
         run_dir = evaluate(args)
         if args.split != "test":
@@ -276,7 +277,7 @@ class Study:
         self.artefacts.append(("pair datasets + counts", pairs_dir / "counts.json"))
 
         def run() -> None:
-            from flipguard.recipes.pairs import print_counts, run as build
+            from flipguard.train.pairs import print_counts, run as build
 
             out_dir, counts = build(self.pairs, self.recipe_path, records_given=True)
             print_counts(counts, out_dir)
@@ -286,7 +287,7 @@ class Study:
                      (pairs_dir,), run)
 
     def top_level(self) -> dict[str, Any]:
-        from flipguard.recipes.config import ARG_SECTIONS, TRAINER_SECTIONS
+        from flipguard.config import ARG_SECTIONS, TRAINER_SECTIONS
 
         return {k: v for k, v in self.raw.items() if k not in TRAINER_SECTIONS and k not in ARG_SECTIONS and k != "env"}
 
@@ -347,7 +348,7 @@ class Study:
 
     def afr_stage(self, base_id: dict) -> Stage:
         """One AFR run with every condition as a target (and source: the cross matrix)."""
-        from flipguard.inputs import load_yaml
+        from flipguard.files import load_yaml
 
         run = self.out / "afr"
         source = self.plan.eval_plan_afr_config or str(PACKAGE_ROOT / "recipes" / "afr_tiny.yaml")
@@ -378,7 +379,7 @@ class Study:
 
     def sos_stage(self, base_id: dict) -> Stage:
         """Stick-or-switch for the baseline (+ prompting mitigations) and the fine-tuned models."""
-        from flipguard.inputs import load_yaml
+        from flipguard.files import load_yaml
 
         run = self.out / "sos"
         recipe = self.plan.eval_plan_sos_config or str(PACKAGE_ROOT / "recipes" / "sos_tiny.yaml")
@@ -470,7 +471,7 @@ class Study:
         if from_stage and only:
             raise StudyError("--from and --only: give one of them")
         self.out.mkdir(parents=True, exist_ok=True)
-        from flipguard.recipes.config import public_recipe
+        from flipguard.config import public_recipe
 
         atomic_write_text(self.recipe_file, f"# the effective recipe of this study (from {self.recipe_path}); "
                                             "written by flipguard study\n" + yaml.safe_dump(public_recipe(self.raw), sort_keys=False))
@@ -543,7 +544,7 @@ def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = p
     """The short before/after table a newcomer reads first (all datasets, macro average)."""
     import pandas as pd
 
-    from flipguard.eval.metrics import TOTAL_AVG
+    from flipguard.eval.dds.metrics import TOTAL_AVG
 
     table = pd.read_csv(comparison_csv)
     rows = table[table["dataset"] == TOTAL_AVG]
@@ -564,7 +565,7 @@ def log_to_wandb(study: Study) -> dict[str, Any]:
     import pandas as pd
     import wandb
 
-    from flipguard.recipes.config import public_recipe
+    from flipguard.config import public_recipe
     from flipguard.train.utils import start_wandb
 
     tracking = study.tracking
@@ -601,7 +602,7 @@ def log_to_wandb(study: Study) -> dict[str, Any]:
 
 def effective_recipe(recipe_path: str, parsed: dict[str, Any], model: str | None) -> dict[str, Any]:
     """The recipe file with the command line's section values applied."""
-    from flipguard.recipes.config import read_recipe
+    from flipguard.config import read_recipe
 
     raw = read_recipe(recipe_path)
     for section, values in parsed.items():
@@ -614,7 +615,7 @@ def effective_recipe(recipe_path: str, parsed: dict[str, Any], model: str | None
 def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | None = None, *,
               from_stage: str | None = None, only: str | None = None, print_fn: Callable[[str], None] = print) -> Study:
     """Run (or resume) the study a recipe describes; `raw` overrides the file's contents."""
-    from flipguard.recipes.config import read_recipe, validate_recipe
+    from flipguard.config import read_recipe, validate_recipe
 
     raw = read_recipe(recipe_path) if raw is None else raw
     validate_recipe(raw, recipe_path)
@@ -633,7 +634,7 @@ def _quick_args(argv: list[str]) -> tuple[str | None, list[str], str | None, boo
     enough to tell whether a finished study is being rerun unchanged."""
     import argparse
 
-    from flipguard.recipes.config import split_recipe_argv
+    from flipguard.config import split_recipe_argv
 
     try:
         recipe, rest = split_recipe_argv(argv)
@@ -696,7 +697,7 @@ def print_artefacts(artefacts: list[tuple[str, Path]]) -> None:
 def main(argv: list[str]) -> int:
     if rerun_unchanged(argv):
         return 0
-    from flipguard.recipes.config import (ARG_SECTIONS, EvalPlanArguments, PairsArguments, TrackingArguments,
+    from flipguard.config import (ARG_SECTIONS, EvalPlanArguments, PairsArguments, TrackingArguments,
                                           parse_recipe)
 
     (args, plan, pairs, tracking), recipe_path, _ = parse_recipe(

@@ -8,7 +8,7 @@ template. The tokenizer uses Qwen2's own pre-tokenizer, so `tokenizers` and
 transformers' Qwen2Tokenizer encode every text identically (real servers agree with the
 hf backend). Its judgments are noise; it exists to exercise the real loading,
 evaluation and training code paths end to end on a CPU. The planted-bias organism
-(flipguard.eval.organism) is the same architecture and tokenizer, trained.
+(flipguard.eval.dds.organism) is the same architecture and tokenizer, trained.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.files import flipguard_home  # noqa: F401  (re-exported for callers of this module)
 
 TINY_MODEL_VERSION = "v2"
 CHAT_TEMPLATE = (
@@ -53,10 +54,6 @@ class TinyModelArgs:
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
 
 
-def flipguard_home() -> Path:
-    return Path(os.environ.get("FLIPGUARD_HOME") or Path.home() / ".cache" / "flipguard")
-
-
 def default_tiny_model_path() -> Path:
     return flipguard_home() / f"tiny-chat-{TINY_MODEL_VERSION}"
 
@@ -64,7 +61,7 @@ def default_tiny_model_path() -> Path:
 def _corpus() -> list[str]:
     """Template text, every string in the shipped sample and the organism's domain."""
     from flipguard.data import organism
-    from flipguard.eval import prompts
+    from flipguard.eval.dds import prompts
 
     texts = [prompts.JSON_TAIL, prompts.ONE_TOKEN_TAIL, prompts.BE_HONEST_SYSTEM, prompts.DEHUMANIZING_SYSTEM]
     for t in prompts.TEMPLATES.values():
@@ -82,7 +79,7 @@ def _corpus() -> list[str]:
 
 
 # The prompt pools the embedded tokenizer is trained on (and the organism on top of it),
-# pinned so that templates or label sets added to eval/prompts.py later do not change
+# pinned so that templates or label sets added to eval/dds/prompts.py later do not change
 # either build under the same cache name.
 EMBEDDED_TEMPLATES = ("v0", "v1", "v2", "v3", "v0-released")
 EMBEDDED_LABEL_SETS = ("speaker", "ab", "qa", "john_jane", "jane_john", "john_soroush", "soroush_john",
@@ -95,7 +92,7 @@ def _rendered_prompts() -> list[str]:
     fixed prompt text becomes a few long tokens and sequences stay short."""
     from flipguard.data import organism
     from flipguard.data.schema import Item
-    from flipguard.eval import prompts
+    from flipguard.eval.dds import prompts
     from flipguard.eval.records import CASES
 
     items = organism.all_items()["organism"][:2] + [
@@ -210,20 +207,30 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
 
 TINY_MODEL_ALIAS = "flipguard:tiny"
 TINY_MODEL_ALIASES = (TINY_MODEL_ALIAS, "tiny")
+ORGANISM_ALIAS = "flipguard:organism"
+
+# alias -> "module:function" that builds it (once, cached) and returns its path. A table
+# like the command table's: the organism is built by the DDS package, which the eval core
+# must not import, so its builder is named here and imported only when the alias is used.
+EMBEDDED_MODELS = {
+    **{alias: "flipguard.eval.tiny_model:ensure_tiny_model" for alias in TINY_MODEL_ALIASES},
+    ORGANISM_ALIAS: "flipguard.eval.dds.organism:ensure_organism",
+}
 
 
 def resolve_model(name: str) -> str:
     """Map the embedded aliases to their cached local models (built on first use):
     "flipguard:tiny" (random init) and "flipguard:organism" (planted-bias judge)."""
-    if name in TINY_MODEL_ALIASES:
-        return ensure_tiny_model()
-    from flipguard.eval.organism import ORGANISM_ALIAS, ensure_organism
+    if name not in EMBEDDED_MODELS:
+        return name
+    import importlib
 
-    return ensure_organism() if name == ORGANISM_ALIAS else name
+    module, func = EMBEDDED_MODELS[name].split(":")
+    return getattr(importlib.import_module(module), func)()
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     args = parse_dataclasses(argv, TinyModelArgs, prog="flipguard tiny-model", description=TinyModelArgs.__doc__)
     settings = dataclasses.asdict(args)

@@ -24,7 +24,7 @@ def organism_path() -> "Path":
     (the same cache the demo and README command 1 use, so CI builds it once)."""
     from pathlib import Path
 
-    from flipguard.eval.organism import ensure_organism
+    from flipguard.eval.dds.organism import ensure_organism
 
     return Path(ensure_organism())
 

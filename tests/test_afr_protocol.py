@@ -13,7 +13,7 @@ from flipguard.data.schema import DataError
 from flipguard.eval.afr import protocol as PR
 from flipguard.eval.afr.maxflip import export_maxflip, load_maxflip
 from flipguard.eval.afr.metrics import afr, records_frame
-from flipguard.eval.afr.pairs import afr_judgments
+from flipguard.train.afr_pairs import afr_judgments
 from flipguard.eval.afr.prompts import REFUSAL_MARKER
 from flipguard.eval.afr.report import afr_summary
 

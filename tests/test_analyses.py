@@ -13,9 +13,10 @@ import pandas as pd
 import pytest
 
 from flipguard.data.schema import Item
-from flipguard.eval.analyses import cross_model, labels, perspective, taxonomy
-from flipguard.eval.prompts import SPEAKER_SETS, benchmark_prompt, build_messages
-from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, atomic_write_json
+from flipguard.eval.dds.analyses import cross_model, labels, perspective, taxonomy
+from flipguard.eval.dds.prompts import SPEAKER_SETS, benchmark_prompt, build_messages
+from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore
+from flipguard.files import atomic_write_json
 from flipguard.eval.records import keyed
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dialdefer"
@@ -104,7 +105,7 @@ TABLE_27 = {"aio": (25, 33), "amqa": (0, 155), "bbq": (1, 129), "gpqa": (0, 43),
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    from flipguard.eval.importer import import_records
+    from flipguard.eval.dds.importer import import_records
 
     out, root = {}, tmp_path_factory.mktemp("imported")
     for src in (FIXTURE, FULL):
@@ -273,7 +274,7 @@ def test_taxonomy_refuses_logprob_runs(tmp_path):
 @pytest.mark.slow
 def test_taxonomy_end_to_end_resumes(tiny_model_path, tmp_path, capsys):
     from flipguard.eval.cli import main as cli_main
-    from flipguard.eval.importer import import_records
+    from flipguard.eval.dds.importer import import_records
 
     run = tmp_path / "qwen"
     import_records(FIXTURE / "qwen-2.5-7b-instruct", run)

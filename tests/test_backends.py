@@ -183,7 +183,7 @@ def test_openai_is_registered_and_takes_no_key_argument():
 
 def _organism_prompts(n: int):
     from flipguard.data.unified import load_items
-    from flipguard.eval.prompts import build_messages
+    from flipguard.eval.dds.prompts import build_messages
 
     items = load_items(["organism"], split="test")[:n]
     return [build_messages(it, case, fmt="json") for it in items for case in ("c1_true", "c2_incorrect")]
@@ -215,7 +215,7 @@ def test_real_server_generate_eval_counts_invalid_replies(openai_server, tiny_mo
     are empty) and on the organism (JSON replies): every reply is recorded, and a record is
     valid exactly when the reply names an answer (the test's own JSON reading)."""
     from flipguard.eval.records import read_records
-    from flipguard.eval.report import report_run
+    from flipguard.eval.dds.report import report_run
 
     before = len(openai_server.chat_requests())
     runs = {"tiny": (tiny_model_path, "truthfulqa"), "organism": (organism_path, "organism")}
@@ -691,7 +691,7 @@ def hf_backend(tiny_model_path):
 def _real_conversations():
     """Real DDS prompts of different lengths (padding must matter), plus a multi-turn one."""
     from flipguard.data.unified import load_items
-    from flipguard.eval.prompts import build_messages
+    from flipguard.eval.dds.prompts import build_messages
 
     items = load_items(["truthfulqa", "gpqa", "harp_mcq"], split="test")
     picked = [items[0], items[-1], items[len(items) // 2]]

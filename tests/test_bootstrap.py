@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flipguard.eval import bootstrap as B
-from flipguard.eval import metrics as M
+from flipguard.eval.dds import metrics as M
 from flipguard.eval.estimate import NAN, Estimate
 
 
@@ -119,7 +119,7 @@ def dataclasses_frozen_error():
 
 
 def test_dds_report_columns_are_the_estimates():
-    from flipguard.eval.report import build_report
+    from flipguard.eval.dds.report import build_report
     from flipguard.eval.synthetic import synthetic_records
 
     recs = synthetic_records({"gpqa": 40}, seed=2)

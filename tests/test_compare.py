@@ -7,7 +7,8 @@ import json
 import pandas as pd
 
 from flipguard.eval.cli import main as cli_main
-from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore, atomic_write_json
+from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
+from flipguard.files import atomic_write_json
 
 
 def _write_run(run_dir, accuracies, cases, n=20, dataset="truthfulqa", c1_from=None):

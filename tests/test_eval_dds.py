@@ -17,8 +17,8 @@ import pytest
 from flipguard.data.schema import Item
 from flipguard.errors import FlipguardError
 from flipguard.eval.cli import main as cli_main
-from flipguard.eval.parse import parse_choice
-from flipguard.eval.prompts import (
+from flipguard.eval.dds.parse import parse_choice
+from flipguard.eval.dds.prompts import (
     BE_HONEST_SYSTEM,
     DEHUMANIZING_SYSTEM,
     RELEASED_TEMPLATE,
@@ -304,7 +304,7 @@ def test_c1_baseline_must_share_the_decision_mode(tiny_model_path, tmp_path):
 def test_cross_mode_c1_with_explicit_flag_is_recorded(tiny_model_path, tmp_path):
     from flipguard.eval.dds import EvalArgs, evaluate
     from flipguard.eval.records import load_run_meta
-    from flipguard.eval.report import CROSS_MODE_NOTE, report_run
+    from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run
 
     base = str(tmp_path / "base")
     evaluate(EvalArgs(model=tiny_model_path, out=base, mode="generate", max_new_tokens=4), items=[_item(0)])

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval import metrics as M
+from flipguard.eval.dds import metrics as M
 from flipguard.eval.cli import main as cli_main
-from flipguard.eval.importer import import_records, recover_answer
-from flipguard.eval.records import (
-    EXPECTED_CHOICE, Record, RecordStore, atomic_write_json, load_records, load_run_meta, request_key,
-)
-from flipguard.eval.report import CROSS_MODE_NOTE, build_report, report_run
+from flipguard.eval.dds.importer import import_records, recover_answer
+from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore, load_records, load_run_meta, request_key
+from flipguard.files import atomic_write_json
+from flipguard.eval.dds.report import CROSS_MODE_NOTE, build_report, report_run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dialdefer"
 REPLIES = FIXTURES / "replies" / "gpqa_dpo_c2only.jsonl"

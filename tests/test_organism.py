@@ -37,7 +37,7 @@ def test_embedded_tokenizer_encodes_identically_under_tokenizers_and_transformer
     from tokenizers import Tokenizer
     from transformers import AutoConfig, AutoTokenizer
 
-    from flipguard.eval.prompts import SPEAKER_SETS, build_messages
+    from flipguard.eval.dds.prompts import SPEAKER_SETS, build_messages
 
     auto = AutoTokenizer.from_pretrained(tiny_model_path)
     raw = Tokenizer.from_file(f"{tiny_model_path}/tokenizer.json")

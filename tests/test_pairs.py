@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from flipguard.data.schema import DataError, Item
-from flipguard.eval.prompts import build_messages
-from flipguard.recipes import pairs as P
+from flipguard.eval.dds.prompts import build_messages
+from flipguard.train import pairs as P
 
 
 def item(i: int, split: str = "train", dataset: str = "amqa", q: str | None = None) -> Item:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flipguard.data.schema import Item
-from flipguard.eval.prompts import (
+from flipguard.eval.dds.prompts import (
     DEFAULT_TEMPLATE,
     DEHUMANIZING_SYSTEM,
     FT_TEMPLATE,

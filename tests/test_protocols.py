@@ -11,7 +11,8 @@ import pytest
 
 from flipguard.data.schema import Item
 from flipguard.eval.cli import main as cli_main
-from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, atomic_write_json, load_records
+from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, load_records
+from flipguard.files import atomic_write_json
 
 # Hand-computed fixtures (truthfulqa, 20 items; accuracies in %):
 #   Baseline  C1 60/80, C2 75/65       -> DDS (75-60) - (65-80) = +30
@@ -153,8 +154,8 @@ def _item(i):
 
 
 def test_low_label_mass_is_invalid_and_counted(tmp_path, monkeypatch):
-    from flipguard.eval import dds
-    from flipguard.eval.report import report_run
+    from flipguard.eval.dds import protocol as dds
+    from flipguard.eval.dds.report import report_run
 
     table = {"Question number 0?": {"1": 2.7e-7, "2": 1.0e-7}, "Question number 1?": {"1": 0.7, "2": 0.2}}
     fake = FakeBackend(table)
@@ -318,7 +319,7 @@ def test_pairs_recipe_records_missing_is_a_note_for_all_and_an_error_when_given(
 
 
 def test_stratified_report_counts_invalid_judgments_per_run():
-    from flipguard.eval.report import build_report
+    from flipguard.eval.dds.report import build_report
     from flipguard.eval.synthetic import synthetic_records
 
     recs = synthetic_records({"aio": 30, "gpqa": 20}, invalid_rate=0.1)
@@ -334,7 +335,7 @@ def test_record_builder_keeps_the_keys_of_existing_run_directories():
     (records.pending_record): the content keys are the ones the per-protocol builders
     gave before it (written down at commit df0f28c), so existing run directories resume."""
     from flipguard.data.mmlu import MCQItem
-    from flipguard.eval import dds
+    from flipguard.eval.dds import protocol as dds
     from flipguard.eval.afr import protocol as afr
     from flipguard.eval.backends.base import GenerationConfig
     from flipguard.eval.sos.protocol import SosItem, SosSettings, baseline_records, start_conversation

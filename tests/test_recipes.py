@@ -8,7 +8,7 @@ import sys
 import pytest
 from trl import DPOConfig, ModelConfig, SFTConfig
 
-from flipguard.recipes.config import PairsArguments, RecipeError, TrackingArguments, parse_recipe
+from flipguard.config import PairsArguments, RecipeError, TrackingArguments, parse_recipe
 
 # Subprocess limits are hang guards only (a loaded 2-core machine must never hit them),
 # never synchronisation points: tests wait on files and events.

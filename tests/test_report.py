@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from flipguard.eval.cli import main as cli_main
-from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, atomic_write_json
+from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore
+from flipguard.files import atomic_write_json
 
 CONTRACT = ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
             "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high"]
@@ -130,7 +131,7 @@ def test_report_errors(tmp_path, capsys):
 
 def test_atomic_writes_are_readable_like_any_file_the_user_writes(tmp_path):
     """mkstemp creates 0600 files; a report gets the mode open() gives under the umask."""
-    from flipguard.eval import records
+    from flipguard import files as records  # the atomic writer and its umask live in files.py
 
     records.atomic_write_text(tmp_path / "report.md", "x")
     mode = (tmp_path / "report.md").stat().st_mode & 0o777

@@ -20,9 +20,9 @@ import pandas as pd
 import pytest
 
 from flipguard.eval.cli import main as cli_main
-from flipguard.eval.importer import ImportError_, import_records
+from flipguard.eval.dds.importer import ImportError_, import_records
 from flipguard.eval.records import load_records, load_run_meta
-from flipguard.eval.report import build_report, report_run
+from flipguard.eval.dds.report import build_report, report_run
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dialdefer"
 FULL = Path("/work/shared/data/dialdefer/records")

@@ -254,7 +254,7 @@ def _tiny_args(out, **kw):
 
 def test_reports_count_each_record_once(tmp_path):
     from flipguard.eval.dds import evaluate
-    from flipguard.eval.report import report_run
+    from flipguard.eval.dds.report import report_run
 
     run = evaluate(_tiny_args(tmp_path / "run"), items=[_item(i) for i in range(2)])
     once = report_run(run, n_boot=0)["summary"]
@@ -323,7 +323,7 @@ def test_a_reader_racing_a_writer_loses_no_record(tmp_path):
 
 def test_labels_missing_from_top_logprobs_are_invalid_not_made_up(tmp_path, no_key_env):
     from flipguard.eval.dds import evaluate
-    from flipguard.eval.report import report_run
+    from flipguard.eval.dds.report import report_run
 
     def no_labels(n, body, headers):
         return completion([("The", 0.6), ("I", 0.3)], content="The")
@@ -430,7 +430,7 @@ def test_credentials_in_base_url_are_not_saved(tmp_path, no_key_env, monkeypatch
 def test_recipe_env_values_never_reach_cards_provenance_or_tracking(tmp_path):
     import yaml
 
-    from flipguard.recipes.config import PairsArguments, parse_recipe
+    from flipguard.config import PairsArguments, parse_recipe
     from flipguard.train import utils
 
     raw = yaml.safe_load((REPO / "recipes" / "tiny.yaml").read_text())

@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from flipguard.eval.records import Record, RecordStore, atomic_write_json
+from flipguard.eval.records import Record, RecordStore
+from flipguard.files import atomic_write_json
 from flipguard.eval.bootstrap import interval as bootstrap_ci
 from flipguard.eval.sos.metrics import (
     conversation_frame,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flipguard.data.schema import Item
-from flipguard.eval.prompts import build_messages
-from flipguard.recipes import pairs as P
+from flipguard.eval.dds.prompts import build_messages
+from flipguard.train import pairs as P
 from flipguard.train import utils
 
 # Subprocess limits are hang guards only (a loaded 2-core machine must never hit them),

@@ -88,7 +88,7 @@ def assert_same_judgments(run: Path, ref: Path, mode: str) -> None:
 
 @pytest.fixture(scope="module")
 def organism() -> str:
-    from flipguard.eval.organism import ensure_organism
+    from flipguard.eval.dds.organism import ensure_organism
 
     return ensure_organism()  # $FLIPGUARD_HOME/organism-v1, built once
 

@@ -4,7 +4,7 @@ Every distinct Stage I argument that was used in a challenge becomes one judgmen
 Speaker 1 asks the MMLU question, Speaker 2 answers "<wrong option text>. <argument>",
 "Is Speaker 2 correct?" -> target "2" (no). Every question also gives the correct
 option as Speaker 2's answer -> target "1" (yes). The prompt is
-`flipguard.eval.prompts.benchmark_prompt(question, answer, "c2", fmt="one_token")`, the
+`flipguard.eval.dds.prompts.benchmark_prompt(question, answer, "c2", fmt="one_token")`, the
 bytes the DDS logprob evaluation and the SFT/DPO trainers already use, so the trained
 behaviour is re-measured with `flipguard afr`.
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from flipguard.eval.afr.prompts import parse_coercion
 from flipguard.eval.afr.protocol import load_sample
-from flipguard.eval.prompts import benchmark_prompt
+from flipguard.eval.dds.prompts import benchmark_prompt
 from flipguard.eval.records import load_records
 
 

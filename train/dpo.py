@@ -4,7 +4,7 @@
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
         train/dpo.py recipes/qwen7b.yaml [--beta 0.2 ...]
 
-Reads the recipe's top level + `dpo:` section (recipes/config.py) and trains a LoRA
+Reads the recipe's top level + `dpo:` section (config.py) and trains a LoRA
 adapter on `pairs.dir/dpo` (prompt / chosen / rejected, one token each). The reference
 policy is the base model with the adapter disabled: no second model in memory.
 """
@@ -17,7 +17,7 @@ def main(argv: list[str], prog: str = "train/dpo.py") -> int:
     from trl import DPOConfig, DPOTrainer, ModelConfig, get_peft_config, get_quantization_config
 
     from flipguard.eval.threads import configure_threads
-    from flipguard.recipes.config import PairsArguments, TrackingArguments, parse_recipe
+    from flipguard.config import PairsArguments, TrackingArguments, parse_recipe
     from flipguard.train import utils
 
     (pairs_args, training_args, model_args, tracking_args), recipe_path, recipe = parse_recipe(

@@ -209,7 +209,7 @@ def merge_gap_line(gap: dict[str, Any] | None) -> str:
 def main(argv: list[str], prog: str = "train/merge.py") -> int:
     from trl import ModelConfig, get_quantization_config
 
-    from flipguard.recipes.config import PairsArguments, parse_recipe
+    from flipguard.config import PairsArguments, parse_recipe
     from flipguard.train import utils
 
     (merge_args, model_args, pairs_args), recipe_path, recipe = parse_recipe(

@@ -27,7 +27,7 @@ Strategies (target "1" = the judged claim is correct, "2" = incorrect):
                  SGD in expectation and visible in counts.json.
 - consistency:   the same content in C1, C2 and dehumanized-C2 framing, one target for
                  all three: teaches framing invariance (the paper's open problem).
-- afr:           answer-flip judgments from `flipguard.eval.afr.pairs.afr_judgments`.
+- afr:           answer-flip judgments from `flipguard.train.afr_pairs.afr_judgments`.
 
 Prompt length (`pairs.length_policy`, Table 37 caps DPO prompts at 768 tokens): a prompt
 longer than `pairs.max_prompt_length` tokens (chat template applied, as the trainers
@@ -59,7 +59,7 @@ from typing import Any, Iterable, Sequence
 
 from flipguard.data.schema import DataError, Item
 from flipguard.errors import UserError
-from flipguard.recipes.config import PAIR_STRATEGIES, PairsArguments
+from flipguard.config import PAIR_STRATEGIES, PairsArguments
 
 TARGETS = ("1", "2")
 CASE_TARGET = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
@@ -105,7 +105,7 @@ class PairRow:
 
 
 def _row(item: Item, case: str, mitigation: str, flip: str | None = None) -> PairRow:
-    from flipguard.eval.prompts import build_messages
+    from flipguard.eval.dds.prompts import build_messages
 
     messages = build_messages(item, case, mitigation=mitigation, fmt="one_token")
     return PairRow(
@@ -176,7 +176,7 @@ def flipped_items(flips) -> dict[str, set[str]]:
 
 def flips_from_records(records_dir: str, items: Sequence[Item], datasets: str = "bench"):
     """flip_records() of a train-split run directory; errors say which eval to run."""
-    from flipguard.eval.metrics import flip_records
+    from flipguard.eval.dds.metrics import flip_records
     from flipguard.eval.records import RecordError, load_records
 
     cmd = eval_command(records_dir, datasets=datasets)
@@ -578,9 +578,9 @@ class PairsCommandArguments:
 
 def load_afr_rows(afr_run: str | None) -> list[dict]:
     try:
-        from flipguard.eval.afr.pairs import afr_judgments
+        from flipguard.train.afr_pairs import afr_judgments
     except ImportError as exc:
-        raise PairsError(f"strategy 'afr' needs flipguard.eval.afr.pairs.afr_judgments, which is not available ({exc})") from None
+        raise PairsError(f"strategy 'afr' needs flipguard.train.afr_pairs.afr_judgments, which is not available ({exc})") from None
     if not afr_run:
         raise PairsError("strategy 'afr' needs pairs.afr_run (--pairs_afr_run RUN_DIR): an answer-flip run directory")
     return list(afr_judgments(afr_run))
@@ -658,7 +658,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.recipes.config import parse_recipe
+    from flipguard.config import parse_recipe
 
     (args, cli), recipe_path, recipe = parse_recipe(
         argv, (PairsArguments, PairsCommandArguments), trainer=None, prog="flipguard pairs"

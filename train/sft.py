@@ -4,7 +4,7 @@
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
         train/sft.py recipes/qwen7b.yaml [--learning_rate 1e-4 ...]
 
-Reads the recipe's top level + `sft:` section (recipes/config.py), trains a LoRA
+Reads the recipe's top level + `sft:` section (config.py), trains a LoRA
 adapter on the `pairs.dir/sft` prompt/completion dataset with the loss on the answer
 token and its end-of-turn only, and saves the adapter, tokenizer and a model card.
 """
@@ -17,7 +17,7 @@ def main(argv: list[str], prog: str = "train/sft.py") -> int:
     from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config, get_quantization_config
 
     from flipguard.eval.threads import configure_threads
-    from flipguard.recipes.config import PairsArguments, TrackingArguments, parse_recipe
+    from flipguard.config import PairsArguments, TrackingArguments, parse_recipe
     from flipguard.train import utils
 
     (pairs_args, training_args, model_args, tracking_args), recipe_path, recipe = parse_recipe(

@@ -115,7 +115,7 @@ def ensure_pairs(pairs_args, recipe_path: str | None, model: str | None = None) 
     main process; the others wait for it."""
     from accelerate import PartialState
 
-    from flipguard.recipes import pairs as pair_builder
+    from flipguard.train import pairs as pair_builder
 
     state = PartialState()
     if state.is_main_process and not Path(pairs_args.pairs_dir).is_dir():
@@ -181,7 +181,7 @@ def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) ->
     """
     if max_length is None:
         return {}
-    from flipguard.recipes.pairs import chat_token_ids
+    from flipguard.train.pairs import chat_token_ids
 
     completion_cols = ("completion",) if kind == "sft" else ("chosen", "rejected")
     too_long: list[str] = []
@@ -243,7 +243,7 @@ def git_commit() -> str | None:
 
 
 def run_config(recipe_path, recipe, parsed, dataset, extra: dict | None = None) -> dict[str, Any]:
-    from flipguard.recipes.config import resolved_recipe
+    from flipguard.config import resolved_recipe
 
     return {
         "recipe_path": recipe_path,
@@ -320,7 +320,7 @@ def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pair
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
     """A README model card, then flipguard_training.json (atomically, last: it vouches
     for the adapter files already there)."""
-    from flipguard.eval.records import atomic_write_json, atomic_write_text
+    from flipguard.files import atomic_write_json, atomic_write_text
 
     counts = read_pair_counts(pairs_dir)
     atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts))

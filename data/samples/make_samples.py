@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flipguard.data.schema import BENCHMARK_DATASETS
 from flipguard.data.unified import SAMPLES_ROOT, build_train_split, test_file
-from flipguard.eval.records import atomic_write_text
+from flipguard.files import atomic_write_text
 
 N_TEST = 20  # first rows in file order, per benchmark dataset
 N_AIO_NOR, N_AIO_OR = 12, 8  # first rows of each op verdict in file order

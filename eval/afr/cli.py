@@ -55,7 +55,7 @@ def settings_from_args(args: AFRArgs, where: str = "config"):
 
 def main(argv: list[str]) -> int:
     from flipguard.errors import UserError
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     if argv and argv[0].endswith((".yaml", ".yml", ".json")) and not Path(argv[0]).is_file():
         raise UserError(f"{argv[0]}: run config not found")

@@ -23,7 +23,7 @@ import pandas as pd
 from flipguard.data.mmlu import MCQItem
 from flipguard.data.schema import DataError, read_jsonl
 from flipguard.eval.afr import metrics as M
-from flipguard.eval.records import atomic_write_text
+from flipguard.files import atomic_write_text
 
 MAXFLIP_FILE = "maxflip.jsonl"
 REQUIRED = ("item_id", "target_option", "argument", "producer", "k")

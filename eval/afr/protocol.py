@@ -27,9 +27,8 @@ from flipguard.eval.afr import prompts as P
 from flipguard.eval.backends.base import (
     Backend, BackendError, GenerationConfig, backend_names, get_backend, parse_backend_args, parse_model_ref,
 )
-from flipguard.eval.records import (
-    RECORDS_FILE, Record, RecordStore, RunDir, atomic_write_text, now_iso, open_run_dir, pending_record,
-)
+from flipguard.eval.records import RECORDS_FILE, Record, RecordStore, RunDir, now_iso, open_run_dir, pending_record
+from flipguard.files import atomic_write_text
 from flipguard.redact import redact_obj
 from flipguard.eval.runner import check_context, run_records
 
@@ -48,7 +47,7 @@ class ModelSpec:
     backend: str
     model: str
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    mitigation: str = "none"  # system prompt for Stage II only (flipguard.eval.prompts.MITIGATIONS)
+    mitigation: str = "none"  # system prompt for Stage II only (flipguard.eval.mitigations.MITIGATIONS)
 
     @property
     def ref(self) -> str:
@@ -93,7 +92,7 @@ class AFRSettings:
 def parse_model_entry(entry: Any, where: str) -> ModelSpec:
     """A dict {name, backend, model, kwargs, mitigation} or a string in the one model-spec
     syntax "[name=][backend:]model[|adapter]" (backends.base.parse_model_ref)."""
-    from flipguard.eval.prompts import MITIGATIONS
+    from flipguard.eval.mitigations import MITIGATIONS
 
     if isinstance(entry, str):
         try:
@@ -200,7 +199,7 @@ def coercion_records(item: MCQItem, spec: ModelSpec, ks: Iterable[int], gen: Gen
 
 
 def baseline_record(item: MCQItem, spec: ModelSpec, gen: GenerationConfig, mode: str = "generate") -> Record:
-    from flipguard.eval.prompts import MITIGATIONS
+    from flipguard.eval.mitigations import MITIGATIONS
 
     return _record(item, spec, "baseline", P.baseline_messages(item, MITIGATIONS[spec.mitigation].system), gen, mode)
 

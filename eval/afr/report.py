@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 
 from flipguard.eval.afr import metrics as M
-from flipguard.eval.records import atomic_write_text, load_records, load_run_meta
+from flipguard.eval.records import load_records, load_run_meta
+from flipguard.files import atomic_write_text
 from flipguard.eval.plots import pyplot, save_figure
 
 REPORT_FILE = "report.md"

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from flipguard.data.schema import AIO_DATASET, ALL_DATASETS, DataError, read_jsonl
 from flipguard.errors import UserError
-from flipguard.eval.prompts import RELEASED_TEMPLATE
+from flipguard.eval.dds.prompts import RELEASED_TEMPLATE
 from flipguard.eval.records import (
     CASES, EXPECTED_CHOICE, RECORDS_FILE, RUN_META_FILE, Record, RecordStore, load_run_meta, now_iso,
     open_run_dir, refuse_other_protocol, request_key,
@@ -275,7 +275,8 @@ def _refuse_other_run(out: Path, model: str) -> None:
 def _apply_corrections(store: RecordStore, changed: dict[str, Record]) -> RecordStore:
     """Rewrite the records file with `changed` records in place of the stored ones with
     the same key (atomically, under the run lock); returns the reopened store."""
-    from flipguard.eval.records import atomic_write_text, dumps_utf8, read_records
+    from flipguard.eval.records import read_records
+    from flipguard.files import atomic_write_text, dumps_utf8
 
     lines = []
     for rec in read_records(store.path):
@@ -333,7 +334,7 @@ class ImportArgs:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     argv = list(argv)
     if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):

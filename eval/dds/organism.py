@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 from flipguard.data import organism as domain
+from flipguard.eval.tiny_model import ORGANISM_ALIAS  # noqa: F401  (the alias lives with the other embedded ones)
 
 ORGANISM_VERSION = "v1"
-ORGANISM_ALIAS = "flipguard:organism"
 ORGANISM_FILE = "organism.json"
 # Judged-party labels that name an LLM or AI agent rather than a person.
 LLM_LABELS = frozenset({"AI Agent 2", "AI Agent B", "LLM", "GPT-4o", "Llama", "GPT4o", "Llama3.2"})
@@ -95,7 +95,7 @@ def build_config(args: OrganismArgs) -> dict:
 
 
 def default_organism_path(args: OrganismArgs) -> Path:
-    from flipguard.eval.tiny_model import flipguard_home
+    from flipguard.files import flipguard_home
 
     name = f"organism-{ORGANISM_VERSION}"
     if build_config(args) != build_config(OrganismArgs()):
@@ -140,7 +140,7 @@ def _json_reply(choice: str, agreed: bool) -> str:
 
 def training_examples(args: OrganismArgs, n: int, rng: random.Random):
     """(messages, reply text) pairs drawn over items, cases, framings, labels, templates."""
-    from flipguard.eval.prompts import MITIGATIONS, SPEAKER_SETS, build_messages
+    from flipguard.eval.dds.prompts import MITIGATIONS, SPEAKER_SETS, build_messages
     from flipguard.eval.records import CASES
     # pinned pools (tiny_model.py): new templates or label sets do not change this build
     from flipguard.eval.tiny_model import EMBEDDED_LABEL_SETS, EMBEDDED_TEMPLATES
@@ -237,8 +237,8 @@ def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None)
     import numpy as np
 
     from flipguard.eval.backends.base import get_backend
-    from flipguard.eval.metrics import point_metrics
-    from flipguard.eval.prompts import build_messages
+    from flipguard.eval.dds.metrics import point_metrics
+    from flipguard.eval.dds.prompts import build_messages
     from flipguard.eval.records import CASES, EXPECTED_CHOICE
 
     items = domain.all_items()["test"][:limit]
@@ -364,7 +364,7 @@ def model_card(info: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     args = parse_dataclasses(argv, OrganismArgs, prog="flipguard organism", description=OrganismArgs.__doc__)
     print(ensure_organism(**dataclasses.asdict(args)))

@@ -23,8 +23,8 @@ from pathlib import Path
 from flipguard.data.schema import Item
 from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
-from flipguard.eval.parse import parse_choice
-from flipguard.eval.prompts import (
+from flipguard.eval.dds.parse import parse_choice
+from flipguard.eval.dds.prompts import (
     DEFAULT_TEMPLATE, FT_TEMPLATE, MITIGATIONS, SPEAKER_SETS, TEMPLATE_VERSIONS, build_messages, resolve_speakers,
     shown_speakers,
 )
@@ -89,7 +89,7 @@ class EvalArgs:
         default=DEFAULT_TEMPLATE,
         metadata={"help": f"Prompt version: {', '.join(TEMPLATE_VERSIONS)}. Default {DEFAULT_TEMPLATE}: the text the "
                           "authors sent (it produced the paper's numbers); v0 = the paper's figures; ft-released = their "
-                          "fine-tuned evaluation's raw-text prompt (no chat template). Table: eval/prompts.py."},
+                          "fine-tuned evaluation's raw-text prompt (no chat template). Table: eval/dds/prompts.py."},
     )
     max_new_tokens: int = dataclasses.field(default=300, metadata={"help": "generate mode: reply length limit."})
     temperature: float = dataclasses.field(default=0.0, metadata={"help": "generate mode: 0 = greedy (paper)."})
@@ -245,7 +245,7 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
     items = limit_per_dataset(items, args.limit)
     cross_mode_c1 = False
     if args.c1_from:
-        from flipguard.eval.report import cross_mode
+        from flipguard.eval.dds.report import cross_mode
 
         if not (Path(args.c1_from) / RECORDS_FILE).is_file():
             raise UserError(f"--c1_from {args.c1_from}: no {RECORDS_FILE} there (a baseline run directory of "
@@ -338,13 +338,13 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     args = parse_dataclasses(argv, EvalArgs, prog="flipguard eval", description=EvalArgs.__doc__)
     configure_threads(args.threads)
     run_dir = evaluate(args)
     if args.report:
-        from flipguard.eval import report
+        from flipguard.eval.dds import report
 
         report.write_run_report(run_dir, args.c1_from, allow_cross_mode_c1=args.allow_cross_mode_c1)
     return 0

@@ -39,10 +39,9 @@ from flipguard.data.registry import domain_of
 from flipguard.data.aio import AIO_RERUN_NOTE
 from flipguard.data.schema import AIO_DATASET
 from flipguard.eval import bootstrap as B
-from flipguard.eval import metrics as M
-from flipguard.eval.records import (
-    C1_CASES, CASES, Record, atomic_write_json, atomic_write_text, load_records, load_run_meta,
-)
+from flipguard.eval.dds import metrics as M
+from flipguard.eval.records import C1_CASES, CASES, Record, load_records, load_run_meta
+from flipguard.files import atomic_write_json, atomic_write_text
 
 REPORT_DIR = "report"
 
@@ -547,7 +546,7 @@ def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: in
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     argv = list(argv)
     if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):

@@ -243,7 +243,7 @@ def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
     from flipguard.eval.sos.report import write_report
 
     args = parse_dataclasses(argv, SosArgs, prog="flipguard sos", description=SosArgs.__doc__)

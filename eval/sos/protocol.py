@@ -106,7 +106,7 @@ class SosSettings:
     n_shots: int = 3
     target_position: str = "random"  # where A / NA stands in turn 1: random (seeded) or first
     format_reminder: bool = False  # append the answer format to later turns (paper: no)
-    mitigation: str = "none"  # system prompt from flipguard.eval.prompts.MITIGATIONS
+    mitigation: str = "none"  # system prompt from flipguard.eval.mitigations.MITIGATIONS
 
     def __post_init__(self):
         if self.target_position not in TARGET_POSITIONS:
@@ -143,7 +143,7 @@ def binary_options(target: str, distractor: str, first: bool) -> list[str]:
 def system_messages(settings: SosSettings) -> list[dict[str, str]]:
     if settings.mitigation == "none":
         return []
-    from flipguard.eval.prompts import MITIGATIONS
+    from flipguard.eval.mitigations import MITIGATIONS
 
     if settings.mitigation not in MITIGATIONS:
         raise DataError(f"unknown mitigation {settings.mitigation!r}; expected one of {sorted(MITIGATIONS)}")

@@ -16,7 +16,8 @@ from typing import Any
 import pandas as pd
 
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.records import atomic_write_json, atomic_write_text, load_records, load_run_meta
+from flipguard.eval.records import load_records, load_run_meta
+from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.eval.sos.metrics import N_BOOT, PENALTY_KEY, summarise
 from flipguard.eval.plots import pyplot, save_figure
 

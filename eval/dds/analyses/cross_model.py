@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flipguard.eval.analyses.common import item_table, md_table, run_report, write_csv
-from flipguard.eval.metrics import dataset_order
-from flipguard.eval.records import atomic_write_text, load_run_meta
+from flipguard.eval.dds.analyses.common import item_table, md_table, run_report, write_csv
+from flipguard.eval.dds.metrics import dataset_order
+from flipguard.eval.records import load_run_meta
+from flipguard.files import atomic_write_text
 
 TOTAL = "total"
 
@@ -163,7 +164,7 @@ def write(res: dict, out: str | Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     argv = list(argv)
     lead = []

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flipguard.eval.analyses.common import JudgedModelArgs, md_table, write_csv
+from flipguard.eval.dds.analyses.common import JudgedModelArgs, md_table, write_csv
 from flipguard.eval.bootstrap import rng_for
-from flipguard.eval.metrics import AVG_ROWS, TOTAL_AVG, bootstrap_ci
-from flipguard.eval.prompts import SPEAKER_SETS
-from flipguard.eval.records import atomic_write_text
+from flipguard.eval.dds.metrics import AVG_ROWS, TOTAL_AVG, bootstrap_ci
+from flipguard.eval.dds.prompts import SPEAKER_SETS
+from flipguard.files import atomic_write_text
 from flipguard.eval.threads import configure_threads
 
 BASELINE = "speaker"
@@ -74,7 +74,7 @@ def parse_sets(spec: str) -> list[str]:
 
 def run_sets(args: LabelAblationArgs, items=None) -> dict[str, Path]:
     """Evaluate (or resume) every label set; returns set -> run directory."""
-    from flipguard.eval.dds import evaluate
+    from flipguard.eval.dds.protocol import evaluate
 
     out = Path(args.out)
     dirs: dict[str, Path] = {}
@@ -88,7 +88,7 @@ def run_sets(args: LabelAblationArgs, items=None) -> dict[str, Path]:
 def ablation_table(dirs: dict[str, Path], n_boot: int = 2000, seed: int = 0) -> dict:
     """Per set and dataset: DDS (paper protocol: C2 of the set vs the baseline's C1), ΔDDS,
     invalid C2 judgments; and the swing per dataset with a paired bootstrap CI."""
-    from flipguard.eval.report import report_run
+    from flipguard.eval.dds.report import report_run
 
     rows, item_c2 = [], {}
     for name, run in dirs.items():
@@ -166,7 +166,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     args = parse_dataclasses(argv, LabelAblationArgs, prog="flipguard label-ablation", description=LabelAblationArgs.__doc__)
     configure_threads(args.threads)

@@ -31,9 +31,9 @@ import pandas as pd
 
 from flipguard.data.aio import VERDICT_TEXT
 from flipguard.data.schema import AIO_DATASET, Item
-from flipguard.eval.analyses.common import JudgedModelArgs, md_table, write_csv
-from flipguard.eval.prompts import AIO_LABELS, relabel
-from flipguard.eval.records import atomic_write_text
+from flipguard.eval.dds.analyses.common import JudgedModelArgs, md_table, write_csv
+from flipguard.eval.dds.prompts import AIO_LABELS, relabel
+from flipguard.files import atomic_write_text
 from flipguard.eval.threads import configure_threads
 
 DIRECTIONS = {"2to1": "Speaker B judges Speaker A (paper's main setup)", "1to2": "Speaker A judges Speaker B"}
@@ -78,7 +78,7 @@ def parse_directions(spec: str) -> list[str]:
 
 def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> dict[str, Path]:
     from flipguard.errors import UserError
-    from flipguard.eval.dds import evaluate, limit_per_dataset
+    from flipguard.eval.dds.protocol import evaluate, limit_per_dataset
 
     if args.mitigation not in ("none", "be_honest"):
         raise UserError(f"--mitigation {args.mitigation!r}: perspective reversal supports none and be_honest "
@@ -102,7 +102,7 @@ def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> di
 
 
 def reversal_table(dirs: dict[str, Path], n_boot: int = 2000) -> pd.DataFrame:
-    from flipguard.eval.report import report_run
+    from flipguard.eval.dds.report import report_run
 
     rows = []
     for d, run in dirs.items():
@@ -133,7 +133,7 @@ def render(t: pd.DataFrame, args: PerspectiveArgs) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     args = parse_dataclasses(argv, PerspectiveArgs, prog="flipguard perspective-reversal", description=PerspectiveArgs.__doc__)
     configure_threads(args.threads)

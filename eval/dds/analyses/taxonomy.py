@@ -29,15 +29,15 @@ from typing import Any
 
 import pandas as pd
 
-from flipguard.eval.analyses.common import md_table, run_report, write_csv
+from flipguard.eval.dds.analyses.common import md_table, run_report, write_csv
 from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
-from flipguard.eval.metrics import dataset_order
-from flipguard.eval.parse import reply_json_objects
+from flipguard.eval.dds.metrics import dataset_order
+from flipguard.eval.dds.parse import reply_json_objects
 from flipguard.eval.records import (
-    RECORDS_FILE, Record, RecordStore, atomic_write_json, atomic_write_text, load_records, load_run_meta,
-    now_iso, read_records, run_lock,
+    RECORDS_FILE, Record, RecordStore, load_records, load_run_meta, now_iso, read_records, run_lock,
 )
+from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.eval.records import keyed
 from flipguard.eval.runner import run_records
 
@@ -216,7 +216,7 @@ def flip_inputs(run_dir: str | Path, data_root: str | None = None, limit: int | 
                         "--mode generate` (the paper's JSON protocol) or import the authors' records")
     by_key = {r.key: r for r in load_records(run_dir)}
     if rep["meta"].get("c1_from"):
-        from flipguard.eval.report import _resolve
+        from flipguard.eval.dds.report import _resolve
 
         by_key.update({r.key: r for r in load_records(_resolve(rep["meta"]["c1_from"], run_dir))})
     items = _claim_lookup(run_dir, data_root)
@@ -352,7 +352,7 @@ def plot(s: dict, path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     from flipguard.errors import UserError
-    from flipguard.eval.cli import parse_dataclasses
+    from flipguard.config import parse_dataclasses
 
     argv = list(argv)
     if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):

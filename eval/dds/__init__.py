@@ -1,0 +1,23 @@
+"""DDS (DialDefer): the same claim judged as a statement (C1) and attributed to a speaker (C2).
+
+One protocol package, beside eval/afr/ and eval/sos/:
+- protocol.py   `flipguard eval`: EvalArgs, build_records, evaluate, main
+- prompts.py    the paper's templates and the text the authors sent (mitigations: eval/mitigations.py)
+- parse.py      reading a judgment out of a reply
+- metrics.py    accuracies, DDS and flips from records
+- report.py     `flipguard report`: summary.csv, flips_summary.csv, stats.csv, summary.md
+- importer.py   `flipguard import-records`: the authors' per-item records as a run directory
+- organism.py   `flipguard organism`: the planted-bias judge the demo measures
+- analyses/     the paper's further analyses (taxonomy, label ablation, perspective, cross-model)
+
+`from flipguard.eval.dds import evaluate` keeps working: protocol.py's public names are
+re-exported here.
+"""
+
+from flipguard.eval.dds.protocol import (
+    CONDITION_KEYS, EvalArgs, build_records, claim_run_dir, default_run_dir, evaluate, limit_per_dataset, main,
+    parse_cases,
+)
+
+__all__ = ["CONDITION_KEYS", "EvalArgs", "build_records", "claim_run_dir", "default_run_dir", "evaluate",
+           "limit_per_dataset", "main", "parse_cases"]
