@@ -360,7 +360,7 @@ def _trl_parser_class():
 
 
 def RecipeParser(dataclass_types, trainer: str | None = None, **kwargs):
-    """A `trl.TrlParser` for flipguard recipes (built lazily: importing trl is slow)."""
+    """A `trl.TrlParser` for flipguard recipes (built on first use: trl is imported only by a command that parses)."""
     return _trl_parser_class()(dataclass_types, trainer=trainer, **kwargs)
 
 

@@ -1,4 +1,4 @@
-"""The paper's analyses (eval/analyses): hand-built records with hand-computed values,
+"""The paper's analyses (eval/dds/analyses): hand-built records with hand-computed values,
 the judge-reply parser, the label sets' bytes against the authors' released prompts, the
 r/AIO reversal prompt, and the authors' released records checked against the paper's
 Tables 25-27."""

@@ -77,7 +77,7 @@ def item_table(flips: pd.DataFrame) -> pd.DataFrame:
 
 
 def fmt(x: Any, nd: int = 1, signed: bool = False) -> str:
-    """As the DDS report formats numbers (eval.report), counts with thousands separators."""
+    """As the DDS report formats numbers (eval.dds.report), counts with thousands separators."""
     from flipguard.eval.dds.report import _fmt
 
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):

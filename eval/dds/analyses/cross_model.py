@@ -4,7 +4,7 @@ Reproduces the paper's cross-model tables from run directories (imported or eval
 - agreement (Tables 24 and 27; the authors' taxonomy/run_full_taxonomy.py): per
   dataset, the items that flip in every model, in none, in some; agreement rate =
   (all + none) / items. Only items present in every run count (their rule); a flip is
-  the paper's (deference or skepticism, `eval.metrics`).
+  the paper's (deference or skepticism, `eval.dds.metrics`).
 - per-model statistics (Tables 25 and 29): items, deference / skepticism flips, flip
   rate (% of items), and the mean and standard deviation of the per-item DDS
   ((C2-correct − C1-true) − (C2-incorrect − C1-false) per item, in {-2..2}; population

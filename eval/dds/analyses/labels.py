@@ -12,7 +12,7 @@ and the **human-vs-LLM swing**, the paper's 17.7 pp (§5.2: "When Speaker 2 is l
 
     swing = ΔDDS(Speaker 2 = "User") − ΔDDS(Speaker 2 = "LLM") = DDS(llm_user) − DDS(user_llm)
 
-(the baseline cancels). Its 95% CI is the paired item bootstrap of eval.metrics: with C1
+(the baseline cancels). Its 95% CI is the paired item bootstrap of eval.dds.metrics: with C1
 shared, the swing is the DDS of the matrix [C2 of user_llm | C2 of llm_user].
 """
 
@@ -49,7 +49,7 @@ class LabelAblationArgs(JudgedModelArgs):
     out: str = dataclasses.field(default="runs/label-ablation", metadata={"help": "Folder: OUT/<set>/ per label set + the report."})
     sets: str = dataclasses.field(
         default=",".join(PAPER_SETS),
-        metadata={"help": f"Comma list of label sets (eval.prompts.SPEAKER_SETS: {', '.join(sorted(SPEAKER_SETS))}); "
+        metadata={"help": f"Comma list of label sets (eval.dds.prompts.SPEAKER_SETS: {', '.join(sorted(SPEAKER_SETS))}); "
                           f"the baseline '{BASELINE}' is always run."})
     datasets: str = dataclasses.field(default="truthfulqa", metadata={"help": "Datasets (paper: TruthfulQA)."})
     data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root (as flipguard eval)."})

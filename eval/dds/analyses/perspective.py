@@ -10,7 +10,7 @@ This command runs the directions asked for (`--directions`, default both) as two
 ordinary `flipguard eval` runs (OUT/2to1, OUT/1to2; all four cases; resumable) and reports
 each direction's accuracies and DDS and Δ = DDS(1→2) − DDS(2→1), Table 14's layout.
 
-How 1→2 is built, reusing eval.prompts unchanged: eval.prompts.build_messages lets Speaker
+How 1→2 is built, reusing eval.dds.prompts unchanged: eval.dds.prompts.build_messages lets Speaker
 labels[1] judge labels[0] and renames the released "Speaker A"/"Speaker B" in the text to
 the labels. 1→2 items carry text with A and B swapped and run with labels ("Speaker B",
 "Speaker A"): the renaming swaps them back, so context and dialogue are byte-identical

@@ -1,7 +1,7 @@
 """`flipguard taxonomy RUN_DIR --judge_model M --out DIR`: why did each flip happen?
 
 The paper's reasoning-failure taxonomy (DialDefer §5.1, Appendices F and J): for every
-judgment flip of a run (the paper's flips, `eval.metrics`: deference = C1-false judged
+judgment flip of a run (the paper's flips, `eval.dds.metrics`: deference = C1-false judged
 right → C2-incorrect judged wrong; skepticism = C1-true judged right → C2-correct judged
 wrong) an LLM judge reads the question and claim, the model's C1 answer and reasoning and
 its C2 answer and reasoning, flags every applicable code of Table 19 (6 categories, 14
