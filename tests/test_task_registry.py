@@ -87,3 +87,20 @@ def test_a_second_task_under_a_taken_name_is_refused():
         @register_task("dds")
         class Impostor(Task):
             pass
+
+
+def test_eval_takes_the_one_model_spec_syntax():
+    """`flipguard eval --model` reads [label=][backend:]model[|adapter] like afr and sos; the plain
+    --model/--backend/--adapter flags read as before (label model+adapter)."""
+    from flipguard.errors import UserError
+    from flipguard.eval.dds import DDSTask, EvalArgs
+
+    spec = DDSTask(EvalArgs(model="judge=openai:Qwen/Qwen2.5-7B-Instruct|runs/adapter", datasets="amqa", limit=1))
+    assert (spec.model.label, spec.model.backend, spec.model.model, spec.model.adapter) == \
+        ("judge", "openai", "Qwen/Qwen2.5-7B-Instruct", "runs/adapter")
+    assert spec.meta()["model"] == "judge" and spec.meta()["backend"] == "openai"
+    flags = DDSTask(EvalArgs(model="Qwen/Qwen2.5-7B-Instruct", adapter="runs/adapter", datasets="amqa", limit=1))
+    assert (flags.model.label, flags.model.backend, flags.model.adapter) == \
+        ("Qwen/Qwen2.5-7B-Instruct+runs/adapter", "hf", "runs/adapter")
+    with pytest.raises(UserError, match="names an adapter and --adapter gives another"):
+        DDSTask(EvalArgs(model="m|a", adapter="b", datasets="amqa", limit=1))
