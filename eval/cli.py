@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "label-ablation": ("flipguard.eval.dds.analyses.labels:main", "speaker-label ablation: DDS per label set and the human-vs-LLM swing (§5.2)"),
     "perspective-reversal": ("flipguard.eval.dds.analyses.perspective:main", "r/AIO 2->1 vs 1->2 judger/judgee DDS (paper Table 14)"),
     "cross-model": ("flipguard.eval.dds.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
+    "run": ("flipguard.eval.task:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
     "study": ("flipguard.eval.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
     "sft": ("flipguard.train.sft:main", "LoRA SFT from a recipe (same as python train/sft.py RECIPE)"),
     "dpo": ("flipguard.train.dpo:main", "LoRA DPO from a recipe (same as python train/dpo.py RECIPE)"),

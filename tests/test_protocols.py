@@ -159,7 +159,9 @@ def test_low_label_mass_is_invalid_and_counted(tmp_path, monkeypatch):
 
     table = {"Question number 0?": {"1": 2.7e-7, "2": 1.0e-7}, "Question number 1?": {"1": 0.7, "2": 0.2}}
     fake = FakeBackend(table)
-    monkeypatch.setattr(dds, "get_backend", lambda *a, **k: fake)
+    from flipguard.eval.backends import base
+
+    monkeypatch.setattr(base, "get_backend", lambda *a, **k: fake)
     run = dds.evaluate(dds.EvalArgs(model="fake-model", out=str(tmp_path / "run")), items=[_item(0), _item(1)])
     recs = load_records(run)
     assert len(recs) == 8 and {r.case for r in recs} == set(CASES)

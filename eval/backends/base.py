@@ -184,16 +184,23 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
 
 @dataclasses.dataclass(frozen=True)
 class ModelRef:
-    """One model of a multi-model command: `label` names it in records and tables."""
+    """One model of a run: `label` names it in records and tables; `kwargs` are its
+    backend's settings (batch size, device, base_url ...)."""
 
     label: str
     backend: str
     model: str
     adapter: str | None = None
+    kwargs: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def load(self) -> "Backend":
+        """The model's backend, built now (resolves "flipguard:tiny"; an adapter goes on top)."""
+        kwargs = {**self.kwargs, **({"adapter": self.adapter} if self.adapter else {})}
+        return get_backend(self.backend, self.model, **kwargs)
 
 
-def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--models") -> ModelRef:
-    """The one model-spec syntax of every command that takes several models (afr, sos):
+def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--models", kwargs: dict | None = None) -> ModelRef:
+    """The one model-spec syntax of every command (eval's --model, afr's and sos's --models):
     "[label=][backend:]model[|adapter]". A `backend:` prefix counts only when it names a
     registered backend, so ids such as "flipguard:tiny" or "org/model" pass through whole;
     the label defaults to the model (+adapter)."""
@@ -207,7 +214,7 @@ def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--mode
         raise BackendError(f"{where}: no model in {spec!r}; expected [label=][backend:]model[|adapter]")
     if backend not in backend_names():
         raise BackendError(f"{where}: unknown backend {backend!r} for {spec!r}; expected one of {backend_names()}")
-    return ModelRef(label or (model if not adapter else f"{model}+{adapter}"), backend, model, adapter)
+    return ModelRef(label or (model if not adapter else f"{model}+{adapter}"), backend, model, adapter, dict(kwargs or {}))
 
 
 def _load_builtin() -> None:

@@ -16,12 +16,13 @@ damage to C1 accuracy that a fixed C1 would hide.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
 from flipguard.data.schema import Item
-from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
+from flipguard.eval.backends.base import BackendError, GenerationConfig, parse_backend_args, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.dds.parse import parse_choice
 from flipguard.eval.dds.prompts import (
@@ -32,18 +33,13 @@ from flipguard.eval.records import (
     CASES,
     EXPECTED_CHOICE,
     RECORDS_FILE,
-    RUN_META_FILE,
     Record,
-    RecordStore,
-    RunDir,
     load_run_meta,
-    now_iso,
-    open_run_dir,
     pending_record,
 )
-from flipguard.redact import redact_obj
-from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MIN_LABEL_MASS, MODES, check_context, run_records
-from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MIN_LABEL_MASS, MODES
+from flipguard.eval.task import Batch, Plan, Task, command_line, register_task, run_task
+from flipguard.eval.threads import THREADS_HELP
 
 # Settings that define a run's condition: a run directory holds exactly one.
 CONDITION_KEYS = ("protocol", "model", "backend", "mode", "mitigation", "template", "speakers")
@@ -55,7 +51,9 @@ class EvalArgs:
 
     model: str = dataclasses.field(
         default="flipguard:tiny",
-        metadata={"help": "Model: hub id, local folder, or 'flipguard:tiny' (offline test model)."},
+        metadata={"help": "Model: hub id, local folder, or 'flipguard:tiny' (offline test model); the model-spec "
+                          "syntax of every command, [label=][backend:]model[|adapter], also works (a backend or "
+                          "adapter given there takes the place of --backend / --adapter)."},
     )
     out: str | None = dataclasses.field(
         default=None, metadata={"help": "Run directory (default: runs/<model>/<split>-<mitigation>-<mode>)."}
@@ -195,58 +193,73 @@ def default_run_dir(args: EvalArgs) -> Path:
     return Path("runs") / name / f"{args.split}-{args.mitigation}-{args.mode}"
 
 
-def claim_run_dir(run: RunDir, meta: dict, write: bool = True) -> None:
-    """One condition per run directory: refuse to mix a different model or setting in;
-    then (write=True) record the run's settings in run.json."""
-    old, run_dir = run.old, run.path
-    clash = {k: (old.get(k), meta.get(k)) for k in CONDITION_KEYS if k in old and old.get(k) != meta.get(k)}
-    if old and meta.get("mode") == "logprob" and old.get("mode") == "logprob" \
-            and old.get(MIN_LABEL_MASS) != meta.get(MIN_LABEL_MASS):  # absent: a run from before the threshold
-        clash[MIN_LABEL_MASS] = (old.get(MIN_LABEL_MASS), meta.get(MIN_LABEL_MASS))
-    if clash:
+@register_task("dds")
+class DDSTask(Task):
+    """One DDS condition (model x mitigation x mode x template x speakers): every item
+    judged in each case, one batch."""
+
+    condition_keys = CONDITION_KEYS
+    unit = "judgments"
+    args_class = EvalArgs
+
+    @classmethod
+    def default_out(cls, args: EvalArgs) -> Path:
+        return default_run_dir(args)
+
+    def __init__(self, args: EvalArgs, items: list[Item] | None = None):
         from flipguard.errors import UserError
 
-        detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
-        raise UserError(f"{run_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); use another --out")
-    if not write:
-        return
-    merged = {**old, **meta}
-    if old.get("cases"):
-        merged["cases"] = sorted(set(old["cases"]) | set(meta["cases"]), key=CASES.index)
-    run.write_meta(merged)
+        if args.mode not in MODES:
+            raise UserError(f"--mode must be one of {MODES}, got {args.mode!r}")
+        try:
+            speakers = resolve_speakers(args.speakers)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if args.mitigation not in MITIGATIONS:
+            raise UserError(f"--mitigation must be one of {sorted(MITIGATIONS)}, got {args.mitigation!r}")
+        self.speakers = MITIGATIONS[args.mitigation].speakers or speakers
+        if args.template not in TEMPLATE_VERSIONS:
+            raise UserError(f"--template must be one of {TEMPLATE_VERSIONS}, got {args.template!r}")
+        if args.template == FT_TEMPLATE and args.mitigation != "none":
+            raise UserError(f"--template {FT_TEMPLATE} is raw text without a chat template (no system turn): "
+                            f"it takes no --mitigation (got {args.mitigation!r})")
+        self.cases = parse_cases(args.cases, args.mitigation)
+        if not 0.0 <= args.min_label_mass <= 1.0:
+            raise UserError(f"--min_label_mass must be between 0 and 1, got {args.min_label_mass}")
+        self.min_label_mass = float(args.min_label_mass) if args.mode == "logprob" else None
+        backend_kwargs = parse_backend_args(args.backend_args)
+        try:
+            ref = parse_model_ref(args.model, args.backend, "--model")
+        except BackendError as exc:
+            raise UserError(str(exc)) from None
+        if args.adapter:
+            if ref.adapter:
+                raise UserError(f"--model {args.model!r} names an adapter and --adapter gives another; give one")
+            ref = dataclasses.replace(ref, adapter=args.adapter, label=ref.label if "=" in args.model
+                                      else f"{ref.model}+{args.adapter}")
+        if ref.backend == "hf":
+            backend_kwargs = {"batch_size": args.batch_size, "device": args.device, **backend_kwargs}
+        self.model = dataclasses.replace(ref, kwargs=backend_kwargs)
+        self.models = [self.model]
+        self.args = args
+        if items is None:
+            from flipguard.data.unified import load_items
 
+            items = load_items(args.datasets, split=args.split, data_root=args.data_root)
+        self.items = limit_per_dataset(items, args.limit)
+        self.cross_mode_c1, self.c1_differs = self._check_c1_from()
+        self.gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                           seed=args.seed)
 
-def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
-    """Run (or resume) one DDS condition; returns the run directory."""
-    from flipguard.errors import UserError
-
-    if args.mode not in MODES:
-        raise UserError(f"--mode must be one of {MODES}, got {args.mode!r}")
-    try:
-        speakers = resolve_speakers(args.speakers)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if args.mitigation not in MITIGATIONS:
-        raise UserError(f"--mitigation must be one of {sorted(MITIGATIONS)}, got {args.mitigation!r}")
-    speakers = MITIGATIONS[args.mitigation].speakers or speakers
-    if args.template not in TEMPLATE_VERSIONS:
-        raise UserError(f"--template must be one of {TEMPLATE_VERSIONS}, got {args.template!r}")
-    if args.template == FT_TEMPLATE and args.mitigation != "none":
-        raise UserError(f"--template {FT_TEMPLATE} is raw text without a chat template (no system turn): "
-                        f"it takes no --mitigation (got {args.mitigation!r})")
-    cases = parse_cases(args.cases, args.mitigation)
-    if not 0.0 <= args.min_label_mass <= 1.0:
-        raise UserError(f"--min_label_mass must be between 0 and 1, got {args.min_label_mass}")
-    min_label_mass = float(args.min_label_mass) if args.mode == "logprob" else None
-    if items is None:
-        from flipguard.data.unified import load_items
-
-        items = load_items(args.datasets, split=args.split, data_root=args.data_root)
-    items = limit_per_dataset(items, args.limit)
-    cross_mode_c1 = False
-    if args.c1_from:
+    def _check_c1_from(self) -> tuple[bool, dict]:
+        """The --c1_from baseline: a DDS run of the same split and decision mode (or the
+        paper's cross-mode protocol, asked for); another model or template is recorded."""
+        from flipguard.errors import UserError
         from flipguard.eval.dds.report import cross_mode
 
+        args = self.args
+        if not args.c1_from:
+            return False, {}
         if not (Path(args.c1_from) / RECORDS_FILE).is_file():
             raise UserError(f"--c1_from {args.c1_from}: no {RECORDS_FILE} there (a baseline run directory of "
                             "`flipguard eval` is needed); nothing was run")
@@ -254,97 +267,100 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
         if base_meta.get("protocol") not in (None, "dds"):
             raise UserError(f"--c1_from {args.c1_from}: holds a {base_meta.get('protocol')!r} run, not a DDS "
                             "baseline; nothing was run")
-        cross_mode_c1 = cross_mode(args.mode, base_meta.get("mode"))
-        if cross_mode_c1 and not args.allow_cross_mode_c1:
+        cross = cross_mode(args.mode, base_meta.get("mode"))
+        if cross and not args.allow_cross_mode_c1:
             raise UserError(
                 f"--c1_from {args.c1_from} was evaluated in {base_meta['mode']!r} mode, this run in "
                 f"{args.mode!r}: C1 and C2 must come from the same decision mode "
                 "(--allow_cross_mode_c1 for the paper's Tables 5/21 protocol)"
             )
-    c1_differs = {}
-    if args.c1_from:
         base_split = base_meta.get("split")
         if base_split and base_split != args.split:
             raise UserError(f"--c1_from {args.c1_from}: a {base_split!r}-split run, this run is {args.split!r}: "
                             "its C1 judges other items; nothing was run")
-        this = {"model": args.model if not args.adapter else f"{args.model}+{args.adapter}", "template": args.template}
-        c1_differs = {k: [base_meta.get(k), v] for k, v in this.items()
-                      if base_meta.get(k) is not None and base_meta.get(k) != v}
-        if c1_differs:
-            detail = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in c1_differs.items())
-            print(f"warning: --c1_from {args.c1_from} was judged with another {' and '.join(c1_differs)} "
+        this = {"model": self.model.label, "template": args.template}
+        differs = {k: [base_meta.get(k), v] for k, v in this.items()
+                   if base_meta.get(k) is not None and base_meta.get(k) != v}
+        if differs:
+            detail = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in differs.items())
+            print(f"warning: --c1_from {args.c1_from} was judged with another {' and '.join(differs)} "
                   f"({detail}): the paper's DDS of this run scores its C2 against that C1 (recorded in run.json "
                   "as c1_from_differs)", file=sys.stderr)
-    run_dir = Path(args.out) if args.out else default_run_dir(args)
-    gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    backend_kwargs = parse_backend_args(args.backend_args)
-    if args.backend == "hf":
-        backend_kwargs = {"batch_size": args.batch_size, "device": args.device, **backend_kwargs}
-    if args.adapter:
-        backend_kwargs["adapter"] = args.adapter
-    model_label = args.model if not args.adapter else f"{args.model}+{args.adapter}"
-    meta = {
-        "protocol": "dds",
-        "model": model_label,
-        "backend": args.backend,
-        "mode": args.mode,
-        "mitigation": args.mitigation,
-        "template": args.template,
-        "speakers": list(speakers),
-        # where a dataset's prompts show other labels (r/AIO Dehumanizing under v0-released)
-        **({"speakers_shown": shown} if (shown := {
-            d: list(shown_speakers(d, args.mitigation, speakers, args.template))
-            for d in sorted({it.dataset for it in items})
-            if shown_speakers(d, args.mitigation, speakers, args.template) != tuple(speakers)}) else {}),
-        "cases": list(cases),
-        "split": args.split,
-        "datasets": sorted({it.dataset for it in items}),
-        "data_root": args.data_root,
-        "c1_from": str(Path(args.c1_from).resolve()) if args.c1_from else None,
-        "allow_cross_mode_c1": bool(args.allow_cross_mode_c1),
-        "c1_cross_mode": cross_mode_c1,
-        # what the C1 baseline was judged with that differs from this run (model, template)
-        "c1_from_differs": c1_differs or None,
-        "generation": gen_config.key() if args.mode == "generate" else None,
-        MIN_LABEL_MASS: min_label_mass,
-        "command": redact_obj(["flipguard", "eval", *sys.argv[2:]]) if sys.argv[1:2] == ["eval"] else None,
-        "git_commit": git_commit(),
-        "updated": now_iso(),
-    }
-    with open_run_dir(run_dir, "dds") as run:  # one writer per run directory, held until the last record
-        claim_run_dir(run, meta, write=False)  # another condition: refused before any model loads
+        return cross, differs
+
+    def meta(self) -> dict:
+        args, items, speakers = self.args, self.items, self.speakers
+        return {
+            "protocol": "dds",
+            "model": self.model.label,
+            "backend": self.model.backend,
+            "mode": args.mode,
+            "mitigation": args.mitigation,
+            "template": args.template,
+            "speakers": list(speakers),
+            # where a dataset's prompts show other labels (r/AIO Dehumanizing under v0-released)
+            **({"speakers_shown": shown} if (shown := {
+                d: list(shown_speakers(d, args.mitigation, speakers, args.template))
+                for d in sorted({it.dataset for it in items})
+                if shown_speakers(d, args.mitigation, speakers, args.template) != tuple(speakers)}) else {}),
+            "cases": list(self.cases),
+            "split": args.split,
+            "datasets": sorted({it.dataset for it in items}),
+            "data_root": args.data_root,
+            "c1_from": str(Path(args.c1_from).resolve()) if args.c1_from else None,
+            "allow_cross_mode_c1": bool(args.allow_cross_mode_c1),
+            "c1_cross_mode": self.cross_mode_c1,
+            # what the C1 baseline was judged with that differs from this run (model, template)
+            "c1_from_differs": self.c1_differs or None,
+            "generation": self.gen_config.key() if args.mode == "generate" else None,
+            MIN_LABEL_MASS: self.min_label_mass,
+            "command": command_line("eval"),
+            "git_commit": git_commit(),
+        }
+
+    def condition_clash(self, old: dict, meta: dict) -> dict:
+        clash = super().condition_clash(old, meta)
+        if old and meta.get("mode") == "logprob" and old.get("mode") == "logprob" \
+                and old.get(MIN_LABEL_MASS) != meta.get(MIN_LABEL_MASS):  # absent: a run from before the threshold
+            clash[MIN_LABEL_MASS] = (old.get(MIN_LABEL_MASS), meta.get(MIN_LABEL_MASS))
+        return clash
+
+    def merge_meta(self, old: dict, meta: dict) -> dict:
+        merged = {**old, **meta}
+        if old.get("cases"):
+            merged["cases"] = sorted(set(old["cases"]) | set(meta["cases"]), key=CASES.index)
+        return merged
+
+    @functools.cached_property
+    def _batch(self) -> Batch:
+        args = self.args
         records = build_records(
-            items, model=model_label, backend=args.backend, mode=args.mode, cases=cases,
-            mitigation=args.mitigation, speakers=speakers, template=args.template, gen_config=gen_config,
-            min_label_mass=min_label_mass,
+            self.items, model=self.model.label, backend=self.model.backend, mode=args.mode, cases=self.cases,
+            mitigation=args.mitigation, speakers=self.speakers, template=args.template, gen_config=self.gen_config,
+            min_label_mass=self.min_label_mass,
         )
-        store = RecordStore(run_dir / RECORDS_FILE)
-        pending = [r for r in records if r.key not in store]
-        print(f"{run_dir}: {len(records)} judgments, {len(records) - len(pending)} already recorded, {len(pending)} to run")
-        backend = None
-        if pending:
-            backend = get_backend(args.backend, args.model, **backend_kwargs)
-            # an item longer than the model's context: refused (item id, token count, limit)
-            # before run.json is written and before any forward pass
-            check_context(backend, pending, gen_config)
-        claim_run_dir(run, meta)
-        if pending:
-            run_records(
-                store, pending, backend, gen_config=gen_config, parse=parse_choice,
-                chunk_size=max(args.batch_size * 4, 16), desc=f"dds {args.mitigation}/{args.mode}",
-                context_checked=True,
-            )
+        return Batch(records, self.model.label, self.gen_config, parse_choice, desc=f"dds {args.mitigation}/{args.mode}",
+                      chunk_size=max(args.batch_size * 4, 16))
+
+    def first_batches(self) -> list[Batch]:
+        return [self._batch]
+
+    def solve(self) -> Plan:
+        yield self._batch
+
+    def write_report(self, run_dir: Path) -> Path:
+        from flipguard.eval.dds import report
+
+        return report.write_run_report(run_dir, self.args.c1_from, allow_cross_mode_c1=self.args.allow_cross_mode_c1)
+
+
+def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
+    """Run (or resume) one DDS condition; returns the run directory."""
+    task = DDSTask(args, items)
+    run_dir = Path(args.out) if args.out else default_run_dir(args)
+    run_task(task, run_dir)
     return run_dir
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
-    args = parse_dataclasses(argv, EvalArgs, prog="flipguard eval", description=EvalArgs.__doc__)
-    configure_threads(args.threads)
-    run_dir = evaluate(args)
-    if args.report:
-        from flipguard.eval.dds import report
-
-        report.write_run_report(run_dir, args.c1_from, allow_cross_mode_c1=args.allow_cross_mode_c1)
-    return 0
+    return DDSTask.main(argv, prog="flipguard eval")

@@ -1,0 +1,334 @@
+"""A protocol is a registered `Task`; one runner (`run_task`) runs every task.
+
+The shape of lm-evaluation-harness and inspect_ai: a task knows its items, builds the
+requests (pending `Record`s) and reads the model's stored answers to decide what to ask
+next (a multi-turn chat, a challenge built from an earlier argument); its metrics and
+report read the records. The runner owns everything that is the same for every
+protocol, so a new protocol is a class, not another stack:
+
+- the models: one spec syntax `[label=][backend:]model[|adapter]` (`ModelSpec`), one
+  backend pool that loads a model only when it has work and keeps one in memory;
+- the run directory: claim + writer lock (`records.open_run_dir`), the refusal of a
+  directory holding another condition, one run.json (common header, the task's
+  settings, the invocations with the calls each made);
+- resume: requests are content-keyed; a stored answer is never asked again, and a task
+  sees stored and new answers alike, so a finished run reruns with zero calls and
+  without loading a model;
+- the context check: every request known before any output (`first_batches`) is
+  checked against each model's context before run.json or a record is written.
+
+Tasks are registered by name (`@register_task("dds")`); `flipguard run NAME` runs any of
+them, including a user's (`--include my_tasks.py`, or a `flipguard.tasks` entry point).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, ClassVar, Generator, Iterable, Sequence
+
+from flipguard.errors import UserError
+from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef
+from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, Record, RecordStore, RunDir, now_iso, open_run_dir
+from flipguard.eval.runner import Parser, check_context, run_records
+
+
+@dataclasses.dataclass
+class Batch:
+    """Requests for one of the run's models, sent together (one stage, one turn)."""
+
+    records: list[Record]
+    model: str  # the label of one of the task's models
+    gen_config: GenerationConfig | None = None
+    parse: Parser | None = None  # generate mode: raw text -> (choice, reasoning)
+    choices: Sequence[str] = ("1", "2")  # logprob mode: the answer labels
+    desc: str = ""
+    chunk_size: int = 32
+
+
+# A task's plan: yields batches, receives each batch's records with their answers (stored
+# earlier or just now, in the batch's order).
+Plan = Generator[Batch, list[Record], None]
+
+
+class Task:
+    """One protocol. Subclasses set `name` and implement `first_batches`, `solve`, `meta`
+    and `write_report`; `__init__` validates the settings (bad input is refused before a
+    run directory is touched) and sets `self.models`."""
+
+    name: ClassVar[str]
+    # run.json keys a run directory holds exactly one value of; a rerun with another is refused
+    condition_keys: ClassVar[tuple[str, ...]] = ()
+    # run.json list keys that grow across invocations (models, mitigations added to a run)
+    accumulate_keys: ClassVar[tuple[str, ...]] = ()
+    # what the first requests are, for the progress line ("judgments", "first-turn requests")
+    unit: ClassVar[str] = "requests"
+
+    # the dataclass of the task's command-line flags / YAML keys (`flipguard run NAME --help`)
+    args_class: ClassVar[type]
+
+    models: list[ModelRef]
+
+    @classmethod
+    def from_args(cls, args: Any) -> "Task":
+        return cls(args)
+
+    @classmethod
+    def default_out(cls, args: Any) -> Path:
+        return Path("runs") / cls.name
+
+    @classmethod
+    def main(cls, argv: list[str], prog: str | None = None) -> int:
+        """The task's command: parse `args_class` (a YAML path first is a config), run,
+        report. Its flags `out`, `report` and `threads` are used when the class has them."""
+        from flipguard.config import parse_dataclasses
+        from flipguard.eval.threads import configure_threads
+
+        args = parse_dataclasses(argv, cls.args_class, prog=prog or f"flipguard run {cls.name}",
+                                 description=cls.args_class.__doc__ or cls.__doc__ or "")
+        configure_threads(getattr(args, "threads", None))
+        task = cls.from_args(args)
+        out = Path(args.out) if getattr(args, "out", None) else cls.default_out(args)
+        run_task(task, out)
+        if getattr(args, "report", True):
+            task.write_report(out)  # says what it wrote
+        return 0
+
+    def meta(self) -> dict[str, Any]:
+        """This invocation's settings for run.json (condition keys included)."""
+        raise NotImplementedError
+
+    def first_batches(self) -> list[Batch]:
+        """The requests known before any model output: context-checked before anything is written."""
+        raise NotImplementedError
+
+    def solve(self) -> Plan:
+        """Yield batches; each `yield` returns that batch's answered records."""
+        raise NotImplementedError
+
+    def prepare(self, run: RunDir) -> None:
+        """Files of the task's own, written after the checks and before the first request."""
+
+    def finish(self, run: RunDir, records: list[Record]) -> dict[str, Any]:
+        """run.json additions computed from every stored record (call accounting)."""
+        return {}
+
+    def write_report(self, run_dir: Path) -> Path:
+        """Write the run's report from its records (and print where); returns its folder or file."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ run directory
+
+    def condition_clash(self, old: dict[str, Any], meta: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Settings of this invocation that differ from those of the run directory's."""
+        return {k: (old.get(k), meta.get(k)) for k in self.condition_keys if k in old and old.get(k) != meta.get(k)}
+
+    def merge_meta(self, old: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+        merged = {**old, **meta}
+        for key in self.accumulate_keys:
+            merged[key] = list(dict.fromkeys(list(old.get(key) or []) + list(meta.get(key) or [])))
+        return merged
+
+
+# ---------------------------------------------------------------- registry
+
+_TASKS: dict[str, type[Task]] = {}
+# name -> the protocol module that registers it. A table like the command table: the
+# runner (eval core) must not import the protocols, so it names them and imports one only
+# when a task is looked up by name.
+BUILTIN_TASKS = {"dds": "flipguard.eval.dds.protocol", "afr": "flipguard.eval.afr.protocol",
+                 "sos": "flipguard.eval.sos.protocol"}
+ENTRY_POINT_GROUP = "flipguard.tasks"
+
+
+def register_task(name: str):
+    """Class decorator: make a Task runnable by name (`flipguard run NAME`, the study)."""
+
+    def deco(cls: type[Task]) -> type[Task]:
+        if name in BUILTIN_TASKS and not cls.__module__.startswith("flipguard.eval."):
+            raise UserError(f"task {name!r} is already registered (built in); choose another name")
+        if name in _TASKS and _TASKS[name] is not cls:
+            raise UserError(f"task {name!r} is already registered (by {_TASKS[name].__module__}); choose another name")
+        cls.name = name
+        _TASKS[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_builtin() -> None:
+    # importing registers; each module imports its engines lazily
+    import importlib
+    from importlib.metadata import entry_points
+
+    for module in BUILTIN_TASKS.values():
+        importlib.import_module(module)
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()
+
+
+def include_tasks(path: str | Path) -> None:
+    """Import a user's Python file so its `@register_task` classes are known."""
+    import importlib.util
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--include {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"flipguard_user_tasks_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a user's file: its error, named, without our traceback
+        del sys.modules[spec.name]
+        raise UserError(f"--include {path}: importing it failed ({type(exc).__name__}: {exc})") from None
+
+
+def task_names() -> list[str]:
+    _load_builtin()
+    return sorted(_TASKS)
+
+
+def get_task(name: str) -> type[Task]:
+    _load_builtin()
+    if name not in _TASKS:
+        raise UserError(f"unknown task {name!r}; registered: {sorted(_TASKS)}")
+    return _TASKS[name]
+
+
+# ---------------------------------------------------------------- models
+
+class BackendPool:
+    """Loads a model's backend only when it has work; keeps at most `max_loaded` loaded
+    (the least recently used goes first). `injected` backends (tests, a caller's own
+    engine) are used as given."""
+
+    def __init__(self, models: Iterable[ModelRef], injected: dict[str, Backend] | None = None, max_loaded: int = 1):
+        self.models = {m.label: m for m in models}
+        self.injected = dict(injected or {})
+        self.max_loaded = max_loaded
+        self.loaded: dict[str, Backend] = {}
+
+    def get(self, label: str) -> Backend:
+        if label in self.injected:
+            return self.injected[label]
+        if label in self.loaded:
+            self.loaded[label] = self.loaded.pop(label)  # most recently used last
+            return self.loaded[label]
+        if label not in self.models:
+            raise UserError(f"unknown model {label!r}; the run's models are {sorted(self.models)}")
+        while len(self.loaded) >= self.max_loaded:
+            self.loaded.pop(next(iter(self.loaded)))
+        self.loaded[label] = self.models[label].load()
+        return self.loaded[label]
+
+
+# ---------------------------------------------------------------- the runner
+
+@dataclasses.dataclass
+class RunResult:
+    out_dir: Path
+    calls: dict[str, int]  # requests sent by this invocation, per batch description
+
+    @property
+    def sent(self) -> int:
+        return sum(self.calls.values())
+
+
+class _Answers:
+    """Sends batches through the pool; answers every record from the store when it is
+    there, so a task sees stored and fresh answers alike."""
+
+    def __init__(self, store: RecordStore, pool: BackendPool, progress: bool):
+        self.store, self.pool, self.progress = store, pool, progress
+        self.index: dict[str, Record] = {r.key: r for r in store.iter_records()}
+        self.calls: Counter = Counter()
+
+    def __call__(self, batch: Batch) -> list[Record]:
+        pending = list({r.key: r for r in batch.records if r.key not in self.index}.values())
+        if pending:
+            n = run_records(self.store, pending, self.pool.get(batch.model), gen_config=batch.gen_config,
+                            parse=batch.parse, choices=batch.choices, chunk_size=batch.chunk_size,
+                            desc=batch.desc or f"{batch.model}", progress=self.progress)
+            self.calls[batch.desc or batch.model] += n
+            for r in pending:
+                self.index[r.key] = r
+        return [self.index[r.key] for r in batch.records]
+
+
+def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | None = None,
+             progress: bool = True) -> RunResult:
+    """Run (or resume) `task` into `out_dir`; returns the calls this invocation made."""
+    out_dir = Path(out_dir)
+    meta = task.meta()
+    with open_run_dir(out_dir, task.name) as run:  # one writer, held until the last record
+        clash = task.condition_clash(run.old, meta)
+        if clash:  # refused before any model loads
+            detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
+            raise UserError(f"{out_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); "
+                            "use another --out")
+        store = RecordStore(out_dir / RECORDS_FILE)
+        pool = BackendPool(task.models, backends)
+        first = task.first_batches()
+        known = [r for b in first for r in b.records]
+        pending_of: dict[str, list[tuple[Batch, list[Record]]]] = {}
+        for b in first:
+            pending = [r for r in b.records if r.key not in store]
+            if pending:
+                pending_of.setdefault(b.model, []).append((b, pending))
+        n_pending = len({r.key for batches in pending_of.values() for _, recs in batches for r in recs})
+        n_known = len({r.key for r in known})
+        print(f"{out_dir}: {n_known} {task.unit}, {n_known - n_pending} already recorded, {n_pending} to run")
+        # an item longer than a model's context: refused (item, token count, limit) before
+        # run.json or any record is written; the first model to run is the one left loaded
+        order = [m.label for m in task.models if m.label in pending_of]
+        for label in reversed(order):
+            for b, pending in pending_of[label]:
+                check_context(pool.get(label), pending, b.gen_config)
+        task.prepare(run)
+        run.write_meta(task.merge_meta(run.old, {**meta, "updated": now_iso()}))
+        answers = _Answers(store, pool, progress)
+        plan = task.solve()
+        try:
+            batch = next(plan)
+            while True:
+                batch = plan.send(answers(batch))
+        except StopIteration:
+            pass
+        calls = dict(answers.calls)
+        history = list(run.old.get("invocations") or []) + [
+            {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]
+        extra = task.finish(run, list(answers.index.values()))
+        run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso()})
+    return RunResult(out_dir, calls)
+
+
+def command_line(name: str) -> list[str] | None:
+    """The command as typed (redacted) when this process runs `flipguard NAME`, for run.json."""
+    from flipguard.redact import redact_obj
+
+    return redact_obj(["flipguard", name, *sys.argv[2:]]) if sys.argv[1:2] == [name] else None
+
+
+def run_main(argv: list[str]) -> int:
+    """`flipguard run [--include FILE ...] NAME [task options]`: any registered task."""
+    includes = []
+    while len(argv) >= 2 and argv[0] == "--include":
+        includes.append(argv[1])
+        argv = argv[2:]
+    if not argv or argv[0] in ("-h", "--help"):
+        for path in includes:
+            include_tasks(path)
+        names = task_names()
+        print("usage: flipguard run [--include my_tasks.py] TASK [options]   (flipguard run TASK --help)\n\n"
+              "Run a registered task (protocol) into a run directory: records.jsonl, run.json, report.\n"
+              "--include imports a Python file whose @register_task classes become runnable; installed\n"
+              f"packages register through the '{ENTRY_POINT_GROUP}' entry point group.\n\ntasks: {', '.join(names)}")
+        return 0
+    for path in includes:
+        include_tasks(path)
+    name, rest = argv[0], argv[1:]
+    return int(get_task(name).main(rest, prog=f"flipguard run {name}") or 0)
