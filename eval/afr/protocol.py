@@ -59,11 +59,6 @@ class ModelSpec:
         kwargs = {k: v for k, v in self.kwargs.items() if k != "adapter"}
         return ModelRef(self.name, self.backend, self.model, self.kwargs.get("adapter"), kwargs)
 
-    def condition(self) -> dict[str, Any]:
-        """What makes this model's records what they are (not its device or batch size)."""
-        return {"name": self.name, "backend": self.backend, "model": self.model,
-                "adapter": self.kwargs.get("adapter"), "mitigation": self.mitigation}
-
 
 @dataclasses.dataclass
 class AFRSettings:
@@ -317,7 +312,10 @@ def settings_from_args(args: AFRArgs, where: str = "config") -> AFRSettings:
 def _condition(settings: dict[str, Any]) -> dict[str, Any]:
     """run.json's `settings` reduced to CONDITION_KEYS (also for run.json files of earlier versions)."""
     cond = {k: settings.get(k) for k in CONDITION_KEYS}
-    cond["models"] = [ModelSpec(**m).condition() if isinstance(m, dict) else m for m in settings.get("models") or []]
+    # a model counts by what makes its records (not its device or batch size)
+    cond["models"] = [{"name": m.get("name"), "backend": m.get("backend"), "model": m.get("model"),
+                       "adapter": (m.get("kwargs") or {}).get("adapter"), "mitigation": m.get("mitigation", "none")}
+                      if isinstance(m, dict) else m for m in settings.get("models") or []]
     return cond
 
 
