@@ -138,8 +138,8 @@ def _flipguard(*args: str) -> subprocess.CompletedProcess:
 
 def test_flipguard_run_afr_is_flipguard_afr(tmp_path):
     """Real processes on the tiny model: the same flags write the same records through
-    either command, each resumes the other's run with zero calls, and a changed setting
-    is refused by the runner (exit 2, one line, nothing written)."""
+    either command, each resumes the other's run with zero calls, a changed setting is
+    refused by the runner (exit 2, one line, nothing written), a larger --limit grows it."""
     flags = ["--models", "tiny=hf:flipguard:tiny", "--limit", "1", "--k_values", "1", "--cross", "false",
              "--answer_mode", "logprob", "--coercion_temperature", "1.0", "--coercion_max_new_tokens", "4",
              "--n_boot", "10", "--progress", "false"]
@@ -170,6 +170,16 @@ def test_flipguard_run_afr_is_flipguard_afr(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert str(a / "run.json") in proc.stderr and "seed: 0 there, 1 now" in proc.stderr
     assert _files(a) == before
+
+    # a larger --limit grows the run: the first question's records stay, only the new one's are asked
+    flags[flags.index("--limit") + 1] = "2"
+    proc = _flipguard("run", "afr", *flags, "--out", str(a))
+    assert proc.returncode == 0, proc.stderr
+    grown = (a / "records.jsonl").read_bytes()
+    assert grown.startswith(before["records.jsonl"]) and len(grown) > len(before["records.jsonl"])
+    n_new = len(grown.splitlines()) - len(before["records.jsonl"].splitlines())
+    assert f"{n_new} model calls this run" in proc.stdout
+    assert len(json.loads((a / "run.json").read_text())["sample_ids"]) == 2
 
     options = {}
     for argv in (["afr"], ["run", "afr"]):
