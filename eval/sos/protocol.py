@@ -459,6 +459,11 @@ class SosTask(Task):
         if args.abstention_reference not in ABSTENTION_REFERENCES:
             raise UserError(f"--abstention_reference must be one of {ABSTENTION_REFERENCES}, "
                             f"got {args.abstention_reference!r}")
+        from flipguard.eval.prompts import MITIGATIONS
+
+        unknown = [m for m in args.mitigations if m not in MITIGATIONS]
+        if unknown:
+            raise UserError(f"--mitigations: unknown {unknown}; expected some of {sorted(MITIGATIONS)}")
         backend_kwargs = parse_backend_args(args.backend_args)
         try:
             refs = [parse_model_ref(s, args.backend, "--models") for s in args.models]
