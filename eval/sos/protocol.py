@@ -19,6 +19,8 @@ per item, repeat and seed, so a run is reproducible and independent of item orde
 Every request is a Record (protocol "sos") keyed by its exact messages; turn t is run
 for all conversations in one batch once turn t-1 is stored, and on resume histories are
 rebuilt from stored replies, so a finished run makes no new model calls.
+`SosTask` is the registered task (`flipguard sos` = `flipguard run sos`); eval/task.run_task
+runs it (models, run directory, resume, context check, run.json).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from flipguard.eval.backends.base import GenerationConfig, ModelRef, parse_backe
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.records import Record, pending_record
 from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES
-from flipguard.eval.task import Batch, Plan, Task, command_line, register_task, run_task
-from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.eval.task import Batch, Plan, Task, command_line, register_task
+from flipguard.eval.threads import THREADS_HELP
 from flipguard.eval.sos.prompts import (
     LETTERS,
     NONE_OF_THE_ABOVE,
@@ -434,17 +436,12 @@ class SosTask(Task):
         from flipguard.eval.cli import parse_dataclasses
         from flipguard.eval.sos.report import write_report
 
-        args = parse_dataclasses(argv, SosArgs, prog=prog or "flipguard run sos", description=SosArgs.__doc__)
+        prog = prog or "flipguard run sos"
+        args = parse_dataclasses(argv, SosArgs, prog=prog, description=SosArgs.__doc__)
         if args.report_only:
             print(write_report(args.report_only))
             return 0
-        configure_threads(args.threads)
-        task = cls(args)
-        out = Path(args.out) if args.out else cls.default_out(args)
-        run_task(task, out)
-        if args.report:
-            task.write_report(out)
-        return 0
+        return super().main(argv, prog=prog)
 
     def __init__(self, args: SosArgs, items: Sequence[SosItem] | None = None, pool: Sequence[SosItem] | None = None):
         if args.dataset not in DATASETS:
