@@ -51,7 +51,9 @@ class EvalArgs:
 
     model: str = dataclasses.field(
         default="flipguard:tiny",
-        metadata={"help": "Model: hub id, local folder, or 'flipguard:tiny' (offline test model)."},
+        metadata={"help": "Model: hub id, local folder, or 'flipguard:tiny' (offline test model); the model-spec "
+                          "syntax of every command, [label=][backend:]model[|adapter], also works (a backend or "
+                          "adapter given there takes the place of --backend / --adapter)."},
     )
     out: str | None = dataclasses.field(
         default=None, metadata={"help": "Run directory (default: runs/<model>/<split>-<mitigation>-<mode>)."}

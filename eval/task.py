@@ -135,6 +135,7 @@ class Task:
 # ---------------------------------------------------------------- registry
 
 _TASKS: dict[str, type[Task]] = {}
+BUILTIN_TASKS = ("dds", "afr", "sos")
 ENTRY_POINT_GROUP = "flipguard.tasks"
 
 
@@ -142,6 +143,8 @@ def register_task(name: str):
     """Class decorator: make a Task runnable by name (`flipguard run NAME`, the study)."""
 
     def deco(cls: type[Task]) -> type[Task]:
+        if name in BUILTIN_TASKS and not cls.__module__.startswith("flipguard.eval."):
+            raise UserError(f"task {name!r} is already registered (built in); choose another name")
         if name in _TASKS and _TASKS[name] is not cls:
             raise UserError(f"task {name!r} is already registered (by {_TASKS[name].__module__}); choose another name")
         cls.name = name
@@ -171,9 +174,11 @@ def include_tasks(path: str | Path) -> None:
         raise UserError(f"--include {path}: no such file")
     spec = importlib.util.spec_from_file_location(f"flipguard_user_tasks_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # a user's file: its error, named, without our traceback
+        del sys.modules[spec.name]
         raise UserError(f"--include {path}: importing it failed ({type(exc).__name__}: {exc})") from None
 
 
