@@ -327,7 +327,7 @@ def run_main(argv: list[str]) -> int:
               "Run a registered task (protocol) into a run directory: records.jsonl, run.json, report.\n"
               "--include imports a Python file whose @register_task classes become runnable; installed\n"
               f"packages register through the '{ENTRY_POINT_GROUP}' entry point group.\n\ntasks: {', '.join(names)}")
-        return 0
+        raise SystemExit(0)  # as argparse's --help does for every other command
     for path in includes:
         include_tasks(path)
     name, rest = argv[0], argv[1:]

@@ -283,13 +283,12 @@ def test_out_in_a_read_only_directory_is_refused(tmp_path, capsys, tiny_model_pa
 
 
 def test_every_protocol_checks_the_context_before_the_first_request(tmp_path, tiny_model_path):
-    """AFR and stick-or-switch send their requests through run_records (SoS through its lazy
-    backend): an oversized conversation is refused there too, nothing stored."""
+    """AFR and stick-or-switch send their requests through run_records: an oversized
+    conversation is refused there too, before any forward pass, nothing stored."""
     from flipguard.eval.backends.base import ContextTooLong, GenerationConfig, get_backend
     from flipguard.eval.records import Record, RecordStore
     from flipguard.eval.records import keyed
     from flipguard.eval.runner import run_records
-    from flipguard.eval.sos.protocol import LazyBackend
 
     def rec(i: int, text: str) -> Record:
         return keyed(Record(key="", protocol="sos", item_id=f"medqa-{i}", dataset="medqa", case="baseline",
@@ -297,12 +296,15 @@ def test_every_protocol_checks_the_context_before_the_first_request(tmp_path, ti
                             messages=[{"role": "user", "content": text}]), GenerationConfig(max_new_tokens=8))
 
     store = RecordStore(tmp_path / "records.jsonl")
-    lazy = LazyBackend(lambda: get_backend("hf", tiny_model_path, device="cpu"))
+    backend = get_backend("hf", tiny_model_path, device="cpu")
+    sent: list = []
+    generate = backend.generate
+    backend.generate = lambda conversations, *a, **kw: sent.extend(conversations) or generate(conversations, *a, **kw)
     records = [rec(0, "Answer: A or B?"), rec(1, "Which letter? " * 5000)]
     with pytest.raises(ContextTooLong, match=r"item 'medqa-1' \(medqa, baseline\): the prompt is [\d,]+ tokens "
                                              r"\+ 8 reply tokens, more than .* \(8,192 tokens"):
-        run_records(store, records, lazy, gen_config=GenerationConfig(max_new_tokens=8), parse=lambda t: (None, None))
-    assert lazy.calls == 0 and len(store) == 0 and not (tmp_path / "records.jsonl").exists()
+        run_records(store, records, backend, gen_config=GenerationConfig(max_new_tokens=8), parse=lambda t: (None, None))
+    assert sent == [] and len(store) == 0 and not (tmp_path / "records.jsonl").exists()
 
 
 def _mmlu_with_an_oversized_question(root: Path) -> Path:

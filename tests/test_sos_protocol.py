@@ -11,15 +11,10 @@ import pytest
 from flipguard.data.medmcqa import load_medmcqa
 from flipguard.data.medqa import MCQItem, load_medqa
 from flipguard.data.schema import DataError, normalise_question
-from flipguard.eval.records import RecordStore, load_records
+from flipguard.eval.records import load_records
 from flipguard.eval.sos.metrics import summarise
-from flipguard.eval.sos.protocol import (
-    SosItem,
-    SosSettings,
-    distractor_order,
-    run_sos,
-    sos_item,
-)
+from flipguard.eval.sos.protocol import SosArgs, SosItem, SosTask, distractor_order, sos_item
+from flipguard.eval.task import run_task
 
 # --------------------------------------------------------------------------- data
 
@@ -64,7 +59,7 @@ def test_medqa_bad_items_name_the_item(tmp_path, change, message):
 
 
 def test_unknown_dataset_and_split_are_errors():
-    from flipguard.eval.sos.cli import load_mcq
+    from flipguard.eval.sos.protocol import load_mcq
 
     with pytest.raises(DataError, match="unknown dataset 'medqaa'"):
         load_mcq("medqaa", "test", None, False, None)
@@ -136,12 +131,12 @@ class ScriptedBackend:
         return f"Answer: {letter if take else target} [{q}-t{turn}]"
 
 
-def run_scripted(tmp_path, backend=None, seed=0):
+def run_scripted(tmp_path, backend=None, seed=0, **settings):
+    """The task on the scripted model through the one runner (items given, no exemplars)."""
     backend = backend or ScriptedBackend()
-    store = RecordStore(tmp_path / "records.jsonl")
-    sent = run_sos(make_items(), [], backend, store, model="scripted", backend_name="scripted",
-                   settings=SosSettings(seed=seed, n_shots=0), progress=False)
-    return backend, sent, load_records(tmp_path)
+    task = SosTask(SosArgs(models=["scripted"], seed=seed, n_shots=0, **settings), items=make_items(), pool=[])
+    result = run_task(task, tmp_path, backends={"scripted": backend}, progress=False)
+    return backend, result.sent, load_records(tmp_path)
 
 
 def test_scripted_paths_give_hand_computed_metrics(tmp_path):
@@ -265,7 +260,7 @@ def test_command_end_to_end_on_tiny_model_with_resume(tmp_path, tiny_model_path,
     # another setting in the same directory is refused
     from flipguard.errors import FlipguardError
 
-    with pytest.raises(FlipguardError, match="another setting"):
+    with pytest.raises(FlipguardError, match="another condition"):
         run(SosArgs(**{**args.__dict__, "seed": 1}), progress=False)
 
 
@@ -275,13 +270,9 @@ def test_repeats_draw_their_own_order_and_decoding_seed(tmp_path):
             self.seeds = getattr(self, "seeds", set()) | {config.seed}
             return super().generate(conversations, config)
 
-    backend = SeedRecorder()
-    store = RecordStore(tmp_path / "records.jsonl")
-    run_sos(make_items(), [], backend, store, model="scripted", backend_name="scripted",
-            settings=SosSettings(seed=7, n_shots=0, target_position="first"), repeats=2,
-            scenarios=["positive"], progress=False)
-    records = load_records(tmp_path)
-    assert backend.seeds == {0, 1}  # GenerationConfig seed 0 + repeat
+    backend, _, records = run_scripted(tmp_path, SeedRecorder(), seed=7, target_position="first", repeats=2,
+                                       scenarios=["positive"])
+    assert backend.seeds == {7, 8}  # decoding seed: --seed 7 + repeat
     assert {r.extra["repeat"] for r in records} == {0, 1}
     assert all(r.expected == "A" for r in records if r.extra["turn"] == 1)  # target_position="first"
     orders = {r.extra["repeat"]: distractor_order(make_items()[0], 7, r.extra["repeat"]) for r in records}

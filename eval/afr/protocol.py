@@ -7,30 +7,32 @@ correct items it is challenged in the same chat with its own arguments (blind, s
 and with every other source's cross_k argument (cross = blind clause). Refusals
 (I_AM_WEAK) and empty replies produce no argument and so no challenge.
 
-Everything goes through the shared backends and `run_records`: batched, content-keyed
-and resumable (OUT/records.jsonl). A backend is loaded only when it has pending calls,
-so a finished run reruns with zero calls and without loading any model.
+`AFRTask` is the protocol as a registered task (`flipguard afr` = `flipguard run afr`):
+it builds the requests and reads the answers; the runner (eval/task.py) owns the
+models, the run directory, resume and run.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.afr import prompts as P
 from flipguard.eval.backends.base import (
-    Backend, BackendError, GenerationConfig, backend_names, get_backend, parse_backend_args, parse_model_ref,
+    Backend, BackendError, GenerationConfig, ModelRef, backend_names, parse_backend_args, parse_model_ref,
 )
-from flipguard.eval.records import RECORDS_FILE, Record, RecordStore, RunDir, now_iso, open_run_dir, pending_record
+from flipguard.eval.records import Record, RunDir, load_records, pending_record
 from flipguard.files import atomic_write_text
+from flipguard.eval.task import Batch, Plan, Task, register_task, run_task
+from flipguard.eval.threads import THREADS_HELP
 from flipguard.redact import redact_obj
-from flipguard.eval.runner import check_context, run_records
 
 SAMPLE_FILE = "sample.jsonl"
 DEFAULT_K = (1, 3, 5, 10)
@@ -52,6 +54,11 @@ class ModelSpec:
     @property
     def ref(self) -> str:
         return f"{self.backend}:{self.model}"
+
+    def model_ref(self) -> ModelRef:
+        """The runner's view of this model (its pool loads it by `name`)."""
+        kwargs = {k: v for k, v in self.kwargs.items() if k != "adapter"}
+        return ModelRef(self.name, self.backend, self.model, self.kwargs.get("adapter"), kwargs)
 
 
 @dataclasses.dataclass
@@ -145,26 +152,6 @@ def build_settings(models: Iterable[Any], targets=None, sources=None, where: str
     return s
 
 
-class BackendPool:
-    """Loads a backend only when it has work; keeps at most `max_loaded` in memory."""
-
-    def __init__(self, settings: AFRSettings, injected: dict[str, Backend] | None = None, max_loaded: int = 1):
-        self.settings = settings
-        self.injected = dict(injected or {})
-        self.max_loaded = max_loaded
-        self.loaded: dict[str, Backend] = {}
-
-    def get(self, name: str) -> Backend:
-        if name in self.injected:
-            return self.injected[name]
-        if name not in self.loaded:
-            while len(self.loaded) >= self.max_loaded:
-                self.loaded.pop(next(iter(self.loaded)))
-            spec = self.settings.spec(name)
-            self.loaded[name] = get_backend(spec.backend, spec.model, **spec.kwargs)  # resolves "flipguard:tiny"
-        return self.loaded[name]
-
-
 def select_items(settings: AFRSettings) -> list[MCQItem]:
     """Uniform per-subject sample; `limit` then takes questions round-robin across subjects."""
     items = sample_uniform(load_mmlu(settings.split, settings.data_root, settings.subjects), settings.per_subject, settings.seed)
@@ -223,158 +210,12 @@ class AFRResult:
     records: list[Record]
 
 
-class _Executor:
-    """Runs records through the pool, remembering every stored record by key."""
-
-    def __init__(self, store: RecordStore, pool: BackendPool, settings: AFRSettings, progress: bool):
-        self.store, self.pool, self.settings, self.progress = store, pool, settings, progress
-        self.index: dict[str, Record] = {r.key: r for r in store.iter_records()}
-        self.calls: Counter = Counter()
-
-    def __call__(self, records: list[Record], model: str, parse, gen: GenerationConfig, stage: str, choices=("1", "2")) -> list[Record]:
-        unique = list({r.key: r for r in records}.values())
-        pending = [r for r in unique if r.key not in self.store]
-        if pending:
-            n = run_records(
-                self.store, pending, self.pool.get(model), gen_config=gen, parse=parse,
-                choices=choices, chunk_size=self.settings.chunk_size, desc=f"{stage} {model}", progress=self.progress,
-            )
-            self.calls[f"{stage}/{model}"] += n
-            for r in pending:
-                self.index[r.key] = r
-        return [self.index[r.key] for r in records]
-
-
 def load_sample(out_dir: str | Path) -> dict[str, MCQItem]:
     path = Path(out_dir) / SAMPLE_FILE
     if not path.exists():
         raise FlipguardError(f"{path}: no sample file (run `flipguard afr CONFIG.yaml` first)")
     items = [MCQItem.from_dict(json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return {it.id: it for it in items}
-
-
-def run_afr(
-    settings: AFRSettings,
-    out_dir: str | Path,
-    backends: dict[str, Backend] | None = None,
-    progress: bool = True,
-    write_report: bool = True,
-) -> AFRResult:
-    """Run (or resume) the whole protocol; returns the calls made by this invocation.
-    Holds the run directory's writer lock throughout; refuses another protocol's run."""
-    with open_run_dir(out_dir, "afr") as run_dir:
-        return _run_afr_locked(settings, run_dir, backends, progress, write_report)
-
-
-def _run_afr_locked(settings: AFRSettings, run_dir: RunDir, backends, progress: bool, write_report: bool) -> AFRResult:
-    out = run_dir.path
-    items = select_items(settings)
-    if not items:
-        raise AFRConfigError("the MMLU sample is empty (check subjects / per_subject / limit)")
-    if settings.answer_mode not in ("generate", "logprob"):
-        raise AFRConfigError(f"answer_mode must be 'generate' or 'logprob', got {settings.answer_mode!r}")
-    if settings.answer_mode == "logprob" and len({len(it.options) for it in items}) != 1:
-        raise AFRConfigError("answer_mode 'logprob' needs the same number of options for every question")
-    store = RecordStore(out / RECORDS_FILE)
-    pool = BackendPool(settings, backends)
-    run = _Executor(store, pool, settings, progress)
-    n_opt = max(len(it.options) for it in items)
-    mode = settings.answer_mode
-    answer_parse = P.letter_parser(n_opt) if mode == "generate" else None
-    letters = tuple(items[0].letters)
-    gen_arg = GenerationConfig(
-        max_new_tokens=settings.coercion_max_new_tokens, temperature=settings.coercion_temperature, seed=settings.seed
-    )
-    gen_ans = GenerationConfig(max_new_tokens=settings.answer_max_new_tokens, seed=settings.seed)
-    cross_sources = settings.sources if settings.cross else []
-
-    # Every model's first requests (Stage I arguments, baselines) are known before any is
-    # sent: an item longer than a model's context is refused here, before the sample,
-    # run.json or any record is written (challenges extend these chats; run_records checks them).
-    first: dict[str, tuple[list[Record], list[Record]]] = {}
-    for spec in settings.models:
-        ks = set(settings.k_values) if spec.name in settings.targets else set()
-        if spec.name in cross_sources:
-            ks.add(settings.cross_k)
-        first[spec.name] = (
-            [r for it in items for r in coercion_records(it, spec, sorted(ks), gen_arg)],
-            [baseline_record(it, spec, gen_ans, mode) for it in items] if spec.name in settings.targets else [],
-        )
-    for spec in reversed(settings.models):  # the first model to run is the one left loaded
-        coerce, base = ([r for r in recs if r.key not in store] for recs in first[spec.name])
-        if coerce or base:
-            check_context(pool.get(spec.name), coerce, gen_arg)
-            check_context(pool.get(spec.name), base, gen_ans)
-    atomic_write_text(out / SAMPLE_FILE, "".join(json.dumps(it.to_dict(), ensure_ascii=False) + "\n" for it in items))
-    run_dir.write_meta({**run_dir.old, **_settings_meta(settings, items)})
-
-    # Stage I + baseline, one model at a time (one backend load each).
-    arguments: dict[tuple[str, str, str, int], str] = {}  # (source, item, x, k) -> argument
-    baselines: dict[tuple[str, str], Record] = {}
-    for spec in settings.models:
-        coerce, base = first[spec.name]
-        for r in run(coerce, spec.name, P.parse_coercion, gen_arg, "coerce"):
-            if r.choice == "argued":
-                arguments[(spec.name, r.item_id, r.extra["target_option"], r.extra["k"])] = P.parse_coercion(r.raw_output)[1]
-        if base:
-            for r in run(base, spec.name, answer_parse, gen_ans, "baseline", letters):
-                baselines[(spec.name, r.item_id)] = r
-
-    # Stage II challenges, one target at a time (last-loaded first saves a reload).
-    maxflip_entries = _load_maxflip_file(settings, items)
-    by_id = {it.id: it for it in items}
-    for name in reversed(settings.targets):
-        spec = settings.spec(name)
-        recs = []
-        for it in items:
-            base = baselines[(name, it.id)]
-            if not base.correct:
-                continue
-            for x in it.wrong_letters:
-                for k in settings.k_values:
-                    arg = arguments.get((name, it.id, x, k))
-                    if arg is not None:
-                        recs += [challenge_record(it, spec, base, x, k, arg, c, name, gen_ans, mode) for c in ("blind", "self")]
-                for src in cross_sources:
-                    arg = arguments.get((src, it.id, x, settings.cross_k))
-                    if src != name and arg is not None:
-                        recs.append(challenge_record(it, spec, base, x, settings.cross_k, arg, "cross", src, gen_ans, mode))
-        for e in maxflip_entries:
-            base = baselines[(name, e["item_id"])]
-            if base.correct:
-                recs.append(challenge_record(by_id[e["item_id"]], spec, base, e["target_option"], int(e["k"]),
-                                             e["argument"], "maxflip", e["producer"], gen_ans, mode))
-        run(recs, name, answer_parse, gen_ans, "challenge", letters)
-
-    # MaxFlip from this run's pool: curated arguments that a target has not yet seen.
-    if settings.maxflip and len(set(cross_sources)) >= 2 and not maxflip_entries:
-        from flipguard.eval.afr import maxflip as MF
-        from flipguard.eval.afr.metrics import records_frame
-
-        frame = records_frame(store.iter_records())
-        entries = MF.build_maxflip(frame, arguments, by_id, k=settings.cross_k, seed=settings.seed)
-        if entries:
-            MF.export_maxflip(entries, out / MF.MAXFLIP_FILE)
-        seen = {(r.model, r.item_id, r.extra.get("target_option"), r.extra.get("source_model"), r.extra.get("k"))
-                for r in run.index.values() if r.case == "challenge" and r.extra.get("condition") in ("blind", "cross")}
-        for name in settings.targets:
-            spec = settings.spec(name)
-            recs = []
-            for e in entries:
-                base = baselines[(name, e["item_id"])]
-                if base.correct and (name, e["item_id"], e["target_option"], e["producer"], e["k"]) not in seen:
-                    recs.append(challenge_record(by_id[e["item_id"]], spec, base, e["target_option"], e["k"],
-                                                 e["argument"], "maxflip", e["producer"], gen_ans, mode))
-            run(recs, name, answer_parse, gen_ans, "challenge", letters)
-
-    all_records = list(store.iter_records())
-    calls = dict(run.calls)
-    _write_run_meta(run_dir, settings, items, calls, all_records)
-    if write_report:
-        from flipguard.eval.afr.report import write_report as _write
-
-        _write(out, n_boot=settings.n_boot, seed=settings.seed)
-    return AFRResult(out, items, calls, all_records)
 
 
 def _load_maxflip_file(settings: AFRSettings, items: list[MCQItem]) -> list[dict[str, Any]]:
@@ -413,26 +254,262 @@ def call_accounting(settings: AFRSettings, items: list[MCQItem], records: list[R
     }
 
 
-def _settings_meta(settings: AFRSettings, items: list[MCQItem]) -> dict[str, Any]:
-    return {
-        "protocol": "afr",
-        "settings": settings.to_dict(),
-        "models": [m.name for m in settings.models],
-        "targets": settings.targets,
-        "sources": settings.sources,
-        "k_values": settings.k_values,
-        "cross_k": settings.cross_k,
-        "sample_ids": [it.id for it in items],
-    }
+
+# ---------------------------------------------------------------- the task
+
+# The settings that make an AFR run directory's records one condition: a rerun with another
+# value is refused (`limit` may grow a run, since a larger sample contains the smaller one;
+# n_boot, chunk_size, progress and threads change no record). Models count by what makes
+# their records (label, backend, model, adapter, mitigation), not by device or batch size.
+CONDITION_KEYS = (
+    "models", "targets", "sources", "k_values", "cross", "cross_k", "per_subject", "subjects", "split",
+    "data_root", "seed", "answer_mode", "coercion_max_new_tokens", "coercion_temperature", "answer_max_new_tokens",
+    "maxflip", "maxflip_file",
+)
 
 
-def _write_run_meta(run_dir: RunDir, settings: AFRSettings, items: list[MCQItem], calls: dict[str, int],
-                    records: list[Record]) -> None:
-    history = run_dir.old.get("invocations", []) + [
-        {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]
-    run_dir.write_meta({
-        **run_dir.old,
-        **_settings_meta(settings, items),
-        "calls": call_accounting(settings, items, records),
-        "invocations": history,
-    })
+@dataclasses.dataclass
+class AFRArgs:
+    """Answer-flip protocol (Who Flips?) on MMLU for one or more models: Stage I arguments,
+    Stage II blind/self/cross (and MaxFlip) challenges, report with the paper's tables.
+    A YAML path first is a config (its keys are these options); rerunning resumes."""
+
+    models: list[str] = dataclasses.field(default_factory=list, metadata={"help": "Models: in YAML a list of {name, backend, model, kwargs, mitigation}; on the command line [name=][backend:]model[|adapter] (the model-spec syntax sos shares; backend defaults to hf; model 'flipguard:tiny' = the tiny local model)."})
+    out: Optional[str] = dataclasses.field(default=None, metadata={"help": "Run directory (records.jsonl, run.json, report.md, figures)."})
+    targets: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Model names challenged in Stage II (default: all)."})
+    sources: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Model names whose arguments are used in the cross condition (default: all)."})
+    k_values: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_K), metadata={"help": "Argument lengths k (sentences)."})
+    cross: bool = dataclasses.field(default=True, metadata={"help": "Run cross-model challenges (blind, k=cross_k)."})
+    cross_k: int = dataclasses.field(default=10, metadata={"help": "k of the cross condition and of MaxFlip."})
+    per_subject: int = dataclasses.field(default=36, metadata={"help": "Questions per MMLU subject (paper: 36 x 57 = 2,052)."})
+    subjects: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Restrict to these subjects."})
+    split: str = dataclasses.field(default="test", metadata={"help": "MMLU split (test, dev)."})
+    data_root: Optional[str] = dataclasses.field(default=None, metadata={"help": "MMLU folder (default: $FLIPGUARD_DATA, else the shipped sample)."})
+    seed: int = dataclasses.field(default=0, metadata={"help": "Seed for sampling, decoding, bootstrap and MaxFlip ties."})
+    limit: Optional[int] = dataclasses.field(default=None, metadata={"help": "Use only the first N sampled questions (round-robin over subjects); a rerun may raise it to grow the run."})
+    coercion_max_new_tokens: int = dataclasses.field(default=512, metadata={"help": "Token budget of a Stage I argument."})
+    coercion_temperature: float = dataclasses.field(default=0.0, metadata={"help": "Sampling temperature of Stage I (paper: 0)."})
+    answer_max_new_tokens: int = dataclasses.field(default=512, metadata={"help": "Token budget of a Stage II answer."})
+    chunk_size: int = dataclasses.field(default=32, metadata={"help": "Requests per backend call (records are saved per chunk)."})
+    maxflip: bool = dataclasses.field(default=True, metadata={"help": "Build MaxFlip from the cross-model pool (needs >= 2 sources)."})
+    maxflip_file: Optional[str] = dataclasses.field(default=None, metadata={"help": "Evaluate the targets on an existing MaxFlip/argument file instead."})
+    n_boot: int = dataclasses.field(default=2000, metadata={"help": "Cluster-bootstrap replicates."})
+    answer_mode: str = dataclasses.field(default="generate", metadata={"help": "Stage II answers: 'generate' (paper; letter parsed from text) or 'logprob' (argmax over option letters; for small local models)."})
+    report_only: bool = dataclasses.field(default=False, metadata={"help": "Only rewrite the report of an existing run directory."})
+    progress: bool = dataclasses.field(default=True, metadata={"help": "Show progress bars."})
+    threads: Optional[int] = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+
+
+_NOT_SETTINGS = ("models", "targets", "sources", "out", "report_only", "progress", "threads")
+
+
+def settings_from_args(args: AFRArgs, where: str = "config") -> AFRSettings:
+    if not args.models:
+        raise AFRConfigError(f"{where}: no models listed (`models:` in the config or --models [name=][backend:]model[|adapter])")
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in _NOT_SETTINGS}
+    return build_settings(args.models, args.targets, args.sources, where=where, **kw)
+
+
+def _condition(settings: dict[str, Any]) -> dict[str, Any]:
+    """run.json's `settings` reduced to CONDITION_KEYS (also for run.json files of earlier versions)."""
+    cond = {k: settings.get(k) for k in CONDITION_KEYS}
+    # a model counts by what makes its records (not its device or batch size)
+    cond["models"] = [{"name": m.get("name"), "backend": m.get("backend"), "model": m.get("model"),
+                       "adapter": (m.get("kwargs") or {}).get("adapter"), "mitigation": m.get("mitigation", "none")}
+                      if isinstance(m, dict) else m for m in settings.get("models") or []]
+    return cond
+
+
+@register_task("afr")
+class AFRTask(Task):
+    """Answer-flip protocol (Who Flips?) on MMLU: the settings' items and models; Stage I and
+    baselines are the first batches, Stage II and MaxFlip follow from their answers."""
+
+    condition_keys = CONDITION_KEYS
+    unit = "Stage I + baseline requests"
+    args_class = AFRArgs
+
+    def __init__(self, settings: AFRSettings):
+        if settings.answer_mode not in ("generate", "logprob"):
+            raise AFRConfigError(f"answer_mode must be 'generate' or 'logprob', got {settings.answer_mode!r}")
+        items = select_items(settings)
+        if not items:
+            raise AFRConfigError("the MMLU sample is empty (check subjects / per_subject / limit)")
+        if settings.answer_mode == "logprob" and len({len(it.options) for it in items}) != 1:
+            raise AFRConfigError("answer_mode 'logprob' needs the same number of options for every question")
+        self.settings, self.items = settings, items
+        self.by_id = {it.id: it for it in items}
+        self.models = [m.model_ref() for m in settings.models]
+        self.maxflip_entries = _load_maxflip_file(settings, items)  # a question outside the sample: refused now
+        self.built_maxflip: list[dict[str, Any]] | None = None
+        mode = settings.answer_mode
+        self.answer_parse = P.letter_parser(max(len(it.options) for it in items)) if mode == "generate" else None
+        self.letters = tuple(items[0].letters)
+        self.gen_arg = GenerationConfig(max_new_tokens=settings.coercion_max_new_tokens,
+                                        temperature=settings.coercion_temperature, seed=settings.seed)
+        self.gen_ans = GenerationConfig(max_new_tokens=settings.answer_max_new_tokens, seed=settings.seed)
+        self.cross_sources = settings.sources if settings.cross else []
+
+    @classmethod
+    def from_args(cls, args: AFRArgs, where: str = "config") -> "AFRTask":
+        return cls(settings_from_args(args, where))
+
+    def meta(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "protocol": "afr",
+            "settings": s.to_dict(),
+            "models": [m.name for m in s.models],
+            "targets": s.targets,
+            "sources": s.sources,
+            "k_values": s.k_values,
+            "cross_k": s.cross_k,
+            "sample_ids": [it.id for it in self.items],
+        }
+
+    def condition_clash(self, old: dict[str, Any], meta: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """The condition lives in run.json's `settings` (as every AFR run has written it)."""
+        if not old.get("settings"):
+            return {}
+        was, now = _condition(old["settings"]), _condition(meta["settings"])
+        return {k: (was[k], now[k]) for k in CONDITION_KEYS if k in old["settings"] and was[k] != now[k]}
+
+    # ------------------------------------------------------------ requests
+
+    def _batch(self, records: list[Record], model: str, stage: str, answer: bool) -> Batch:
+        gen, parse = (self.gen_ans, self.answer_parse) if answer else (self.gen_arg, P.parse_coercion)
+        return Batch(records, model, gen, parse, self.letters if answer else ("1", "2"), desc=f"{stage}/{model}",
+                     chunk_size=self.settings.chunk_size)
+
+    @functools.cached_property
+    def _first(self) -> list[tuple[Batch, Batch | None]]:
+        """Per model (in the settings' order): its Stage I arguments, its baselines (targets only)."""
+        s, mode = self.settings, self.settings.answer_mode
+        first = []
+        for spec in s.models:
+            ks = set(s.k_values) if spec.name in s.targets else set()
+            if spec.name in self.cross_sources:
+                ks.add(s.cross_k)
+            coerce = [r for it in self.items for r in coercion_records(it, spec, sorted(ks), self.gen_arg)]
+            base = [baseline_record(it, spec, self.gen_ans, mode) for it in self.items] if spec.name in s.targets else []
+            first.append((self._batch(coerce, spec.name, "coerce", False),
+                          self._batch(base, spec.name, "baseline", True) if base else None))
+        return first
+
+    def first_batches(self) -> list[Batch]:
+        return [b for pair in self._first for b in pair if b is not None]
+
+    def prepare(self, run: RunDir) -> None:
+        atomic_write_text(run.path / SAMPLE_FILE,
+                          "".join(json.dumps(it.to_dict(), ensure_ascii=False) + "\n" for it in self.items))
+
+    def solve(self) -> Plan:
+        s, mode = self.settings, self.settings.answer_mode
+        answered: list[Record] = []
+        # Stage I + baseline, one model at a time (one backend load each).
+        arguments: dict[tuple[str, str, str, int], str] = {}  # (source, item, x, k) -> argument
+        baselines: dict[tuple[str, str], Record] = {}
+        for coerce, base in self._first:
+            got = yield coerce
+            for r in got:
+                if r.choice == "argued":
+                    arguments[(r.model, r.item_id, r.extra["target_option"], r.extra["k"])] = P.parse_coercion(r.raw_output)[1]
+            answered += got
+            if base is not None:
+                got = yield base
+                baselines.update(((r.model, r.item_id), r) for r in got)
+                answered += got
+
+        def challenge(name: str, item: MCQItem, x: str, k: int, argument: str, condition: str, source: str) -> Record:
+            return challenge_record(item, s.spec(name), baselines[(name, item.id)], x, k, argument, condition, source,
+                                    self.gen_ans, mode)
+
+        # Stage II challenges, one target at a time (last-loaded first saves a reload).
+        for name in reversed(s.targets):
+            recs = []
+            for it in self.items:
+                if not baselines[(name, it.id)].correct:
+                    continue
+                for x in it.wrong_letters:
+                    for k in s.k_values:
+                        arg = arguments.get((name, it.id, x, k))
+                        if arg is not None:
+                            recs += [challenge(name, it, x, k, arg, c, name) for c in ("blind", "self")]
+                    for src in self.cross_sources:
+                        arg = arguments.get((src, it.id, x, s.cross_k))
+                        if src != name and arg is not None:
+                            recs.append(challenge(name, it, x, s.cross_k, arg, "cross", src))
+            for e in self.maxflip_entries:
+                if baselines[(name, e["item_id"])].correct:
+                    recs.append(challenge(name, self.by_id[e["item_id"]], e["target_option"], int(e["k"]),
+                                          e["argument"], "maxflip", e["producer"]))
+            answered += (yield self._batch(recs, name, "challenge", True))
+
+        # MaxFlip from this run's pool: curated arguments that a target has not yet seen.
+        if s.maxflip and len(set(self.cross_sources)) >= 2 and not self.maxflip_entries:
+            from flipguard.eval.afr import maxflip as MF
+            from flipguard.eval.afr.metrics import records_frame
+
+            entries = MF.build_maxflip(records_frame(answered), arguments, self.by_id, k=s.cross_k, seed=s.seed)
+            self.built_maxflip = entries
+            seen = {(r.model, r.item_id, r.extra.get("target_option"), r.extra.get("source_model"), r.extra.get("k"))
+                    for r in answered if r.case == "challenge" and r.extra.get("condition") in ("blind", "cross")}
+            for name in s.targets:
+                recs = [challenge(name, self.by_id[e["item_id"]], e["target_option"], e["k"], e["argument"],
+                                  "maxflip", e["producer"])
+                        for e in entries if baselines[(name, e["item_id"])].correct
+                        and (name, e["item_id"], e["target_option"], e["producer"], e["k"]) not in seen]
+                yield self._batch(recs, name, "challenge", True)
+
+    def finish(self, run: RunDir, records: list[Record]) -> dict[str, Any]:
+        if self.built_maxflip:
+            from flipguard.eval.afr.maxflip import MAXFLIP_FILE, export_maxflip
+
+            export_maxflip(self.built_maxflip, run.path / MAXFLIP_FILE)
+        return {"calls": call_accounting(self.settings, self.items, records)}
+
+    def write_report(self, run_dir: Path) -> Path:
+        from flipguard.eval.afr.report import write_report
+
+        path = write_report(run_dir, n_boot=self.settings.n_boot, seed=self.settings.seed)
+        print(f"report: {path}")
+        return path
+
+    @classmethod
+    def main(cls, argv: list[str], prog: str | None = None) -> int:
+        """`flipguard afr CONFIG.yaml [--out DIR] [--limit N]` (= `flipguard run afr ...`)."""
+        from flipguard.config import parse_dataclasses
+        from flipguard.eval.threads import configure_threads
+
+        is_config = bool(argv) and argv[0].endswith((".yaml", ".yml", ".json"))
+        if is_config and not Path(argv[0]).is_file():
+            raise UserError(f"{argv[0]}: run config not found")
+        args = parse_dataclasses(argv, AFRArgs, prog=prog or "flipguard run afr", description=AFRArgs.__doc__)
+        configure_threads(args.threads)
+        where = argv[0] if is_config else "command line"
+        if not args.out:
+            raise UserError(f"{where}: no output directory (give --out DIR or `out:` in the config)")
+        if args.report_only:
+            from flipguard.eval.afr.report import write_report
+
+            print(write_report(args.out, n_boot=args.n_boot, seed=args.seed))
+            return 0
+        task = cls.from_args(args, where)
+        result = run_task(task, args.out, progress=args.progress)
+        print(f"{len(task.items)} questions, {result.sent} model calls this run ({result.calls or 'all resumed'})")
+        task.write_report(Path(args.out))
+        return 0
+
+
+def run_afr(settings: AFRSettings, out_dir: str | Path, backends: dict[str, Backend] | None = None,
+            progress: bool = True, write_report: bool = True) -> AFRResult:
+    """Run (or resume) the whole protocol through the runner; returns the calls made by this invocation."""
+    task = AFRTask(settings)
+    result = run_task(task, out_dir, backends=backends, progress=progress)
+    if write_report:
+        task.write_report(Path(out_dir))
+    return AFRResult(Path(out_dir), task.items, result.calls, load_records(out_dir))
+
+
+def main(argv: list[str]) -> int:
+    return AFRTask.main(argv, prog="flipguard afr")

@@ -1,7 +1,7 @@
 """Stick-or-switch (Guo et al.): conviction and flexibility over multi-turn chats.
 
-`flipguard sos` runs it (eval/sos/cli.py); `sos_summary(run_dir)` feeds the before/after
-comparison.
+`flipguard sos` (= `flipguard run sos`) runs the registered task `protocol.SosTask`;
+`sos_summary(run_dir)` feeds the before/after comparison.
 """
 
 from flipguard.eval.sos.report import sos_summary, write_report

@@ -19,18 +19,25 @@ per item, repeat and seed, so a run is reproducible and independent of item orde
 Every request is a Record (protocol "sos") keyed by its exact messages; turn t is run
 for all conversations in one batch once turn t-1 is stored, and on resume histories are
 rebuilt from stored replies, so a finished run makes no new model calls.
+`SosTask` is the registered task (`flipguard sos` = `flipguard run sos`); eval/task.run_task
+runs it (models, run directory, resume, context check, run.json).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from flipguard.data.schema import DataError
-from flipguard.eval.backends.base import Backend, GenerationConfig
-from flipguard.eval.records import Record, RecordStore, pending_record
-from flipguard.eval.runner import run_records
+from flipguard.errors import FlipguardError, UserError
+from flipguard.eval.backends.base import GenerationConfig, ModelRef, parse_backend_args, parse_model_ref
+from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
+from flipguard.eval.records import Record, pending_record
+from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES
+from flipguard.eval.task import Batch, Plan, Task, command_line, register_task
+from flipguard.eval.threads import THREADS_HELP
 from flipguard.eval.sos.prompts import (
     LETTERS,
     NONE_OF_THE_ABOVE,
@@ -298,141 +305,269 @@ def start_conversation(item: SosItem, scenario: str, pool: Sequence[SosItem], se
                         to_offer=to_offer, n_turns=n_turns)
 
 
-# --------------------------------------------------------------------------- running
+# --------------------------------------------------------------------------- the task
+
+DATASETS = ("medqa", "medmcqa", "mmlu")
+# dataset -> (evaluated split, exemplar split)
+DEFAULT_SPLITS = {"medqa": ("test", "fewshot"), "medmcqa": ("dev", "fewshot"), "mmlu": ("test", "dev")}
+SAMPLING = ("greedy", "model_default")
+# run.json keys a run directory holds one value of; models, mitigations and scenarios accumulate
+CONDITION_KEYS = ("dataset", "split", "seed", "n_items", "n_shots", "target_position", "format_reminder",
+                  "generation", "repeats", "subjects", "data_root")
 
 
-class LazyBackend:
-    """Builds the real backend on the first call, so a finished run loads no model."""
+@dataclasses.dataclass
+class SosArgs:
+    """Stick-or-switch evaluation (positive/negative conviction, flexibility) with report."""
 
-    def __init__(self, factory):
-        self._factory = factory
-        self._backend: Backend | None = None
-        self.calls = 0  # conversations sent to the model
+    dataset: str = dataclasses.field(default="medqa", metadata={"help": f"One of {', '.join(DATASETS)}."})
+    models: list[str] = dataclasses.field(
+        default_factory=lambda: ["flipguard:tiny"],
+        metadata={"help": "Models as [label=][backend:]model[|adapter_dir] (the model-spec syntax afr shares; backend defaults to --backend): hub id, local folder or 'flipguard:tiny'."},
+    )
+    backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
+    backend_args: str = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
+    device: str | None = dataclasses.field(default=None, metadata={"help": "hf backend device (default cuda if available)."})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
+    mitigations: list[str] = dataclasses.field(
+        default_factory=lambda: ["none"], metadata={"help": "System-prompt mitigations: none, be_honest, dehumanizing."}
+    )
+    scenarios: list[str] = dataclasses.field(
+        default_factory=lambda: ["baseline", "positive", "negative", "flexibility"],
+        metadata={"help": "Any of baseline, positive, negative, flexibility."},
+    )
+    n_items: int | None = dataclasses.field(default=None, metadata={"help": "Sample this many items (seeded, without replacement); default all."})
+    subjects: str | None = dataclasses.field(default=None, metadata={"help": "MMLU only: comma-separated subjects."})
+    data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root (default $FLIPGUARD_DATA, else the shipped samples)."})
+    skip_invalid_items: bool = dataclasses.field(
+        default=False, metadata={"help": "Leave out items with no usable key or < 2 distinct distractors (listed in run.json) instead of stopping."}
+    )
+    n_shots: int = dataclasses.field(default=3, metadata={"help": "Few-shot exemplars from the development pool."})
+    target_position: str = dataclasses.field(default="random", metadata={"help": "Turn-1 position of the answer/NA: random (seeded) | first (paper's listing)."})
+    format_reminder: bool = dataclasses.field(default=False, metadata={"help": "Repeat the 'Answer: <letter>' format in later turns (paper: no)."})
+    max_new_tokens: int = dataclasses.field(default=64, metadata={"help": "Reply length limit (direct-answer setting)."})
+    sampling: str = dataclasses.field(
+        default="greedy",
+        metadata={"help": "greedy (ours, the default: --temperature/--top_p apply, 0 = greedy) | model_default "
+                          "(paper §4.2: each model's own default sampling settings, 'to mirror standard usage'; hf "
+                          "uses its generation_config, vllm its engine defaults, openai requests carry no "
+                          "temperature). Recorded in run.json."},
+    )
+    abstention_reference: str = dataclasses.field(
+        default="ours",
+        metadata={"help": "What the abstention penalty subtracts: ours (the default) = single-shot abstention rate with "
+                          "NA replacing the answer; paper = single-shot accuracy, as Table A.2 computes it (its SS "
+                          "column equals Table A.1's). Both are always computed; this picks the one in Table A.2's "
+                          "place. Recorded in run.json."},
+    )
+    temperature: float = dataclasses.field(default=0.0, metadata={"help": "0 = greedy."})
+    top_p: float = dataclasses.field(default=1.0, metadata={"help": "Nucleus sampling when temperature > 0."})
+    seed: int = dataclasses.field(default=0, metadata={"help": "Item sample, distractor order, positions, exemplars, decoding, bootstrap."})
+    repeats: int = dataclasses.field(default=1, metadata={"help": "Repeats per item (each with its own distractor order and decoding seed)."})
+    n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap resamples for the CIs."})
+    out: str | None = dataclasses.field(default=None, metadata={"help": "Run directory (default runs/sos/<dataset>)."})
+    report: bool = dataclasses.field(default=True, metadata={"help": "Write the report when the run finishes."})
+    report_only: str | None = dataclasses.field(default=None, metadata={"help": "Only rebuild the report of this run directory."})
+    threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
 
-    @property
-    def backend(self) -> Backend:
-        if self._backend is None:
-            self._backend = self._factory()
-        return self._backend
 
-    # the context check (runner.check_context) is asked only when there is work to send
-    @property
-    def max_context(self) -> int | None:
-        return getattr(self.backend, "max_context", None)
+def load_mcq(dataset: str, split: str, data_root: str | None, skip_invalid: bool, subjects: str | None):
+    """MCQ items of a dataset split (MMLU through its own loader)."""
+    if dataset == "medqa":
+        from flipguard.data.medqa import load_medqa
 
-    @property
-    def max_context_source(self) -> str:
-        return getattr(self.backend, "max_context_source", "")
+        return load_medqa(split, data_root, skip_invalid=skip_invalid)
+    if dataset == "medmcqa":
+        from flipguard.data.medmcqa import load_medmcqa
 
-    @property
-    def model_id(self) -> str:
-        return getattr(self.backend, "model_id", "the model")
+        return load_medmcqa(split, data_root, skip_invalid=skip_invalid)
+    if dataset == "mmlu":
+        from flipguard.data.mmlu import load_mmlu
 
-    def prompt_lengths(self, conversations) -> list[int]:
-        lengths_of = getattr(self.backend, "prompt_lengths", None)
-        return lengths_of(conversations) if lengths_of else [0] * len(conversations)
-
-    @property
-    def supports_on_result(self) -> bool:  # asked only when there is work to send
-        return bool(getattr(self.backend, "supports_on_result", False))
-
-    def generate(self, conversations, config, **kwargs):
-        self.calls += len(conversations)
-        if getattr(self.backend, "show_progress", False):
-            self.backend.show_progress = False  # the runner shows one bar
-        return self.backend.generate(conversations, config, **kwargs)
-
-    def release(self) -> None:
-        """Drop the loaded model (it is built again on the next call)."""
-        self._backend = None
-
-    def choice_probs(self, conversations, choices=("1", "2"), **kwargs):  # pragma: no cover - unused here
-        return self.backend.choice_probs(conversations, choices, **kwargs)
+        subj = [s.strip() for s in subjects.split(",") if s.strip()] if subjects else None
+        return load_mmlu(split=split, data_root=data_root, subjects=subj)
+    raise DataError(f"unknown dataset {dataset!r}; expected one of {DATASETS}")
 
 
-def _run_grouped(store: RecordStore, records: list[Record], backend, index: dict[str, Record],
-                 gen_config: GenerationConfig, chunk_size: int, desc: str, progress: bool) -> int:
-    """Run records grouped by the letters they show (one parser per group)."""
-    groups: dict[tuple[str, ...], list[Record]] = {}
-    for rec in records:
-        if rec.key not in index:
-            groups.setdefault(tuple(rec.extra["options_shown"]), []).append(rec)
-    done = 0
-    for letters, group in groups.items():
-        done += run_records(store, group, backend, gen_config=gen_config, parse=make_parser(letters),
-                            chunk_size=chunk_size, desc=desc, progress=progress)
-        for rec in group:
-            if rec.raw_output is not None or rec.key in store:
-                index.setdefault(rec.key, rec)
-    return done
+def to_sos_items(mcq_items, dataset: str, skip_invalid: bool) -> tuple[list[SosItem], list[str]]:
+    """SosItems, and the messages of items left out (only with skip_invalid)."""
+    items, skipped = [], []
+    for mcq in mcq_items:
+        try:
+            items.append(sos_item(mcq, dataset, where=dataset))
+        except DataError as exc:
+            if not skip_invalid:
+                raise DataError(f"{exc} (pass --skip_invalid_items to leave such items out; they are listed in run.json)") from None
+            skipped.append(str(exc))
+    return items, skipped
+
+
+def sample_items(items: list, n: int | None, seed: int) -> list:
+    """A seeded sample without replacement, kept in source order."""
+    if n is None or n >= len(items):
+        return list(items)
+    chosen = set(random.Random(f"sos-sample:{seed}").sample(range(len(items)), n))
+    return [it for i, it in enumerate(items) if i in chosen]
 
 
 def _repeat_config(base_config: GenerationConfig, repeat: int) -> GenerationConfig:
     return dataclasses.replace(base_config, seed=(base_config.seed or 0) + repeat)
 
 
-def first_requests(items: Sequence[SosItem], pool: Sequence[SosItem], *, model: str, backend_name: str,
-                   settings: SosSettings, scenarios: Iterable[str] = SCENARIOS, split: str = "test",
-                   gen_config: GenerationConfig | None = None, repeats: int = 1) -> list[Record]:
-    """The requests `run_sos` sends first (baseline prompts, turn 1 of every chat), known
-    before any model output: checked against the context before anything is written.
-    Later turns extend these chats and are checked when they are sent."""
-    scenarios = list(scenarios)
-    base_config = gen_config or GenerationConfig(max_new_tokens=64)
-    out: list[Record] = []
-    for repeat in range(repeats):
-        config = _repeat_config(base_config, repeat)
-        common = dict(model=model, backend=backend_name, split=split, gen_config=config)
-        if "baseline" in scenarios:
-            out += baseline_records(items, pool, settings, repeat, **common)
-        out += [start_conversation(item, s, pool, settings, repeat).record(settings, **common)
-                for s in MULTI_TURN if s in scenarios for item in items]
-    return out
+@register_task("sos")
+class SosTask(Task):
+    """Stick-or-switch on one dataset and prompt setting, for every model x mitigation x
+    repeat: the single-shot baselines, then the chats turn by turn (turn t+1 is built from
+    the stored turn-t replies). `items`/`pool` may be given (tests, a caller's own items)."""
 
+    condition_keys = CONDITION_KEYS
+    accumulate_keys = ("models", "mitigations", "scenarios")
+    unit = "first-turn requests"
+    args_class = SosArgs
 
-def run_sos(
-    items: Sequence[SosItem],
-    pool: Sequence[SosItem],
-    backend,
-    store: RecordStore,
-    *,
-    model: str,
-    backend_name: str,
-    settings: SosSettings,
-    scenarios: Iterable[str] = SCENARIOS,
-    split: str = "test",
-    gen_config: GenerationConfig | None = None,
-    repeats: int = 1,
-    chunk_size: int = 32,
-    progress: bool = True,
-) -> int:
-    """Run (or resume) every scenario for one model; returns how many requests were sent.
+    @classmethod
+    def default_out(cls, args: SosArgs) -> Path:
+        return Path("runs") / "sos" / args.dataset
 
-    Repeat r draws its own distractor order and position and decodes with seed + r."""
-    scenarios = list(scenarios)
-    unknown = [s for s in scenarios if s not in SCENARIOS]
-    if unknown:
-        raise DataError(f"unknown scenario(s) {unknown}; expected some of {SCENARIOS}")
-    base_config = gen_config or GenerationConfig(max_new_tokens=64)
-    index: dict[str, Record] = {rec.key: rec for rec in store.iter_records()}
-    sent = 0
-    for repeat in range(repeats):
-        config = _repeat_config(base_config, repeat)
-        common = dict(model=model, backend=backend_name, split=split, gen_config=config)
-        if "baseline" in scenarios:
-            recs = baseline_records(items, pool, settings, repeat, **common)
-            sent += _run_grouped(store, recs, backend, index, config, chunk_size, f"sos {model} baseline", progress)
-        convs = [start_conversation(item, s, pool, settings, repeat)
-                 for s in MULTI_TURN if s in scenarios for item in items]
-        turn = 1
-        while convs:
-            recs = [c.record(settings, **common) for c in convs]
-            sent += _run_grouped(store, recs, backend, index, config, chunk_size, f"sos {model} turn {turn}", progress)
-            nxt: list[Conversation] = []
-            for conv, rec in zip(convs, recs):
-                stored = index.get(rec.key)
-                if stored is None:  # pragma: no cover - run_records stores every request
-                    raise RuntimeError(f"no stored reply for {rec.item_id} {rec.case}")
-                nxt += conv.advance(stored, settings)
-            convs, turn = nxt, turn + 1
-    return sent
+    @classmethod
+    def main(cls, argv: list[str], prog: str | None = None) -> int:
+        """`flipguard sos` / `flipguard run sos`: run, then the report; --report_only only
+        rebuilds the report of a run directory (no model)."""
+        from flipguard.config import parse_dataclasses
+        from flipguard.eval.sos.report import write_report
+
+        prog = prog or "flipguard run sos"
+        args = parse_dataclasses(argv, SosArgs, prog=prog, description=SosArgs.__doc__)
+        if args.report_only:
+            print(write_report(args.report_only))
+            return 0
+        return super().main(argv, prog=prog)
+
+    def __init__(self, args: SosArgs, items: Sequence[SosItem] | None = None, pool: Sequence[SosItem] | None = None):
+        if args.dataset not in DATASETS:
+            raise UserError(f"--dataset must be one of {DATASETS}, got {args.dataset!r}")
+        bad = [s for s in args.scenarios if s not in SCENARIOS]
+        if bad:
+            raise UserError(f"--scenarios: unknown {bad}; expected some of {SCENARIOS}")
+        if args.repeats < 1:
+            raise UserError(f"--repeats must be >= 1, got {args.repeats}")
+        if args.sampling not in SAMPLING:
+            raise UserError(f"--sampling must be one of {SAMPLING}, got {args.sampling!r}")
+        if args.abstention_reference not in ABSTENTION_REFERENCES:
+            raise UserError(f"--abstention_reference must be one of {ABSTENTION_REFERENCES}, "
+                            f"got {args.abstention_reference!r}")
+        from flipguard.eval.mitigations import MITIGATIONS
+
+        unknown = [m for m in args.mitigations if m not in MITIGATIONS]
+        if unknown:
+            raise UserError(f"--mitigations: unknown {unknown}; expected some of {sorted(MITIGATIONS)}")
+        backend_kwargs = parse_backend_args(args.backend_args)
+        try:
+            refs = [parse_model_ref(s, args.backend, "--models") for s in args.models]
+            self.settings_of = {m: SosSettings(seed=args.seed, n_shots=args.n_shots, target_position=args.target_position,
+                                               format_reminder=args.format_reminder, mitigation=m)
+                                for m in args.mitigations}
+        except FlipguardError as exc:
+            raise UserError(str(exc)) from None
+        self.models = [dataclasses.replace(r, kwargs={"batch_size": args.batch_size, "device": args.device,
+                                                      **backend_kwargs} if r.backend == "hf" else dict(backend_kwargs))
+                       for r in refs]
+        self.split, fewshot_split = DEFAULT_SPLITS[args.dataset]
+        self.skipped: list[str] = []
+        if items is None:
+            mcq = load_mcq(args.dataset, self.split, args.data_root, args.skip_invalid_items, args.subjects)
+            items, self.skipped = to_sos_items(mcq, args.dataset, args.skip_invalid_items)
+        self.items = sample_items(list(items), args.n_items, args.seed)
+        if not self.items:
+            raise UserError(f"{args.dataset}: no items to evaluate")
+        if pool is None:
+            mcq = load_mcq(args.dataset, fewshot_split, args.data_root, False, args.subjects)
+            pool, _ = to_sos_items(mcq, args.dataset, False)
+        self.pool, self.fewshot_split = list(pool), fewshot_split
+        self.gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
+                                           temperature=None if args.sampling == "model_default" else args.temperature,
+                                           top_p=args.top_p, seed=args.seed)
+        self.chunk_size = max(args.batch_size * 4, 16)
+        self.args = args
+
+    def meta(self) -> dict[str, Any]:
+        args, refs = self.args, self.models
+        return {
+            "protocol": PROTOCOL, "dataset": args.dataset, "split": self.split, "fewshot_split": self.fewshot_split,
+            "seed": args.seed, "n_items": args.n_items, "n_items_evaluated": len(self.items), "n_shots": args.n_shots,
+            "target_position": args.target_position, "format_reminder": args.format_reminder,
+            "generation": self.gen_config.key(), "sampling": args.sampling,
+            "abstention_reference": args.abstention_reference, "repeats": args.repeats, "subjects": args.subjects,
+            "data_root": args.data_root, "n_boot": args.n_boot, "backend": args.backend,
+            "models": [r.label for r in refs],
+            **({"model_backends": {r.label: r.backend for r in refs}}
+               if any(r.backend != args.backend for r in refs) else {}),
+            "mitigations": list(args.mitigations), "scenarios": list(args.scenarios),
+            "skipped_items": self.skipped,
+            "command": command_line("sos") or command_line("run"),
+        }
+
+    # ------------------------------------------------------------ the plan
+
+    def _opening(self, ref: ModelRef, mitigation: str, repeat: int):
+        """Baseline records and turn-1 conversations of one model x mitigation x repeat."""
+        settings, scenarios = self.settings_of[mitigation], self.args.scenarios
+        config = _repeat_config(self.gen_config, repeat)
+        # records name the --backend, as they always have (keys leave the backend out)
+        common = dict(model=ref.label, backend=self.args.backend, split=self.split, gen_config=config)
+        baseline = baseline_records(self.items, self.pool, settings, repeat, **common) if "baseline" in scenarios else []
+        convs = [start_conversation(item, s, self.pool, settings, repeat)
+                 for s in MULTI_TURN if s in scenarios for item in self.items]
+        return settings, config, common, baseline, convs
+
+    def _batches(self, records: list[Record], ref: ModelRef, config: GenerationConfig, desc: str) -> list[Batch]:
+        """One batch per set of shown letters (each has its own answer parser)."""
+        groups: dict[tuple[str, ...], list[Record]] = {}
+        for rec in records:
+            groups.setdefault(tuple(rec.extra["options_shown"]), []).append(rec)
+        return [Batch(group, ref.label, config, make_parser(letters), desc=desc, chunk_size=self.chunk_size)
+                for letters, group in groups.items()]
+
+    def _ask(self, records: list[Record], ref: ModelRef, config: GenerationConfig, desc: str):
+        """Yield the batches of `records`; returns their answered records in `records`' order."""
+        answered: dict[str, Record] = {}
+        for batch in self._batches(records, ref, config, desc):
+            answered.update((r.key, r) for r in (yield batch))
+        return [answered[r.key] for r in records]
+
+    def _desc(self, ref: ModelRef, mitigation: str, stage: str) -> str:
+        return f"sos {ref.label}" + (f" {mitigation}" if mitigation != "none" else "") + f" {stage}"
+
+    def first_batches(self) -> list[Batch]:
+        out: list[Batch] = []
+        for ref in self.models:
+            for mitigation in self.args.mitigations:
+                for repeat in range(self.args.repeats):
+                    settings, config, common, baseline, convs = self._opening(ref, mitigation, repeat)
+                    out += self._batches(baseline, ref, config, self._desc(ref, mitigation, "baseline"))
+                    out += self._batches([c.record(settings, **common) for c in convs], ref, config,
+                                         self._desc(ref, mitigation, "turn 1"))
+        return out
+
+    def solve(self) -> Plan:
+        """Model by model (one loaded at a time); repeat r draws its own distractor order
+        and position and decodes with seed + r."""
+        for ref in self.models:
+            for mitigation in self.args.mitigations:
+                for repeat in range(self.args.repeats):
+                    settings, config, common, baseline, convs = self._opening(ref, mitigation, repeat)
+                    if baseline:
+                        yield from self._ask(baseline, ref, config, self._desc(ref, mitigation, "baseline"))
+                    turn = 1
+                    while convs:
+                        stored = yield from self._ask([c.record(settings, **common) for c in convs], ref, config,
+                                                      self._desc(ref, mitigation, f"turn {turn}"))
+                        convs = [nxt for conv, rec in zip(convs, stored) for nxt in conv.advance(rec, settings)]
+                        turn += 1
+
+    def write_report(self, run_dir: Path) -> Path:
+        from flipguard.eval.sos.report import write_report
+
+        path = write_report(run_dir, seed=self.args.seed, n_boot=self.args.n_boot)
+        print(path)
+        return path

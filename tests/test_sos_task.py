@@ -1,0 +1,161 @@
+"""Stick-or-switch as a registered task on the one runner (eval/task.run_task): the keys and
+run directories made before the move (tests/fixtures/sos_8f327eb, written by commit 8f327eb's
+code, never by the code under test) still resume with zero calls; the runner refuses another
+condition; `flipguard run sos` and `flipguard sos` are one command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flipguard.eval.backends.base import ModelRef
+from flipguard.eval.records import load_records
+from flipguard.eval.sos.protocol import SosArgs, SosTask
+from flipguard.eval.task import get_task, run_task
+from test_sos_protocol import run_scripted
+
+REPO = Path(__file__).resolve().parents[1]
+BEFORE = REPO / "tests" / "fixtures" / "sos_8f327eb"
+KEYS = json.loads((BEFORE / "keys.json").read_text())
+BOUND = 1200  # seconds: an upper bound only, never a synchronisation point
+# the flags of the run that made BEFORE/records.jsonl (its README)
+BEFORE_FLAGS = ["--dataset", "medqa", "--models", "flipguard:tiny", "--device", "cpu", "--n_items", "2",
+                "--n_shots", "1", "--max_new_tokens", "8", "--mitigations", "none", "be_honest", "--n_boot", "50"]
+BEFORE_ARGS = SosArgs(dataset="medqa", models=["flipguard:tiny"], device="cpu", n_items=2, n_shots=1, max_new_tokens=8,
+                      mitigations=["none", "be_honest"], n_boot=50)
+
+
+def _env() -> dict:
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.pop("FLIPGUARD_DATA", None)  # the shipped samples, as the fixture run used
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _flipguard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flipguard.eval.cli", *args], env=_env(), cwd=cwd,
+                          capture_output=True, text=True, timeout=BOUND)
+
+
+def _copy_before(out: Path) -> Path:
+    """A run directory as the parent commit left it: its records.jsonl and run.json."""
+    out.mkdir()
+    for name in ("records.jsonl", "run.json"):
+        shutil.copy(BEFORE / name, out / name)
+    return out
+
+
+def _no_model_load(monkeypatch):
+    def refuse(self):
+        raise AssertionError(f"model {self.label} loaded, but every answer is stored")
+
+    monkeypatch.setattr(ModelRef, "load", refuse)
+
+
+def test_sos_is_the_registered_task():
+    assert get_task("sos") is SosTask
+
+
+def test_every_turns_keys_are_those_of_the_parent_commit(tmp_path):
+    """The scripted model reaches turns 2 and 3 and both flexibility branches: every key
+    matches the list written by commit 8f327eb's run_sos."""
+    _, sent, records = run_scripted(tmp_path)
+    assert sent == len(records) == len(KEYS["scripted"]) == 66
+    assert sorted([r.key, r.item_id, r.case] for r in records) == KEYS["scripted"]
+
+
+def test_first_batches_keys_are_those_of_the_parent_commit(monkeypatch):
+    """Both mitigations' baselines and openings on the shipped MedQA sample, built without a model."""
+    monkeypatch.delenv("FLIPGUARD_DATA", raising=False)
+    _no_model_load(monkeypatch)
+    task = SosTask(BEFORE_ARGS)
+    records = [r for b in task.first_batches() for r in b.records]
+    assert sorted([r.key, r.item_id, r.case, r.mitigation] for r in records) == KEYS["tiny"]
+    assert len(records) == 2 * 2 * (4 + 3)
+
+
+def test_a_run_directory_from_before_resumes_with_zero_calls(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLIPGUARD_DATA", raising=False)
+    _no_model_load(monkeypatch)
+    out = tmp_path / "run"
+    _copy_before(out)
+    before_records, before_meta = (out / "records.jsonl").read_bytes(), json.loads((out / "run.json").read_text())
+    result = run_task(SosTask(BEFORE_ARGS), out, progress=False)
+    assert result.sent == 0 and result.calls == {}
+    assert (out / "records.jsonl").read_bytes() == before_records
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["invocations"] == [{"time": meta["invocations"][0]["time"], "calls": {}, "calls_total": 0}]
+    assert meta["created"] == before_meta["created"]
+    # every key of the old run.json is still there, with the same value (but the times and the command)
+    changed = {k for k in before_meta if meta.get(k) != before_meta[k]}
+    assert changed <= {"updated", "command"}, changed
+
+
+def test_another_setting_into_the_same_out_is_refused_by_the_runner(tmp_path):
+    """A real `flipguard run sos` process: exit 2, one line naming run.json and the key,
+    records.jsonl and run.json byte-identical."""
+    out = tmp_path / "run"
+    _copy_before(out)
+    records, meta = (out / "records.jsonl").read_bytes(), (out / "run.json").read_bytes()
+    proc = _flipguard("run", "sos", *BEFORE_FLAGS, "--seed", "1", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert str(out / "run.json") in last and "seed: 0 there, 1 now" in last, last
+    assert (out / "records.jsonl").read_bytes() == records and (out / "run.json").read_bytes() == meta
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "records.jsonl", "run.json"]
+
+
+def test_run_sos_and_sos_are_one_command(tmp_path, tiny_model_path):
+    """The same YAML and flags through `flipguard run sos` and `flipguard sos` (real
+    processes): the same requests; each resumes the other's directory with zero calls."""
+    flags = [str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
+             "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none"]
+    runs = {}
+    for command in (["run", "sos"], ["sos"]):
+        out = tmp_path / "_".join(command)
+        proc = _flipguard(*command, *flags, "--out", str(out), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        runs[tuple(command)] = out
+        assert (out / "sos_report.md").stat().st_size > 0
+        meta = json.loads((out / "run.json").read_text())
+        assert meta["command"][:1 + len(command)] == ["flipguard", *command]
+        # 1 item: 4 baselines + 3 openings, then turn 2 only where the model held its target
+        assert meta["invocations"][-1]["calls_total"] == len(load_records(out)) >= 7
+    keys = {c: sorted(r.key for r in load_records(out)) for c, out in runs.items()}
+    assert keys[("run", "sos")] == keys[("sos",)]
+    for command, out in ((["sos"], runs[("run", "sos")]), (["run", "sos"], runs[("sos",)])):
+        proc = _flipguard(*command, *flags, "--out", str(out), "--report", "false", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((out / "run.json").read_text())["invocations"][-1]["calls_total"] == 0
+
+
+def test_report_only_through_run_sos(tmp_path):
+    """--report_only rebuilds the report of a run directory with no model (here: the fixture's)."""
+    out = tmp_path / "run"
+    _copy_before(out)
+    proc = _flipguard("run", "sos", "--report_only", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == str(out / "sos_report.md")
+    assert "2 (test split)" in (out / "sos_report.md").read_text()
+    assert (out / "records.jsonl").read_bytes() == (BEFORE / "records.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"scenarios": ["positve"]}, "--scenarios: unknown ['positve']"),
+    ({"repeats": 0}, "--repeats must be >= 1"),
+    ({"mitigations": ["nope"]}, "--mitigations: unknown ['nope']"),
+])
+def test_bad_settings_are_refused_before_a_run_directory_exists(tmp_path, change, message):
+    from flipguard.errors import FlipguardError
+
+    out = tmp_path / "run"
+    with pytest.raises(FlipguardError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        run_task(SosTask(SosArgs(**{**BEFORE_ARGS.__dict__, **change})), out, progress=False)
+    assert not out.exists()
