@@ -42,6 +42,7 @@ import yaml
 
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.records import now_iso
+from flipguard.eval.task import run_task
 from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 
@@ -353,12 +354,14 @@ class Study:
         run = self.out / "afr"
         source = self.plan.eval_plan_afr_config or str(PACKAGE_ROOT / "recipes" / "afr_tiny.yaml")
         config, _ = load_yaml(source, StudyError, "afr run config")
-        entries = [{"name": "Baseline", "backend": "hf", "model": self.model}]
-        entries += [{"name": CONDITION_NAMES.get(m, m), "backend": "hf", "model": self.model, "mitigation": m}
+        backend = self.plan.eval_plan_backend
+        kwargs = {"device": "cpu" if not self.on_gpu() else None, "batch_size": 16} if backend == "hf" else {}
+        entries = [{"name": "Baseline", "backend": backend, "model": self.model}]
+        entries += [{"name": CONDITION_NAMES.get(m, m), "backend": backend, "model": self.model, "mitigation": m}
                     for m in self.plan.eval_plan_mitigations]
-        entries += [{"name": n, "backend": "hf", "model": str(p)} for n, p in self.models.items()]
+        entries += [{"name": n, "backend": backend, "model": str(p)} for n, p in self.models.items()]
         # the comparison reads AFR at k = 10 (compare.afr_section)
-        config.update(models=[{**e, "kwargs": {"device": "cpu" if not self.on_gpu() else None, "batch_size": 16}} for e in entries],
+        config.update(models=[{**e, "kwargs": kwargs} for e in entries],
                       k_values=sorted(set(config.get("k_values") or []) | {10}), cross_k=10)
         if self.plan.eval_plan_limit is not None:
             config["limit"] = self.plan.eval_plan_limit
@@ -367,12 +370,15 @@ class Study:
         self.artefacts.append(("AFR report", run / "report.md"))
 
         def go() -> None:
-            from flipguard.eval.afr.cli import main as afr_main
+            from flipguard.config import parse_dataclasses
+            from flipguard.eval.afr.protocol import AFRArgs, AFRTask
 
-            path = self.out / "afr.yaml"
+            path = self.out / "afr.yaml"  # the settings the stage ran, kept beside its report
             atomic_write_text(path, f"# written by flipguard study from {source}\n" + yaml.safe_dump(config, sort_keys=False))
-            if afr_main([str(path), "--out", str(run)]):
-                raise StudyError("stage afr failed")
+            args = parse_dataclasses([str(path)], AFRArgs, prog="flipguard study", description="")
+            task = AFRTask.from_args(args, str(path))
+            run_task(task, run)
+            task.write_report(run)
 
         return Stage("afr", "answer-flip protocol (AFR): every condition as target and source",
                      {"config": config, "model": base_id}, self._model_inputs(), (run / "report.md",), (run,), go)
@@ -383,26 +389,30 @@ class Study:
 
         run = self.out / "sos"
         recipe = self.plan.eval_plan_sos_config or str(PACKAGE_ROOT / "recipes" / "sos_tiny.yaml")
-        n_items = ["--n_items", str(self.plan.eval_plan_limit)] if self.plan.eval_plan_limit is not None else []
         mitigations = list(self.plan.eval_plan_mitigations)
         systems = {"Baseline": "Baseline"} | {CONDITION_NAMES.get(m, m): f"Baseline +{m}" for m in mitigations}
         systems |= {n: n for n in self.models}
         self.sos_spec = ",".join(f"{cond}={run}@{system}" for cond, system in systems.items())
         self.artefacts.append(("stick-or-switch report", run / "sos_report.md"))
+        overrides = {"backend": self.plan.eval_plan_backend,
+                     **({"n_items": self.plan.eval_plan_limit} if self.plan.eval_plan_limit is not None else {})}
 
         def go() -> None:
-            from flipguard.eval.sos.cli import main as sos_main
+            from flipguard.config import parse_dataclasses
+            from flipguard.eval.sos.protocol import SosArgs, SosTask
 
-            code = sos_main([recipe, "--models", f"Baseline={self.model}", "--mitigations", "none", *mitigations,
-                             *n_items, "--out", str(run)])
-            if not code and self.models:
-                code = sos_main([recipe, "--models", *(f"{n}={p}" for n, p in self.models.items()), *n_items, "--out", str(run)])
-            if code:
-                raise StudyError("stage sos failed")
+            args = dataclasses.replace(parse_dataclasses([recipe], SosArgs, prog="flipguard study", description=""),
+                                       out=str(run), **overrides)
+            # the base model with every prompting mitigation, then the fine-tuned models as they are
+            task = SosTask(dataclasses.replace(args, models=[f"Baseline={self.model}"], mitigations=["none", *mitigations]))
+            run_task(task, run)
+            if self.models:
+                run_task(SosTask(dataclasses.replace(args, models=[f"{n}={p}" for n, p in self.models.items()])), run)
+            task.write_report(run)
 
         config, _ = load_yaml(recipe, StudyError, "sos run config")
         return Stage("sos", "stick-or-switch: baseline, prompting mitigations and fine-tuned models",
-                     {"config": config, "n_items": n_items, "mitigations": mitigations, "model": base_id},
+                     {"config": config, **overrides, "mitigations": mitigations, "model": base_id},
                      self._model_inputs(), (run / "sos_report.md",), (run,), go)
 
     def compare_stage(self, stages: list[Stage]) -> Stage:
