@@ -6,7 +6,8 @@ Two entry points over one `trl.TrlParser` subclass and one YAML reader (files.lo
 followed by flag overrides). TrlParser is TRL's HfArgumentParser; importing it took
 0.22-0.30 s here (`python -c "import time; t=time.perf_counter(); from trl import TrlParser;
 print(time.perf_counter()-t)"`, 3 runs) against 0.76-0.92 s for transformers' own
-HfArgumentParser, so the commands build on it too.
+HfArgumentParser, so the commands build on it too. Where trl is not installed (vLLM's own
+environment) the commands fall back to HfArgumentParser itself; recipes need trl.
 
 A recipe is data (alignment-handbook style).
 
@@ -382,10 +383,22 @@ def resolved_recipe(*dataclass_objs) -> dict[str, Any]:
     return out
 
 
+def _command_parser_class():
+    """The recipes' TrlParser; where trl is not installed (vLLM's own environment, which takes
+    flipguard with --no-deps: README "Serving") its base, transformers' HfArgumentParser, which
+    parses a command's dataclasses the same way (a command uses nothing TrlParser adds)."""
+    try:
+        return _trl_parser_class()
+    except ImportError:
+        from transformers import HfArgumentParser
+
+        return HfArgumentParser
+
+
 def parse_dataclasses(argv: list[str], *types, prog: str, description: str):
     """Parse a command's argv into the given dataclasses; a single YAML/JSON path first is
     read as a run config (TRL/alignment-handbook style) and later flags override it."""
-    parser = _trl_parser_class()(types, prog=prog, description=description)
+    parser = _command_parser_class()(types, prog=prog, description=description)
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
         from flipguard.files import check_types, field_types, load_yaml
 

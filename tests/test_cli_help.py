@@ -14,3 +14,21 @@ def test_help_renders(command, capsys):
         main([command, "--help"])
     assert exit_info.value.code == 0
     assert f"flipguard {command}" in capsys.readouterr().out
+
+
+def test_commands_parse_where_trl_is_not_installed(tmp_path):
+    """vLLM's own environment takes flipguard with --no-deps and has no trl (README "Serving",
+    .ci/vllm): every command but the trainers must still parse its options there. A real
+    process in which `import trl` fails."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['trl'] = None\n"  # `import trl` now raises ImportError
+            "from flipguard.config import parse_dataclasses\n"
+            "from flipguard.eval.dds import EvalArgs\n"
+            "args = parse_dataclasses(['--backend', 'vllm', '--limit', '3'], EvalArgs, prog='flipguard eval', description='')\n"
+            "print(args.backend, args.limit)\n"
+            "import trl\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.stdout.splitlines()[0] == "vllm 3"
+    assert "ModuleNotFoundError: import of trl halted" in proc.stderr  # trl really was unavailable
