@@ -142,7 +142,7 @@ def test_report_only_through_run_sos(tmp_path):
     _copy_before(out)
     proc = _flipguard("run", "sos", "--report_only", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == str(out / "sos_report.md")
+    assert proc.stdout.strip().splitlines()[-1] == f"report: {out / 'sos_report.md'}"
     assert "2 (test split)" in (out / "sos_report.md").read_text()
     assert (out / "records.jsonl").read_bytes() == (BEFORE / "records.jsonl").read_bytes()
 

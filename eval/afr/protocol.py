@@ -492,7 +492,7 @@ class AFRTask(Task):
         if args.report_only:
             from flipguard.eval.afr.report import write_report
 
-            print(write_report(args.out, n_boot=args.n_boot, seed=args.seed))
+            print(f"report: {write_report(args.out, n_boot=args.n_boot, seed=args.seed)}")
             return 0
         task = cls.from_args(args, where)
         result = run_task(task, args.out, progress=args.progress)

@@ -439,7 +439,7 @@ class SosTask(Task):
         prog = prog or "flipguard run sos"
         args = parse_dataclasses(argv, SosArgs, prog=prog, description=SosArgs.__doc__)
         if args.report_only:
-            print(write_report(args.report_only))
+            print(f"report: {write_report(args.report_only)}")
             return 0
         return super().main(argv, prog=prog)
 
@@ -569,5 +569,5 @@ class SosTask(Task):
         from flipguard.eval.sos.report import write_report
 
         path = write_report(run_dir, seed=self.args.seed, n_boot=self.args.n_boot)
-        print(path)
+        print(f"report: {path}")
         return path
