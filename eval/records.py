@@ -185,15 +185,17 @@ def read_records(path: str | os.PathLike) -> Iterator[Record]:
 
 class RecordStore:
     """Append-only JSONL of records with resume by key (the writer's view: take
-    `run_lock` on the run directory first; readers use `read_records`)."""
+    `run_lock` on the run directory first; readers use `read_records`). The file is read
+    once: `stored` holds its records by key (the first per key, as `load_records`), and
+    every record appended after."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._keys: set[str] = set()
+        self.stored: dict[str, Record] = {}
         self._repair_torn_tail()
         for rec in self.iter_records():
-            self._keys.add(rec.key)
+            self.stored.setdefault(rec.key, rec)
 
     def _repair_torn_tail(self) -> None:
         """A last line without newline: add the newline when it is a whole JSON record,
@@ -221,10 +223,10 @@ class RecordStore:
         return read_records(self.path)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._keys
+        return key in self.stored
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.stored)
 
     def append(self, records: Iterable[Record]) -> int:
         """Append records not yet stored; each line goes out in one O_APPEND write."""
@@ -235,12 +237,12 @@ class RecordStore:
             raise _write_error(self.path, exc, n) from None
         try:
             for rec in records:
-                if rec.key in self._keys:
+                if rec.key in self.stored:
                     continue
                 data = (dumps_utf8(rec.to_dict()) + "\n").encode("utf-8")
                 while data:  # a short write (disk nearly full, file size limit) continues
                     data = data[os.write(fd, data):]
-                self._keys.add(rec.key)
+                self.stored[rec.key] = rec
                 n += 1
             os.fsync(fd)
         except OSError as exc:

@@ -244,19 +244,16 @@ class _Answers:
 
     def __init__(self, store: RecordStore, pool: BackendPool, progress: bool):
         self.store, self.pool, self.progress = store, pool, progress
-        self.index: dict[str, Record] = {r.key: r for r in store.iter_records()}
         self.calls: Counter = Counter()
 
     def __call__(self, batch: Batch) -> list[Record]:
-        pending = list({r.key: r for r in batch.records if r.key not in self.index}.values())
-        if pending:
+        pending = list({r.key: r for r in batch.records if r.key not in self.store}.values())
+        if pending:  # run_records appends each answered record to the store
             n = run_records(self.store, pending, self.pool.get(batch.model), gen_config=batch.gen_config,
                             parse=batch.parse, choices=batch.choices, chunk_size=batch.chunk_size,
                             desc=batch.desc or f"{batch.model}", progress=self.progress)
             self.calls[batch.desc or batch.model] += n
-            for r in pending:
-                self.index[r.key] = r
-        return [self.index[r.key] for r in batch.records]
+        return [self.store.stored[r.key] for r in batch.records]
 
 
 def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | None = None,
@@ -301,7 +298,7 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
         calls = dict(answers.calls)
         history = list(run.old.get("invocations") or []) + [
             {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]
-        extra = task.finish(run, list(answers.index.values()))
+        extra = task.finish(run, list(store.stored.values()))
         run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso()})
     return RunResult(out_dir, calls)
 

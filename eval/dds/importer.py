@@ -304,8 +304,7 @@ def import_records(src: str | Path, out: str | Path, model: str | None = None) -
     with open_run_dir(out, "dds") as run:  # one writer per run directory
         _refuse_other_run(out, model)
         store = RecordStore(out / RECORDS_FILE)
-        stored = {r.key: r for r in store.iter_records()} if len(store) else {}
-        changed = {r.key: r for r in records if r.key in stored and _content(stored[r.key]) != _content(r)}
+        changed = {r.key: r for r in records if r.key in store and _content(store.stored[r.key]) != _content(r)}
         if changed:
             store = _apply_corrections(store, changed)
         added = store.append(records)

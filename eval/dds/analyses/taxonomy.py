@@ -35,7 +35,7 @@ from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.dds.metrics import dataset_order
 from flipguard.eval.dds.parse import reply_json_objects
 from flipguard.eval.records import (
-    RECORDS_FILE, Record, RecordStore, load_records, load_run_meta, now_iso, read_records, run_lock,
+    RECORDS_FILE, Record, RecordStore, load_records, load_run_meta, now_iso, run_lock,
 )
 from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.eval.records import keyed
@@ -389,7 +389,7 @@ def main(argv: list[str]) -> int:
             run_records(store, pending, backend, gen_config=gen, parse=_parse_for_runner,
                         chunk_size=max(args.batch_size * 4, 8), desc="taxonomy judge")
         wanted = {r.key for r in records}
-        done = [r for r in read_records(out / RECORDS_FILE) if r.key in wanted]
+        done = [r for key, r in store.stored.items() if key in wanted]
         meta = {"run_dir": str(args.run_dir), "judge_model": args.judge_model, "judge_backend": args.judge_backend,
                 "prompt": prompt_name, "generation": gen.key(), "updated": now_iso()}
         s = summarize(done, counts)
