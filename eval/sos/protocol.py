@@ -489,6 +489,7 @@ class SosTask(Task):
                                            top_p=args.top_p, seed=args.seed)
         self.chunk_size = max(args.batch_size * 4, 16)
         self.args = args
+        self._openings: dict[tuple[str, str, int], tuple] = {}
 
     def meta(self) -> dict[str, Any]:
         args, refs = self.args, self.models
@@ -510,15 +511,21 @@ class SosTask(Task):
     # ------------------------------------------------------------ the plan
 
     def _opening(self, ref: ModelRef, mitigation: str, repeat: int):
-        """Baseline records and turn-1 conversations of one model x mitigation x repeat."""
-        settings, scenarios = self.settings_of[mitigation], self.args.scenarios
-        config = _repeat_config(self.gen_config, repeat)
-        # records name the --backend, as they always have (keys leave the backend out)
-        common = dict(model=ref.label, backend=self.args.backend, split=self.split, gen_config=config)
-        baseline = baseline_records(self.items, self.pool, settings, repeat, **common) if "baseline" in scenarios else []
-        convs = [start_conversation(item, s, self.pool, settings, repeat)
-                 for s in MULTI_TURN if s in scenarios for item in self.items]
-        return settings, config, common, baseline, convs
+        """Baseline records, turn-1 conversations and their records of one model x
+        mitigation x repeat; built once (first_batches and solve share them)."""
+        key = (ref.label, mitigation, repeat)
+        if key not in self._openings:
+            settings, scenarios = self.settings_of[mitigation], self.args.scenarios
+            config = _repeat_config(self.gen_config, repeat)
+            # records name the --backend, as they always have (keys leave the backend out)
+            common = dict(model=ref.label, backend=self.args.backend, split=self.split, gen_config=config)
+            baseline = (baseline_records(self.items, self.pool, settings, repeat, **common)
+                        if "baseline" in scenarios else [])
+            convs = [start_conversation(item, s, self.pool, settings, repeat)
+                     for s in MULTI_TURN if s in scenarios for item in self.items]
+            self._openings[key] = (settings, config, common, baseline, convs,
+                                   [c.record(settings, **common) for c in convs])
+        return self._openings[key]
 
     def _batches(self, records: list[Record], ref: ModelRef, config: GenerationConfig, desc: str) -> list[Batch]:
         """One batch per set of shown letters (each has its own answer parser)."""
@@ -543,10 +550,9 @@ class SosTask(Task):
         for ref in self.models:
             for mitigation in self.args.mitigations:
                 for repeat in range(self.args.repeats):
-                    settings, config, common, baseline, convs = self._opening(ref, mitigation, repeat)
+                    _, config, _, baseline, _, turn1 = self._opening(ref, mitigation, repeat)
                     out += self._batches(baseline, ref, config, self._desc(ref, mitigation, "baseline"))
-                    out += self._batches([c.record(settings, **common) for c in convs], ref, config,
-                                         self._desc(ref, mitigation, "turn 1"))
+                    out += self._batches(turn1, ref, config, self._desc(ref, mitigation, "turn 1"))
         return out
 
     def solve(self) -> Plan:
@@ -555,14 +561,14 @@ class SosTask(Task):
         for ref in self.models:
             for mitigation in self.args.mitigations:
                 for repeat in range(self.args.repeats):
-                    settings, config, common, baseline, convs = self._opening(ref, mitigation, repeat)
+                    settings, config, common, baseline, convs, records = self._opening(ref, mitigation, repeat)
                     if baseline:
                         yield from self._ask(baseline, ref, config, self._desc(ref, mitigation, "baseline"))
                     turn = 1
                     while convs:
-                        stored = yield from self._ask([c.record(settings, **common) for c in convs], ref, config,
-                                                      self._desc(ref, mitigation, f"turn {turn}"))
+                        stored = yield from self._ask(records, ref, config, self._desc(ref, mitigation, f"turn {turn}"))
                         convs = [nxt for conv, rec in zip(convs, stored) for nxt in conv.advance(rec, settings)]
+                        records = [c.record(settings, **common) for c in convs]
                         turn += 1
 
     def write_report(self, run_dir: Path) -> Path:
