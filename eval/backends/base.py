@@ -199,7 +199,7 @@ class ModelRef:
         return get_backend(self.backend, self.model, **kwargs)
 
 
-def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--models", kwargs: dict | None = None) -> ModelRef:
+def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--models") -> ModelRef:
     """The one model-spec syntax of every command (eval's --model, afr's and sos's --models):
     "[label=][backend:]model[|adapter]". A `backend:` prefix counts only when it names a
     registered backend, so ids such as "flipguard:tiny" or "org/model" pass through whole;
@@ -214,7 +214,15 @@ def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--mode
         raise BackendError(f"{where}: no model in {spec!r}; expected [label=][backend:]model[|adapter]")
     if backend not in backend_names():
         raise BackendError(f"{where}: unknown backend {backend!r} for {spec!r}; expected one of {backend_names()}")
-    return ModelRef(label or (model if not adapter else f"{model}+{adapter}"), backend, model, adapter, dict(kwargs or {}))
+    return ModelRef(label or (model if not adapter else f"{model}+{adapter}"), backend, model, adapter)
+
+
+def model_kwargs(backend: str, backend_args: str | dict | None, *, batch_size: int, device: str | None = None,
+                 where: str = "--backend_args") -> dict:
+    """A model's backend settings: its --backend_args (JSON, never a credential) over the
+    flags that only the hf backend takes (--batch_size, --device)."""
+    kwargs = parse_backend_args(backend_args, where)
+    return {"batch_size": batch_size, "device": device, **kwargs} if backend == "hf" else kwargs
 
 
 def _load_builtin() -> None:

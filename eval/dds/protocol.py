@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from flipguard.data.schema import Item
-from flipguard.eval.backends.base import BackendError, GenerationConfig, parse_backend_args, parse_model_ref
+from flipguard.eval.backends.base import BackendError, GenerationConfig, model_kwargs, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.dds.parse import parse_choice
 from flipguard.eval.dds.prompts import (
@@ -227,7 +227,6 @@ class DDSTask(Task):
         if not 0.0 <= args.min_label_mass <= 1.0:
             raise UserError(f"--min_label_mass must be between 0 and 1, got {args.min_label_mass}")
         self.min_label_mass = float(args.min_label_mass) if args.mode == "logprob" else None
-        backend_kwargs = parse_backend_args(args.backend_args)
         try:
             ref = parse_model_ref(args.model, args.backend, "--model")
         except BackendError as exc:
@@ -237,9 +236,8 @@ class DDSTask(Task):
                 raise UserError(f"--model {args.model!r} names an adapter and --adapter gives another; give one")
             ref = dataclasses.replace(ref, adapter=args.adapter, label=ref.label if "=" in args.model
                                       else f"{ref.model}+{args.adapter}")
-        if ref.backend == "hf":
-            backend_kwargs = {"batch_size": args.batch_size, "device": args.device, **backend_kwargs}
-        self.model = dataclasses.replace(ref, kwargs=backend_kwargs)
+        self.model = dataclasses.replace(ref, kwargs=model_kwargs(ref.backend, args.backend_args,
+                                                                  batch_size=args.batch_size, device=args.device))
         self.models = [self.model]
         self.args = args
         if items is None:

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from flipguard.data.schema import DataError
 from flipguard.errors import FlipguardError, UserError
-from flipguard.eval.backends.base import GenerationConfig, ModelRef, parse_backend_args, parse_model_ref
+from flipguard.eval.backends.base import GenerationConfig, ModelRef, model_kwargs, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.records import Record, pending_record
 from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES
@@ -461,7 +461,6 @@ class SosTask(Task):
         unknown = [m for m in args.mitigations if m not in MITIGATIONS]
         if unknown:
             raise UserError(f"--mitigations: unknown {unknown}; expected some of {sorted(MITIGATIONS)}")
-        backend_kwargs = parse_backend_args(args.backend_args)
         try:
             refs = [parse_model_ref(s, args.backend, "--models") for s in args.models]
             self.settings_of = {m: SosSettings(seed=args.seed, n_shots=args.n_shots, target_position=args.target_position,
@@ -469,8 +468,8 @@ class SosTask(Task):
                                 for m in args.mitigations}
         except FlipguardError as exc:
             raise UserError(str(exc)) from None
-        self.models = [dataclasses.replace(r, kwargs={"batch_size": args.batch_size, "device": args.device,
-                                                      **backend_kwargs} if r.backend == "hf" else dict(backend_kwargs))
+        self.models = [dataclasses.replace(r, kwargs=model_kwargs(r.backend, args.backend_args,
+                                                              batch_size=args.batch_size, device=args.device))
                        for r in refs]
         self.split, fewshot_split = DEFAULT_SPLITS[args.dataset]
         self.skipped: list[str] = []

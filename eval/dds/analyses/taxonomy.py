@@ -30,7 +30,7 @@ from typing import Any
 import pandas as pd
 
 from flipguard.eval.dds.analyses.common import md_table, run_report, write_csv
-from flipguard.eval.backends.base import GenerationConfig, get_backend, parse_backend_args
+from flipguard.eval.backends.base import GenerationConfig, get_backend, model_kwargs
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.dds.metrics import dataset_order
 from flipguard.eval.dds.parse import reply_json_objects
@@ -382,9 +382,8 @@ def main(argv: list[str]) -> int:
         pending = [r for r in records if r.key not in store]
         print(f"{out}: {len(records)} flips to code, {len(records) - len(pending)} already coded, {len(pending)} to run")
         if pending:
-            kwargs = parse_backend_args(args.judge_backend_args, "--judge_backend_args")
-            if args.judge_backend == "hf":
-                kwargs = {"batch_size": args.batch_size, **kwargs}
+            kwargs = model_kwargs(args.judge_backend, args.judge_backend_args, batch_size=args.batch_size,
+                                  where="--judge_backend_args")
             backend = get_backend(args.judge_backend, args.judge_model, **kwargs)
             run_records(store, pending, backend, gen_config=gen, parse=_parse_for_runner,
                         chunk_size=max(args.batch_size * 4, 8), desc="taxonomy judge")
