@@ -1,5 +1,6 @@
 """Files in and out: reading what a user hands flipguard (data, import, recipe and
-run-config files), writing outputs atomically, and where cached models live.
+run-config files), writing outputs atomically, where cached models live, and which
+commit of flipguard wrote an output.
 
 One place decides what a hostile file gets: bytes that are not UTF-8, YAML that does not
 parse, or a value of the wrong type raise a FlipguardError (subclass chosen by the caller)
@@ -76,6 +77,20 @@ def iter_lines(path: str | os.PathLike, error: type[FlipguardError] = InputError
 def flipguard_home() -> Path:
     """Where embedded models and registered datasets are cached ($FLIPGUARD_HOME)."""
     return Path(os.environ.get("FLIPGUARD_HOME") or Path.home() / ".cache" / "flipguard")
+
+
+def git_commit() -> str | None:
+    """The commit of this flipguard checkout (run.json, training provenance, the study's
+    rerun key); None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def dumps_utf8(obj: Any, **kw: Any) -> str:

@@ -661,7 +661,7 @@ def _quick_args(argv: list[str]) -> tuple[str | None, list[str], str | None, boo
 
 def plan_key(recipe: str, rest: list[str], out: str) -> str:
     from flipguard import __version__
-    from flipguard.train.utils import git_commit
+    from flipguard.files import git_commit
 
     return _sha({"version": __version__, "git_commit": git_commit(), "recipe": _file_sha(recipe), "argv": rest, "out": str(Path(out).resolve())})
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from flipguard.errors import FlipguardError
+from flipguard.files import git_commit
 
 log = logging.getLogger("flipguard.train")
 
@@ -230,16 +230,6 @@ def resume_checkpoint(training_args) -> str | bool | None:
             log.info("resuming from the last checkpoint in output_dir: %s", last)
             return last
     return None
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def run_config(recipe_path, recipe, parsed, dataset, extra: dict | None = None) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from flipguard.eval.records import (
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MIN_LABEL_MASS, MODES
 from flipguard.eval.task import Batch, Plan, Task, command_line, register_task, run_task
 from flipguard.eval.threads import THREADS_HELP
+from flipguard.files import git_commit
 
 # Settings that define a run's condition: a run directory holds exactly one.
 CONDITION_KEYS = ("protocol", "model", "backend", "mode", "mitigation", "template", "speakers")
@@ -176,16 +176,6 @@ def build_records(
                           if mode == "logprob" and min_label_mass is not None else {})},
             ))
     return out
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def default_run_dir(args: EvalArgs) -> Path:
