@@ -303,11 +303,13 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
     return RunResult(out_dir, calls)
 
 
-def command_line(name: str) -> list[str] | None:
-    """The command as typed (redacted) when this process runs `flipguard NAME`, for run.json."""
+def command_line(*names: str) -> list[str] | None:
+    """The command as typed (redacted) when this process runs `flipguard NAME` for one of
+    `names` (a task's own command, and "run"), for run.json; None when the task runs inside
+    another command (the study, an analysis)."""
     from flipguard.redact import redact_obj
 
-    return redact_obj(["flipguard", name, *sys.argv[2:]]) if sys.argv[1:2] == [name] else None
+    return redact_obj(["flipguard", *sys.argv[1:]]) if sys.argv[1:2] and sys.argv[1] in names else None
 
 
 def run_main(argv: list[str]) -> int:

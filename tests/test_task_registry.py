@@ -104,3 +104,15 @@ def test_eval_takes_the_one_model_spec_syntax():
         ("Qwen/Qwen2.5-7B-Instruct+runs/adapter", "hf", "runs/adapter")
     with pytest.raises(UserError, match="names an adapter and --adapter gives another"):
         DDSTask(EvalArgs(model="m|a", adapter="b", datasets="amqa", limit=1))
+
+
+def test_run_json_records_the_command_as_typed_through_run_too(tmp_path, tiny_model_path):
+    """`flipguard run dds ...` is the same run as `flipguard eval ...`, and its run.json says how it was started."""
+    out = tmp_path / "dds"
+    args = ["dds", "--model", tiny_model_path, "--datasets", "amqa", "--limit", "1", "--out", str(out),
+            "--report", "false"]
+    proc = _run(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["command"] == ["flipguard", "run", *args]
+    assert meta["protocol"] == "dds" and meta["invocations"][-1]["calls_total"] == 4

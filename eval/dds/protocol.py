@@ -302,7 +302,7 @@ class DDSTask(Task):
             "c1_from_differs": self.c1_differs or None,
             "generation": self.gen_config.key() if args.mode == "generate" else None,
             MIN_LABEL_MASS: self.min_label_mass,
-            "command": command_line("eval"),
+            "command": command_line("eval", "run"),
             "git_commit": git_commit(),
         }
 

@@ -504,7 +504,7 @@ class SosTask(Task):
                if any(r.backend != args.backend for r in refs) else {}),
             "mitigations": list(args.mitigations), "scenarios": list(args.scenarios),
             "skipped_items": self.skipped,
-            "command": command_line("sos") or command_line("run"),
+            "command": command_line("sos", "run"),
         }
 
     # ------------------------------------------------------------ the plan
