@@ -8,7 +8,6 @@ rerunning the same command after a crash continues where it stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -174,6 +173,3 @@ def run_records(
             bar.update(len(chunk))
     return done
 
-
-def with_fields(record: Record, **changes) -> Record:
-    return dataclasses.replace(record, **changes)
