@@ -172,4 +172,3 @@ def run_records(
             done += store.append(chunk)
             bar.update(len(chunk))
     return done
-
