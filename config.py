@@ -395,10 +395,15 @@ def _command_parser_class():
         return HfArgumentParser
 
 
-def parse_dataclasses(argv: list[str], *types, prog: str, description: str):
+def parse_dataclasses(argv: list[str], *types, prog: str, description: str, positional: str | None = None):
     """Parse a command's argv into the given dataclasses; a single YAML/JSON path first is
-    read as a run config (TRL/alignment-handbook style) and later flags override it."""
+    read as a run config (TRL/alignment-handbook style) and later flags override it.
+    `positional`: the option that leading arguments before any flag give
+    (`flipguard report RUN_DIR` = `--run_dir RUN_DIR`)."""
     parser = _command_parser_class()(types, prog=prog, description=description)
+    argv = list(argv)
+    if positional and argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
+        argv = [f"--{positional}", *argv]
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
         from flipguard.files import check_types, field_types, load_yaml
 

@@ -335,11 +335,9 @@ class ImportArgs:
 def main(argv: list[str]) -> int:
     from flipguard.config import parse_dataclasses
 
-    argv = list(argv)
-    if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
-        argv = ["--source", argv[0]] + argv[1:]
     args = parse_dataclasses(argv, ImportArgs, prog="flipguard import-records",
-                             description="read DialDefer-format per-item records into a run directory")
+                             description="read DialDefer-format per-item records into a run directory",
+                             positional="source")
     res = import_records(args.source, args.out, args.model)
     print(f"imported {len(res['files'])} file(s): {res['records']} records ({res['added']} new, "
           f"{res['corrected']} corrected (stored answers replaced by the file's), "

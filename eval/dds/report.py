@@ -548,10 +548,8 @@ def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: in
 def main(argv: list[str]) -> int:
     from flipguard.config import parse_dataclasses
 
-    argv = list(argv)
-    if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
-        argv = ["--run_dir", argv[0]] + argv[1:]
     args = parse_dataclasses(argv, ReportArgs, prog="flipguard report",
-                             description="DDS summary table (paper Table 20 layout) for a run directory")
+                             description="DDS summary table (paper Table 20 layout) for a run directory",
+                             positional="run_dir")
     write_run_report(args.run_dir, args.c1_from, args.n_boot, args.seed, args.allow_cross_mode_c1)
     return 0

@@ -166,13 +166,8 @@ def write(res: dict, out: str | Path) -> Path:
 def main(argv: list[str]) -> int:
     from flipguard.config import parse_dataclasses
 
-    argv = list(argv)
-    lead = []
-    while argv and not argv[0].startswith("-"):
-        lead.append(argv.pop(0))
-    if lead:
-        argv = ["--runs", *lead, *argv]
-    args = parse_dataclasses(argv, CrossModelArgs, prog="flipguard cross-model", description=CrossModelArgs.__doc__)
+    args = parse_dataclasses(argv, CrossModelArgs, prog="flipguard cross-model", description=CrossModelArgs.__doc__,
+                             positional="runs")
     names = [n.strip() for n in args.names.split(",")] if args.names else None
     res = analyse(args.runs, names, args.allow_cross_mode_c1)
     out = write(res, args.out)

@@ -354,10 +354,8 @@ def main(argv: list[str]) -> int:
     from flipguard.errors import UserError
     from flipguard.config import parse_dataclasses
 
-    argv = list(argv)
-    if argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
-        argv = ["--run_dir", argv[0]] + argv[1:]
-    args = parse_dataclasses(argv, TaxonomyArgs, prog="flipguard taxonomy", description=TaxonomyArgs.__doc__)
+    args = parse_dataclasses(argv, TaxonomyArgs, prog="flipguard taxonomy", description=TaxonomyArgs.__doc__,
+                             positional="run_dir")
     if not args.run_dir or not (Path(args.run_dir) / RECORDS_FILE).is_file():
         raise UserError(f"taxonomy: {args.run_dir or '(no run directory)'}: no {RECORDS_FILE} there")
     template, prompt_name = JUDGE_PROMPT, "built-in (written from Table 19 and §F.1)"
