@@ -10,20 +10,56 @@ client has the body)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 READY_CAP_S = 900.0  # upper bound only: a healthy start takes 10-120 s on a loaded 2-core machine
 POLL_S = 0.2
 CHAT_LINE = re.compile(r'"POST /v1/chat/completions HTTP/1\.1" (\d{3})')
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, payload, headers=None) -> None:
+    """One JSON response with its length (the in-process stubs answer only JSON)."""
+    data = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    for k, v in (headers or {}).items():
+        handler.send_header(k, v)
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+class StubServer:
+    """An in-process stub HTTP server on a free 127.0.0.1 port, served from a daemon thread
+    while the `with` block runs (for faults a real server cannot be made to produce)."""
+
+    def _listen(self, handler_class) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
 
 
 def free_port() -> int:

@@ -26,10 +26,12 @@ import textwrap
 import threading
 import time
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+
+from served import StubServer, send_json
 
 # Limits below are hang guards only (never reached by a healthy run, however loaded the
 # machine): tests synchronise on events, not on wall-clock guesses.
@@ -40,38 +42,6 @@ from flipguard.eval.backends.base import BackendError, GenerationConfig, backend
 from flipguard.eval.backends.openai_api import SERVER_CONCURRENCY
 
 # ---------------------------------------------------------------------------- stub for faults only
-
-
-def send_json(handler: BaseHTTPRequestHandler, status: int, payload, headers=None) -> None:
-    """One JSON response with its length (the stubs below answer only JSON)."""
-    data = json.dumps(payload).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    for k, v in (headers or {}).items():
-        handler.send_header(k, v)
-    handler.end_headers()
-    handler.wfile.write(data)
-
-
-class StubServer:
-    """A stub HTTP server on a free 127.0.0.1 port, served from a daemon thread while
-    the `with` block runs."""
-
-    def _listen(self, handler_class) -> None:
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
-        self.httpd.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
 
 
 class FaultServer(StubServer):

@@ -21,10 +21,12 @@ import sys
 import textwrap
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+
+from served import StubServer, send_json
 
 from flipguard.data.schema import Item
 from flipguard.errors import FlipguardError
@@ -61,7 +63,7 @@ def _rec(key: str, item: str = "a", case: str = "c1_true") -> Record:
 # ---------------------------------------------------------------------------- a real HTTP server
 
 
-class Server:
+class Server(StubServer):
     """An OpenAI-compatible /v1/chat/completions on 127.0.0.1 whose answer is `respond(n, body,
     headers) -> (status, payload)`; `hold` (an Event) makes every request wait until set;
     `received` is set at the first request."""
@@ -86,31 +88,17 @@ class Server:
                 if server.hold is not None:
                     server.hold.wait(BOUND)
                 status, payload = server.respond(n, body, {k.lower(): v for k, v in self.headers.items()})
-                data = json.dumps(payload).encode()
                 try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    send_json(self, status, payload)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
+        self._listen(Handler)
 
     def __exit__(self, *exc):
         if self.hold is not None:
             self.hold.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__exit__(*exc)
 
 
 def completion(top: list[tuple[str, float]], content: str = "1") -> tuple[int, dict]:
