@@ -349,13 +349,14 @@ class Study:
 
     def afr_stage(self, base_id: dict) -> Stage:
         """One AFR run with every condition as a target (and source: the cross matrix)."""
+        from flipguard.eval.backends.base import model_kwargs
         from flipguard.files import load_yaml
 
         run = self.out / "afr"
         source = self.plan.eval_plan_afr_config or str(PACKAGE_ROOT / "recipes" / "afr_tiny.yaml")
         config, _ = load_yaml(source, StudyError, "afr run config")
         backend = self.plan.eval_plan_backend
-        kwargs = {"device": "cpu" if not self.on_gpu() else None, "batch_size": 16} if backend == "hf" else {}
+        kwargs = model_kwargs(backend, {}, batch_size=16, device=None if self.on_gpu() else "cpu")
         entries = [{"name": "Baseline", "backend": backend, "model": self.model}]
         entries += [{"name": CONDITION_NAMES.get(m, m), "backend": backend, "model": self.model, "mitigation": m}
                     for m in self.plan.eval_plan_mitigations]
