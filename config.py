@@ -40,7 +40,7 @@ import dataclasses
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from flipguard.errors import UserError
 
@@ -206,8 +206,9 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
         raise RecipeError(f"{path}: recipe file not found")
     # bytes that are not UTF-8 and broken YAML: one line naming path:line
     raw, lines = load_yaml(path, RecipeError, "recipe file")
-    if raw is None:
-        raw = {}
+    if raw is None or raw == {}:
+        raise RecipeError(f"{path}: the recipe is empty (it needs at least model_name_or_path and the sections "
+                          "to run; see recipes/tiny.yaml)")
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
     validate_recipe(raw, path, lines)
@@ -236,6 +237,69 @@ def check_recipe_types(raw: dict[str, Any], path: str = "<recipe>", lines: dict[
 def validate_recipe(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
     _check_keys(raw, path)
     check_recipe_types(raw, path, lines)
+    check_recipe_values(raw, path, lines)
+
+
+def _non_empty(v: Any) -> bool:
+    return bool(str(v).strip())
+
+
+# the values a field must hold, whatever section or flag sets it: a negative learning rate or
+# `lora_r: 0` is refused before the first stage, not after five stages by a trainer traceback
+VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "learning_rate": (lambda v: v > 0, "> 0"),
+    "lora_r": (lambda v: v >= 1, ">= 1"),
+    "lora_alpha": (lambda v: v > 0, "> 0"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "max_steps": (lambda v: v == -1 or v >= 1, "-1 (train by epochs) or >= 1"),
+    "num_train_epochs": (lambda v: v > 0, "> 0"),
+    "per_device_train_batch_size": (lambda v: v >= 1, ">= 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, ">= 1"),
+    "beta": (lambda v: v > 0, "> 0"),
+    "eval_plan_limit": (lambda v: v >= 1, ">= 1"),
+    "eval_plan_generate_limit": (lambda v: v >= 1, ">= 1"),
+    "eval_plan_n_boot": (lambda v: v >= 1, ">= 1"),
+    "eval_plan_datasets": (_non_empty, "a non-empty list of datasets"),
+    "pairs_datasets": (_non_empty, "a non-empty list of datasets"),
+}
+
+
+def check_values(values: dict[str, Any], where: str, shown: dict[str, str] | None = None,
+                 lines: dict[str, int] | None = None) -> None:
+    """Refuse the first value that breaks VALUE_RULES, naming where (file[:line]), the key and the value."""
+    for key, value in values.items():
+        rule = VALUE_RULES.get(key)
+        if rule is None or value is None or isinstance(value, bool):
+            continue
+        ok, wanted = rule
+        name = (shown or {}).get(key, key)
+        try:
+            good = ok(value)
+        except TypeError:
+            good = False
+        if not good:
+            line = (lines or {}).get(name)
+            raise RecipeError(f"{where}{f':{line}' if line else ''}: {name}: {value!r} must be {wanted}")
+
+
+def check_recipe_values(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
+    check_values({k: v for k, v in raw.items() if k not in TRAINER_SECTIONS and k not in ARG_SECTIONS},
+                 path, lines=lines)
+    for section in TRAINER_SECTIONS:
+        values = raw.get(section) or {}
+        check_values(values, path, {k: f"{section}.{k}" for k in values}, lines)
+    for section, prefix in ARG_SECTIONS.items():
+        values = raw.get(section) or {}
+        check_values({prefix + k: v for k, v in values.items()}, path, {prefix + k: f"{section}.{k}" for k in values},
+                     lines)
+
+
+def check_parsed_values(objs: Iterable[Any], where: str) -> None:
+    """The same rules on parsed dataclasses: command-line flags override a recipe's values."""
+    for obj in objs:
+        if dataclasses.is_dataclass(obj):
+            check_values({f.name: getattr(obj, f.name, None) for f in dataclasses.fields(obj)}, where,
+                         {f.name: f"--{f.name}" for f in dataclasses.fields(obj)})
 
 
 def _check_keys(raw: dict[str, Any], path: str) -> None:
@@ -353,9 +417,11 @@ def _trl_parser_class():
                 # env names only, never their values (they may be keys)
                 self.recipe_path, self.recipe = recipe_path, public_recipe(raw)
             try:
-                return self.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
+                parsed = self.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
             except ValueError as exc:
                 raise RecipeError(f"{recipe_path or 'command line'}: {exc}") from None
+            check_parsed_values(parsed, f"{recipe_path or 'command line'} (with its flags)")
+            return parsed
 
     return RecipeParser
 

@@ -284,6 +284,7 @@ def run_lock(run_dir: str | os.PathLike, command: str | None = None) -> Iterator
     if run_dir.exists() and not run_dir.is_dir():
         raise RecordError(f"{run_dir}: exists and is not a directory; use another --out")
     created = not run_dir.exists()
+    lock_created = created or not (run_dir / LOCK_FILE).exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -310,12 +311,13 @@ def run_lock(run_dir: str | os.PathLike, command: str | None = None) -> Iterator
         yield run_dir
         failed = False
     finally:
-        if failed and created:
-            # refused before writing anything (bad input, an oversized item): leave no
-            # empty run directory behind, only what was there before
+        if failed and lock_created:
+            # refused before writing anything (bad input, an oversized item, a folder that is
+            # not ours): leave only what was there before, no lock file and no empty run directory
             try:
-                if os.listdir(run_dir) == [LOCK_FILE]:
+                if not created or os.listdir(run_dir) == [LOCK_FILE]:
                     os.unlink(run_dir / LOCK_FILE)
+                if created:
                     os.rmdir(run_dir)
             except OSError:
                 pass

@@ -35,6 +35,7 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -465,6 +466,29 @@ class Study:
                           order=[s.name for s in self.stages])
         atomic_write_json(self.out / STUDY_FILE, self.state)
 
+    def check_folders(self) -> None:
+        """Before any stage: every folder a stage would clear either does not exist or is
+        recorded in study.json as this study's own. Anything else (the user's files, an earlier
+        `flipguard eval` run, another study's stage) is refused, never removed."""
+        entries = self.state["stages"]
+        for stage in self.stages:
+            if stage.name in entries:
+                continue
+            for path in stage.clear:
+                if path.exists():
+                    what = "an earlier flipguard run" if written_by_flipguard(path) else "not flipguard's"
+                    raise StudyError(
+                        f"stage {stage.name}: {path} exists and was not written by this study ({what}; "
+                        f"{self.out / STUDY_FILE} does not record it); nothing was changed: move it away or "
+                        "use another --out")
+
+    def built_from_current(self, stage: Stage) -> bool:
+        """Built from its inputs as they are now: an input redone since (e.g. `--only sft`)
+        makes this stage stale even though every fingerprint still matches."""
+        entries = self.state["stages"]
+        built_from = (entries.get(stage.name) or {}).get("built_from") or {}
+        return all(built_from.get(i) == (entries.get(i) or {}).get("build") for i in stage.inputs)
+
     def fingerprints(self) -> dict[str, str]:
         fps: dict[str, str] = {}
         for s in self.stages:
@@ -481,6 +505,7 @@ class Study:
                 raise StudyError(f"{flag} {value}: no such stage in this study (stages: {', '.join(names)})")
         if from_stage and only:
             raise StudyError("--from and --only: give one of them")
+        self.check_folders()
         self.out.mkdir(parents=True, exist_ok=True)
         from flipguard.config import public_recipe
 
@@ -492,7 +517,7 @@ class Study:
         for i, stage in enumerate(self.stages):
             entry = entries.get(stage.name) or {}
             current = (entry.get("status") == "done" and entry.get("fingerprint") == fps[stage.name]
-                       and all(p.exists() for p in stage.outputs))
+                       and all(p.exists() for p in stage.outputs) and self.built_from_current(stage))
             forced = stage.name == only or (start is not None and i >= start)
             if only and stage.name != only:
                 self.statuses.append((stage.name, "skipped" if current else "not run", 0.0))
@@ -506,20 +531,18 @@ class Study:
             if missing:
                 raise StudyError(f"stage {stage.name}: its input stage(s) {', '.join(missing)} are not done with the "
                                  "current settings; run the study without --only first")
+            self.state.pop("plan", None)  # the quick-rerun key holds only after a full run (main's record_plan)
             resume = entry.get("status") == "running" and entry.get("fingerprint") == fps[stage.name] and not forced
             status = "resume" if resume else ("redo" if entry else "run")
             self.step(f"{stage.title}  [{stage.name}: {status}]")
             if not resume:
-                for path in stage.clear:
-                    if not entry and path.exists() and not written_by_flipguard(path):
-                        # never destroy what flipguard did not write
-                        raise StudyError(f"stage {stage.name}: {path} exists and was not written by this study "
-                                         "(nor by flipguard); move it away or use another --out")
+                for path in stage.clear:  # recorded in study.json as this study's (check_folders)
                     if path.is_dir():
                         shutil.rmtree(path)
                     elif path.exists():
                         path.unlink()
             entries[stage.name] = {"status": "running", "fingerprint": fps[stage.name], "inputs": list(stage.inputs),
+                                   "built_from": {i: entries[i].get("build") for i in stage.inputs},
                                    "params": json.loads(json.dumps(stage.params, default=str)),
                                    "outputs": [str(p) for p in stage.outputs], "started": now_iso()}
             self._save_state()
@@ -529,7 +552,8 @@ class Study:
             if missing_out:
                 raise StudyError(f"stage {stage.name}: finished without writing {', '.join(missing_out)}")
             seconds = time.time() - t
-            entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status)
+            entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status,
+                                       build=uuid.uuid4().hex[:12])
             self._save_state()
             self.statuses.append((stage.name, status, seconds))
             self.print(f"--- {stage.name}: {status} in {seconds:.1f}s")
@@ -624,15 +648,24 @@ def effective_recipe(recipe_path: str, parsed: dict[str, Any], model: str | None
 
 
 def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | None = None, *,
-              from_stage: str | None = None, only: str | None = None, print_fn: Callable[[str], None] = print) -> Study:
-    """Run (or resume) the study a recipe describes; `raw` overrides the file's contents."""
+              from_stage: str | None = None, only: str | None = None, print_fn: Callable[[str], None] = print,
+              on_finish: Callable[[Study], None] | None = None) -> Study:
+    """Run (or resume) the study a recipe describes; `raw` overrides the file's contents;
+    `on_finish` runs while the study still holds its folder."""
     from flipguard.config import read_recipe, validate_recipe
+
+    from flipguard.eval.records import run_lock
 
     raw = read_recipe(recipe_path) if raw is None else raw
     validate_recipe(raw, recipe_path)
-    study = Study(recipe_path, raw, out, print_fn=print_fn)
-    study.run(from_stage=from_stage, only=only)
-    study.summary()
+    # one writer per study folder, held from before study.json is read until the last stage
+    # (trainers and merges included): a second study is refused at once, naming the holder
+    with run_lock(out):
+        study = Study(recipe_path, raw, out, print_fn=print_fn)
+        study.run(from_stage=from_stage, only=only)
+        study.summary()
+        if on_finish is not None:
+            on_finish(study)
     return study
 
 
@@ -676,6 +709,13 @@ def rerun_unchanged(argv: list[str]) -> bool:
     recipe, rest, out, partial = _quick_args(argv)
     if not recipe or partial or not out or not (Path(out) / STUDY_FILE).is_file():
         return False
+    from flipguard.eval.records import run_lock
+
+    with run_lock(out):
+        return _print_if_unchanged(recipe, rest, out)
+
+
+def _print_if_unchanged(recipe: str, rest: list[str], out: str) -> bool:
     try:
         state = json.loads((Path(out) / STUDY_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -723,13 +763,17 @@ def main(argv: list[str]) -> int:
         parsed[section] = {k[len(prefix):]: v for k, v in dataclasses.asdict(obj).items()}
     raw = effective_recipe(recipe_path, parsed, args.model)
     out = args.out or str(Path("runs") / f"{Path(recipe_path).stem}-study")
-    study = run_study(recipe_path, out, raw, from_stage=args.from_stage, only=args.only)
-    if not args.from_stage and not args.only:  # every stage ran or was up to date: a plain rerun may take the quick path
+    def record_plan(study: Study) -> None:
+        if args.from_stage or args.only:
+            return
+        # every stage ran or was up to date: a plain rerun may take the quick path
         _, rest, _, _ = _quick_args(argv)
         watched = [recipe_path] + [c for c in (study.plan.eval_plan_afr_config, study.plan.eval_plan_sos_config) if c]
         study.state["plan"] = {"key": plan_key(recipe_path, rest, out), "model": model_identity(study.model),
                                "files": {c: _file_sha(c) for c in watched}, "at": now_iso()}
         study.state["artefacts"] = [[what, str(path)] for what, path in study.artefacts]
         study._save_state()
+
+    study = run_study(recipe_path, out, raw, from_stage=args.from_stage, only=args.only, on_finish=record_plan)
     print_artefacts(study.artefacts)
     return 0

@@ -111,6 +111,14 @@ def test_study_runs_skips_and_redoes_exactly_what_changed(tmp_path, monkeypatch,
     assert cli_main(["study", str(recipe), "--out", str(out), "--from", "dpo-merge"]) == 0
     assert _redone(before, out) == {"dpo-merge", "dpo-eval", "compare", "wandb"}
     before = _finished(out)
+    # --only sft, then a plain rerun: the merged model and its evaluation were built from the old
+    # adapter, so they are redone although every fingerprint still matches
+    assert cli_main(["study", str(recipe), "--out", str(out), "--only", "sft"]) == 0
+    assert _redone(before, out) == {"sft"}
+    before = _finished(out)
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    assert _redone(before, out) == {"sft-merge", "sft-eval", "compare", "wandb"}
+    before = _finished(out)
 
     # a changed dpo value invalidates exactly the stages that read it, and what depends on them
     changed = _recipe(tmp_path, beta=0.2)
