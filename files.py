@@ -12,10 +12,14 @@ the eval core for a file helper.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import fcntl
 import json
 import os
+import re
+import shutil
 import tempfile
 import types
 import typing
@@ -261,3 +265,57 @@ def check_types(values: dict[str, Any], types_: dict[str, Any], path, error: typ
         raise error(f"{where}: key {shown!r} must be {_type_name(types_[key])}, got {_describe(value)} "
                     f"({type(value).__name__}); nothing was run")
 
+
+
+# ---------------------------------------------------------------- staging folders
+
+
+def _staging_lock(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + ".lock")  # beside the folder: never published with it
+
+
+def clean_stale_staging(final: str | os.PathLike) -> list[Path]:
+    """Remove the staging folders of killed builds of `final` (`.NAME.XXXXXXXX` beside it, as
+    staging_dir makes them): one whose lock no live process holds, or one from before staging
+    locks. A staging folder in use by a running build is left alone."""
+    final = Path(final)
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.[a-z0-9_]{{8}}")
+    removed = []
+    if not final.parent.is_dir():
+        return removed
+    for tmp in sorted(final.parent.iterdir()):
+        if not tmp.is_dir() or not pattern.fullmatch(tmp.name):
+            continue
+        lock = _staging_lock(tmp)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a build still writing it
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            removed.append(tmp)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def staging_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A folder beside `final` (same filesystem: publishing renames from it) to build `final` in,
+    locked while this process uses it and removed afterwards; a killed build's leftover is
+    removed by the next one (clean_stale_staging)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    lock = _staging_lock(tmp)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        os.close(fd)

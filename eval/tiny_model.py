@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from flipguard.eval.threads import THREADS_HELP, configure_threads
@@ -182,9 +180,9 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
         return str(target)
     import torch
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    from flipguard.files import staging_dir
+
+    with staging_dir(target) as tmp:
         tokenizer = build_tokenizer(args.vocab_size)
         torch.manual_seed(args.seed)
         model = new_model(tokenizer, args.hidden_size, args.num_hidden_layers)
@@ -199,9 +197,6 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
         from flipguard.eval.records import publish_dir
 
         publish_dir(tmp, target, writer="flipguard tiny-model", last=["config.json"])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return str(target)
 
 

@@ -480,7 +480,8 @@ def test_merge_never_replaces_the_adapter_or_foreign_files(tiny_model_path, tmp_
 
     adapter = _adapter(tiny_model_path, tmp_path / "adapter")
     adapter_files = {p.name: p.read_bytes() for p in adapter.iterdir()}
-    base = ["recipes/tiny.yaml", "--model_name_or_path", tiny_model_path, "--gap_prompts", "0", "--adapter", str(adapter)]
+    base = ["recipes/tiny.yaml", "--model_name_or_path", tiny_model_path, "--gap_prompts", "0", "--adapter", str(adapter),
+            "--foreign_adapter", "true"]  # a peft adapter without flipguard provenance
     with pytest.raises(FlipguardError, match="holds\\) the adapter folder"):
         merge_main(base + ["--out", str(adapter)])
     assert {p.name: p.read_bytes() for p in adapter.iterdir()} == adapter_files

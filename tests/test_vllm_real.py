@@ -113,6 +113,10 @@ def make_adapter(organism: str, out: Path, target_modules: list[str]) -> Path:
             if "lora_B" in name or "lora_embedding_B" in name:
                 param.mul_(0.05)
     model.save_pretrained(out)
+    # the provenance flipguard's trainers write last: eval --adapter takes only finished adapters
+    from flipguard.train.utils import write_training_info
+
+    write_training_info(str(out), {"trainer": "test", "base_model": organism}, None)
     return out
 
 

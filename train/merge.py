@@ -68,6 +68,10 @@ class MergeArguments:
                                          "only the files the merge writes (others are kept). A folder a previous merge "
                                          "wrote is replaced without it; --out equal to --adapter is always refused."}
     )
+    foreign_adapter: bool = dataclasses.field(
+        default=False, metadata={"help": "Merge an adapter trained outside flipguard (no flipguard_training.json). "
+                                         "Without it such a folder is refused as an unfinished training."}
+    )
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
 
 
@@ -116,7 +120,8 @@ def sample_gap_prompts(pairs_dir: str | None, n: int = 32) -> tuple[list[list[di
 
 
 def measure_merge_gap(merged_dir: str | Path, base_path: str, adapter: str, prompts: list[list[dict]],
-                      quantization_config=None, dtype: str = "auto", device: str | None = None) -> dict[str, Any]:
+                      quantization_config=None, dtype: str = "auto", device: str | None = None,
+                      foreign_adapter: bool = False) -> dict[str, Any]:
     """max and mean |ΔP("1")| between the merged model and base (as trained) + adapter,
     both scored by the hf eval backend; one model in memory at a time."""
     import gc
@@ -131,45 +136,43 @@ def measure_merge_gap(merged_dir: str | Path, base_path: str, adapter: str, prom
         return out
 
     merged = p1(model=str(merged_dir))
-    trained = p1(model=base_path, adapter=adapter, dtype=dtype or "auto", quantization_config=quantization_config)
+    trained = p1(model=base_path, adapter=adapter, dtype=dtype or "auto", quantization_config=quantization_config,
+                 foreign_adapter=foreign_adapter)
     deltas = [abs(a - b) for a, b in zip(merged, trained)]
     return {"max_abs_delta_p1": max(deltas), "mean_abs_delta_p1": sum(deltas) / len(deltas), "n_prompts": len(deltas)}
 
 
 def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", card_config: dict | None = None,
                   metrics: dict | None = None, pairs_dir: str | None = None,
-                  gap_check: Callable[[Path], dict[str, Any]] | None = None, overwrite: bool = False) -> Path:
+                  gap_check: Callable[[Path], dict[str, Any]] | None = None, overwrite: bool = False,
+                  foreign_adapter: bool = False) -> Path:
     """Merge into a temp folder, then publish it (records.publish_dir: only flipguard's own
     files in --out are replaced, flipguard_merge.json last); returns the output folder.
     `gap_check(saved_dir)` measures the merge gap before the folder is published; its
     result goes into flipguard_merge.json and the model card (None: not measured)."""
     import gc
-    import shutil
-    import tempfile
 
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from flipguard.eval.backends.adapters import check_adapter, load_peft_adapter
     from flipguard.eval.records import RecordError, publish_dir
+    from flipguard.files import staging_dir
     from flipguard.train import utils
 
     check_out_dir(adapter, out, overwrite)
-    if not (Path(adapter) / "adapter_config.json").is_file():
-        raise utils.TrainError(f"{adapter}: not an adapter folder (no adapter_config.json)")
+    check_adapter(adapter, foreign_ok=foreign_adapter, foreign_flag="--foreign_adapter true")
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     utils.check_model_loadable(base_path)
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))  # never quantized
-    model = PeftModel.from_pretrained(base, adapter)
+    model = load_peft_adapter(base, adapter, foreign_ok=foreign_adapter)
     merged = model.merge_and_unload()
     tok_src = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base_path
     tokenizer = AutoTokenizer.from_pretrained(tok_src)
 
     out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
-    try:
+    with staging_dir(out_path) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)  # also writes generation_config.json
         tokenizer.save_pretrained(tmp)
         del merged, model, base
@@ -190,9 +193,6 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
                         overwrite_hint=", or pass --overwrite to replace only the files the merge writes")
         except RecordError as exc:
             raise utils.TrainError(str(exc)) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_path
 
 
@@ -210,6 +210,7 @@ def main(argv: list[str], prog: str = "train/merge.py") -> int:
     from trl import ModelConfig, get_quantization_config
 
     from flipguard.config import PairsArguments, parse_recipe
+    from flipguard.eval.backends.adapters import check_adapter
     from flipguard.train import utils
 
     (merge_args, model_args, pairs_args), recipe_path, recipe = parse_recipe(
@@ -218,6 +219,7 @@ def main(argv: list[str], prog: str = "train/merge.py") -> int:
     if not merge_args.adapter or not merge_args.out:
         raise utils.TrainError("--adapter DIR and --out DIR are required")
     check_out_dir(merge_args.adapter, merge_args.out, merge_args.overwrite)
+    check_adapter(merge_args.adapter, foreign_ok=merge_args.foreign_adapter, foreign_flag="--foreign_adapter true")
     configure_threads(merge_args.threads)
     metrics = None
     if merge_args.metrics_json:
@@ -236,13 +238,14 @@ def main(argv: list[str], prog: str = "train/merge.py") -> int:
         if not prompts:
             return {"max_abs_delta_p1": None, "skipped": source, "threshold": merge_args.max_merge_gap}
         gap = measure_merge_gap(saved, base, merge_args.adapter, prompts,
-                                get_quantization_config(model_args) if quantized else None, model_args.dtype or "auto")
+                                get_quantization_config(model_args) if quantized else None, model_args.dtype or "auto",
+                                foreign_adapter=merge_args.foreign_adapter)
         return {**gap, "prompts_from": source, "trained_base": trained_base, "threshold": merge_args.max_merge_gap,
                 "exceeds_threshold": gap["max_abs_delta_p1"] > merge_args.max_merge_gap}
 
     out = merge_adapter(base, merge_args.adapter, merge_args.out, merge_args.merge_dtype,
                         {"recipe_path": recipe_path, "recipe": recipe}, metrics, pairs_args.pairs_dir, gap_check,
-                        overwrite=merge_args.overwrite)
+                        overwrite=merge_args.overwrite, foreign_adapter=merge_args.foreign_adapter)
     gap = json.loads((out / MERGE_INFO_FILE).read_text(encoding="utf-8"))["merge_gap"]
     print(merge_gap_line(gap))
     if gap.get("exceeds_threshold"):

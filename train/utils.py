@@ -288,7 +288,7 @@ def finish_tracking(run) -> None:
         run.finish()
 
 
-PROVENANCE_FILE = "flipguard_training.json"
+from flipguard.eval.backends.adapters import PROVENANCE_FILE  # noqa: E402  (one name for the file)
 
 
 def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pairs_dir: str | None, run) -> None:

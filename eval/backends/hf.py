@@ -36,6 +36,7 @@ class HFBackend:
         trust_remote_code: bool = False,
         show_progress: bool = True,
         quantization_config=None,
+        foreign_adapter: bool = False,
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,11 +58,10 @@ class HFBackend:
                 "(`flipguard tiny-model` builds an offline test model)."
             ) from None
         if adapter:
-            try:
-                from peft import PeftModel
-            except ImportError:  # pragma: no cover - peft is a core dependency
-                raise BackendError("evaluating an adapter needs peft: pip install peft") from None
-            self.model = PeftModel.from_pretrained(self.model, adapter)
+            from flipguard.eval.backends.adapters import FOREIGN_ADAPTER_ARGS, load_peft_adapter
+
+            self.model = load_peft_adapter(self.model, adapter, foreign_ok=foreign_adapter,
+                                           foreign_flag=FOREIGN_ADAPTER_ARGS)
         if self.tokenizer.chat_template is None:
             raise BackendError(f"{model}: tokenizer has no chat template; flipguard evaluates chat models")
         self.tokenizer.padding_side = "left"

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.backends.base import (
     BackendError, Conversation, GenerationConfig, label_token_ids, raw_prompt, register_backend,
 )
@@ -104,28 +105,6 @@ def lora_refusal(config: Mapping[str, Any], weight_names: Iterable[str],
     if config.get("lora_bias") or config.get("bias", "none") != "none":
         problems.append("LoRA bias")
     return problems
-
-
-def read_adapter(adapter: str | Path) -> tuple[dict, list[str]]:
-    """adapter_config.json and the tensor names of a peft adapter folder."""
-    folder = Path(adapter)
-    path = folder / "adapter_config.json"
-    try:
-        config = json.loads(path.read_text())
-    except OSError as exc:
-        raise BackendError(f"adapter {adapter}: cannot read {path.name} ({exc.strerror or exc})") from None
-    except json.JSONDecodeError as exc:
-        raise BackendError(f"adapter {adapter}: {path.name} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    if not isinstance(config, dict):
-        raise BackendError(f"adapter {adapter}: {path.name} is not a JSON object")
-    names: list[str] = []
-    weights = folder / "adapter_model.safetensors"
-    if weights.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(weights), framework="pt") as f:
-            names = list(f.keys())
-    return config, names
 
 
 def vllm_embedding_modules(model: str) -> set[str]:

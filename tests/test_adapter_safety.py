@@ -1,0 +1,141 @@
+"""Adapters and staging folders (issue 22 items 5 and 7): merge and `eval --adapter` refuse an
+unfinished adapter (no provenance) and a corrupt one (bad JSON, truncated weights, a rank or shape
+that does not fit) in one line naming the file, before anything is written; a merge killed with
+SIGKILL leaves a staging folder that the next merge removes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flipguard.eval.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "recipes" / "tiny.yaml")
+
+
+def _peft_adapter(base: str, where: Path, r: int = 2) -> Path:
+    """A LoRA adapter of `base` as peft saves it (what an outside training leaves)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                   LoraConfig(r=r, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(where)
+    return where
+
+
+def _finished(base: str, where: Path) -> Path:
+    """The same, with the provenance flipguard's trainers write last (train/utils.write_training_info)."""
+    from flipguard.train.utils import write_training_info
+
+    _peft_adapter(base, where)
+    write_training_info(str(where), {"trainer": "sft", "base_model": base}, None)
+    return where
+
+
+def _merge(base: str, adapter: Path, out: Path, *extra: str) -> int:
+    return cli_main(["merge", TINY, "--model_name_or_path", base, "--gap_prompts", "0",
+                     "--adapter", str(adapter), "--out", str(out), *extra])
+
+
+def _eval(base: str, adapter: Path, out: Path) -> int:
+    return cli_main(["eval", "--model", base, "--adapter", str(adapter), "--datasets", "bbq", "--limit", "1",
+                     "--out", str(out), "--report", "false"])
+
+
+def _one_line(capsys) -> str:
+    """The error, one line and no traceback (beside transformers' progress bar of a model it loaded)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and "it/s]" not in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _wrong_rank(path: Path) -> None:
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "r": 4}))
+
+
+@pytest.mark.parametrize("damage, file, message", [
+    (None, None, "no flipguard_training.json, so its training did not finish"),
+    (lambda p: p.write_text("{not json"), "adapter_config.json", "adapter_config.json: not valid JSON (line 1"),
+    (_truncate, "adapter_model.safetensors", "adapter_model.safetensors: truncated"),
+    (_wrong_rank, "adapter_config.json", "does not match the LoRA rank 4 of adapter_config.json"),
+])
+def test_merge_and_eval_refuse_an_unfinished_or_corrupt_adapter(tiny_model_path, tmp_path, capsys, damage, file,
+                                                                  message):
+    adapter = (_peft_adapter if damage is None else _finished)(tiny_model_path, tmp_path / "adapter")
+    if damage is not None:
+        damage(adapter / file)
+    before = {p.name: p.read_bytes() for p in adapter.iterdir()}
+    capsys.readouterr()
+    assert _merge(tiny_model_path, adapter, tmp_path / "merged") == 2
+    assert message in _one_line(capsys)
+    assert _eval(tiny_model_path, adapter, tmp_path / "run") == 2
+    assert message in _one_line(capsys)
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "run").exists()
+    assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
+
+
+def test_an_adapter_of_another_base_is_one_line(tiny_model_path, tmp_path, capsys):
+    from flipguard.eval.tiny_model import ensure_tiny_model
+
+    other = ensure_tiny_model(tmp_path / "wider", hidden_size=96)
+    adapter = _finished(other, tmp_path / "adapter")
+    capsys.readouterr()
+    assert _merge(tiny_model_path, adapter, tmp_path / "merged") == 2
+    err = _one_line(capsys)
+    assert f"{adapter / 'adapter_model.safetensors'}: does not fit the base model" in err and "size mismatch" in err
+    assert not (tmp_path / "merged").exists()
+
+
+def test_an_adapter_trained_elsewhere_merges_when_said_so(tiny_model_path, tmp_path):
+    adapter = _peft_adapter(tiny_model_path, tmp_path / "adapter")
+    assert _merge(tiny_model_path, adapter, tmp_path / "merged", "--foreign_adapter", "true") == 0
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_model_path, tmp_path):
+    adapter = _finished(tiny_model_path, tmp_path / "adapter")
+    pairs = tmp_path / "pairs"  # prompts for the merge gap: the merge is still running after it saved
+    pairs.mkdir()
+    with (pairs / "sft.jsonl").open("w") as fh:
+        for i in range(32):
+            fh.write(json.dumps({"prompt": [{"role": "user", "content": f"Is claim {i} correct? " * 20}],
+                                 "completion": [{"role": "assistant", "content": "1"}]}) + "\n")
+    out = tmp_path / "models" / "sft-merged"
+    argv = [sys.executable, "-m", "flipguard.eval.cli", "merge", TINY, "--model_name_or_path", tiny_model_path,
+            "--adapter", str(adapter), "--out", str(out), "--pairs_dir", str(pairs), "--gap_prompts", "32"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    staged = lambda: [p for p in out.parent.glob(".sft-merged.*") if p.is_dir()]  # noqa: E731
+    try:
+        deadline = time.monotonic() + 600
+        while not any((p / "model.safetensors").is_file() for p in staged()):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert len(staged()) == 1 and not out.exists()  # what a killed merge leaves
+
+    assert subprocess.run(argv, env=env, capture_output=True).returncode == 0
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["sft-merged"]  # no staging folder, no lock file
