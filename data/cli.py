@@ -35,6 +35,10 @@ class DataArgs:
         metadata={"help": "register your own dataset: the path of its dataset.yaml (name, domain, splits: test/train "
                           "Item JSONL); afterwards --datasets NAME works in every command"},
     )
+    replace: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "with --register: take over a name already registered from other files"},
+    )
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:
@@ -56,7 +60,7 @@ def main(argv: list[str]) -> int:
     if args.register:
         from flipguard.data.registry import register
 
-        target = register(args.register)
+        target = register(args.register, replace=args.replace)
         print(f"registered {args.register} as {target}; use it with --datasets {target.stem}")
         return 0
     root = resolve_data_root(args.data_root or None)

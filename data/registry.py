@@ -124,8 +124,9 @@ def domain_of(dataset: str) -> str | None:
     return entry.domain if entry else None
 
 
-def register(path: str | Path) -> Path:
-    """Copy an entry (split paths made absolute) into the user registry; returns its path."""
+def register(path: str | Path, replace: bool = False) -> Path:
+    """Copy an entry (split paths made absolute) into the user registry; returns its path.
+    A name registered from other files is refused unless `replace`."""
     import yaml
 
     from flipguard.files import atomic_write_text
@@ -135,8 +136,11 @@ def register(path: str | Path) -> Path:
         entry.split_file(split)
     existing = registered().get(entry.name)
     target = user_registry_dir() / f"{entry.name}.yaml"
-    if existing and existing.source != target.resolve():
-        raise DataError(f"{path}: dataset {entry.name!r} is already registered by {existing.source}")
+    if existing and (existing.source != target.resolve() or (existing.splits != entry.splits and not replace)):
+        what = f"from {', '.join(str(p) for p in existing.splits.values())}" if existing.source == target.resolve() \
+            else f"by {existing.source}"
+        hint = "" if existing.source != target.resolve() else "; pass --replace to register these files instead"
+        raise DataError(f"{path}: dataset {entry.name!r} is already registered {what}{hint}")
     target.parent.mkdir(parents=True, exist_ok=True)
     body = {"name": entry.name, "domain": entry.domain, "description": entry.description,
             "splits": {s: str(p) for s, p in entry.splits.items()}}

@@ -183,7 +183,7 @@ def item_row_to_item(row: dict[str, Any], dataset: str, split: str, where: str) 
     """A row already in Item format (the shipped train samples, `flipguard data --export`)."""
     for key in ("id", "question", "correct_answer", "incorrect_answer"):
         _require_text(row, key, where)
-    if row.get("dataset") != dataset:
+    if row.get("dataset", dataset) != dataset:  # the name comes from the entry file; a row need not repeat it
         raise DataError(f"{where}: row says dataset {row.get('dataset')!r} but the file holds {dataset!r}")
     if row.get("split", split) != split:
         raise DataError(f"{where}: row is split {row.get('split')!r}, expected {split!r}")
@@ -192,7 +192,7 @@ def item_row_to_item(row: dict[str, Any], dataset: str, split: str, where: str) 
     if not isinstance(row.get("meta", {}), dict):
         raise DataError(f"{where}: field 'meta' must be an object")
     try:
-        item = Item.from_dict({**row, "split": split})
+        item = Item.from_dict({**row, "dataset": dataset, "split": split})
     except (TypeError, KeyError) as exc:
         raise DataError(f"{where}: not an Item row ({exc})") from None
     return dataclasses.replace(item, domain=item.domain or registry.domain_of(dataset) or "")
