@@ -53,6 +53,50 @@ class Batch:
 Plan = Generator[Batch, list[Record], None]
 
 
+def _task_file(task: "Task") -> str:
+    module = sys.modules.get(type(task).__module__)
+    return str(getattr(module, "__file__", None) or type(task).__module__)
+
+
+def _malformed(record: Any) -> str | None:
+    """What is wrong with one request of a batch (None: nothing)."""
+    if not isinstance(record, Record):
+        return f"a {type(record).__name__} where a Record belongs"
+    messages = record.messages
+    if messages is None:
+        return None
+    if not isinstance(messages, list) or not messages:
+        return f"record {record.key or record.item_id!r}: messages must be a non-empty list, got {type(messages).__name__}"
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"record {record.key or record.item_id!r}: messages[{i}] is not a {{'role': str, 'content': str}} dict"
+    return None
+
+
+def check_batch(task: "Task", batch: Any, where: str) -> Batch:
+    """A batch a task handed the runner, checked: a user's task that yields None, a list, dicts or
+    string messages is one line naming its file, not an AttributeError deep in the runner."""
+    problem = None
+    if not isinstance(batch, Batch):
+        problem = f"a {type(batch).__name__} where a flipguard.eval.task.Batch belongs"
+    elif not isinstance(batch.records, (list, tuple)):
+        problem = f"Batch.records is a {type(batch.records).__name__}, not a list of Records"
+    elif batch.model not in {m.label for m in task.models}:
+        problem = f"Batch.model {batch.model!r} is none of the task's models {[m.label for m in task.models]}"
+    else:
+        problem = next((p for p in map(_malformed, batch.records) if p), None)
+    if problem:
+        raise UserError(f"{_task_file(task)}: task {task.name!r}: {where} gave {problem}")
+    return batch
+
+
+def check_batches(task: "Task", batches: Any, where: str) -> list[Batch]:
+    if not isinstance(batches, (list, tuple)):
+        raise UserError(f"{_task_file(task)}: task {task.name!r}: {where} returned a {type(batches).__name__}, "
+                        "not a list of Batches")
+    return [check_batch(task, b, where) for b in batches]
+
+
 class Task:
     """One protocol. Subclasses set `name` and implement `first_batches`, `solve`, `meta`
     and `write_report`; `__init__` validates the settings (bad input is refused before a
@@ -182,6 +226,9 @@ def include_tasks(path: str | Path) -> None:
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:  # sys.exit() at import: named, not a silent exit with its status
+        del sys.modules[spec.name]
+        raise UserError(f"--include {path}: the file called sys.exit({exc.code!r}) while being imported") from None
     except Exception as exc:  # a user's file: its error, named, without our traceback
         del sys.modules[spec.name]
         raise UserError(f"--include {path}: importing it failed ({type(exc).__name__}: {exc})") from None
@@ -256,6 +303,14 @@ class _Answers:
         return [self.store.stored[r.key] for r in batch.records]
 
 
+def _next_batch(task: Task, plan: Plan, answered: list[Record] | None) -> Batch | None:
+    try:
+        batch = next(plan) if answered is None else plan.send(answered)
+    except StopIteration:
+        return None
+    return check_batch(task, batch, "solve()")
+
+
 def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | None = None,
              progress: bool = True) -> RunResult:
     """Run (or resume) `task` into `out_dir`; returns the calls this invocation made."""
@@ -269,7 +324,7 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
                             "use another --out")
         store = RecordStore(out_dir / RECORDS_FILE)
         pool = BackendPool(task.models, backends)
-        first = task.first_batches()
+        first = check_batches(task, task.first_batches(), "first_batches()")
         known = [r for b in first for r in b.records]
         pending_of: dict[str, list[tuple[Batch, list[Record]]]] = {}
         for b in first:
@@ -285,16 +340,14 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
         for label in reversed(order):
             for b, pending in pending_of[label]:
                 check_context(pool.get(label), pending, b.gen_config)
+        # the plan's first batch is checked before the task's files and run.json are written
+        plan = task.solve()
+        batch = _next_batch(task, plan, None)
         task.prepare(run)
         run.write_meta(task.merge_meta(run.old, {**meta, "updated": now_iso()}))
         answers = _Answers(store, pool, progress)
-        plan = task.solve()
-        try:
-            batch = next(plan)
-            while True:
-                batch = plan.send(answers(batch))
-        except StopIteration:
-            pass
+        while batch is not None:
+            batch = _next_batch(task, plan, answers(batch))
         calls = dict(answers.calls)
         history = list(run.old.get("invocations") or []) + [
             {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]

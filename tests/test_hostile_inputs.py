@@ -344,5 +344,5 @@ def test_over_context_item_is_refused_before_anything_is_written(tmp_path, capsy
     (existing / "notes.txt").write_text("mine")
     assert cli_main([*args, "--out", str(existing)]) == 2
     _one_line_error(capsys, "8,192")
-    assert sorted(p.name for p in existing.iterdir()) == [".lock", "notes.txt"]
+    assert sorted(p.name for p in existing.iterdir()) == ["notes.txt"]  # refused: not even a lock file left
     assert (existing / "notes.txt").read_text() == "mine"

@@ -109,7 +109,7 @@ def test_another_setting_into_the_same_out_is_refused_by_the_runner(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert str(out / "run.json") in last and "seed: 0 there, 1 now" in last, last
     assert (out / "records.jsonl").read_bytes() == records and (out / "run.json").read_bytes() == meta
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "records.jsonl", "run.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["records.jsonl", "run.json"]  # a refusal leaves no lock file
 
 
 def test_run_sos_and_sos_are_one_command(tmp_path, tiny_model_path):

@@ -228,11 +228,6 @@ class DDSTask(Task):
                                       else f"{ref.model}+{args.adapter}")
         self.model = dataclasses.replace(ref, kwargs=model_kwargs(ref.backend, args.backend_args,
                                                                   batch_size=args.batch_size, device=args.device))
-        if self.model.adapter:  # an unfinished or corrupt adapter: one line before anything is written
-            from flipguard.eval.backends.adapters import FOREIGN_ADAPTER_ARGS, check_adapter
-
-            check_adapter(self.model.adapter, foreign_ok=bool(self.model.kwargs.get("foreign_adapter")),
-                          foreign_flag=FOREIGN_ADAPTER_ARGS)
         self.models = [self.model]
         self.args = args
         if items is None:

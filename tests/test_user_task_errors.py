@@ -1,0 +1,70 @@
+"""A user's task that hands the runner malformed batches, or exits while being imported, gets one
+line naming its file, exit 2, and nothing written (issue 22 item 8): real processes, `flipguard run
+--include FILE`, on a subclass of the tests' "Are you sure?" task that breaks one thing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE_TASK = Path(__file__).resolve().parent / "are_you_sure_task.py"
+
+BROKEN = {
+    "first_batches_none": "def first_batches(self):\n    return None",
+    "batch_is_a_list": "def first_batches(self):\n    return [[r for b in super().first_batches() for r in b.records]]",
+    "records_are_dicts": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
+                          "    return [Batch([r.to_dict() for r in b.records], b.model)]"),
+    "messages_are_strings": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
+                             "    for r in b.records:\n        r.messages = r.messages[0]['content']\n    return [b]"),
+    "solve_yields_none": "def solve(self):\n    yield None",
+}
+PROBLEM = {
+    "first_batches_none": "first_batches() returned a NoneType, not a list of Batches",
+    "batch_is_a_list": "first_batches() gave a list where a flipguard.eval.task.Batch belongs",
+    "records_are_dicts": "first_batches() gave a dict where a Record belongs",
+    "messages_are_strings": "messages must be a non-empty list, got str",
+    "solve_yields_none": "solve() gave a NoneType where a flipguard.eval.task.Batch belongs",
+}
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT.parent}{os.pathsep}{BASE_TASK.parent}", "TQDM_DISABLE": "1",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "flipguard.eval.cli", "run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_a_malformed_batch_is_one_line_naming_the_task_file(tmp_path, tiny_model_path, broken):
+    task_file = tmp_path / f"{broken}.py"
+    task_file.write_text(textwrap.dedent("""\
+        from are_you_sure_task import AreYouSure
+        from flipguard.eval.task import Batch, register_task
+
+
+        @register_task("broken")
+        class Broken(AreYouSure):
+        """) + textwrap.indent(BROKEN[broken], "    ") + "\n")
+    out = tmp_path / "run"
+    done = _run("--include", str(task_file), "broken", "--model", tiny_model_path, "--limit", "2", "--out", str(out),
+                cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"flipguard run: error: {task_file}: task 'broken': "), done.stderr
+    assert PROBLEM[broken] in lines[0]
+    assert not out.exists()  # no run.json, no records, no empty folder
+
+
+def test_a_task_file_that_exits_at_import_is_named(tmp_path):
+    task_file = tmp_path / "exits.py"
+    task_file.write_text("import sys\nsys.exit(7)\n")
+    done = _run("--include", str(task_file), "are-you-sure", "--out", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"flipguard run: error: --include {task_file}: the file called sys.exit(7) while being imported"
+    assert not (tmp_path / "run").exists()
