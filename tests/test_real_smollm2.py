@@ -76,3 +76,22 @@ def test_eval_takes_the_gguf_file_as_model(tmp_path, smollm2):
     assert meta["model"] == str(GGUF)
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(r["p1"] is not None for r in records)
+    (computed,) = meta["computed"].values()
+    assert computed["dtype"] == "float32" and computed["label_tokens"]["1,2"] == {"1": [[33, "1"]], "2": [[34, "2"]]}
+
+
+def test_smollm2_label_tokens_after_its_chat_template(smollm2):
+    from transformers import AutoTokenizer
+
+    from flipguard.eval.backends.base import check_label_after_prompt, label_token_ids
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    # byte-level BPE that splits digits: "1" and "2" are single tokens and no " 1"/"\n1" token exists
+    assert tok.encode(" 1", add_special_tokens=False) == [tok.convert_tokens_to_ids("Ġ"), tok.convert_tokens_to_ids("1")]
+    groups = label_token_ids(tok, ("1", "2"), "smollm2")
+    assert groups == [[tok.convert_tokens_to_ids("1")], [tok.convert_tokens_to_ids("2")]]
+    for system in ([], [{"role": "system", "content": "Be honest."}]):
+        prompt = tok.apply_chat_template(system + [{"role": "user", "content": "1 or 2?"}], tokenize=False,
+                                         add_generation_prompt=True)
+        assert prompt.endswith("<|im_start|>assistant\n")
+        check_label_after_prompt(tok, {"1": groups[0], "2": groups[1]}, prompt, "smollm2")

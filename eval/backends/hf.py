@@ -12,7 +12,9 @@ from typing import Sequence
 
 from flipguard.eval.backends.base import (
     raw_prompt,
-    BackendError, Conversation, GenerationConfig, context_limit, label_token_ids, register_backend,
+    BackendError, Conversation, GenerationConfig, check_chat_template, check_label_after_prompt, context_limit,
+    label_token_ids, label_tokens_record,
+    register_backend,
 )
 
 
@@ -62,8 +64,6 @@ class HFBackend:
             except ImportError:  # pragma: no cover - peft is a core dependency
                 raise BackendError("evaluating an adapter needs peft: pip install peft") from None
             self.model = PeftModel.from_pretrained(self.model, adapter)
-        if self.tokenizer.chat_template is None:
-            raise BackendError(f"{model}: tokenizer has no chat template; flipguard evaluates chat models")
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -73,6 +73,10 @@ class HFBackend:
         # the most tokens one prompt (+ reply) may have; checked before any forward pass
         self.max_context, self.max_context_source = context_limit(getattr(self.model, "config", None), self.tokenizer)
         self._lengths: dict[str, int] = {}
+        self._label_ids: dict[tuple[str, ...], list[list[int]]] = {}
+        # what this backend actually computes with, for run.json (the runner reads it)
+        self.computed: dict = {"backend": self.name, "dtype": str(self.model.dtype).removeprefix("torch."),
+                               "device": str(self.device)}
 
     def render(self, conversation: Conversation) -> str:
         """The exact text the model sees, chat template applied, ready for the reply. A raw
@@ -81,6 +85,7 @@ class HFBackend:
         if text is not None:
             special = self.tokenizer("", add_special_tokens=True).input_ids
             return (self.tokenizer.decode(special) if special else "") + text
+        check_chat_template(self.tokenizer, self.model_id)
         return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
     def _length(self, text: str) -> int:
@@ -128,14 +133,22 @@ class HFBackend:
                 bar.update(len(idx))
         return [o or "" for o in out]
 
-    def choice_token_ids(self, choices: Sequence[str]) -> list[list[int]]:
-        """Per label, its token id and those of its one-token variants (base.label_token_ids)."""
-        return label_token_ids(self.tokenizer, choices, self.model_id)
+    def choice_token_ids(self, choices: Sequence[str], prompt: str | None = None) -> list[list[int]]:
+        """Per label, the ids of every token that is the label (base.label_token_ids; the
+        vocabulary is read once per label set); with `prompt`, checked to be one token there."""
+        key = tuple(choices)
+        if key not in self._label_ids:
+            self._label_ids[key] = label_token_ids(self.tokenizer, choices, self.model_id)
+            labels = self.computed.setdefault("label_tokens", {})
+            labels[",".join(key)] = label_tokens_record(self.tokenizer, choices, self._label_ids[key])
+        if prompt is not None:
+            check_label_after_prompt(self.tokenizer, dict(zip(key, self._label_ids[key])), prompt, self.model_id)
+        return self._label_ids[key]
 
     def choice_probs(self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")) -> list[dict[str, float]]:
         import torch
 
-        groups = self.choice_token_ids(choices)
+        groups = self.choice_token_ids(choices, self.render(conversations[0]) if conversations else None)
         flat = [i for g in groups for i in g]
         out: list[dict[str, float] | None] = [None] * len(conversations)
         with _progress(len(conversations) if self.show_progress else 0, "score") as bar, torch.inference_mode():
