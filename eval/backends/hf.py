@@ -145,6 +145,13 @@ class HFBackend:
             check_label_after_prompt(self.tokenizer, dict(zip(key, self._label_ids[key])), prompt, self.model_id)
         return self._label_ids[key]
 
+    def _count_first_tokens(self, ids: list[int]) -> None:
+        """The most likely first token of each judgment, counted for run.json: what a model
+        that puts little mass on the labels says instead (the report names them)."""
+        counts = self.computed.setdefault("first_tokens", {})
+        for text in self.tokenizer.batch_decode([[i] for i in ids]):
+            counts[text] = counts.get(text, 0) + 1
+
     def choice_probs(self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")) -> list[dict[str, float]]:
         import torch
 
@@ -156,6 +163,7 @@ class HFBackend:
                 # Only the last position's logits: a full (batch, length, vocab) tensor
                 # is gigabytes on a real model and is never used.
                 logits = self.model(**enc, logits_to_keep=1).logits[:, -1, :].float()
+                self._count_first_tokens(logits.argmax(dim=-1).tolist())
                 probs = torch.softmax(logits, dim=-1)[:, flat].cpu().tolist()
                 for i, row in zip(idx, probs):
                     p, pos = {}, 0
