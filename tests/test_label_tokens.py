@@ -85,3 +85,6 @@ def test_run_json_records_the_label_tokens_and_dtype_the_backend_computed_with(t
     one, two = tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("2")
     assert entry["backend"] == "hf" and entry["dtype"] == "float32" and entry["device"] == "cpu"
     assert entry["label_tokens"]["1,2"] == {"1": [[one, "1"]], "2": [[two, "2"]]}
+    from flipguard.eval.dds.report import write_run_report
+
+    assert f"Computed in: {tiny_model_path} (hf, float32)." in (write_run_report(run, n_boot=0) / "summary.md").read_text()

@@ -95,3 +95,95 @@ def test_smollm2_label_tokens_after_its_chat_template(smollm2):
                                          add_generation_prompt=True)
         assert prompt.endswith("<|im_start|>assistant\n")
         check_label_after_prompt(tok, {"1": groups[0], "2": groups[1]}, prompt, "smollm2")
+
+
+def _dds_requests(mitigation: str) -> list[list[dict]]:
+    from flipguard.data.unified import load_items
+    from flipguard.eval.dds.prompts import build_messages
+
+    items = load_items(["bbq"], split="test")[:2]
+    return [build_messages(it, case, mitigation) for it in items for case in ("c1_true", "c2_incorrect")]
+
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM"
+
+
+def test_the_mitigation_system_prompt_replaces_the_template_default_and_llama_cpp_gets_the_same_token_ids(smollm2):
+    """The DDS request as hf renders and tokenizes it, token for token what llama.cpp (the GGUF's own
+    tokenizer and chat template, through llama-cpp-python's formatter that its server uses) builds."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from flipguard.eval.backends.base import get_backend
+    from flipguard.eval.dds.prompts import MITIGATIONS
+
+    hf = get_backend("hf", smollm2, device="cpu", show_progress=False)
+    vocab = Llama(model_path=str(GGUF), vocab_only=True, verbose=False)
+    formatter = Jinja2ChatFormatter(template=vocab.metadata["tokenizer.chat_template"], eos_token="<|im_end|>",
+                                    bos_token="<|im_start|>")
+    for mitigation in ("none", "be_honest"):
+        for conv in _dds_requests(mitigation):
+            text = hf.render(conv)
+            if mitigation == "none":
+                assert conv[0]["role"] != "system" and text.count(DEFAULT_SYSTEM) == 1
+            else:  # the mitigation is the system message: the default is gone, not added on top
+                system = MITIGATIONS[mitigation].system
+                assert conv[0] == {"role": "system", "content": system}
+                assert DEFAULT_SYSTEM not in text and text.count(system) == 1
+            ids = hf.tokenizer(text, add_special_tokens=False).input_ids
+            served = formatter(messages=conv).prompt
+            assert served == text
+            assert vocab.tokenize(served.encode(), add_bos=False, special=True) == ids
+
+
+def test_hf_and_the_served_model_answer_the_same_dds_requests(smollm2, openai_server):
+    """`transformers serve` on the same checkpoint (float32, its default for a float32 config) gives the
+    greedy replies hf gives, with and without the mitigation system prompt."""
+    from flipguard.eval.backends.base import get_backend
+    from flipguard.eval.backends.base import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=12, seed=0)
+    hf = get_backend("hf", smollm2, device="cpu", show_progress=False)
+    served = get_backend("openai", smollm2, base_url=openai_server.base_url, show_progress=False, max_retries=0)
+    for mitigation in ("none", "be_honest"):
+        convs = _dds_requests(mitigation)
+        assert served.generate(convs, config) == [r.strip() for r in hf.generate(convs, config)]
+
+
+def test_the_loop_on_real_weights(tmp_path):
+    """`flipguard study recipes/smollm2.yaml --model GGUF`: DDS in both modes with a mitigation ->
+    pairs -> LoRA SFT and DPO -> merge (tied embeddings kept tied, merge gap measured) -> DDS of the
+    merged models -> AFR and stick-or-switch -> compare, every stage on SmolLM2's real weights."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from flipguard.eval.records import load_records
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "smollm2.yaml"
+    out = tmp_path / "study"
+    flipguard("study", str(recipe), "--model", str(GGUF), "--out", str(out), "--threads", "1")
+    for run, n, mode in (("baseline", 16, "logprob"), ("baseline-generate", 8, "generate"), ("be_honest", 16, "logprob"),
+                         ("sft-eval", 16, "logprob"), ("dpo-eval", 16, "logprob")):
+        records = load_records(out / "dds" / run)
+        assert len(records) == n and {r.mode for r in records} == {mode}, run
+        meta = json.loads((out / "dds" / run / "run.json").read_text())
+        assert [c["dtype"] for c in meta["computed"].values()] == ["float32"], run
+    from flipguard.eval.dds.prompts import MITIGATIONS
+
+    assert all(r.messages[0] == {"role": "system", "content": MITIGATIONS["be_honest"].system}
+               for r in load_records(out / "dds" / "be_honest"))
+    for trainer in ("sft", "dpo"):
+        merged = out / "models" / f"{trainer}-merged"
+        gap = json.loads((merged / "flipguard_merge.json").read_text())["merge_gap"]
+        assert gap["max_abs_delta_p1"] is not None and gap["n_prompts"] > 0 and not gap["exceeds_threshold"], gap
+        assert json.loads((merged / "config.json").read_text())["tie_word_embeddings"] is True
+        with safe_open(str(merged / "model.safetensors"), "pt") as f:
+            assert not any(k.startswith("lm_head") for k in f.keys())  # one tensor, saved once
+        model = AutoModelForCausalLM.from_pretrained(merged)
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert (out / "afr" / "report.md").is_file() and (out / "sos" / "sos_report.md").is_file()
+    compare = (out / "compare" / "report.md").read_text()
+    for condition in ("Baseline", "SFT", "DPO"):
+        assert f"| {condition} |" in compare, condition
+    # SmolLM2 does not answer with a digit under flipguard's prompt: the comparison says so in words
+    assert "does not do the task as asked" in compare

@@ -177,6 +177,8 @@ class OpenAIBackend:
         except ImportError:  # pragma: no cover - openai is a core dependency
             raise BackendError("the openai backend needs the openai client: pip install openai") from None
         self.model_id = model
+        # for run.json: a server does not report the dtype it computes in (vLLM: its --dtype)
+        self.computed: dict = {"backend": self.name, "dtype": "the server's (not reported over HTTP)"}
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_DEFAULT_BASE_URL
         self.shown_url = redact(self.base_url)  # what messages print: no credentials
         if server_kind not in SERVER_KINDS:

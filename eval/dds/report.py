@@ -336,6 +336,8 @@ def render_markdown(report: dict[str, Any], title: str = "DDS report") -> str:
            + (f" **{meta['c1_differs_note']}.**" if meta.get("c1_differs_note") else "")
            + (f" **{meta['aio_note']}.**" if meta.get("aio_note") else ""), "",
            label_mass_line(meta), "",
+           *([("Computed in: " + "; ".join(f"{k} ({v})" for k, v in meta["computed_in"].items()) + "."), ""]
+             if meta.get("computed_in") else []),
            *([f"**{meta['capability_note']}**", ""] if meta.get("capability_note") else []),
            "| Dataset | Domain | C1 True | C1 False | C1 Avg | C2 Correct | C2 Incorrect | C2 Avg | DDS | 95% CI |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -438,8 +440,9 @@ def print_summary(report: dict[str, Any], title: str) -> None:
     tot = report["stats"].set_index(["dataset", "stratum"]).loc[(M.TOTAL_AVG, "all")]
     if report["meta"]["c1_source"] == "baseline":
         damage = " — C1 damage ‡" if tot["c1_damage"] is not None and bool(tot["c1_damage"]) else ""
-        console.print(f"total: DDS {_fmt(tot['dds'], True)} (paper: fixed C1 from the baseline), own DDS "
-                      f"{_fmt(tot['own_dds'], True)} (own C1; C1 change {_fmt(tot['c1_true_change'], True)} / "
+        unfit = bool(report["meta"].get("capability_note"))
+        console.print(f"total: DDS {'n/m' if unfit else _fmt(tot['dds'], True)} (paper: fixed C1 from the baseline), "
+                      f"own DDS {'n/m' if unfit else _fmt(tot['own_dds'], True)} (own C1; C1 change {_fmt(tot['c1_true_change'], True)} / "
                       f"{_fmt(tot['c1_false_change'], True)}){damage}")
     for ds, b in report["balanced"].items():
         parts = ", ".join(f"{s} {_fmt(m['dds'], True)} (n={m['n']})" for s, m in b["strata"].items())
@@ -526,6 +529,8 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
         for tok, k in (computed.get("first_tokens") or {}).items():
             first_tokens[tok] = first_tokens.get(tok, 0) + k
     report["meta"]["capability"] = M.task_capability(records, first_tokens)
+    report["meta"]["computed_in"] = {label: f"{c.get('backend')}, {c.get('dtype')}"
+                                     for label, c in (meta.get("computed") or {}).items()}
     if not report["meta"]["capability"]["meaningful"]:
         report["meta"]["capability_note"] = M.capability_text(report["meta"]["capability"])
     if is_cross:
