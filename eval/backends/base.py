@@ -116,6 +116,20 @@ def check_label_after_prompt(tokenizer, found: dict[str, list[int]], prompt: str
                 f"{choice!r} tokenizes as {pieces}); logprob mode needs one (use --mode generate)")
 
 
+def backend_label_ids(backend, choices: Sequence[str], prompt: str | None = None) -> list[list[int]]:
+    """A backend's `choice_token_ids` (hf, vllm): `label_token_ids` of its tokenizer, read once per
+    label set and recorded in its `computed` (run.json); with `prompt`, checked to be one token there."""
+    key = tuple(choices)
+    cache = backend.__dict__.setdefault("_label_ids", {})
+    if key not in cache:
+        cache[key] = label_token_ids(backend.tokenizer, choices, backend.model_id)
+        labels = backend.computed.setdefault("label_tokens", {})
+        labels[",".join(key)] = label_tokens_record(backend.tokenizer, choices, cache[key])
+    if prompt is not None:
+        check_label_after_prompt(backend.tokenizer, dict(zip(key, cache[key])), prompt, backend.model_id)
+    return cache[key]
+
+
 def label_tokens_record(tokenizer, choices: Sequence[str], groups: Sequence[Sequence[int]]) -> dict[str, list]:
     """run.json's account of the label tokens: per label, [id, token] of each counted token."""
     return {c: [[i, tokenizer.convert_ids_to_tokens(i)] for i in g] for c, g in zip(choices, groups)}

@@ -12,8 +12,7 @@ from typing import Sequence
 
 from flipguard.eval.backends.base import (
     raw_prompt,
-    BackendError, Conversation, GenerationConfig, check_chat_template, check_label_after_prompt, context_limit,
-    label_token_ids, label_tokens_record,
+    BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, context_limit,
     register_backend,
 )
 
@@ -73,7 +72,6 @@ class HFBackend:
         # the most tokens one prompt (+ reply) may have; checked before any forward pass
         self.max_context, self.max_context_source = context_limit(getattr(self.model, "config", None), self.tokenizer)
         self._lengths: dict[str, int] = {}
-        self._label_ids: dict[tuple[str, ...], list[list[int]]] = {}
         # what this backend actually computes with, for run.json (the runner reads it)
         self.computed: dict = {"backend": self.name, "dtype": str(self.model.dtype).removeprefix("torch."),
                                "device": str(self.device)}
@@ -134,16 +132,8 @@ class HFBackend:
         return [o or "" for o in out]
 
     def choice_token_ids(self, choices: Sequence[str], prompt: str | None = None) -> list[list[int]]:
-        """Per label, the ids of every token that is the label (base.label_token_ids; the
-        vocabulary is read once per label set); with `prompt`, checked to be one token there."""
-        key = tuple(choices)
-        if key not in self._label_ids:
-            self._label_ids[key] = label_token_ids(self.tokenizer, choices, self.model_id)
-            labels = self.computed.setdefault("label_tokens", {})
-            labels[",".join(key)] = label_tokens_record(self.tokenizer, choices, self._label_ids[key])
-        if prompt is not None:
-            check_label_after_prompt(self.tokenizer, dict(zip(key, self._label_ids[key])), prompt, self.model_id)
-        return self._label_ids[key]
+        """Per label, the ids of every token that is the label (base.backend_label_ids)."""
+        return backend_label_ids(self, choices, prompt)
 
     def _count_first_tokens(self, ids: list[int]) -> None:
         """The most likely first token of each judgment, counted for run.json: what a model

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.eval.backends.base import (
-    BackendError, Conversation, GenerationConfig, check_chat_template, check_label_after_prompt, label_token_ids,
-    label_tokens_record, raw_prompt, register_backend,
+    BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, raw_prompt,
+    register_backend,
 )
 
 INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "
@@ -177,8 +177,8 @@ def _logprob_value(entry: Any) -> float | None:
 
 def probs_from_step_logprobs(step: Mapping[int, Any] | None, choice_ids: Sequence[int | Sequence[int]],
                              choices: Sequence[str]) -> dict[str, float]:
-    """P(choice) = sum of exp(logprob) over the choice's token ids (the label and its
-    one-token variants, base.label_token_ids) from one position's {token_id: Logprob};
+    """P(choice) = sum of exp(logprob) over the choice's token ids (every token that is the
+    label, base.label_token_ids) from one position's {token_id: Logprob};
     missing -> 0.0."""
     out = {}
     for choice, tids in zip(choices, choice_ids):
@@ -255,7 +255,6 @@ class VLLMBackend:
         except (OSError, ValueError) as exc:
             raise BackendError(f"vLLM could not load model {model!r}: {exc}") from None
         self.tokenizer = self.llm.get_tokenizer()
-        self._label_ids: dict[tuple[str, ...], list[list[int]]] = {}
         engine_dtype = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "dtype", dtype)
         # what the engine actually computes in, for run.json (the runner reads it)
         self.computed: dict = {"backend": self.name, "dtype": str(engine_dtype).removeprefix("torch."),
@@ -328,16 +327,8 @@ class VLLMBackend:
             return {}
 
     def choice_token_ids(self, choices: Sequence[str], prompt: str | None = None) -> list[list[int]]:
-        """Per label, the ids of every token that is the label (base.label_token_ids, read
-        once per label set); with `prompt`, checked to be one token there."""
-        key = tuple(choices)
-        if key not in self._label_ids:
-            self._label_ids[key] = label_token_ids(self.tokenizer, choices, self.model_id)
-            labels = self.computed.setdefault("label_tokens", {})
-            labels[",".join(key)] = label_tokens_record(self.tokenizer, choices, self._label_ids[key])
-        if prompt is not None:
-            check_label_after_prompt(self.tokenizer, dict(zip(key, self._label_ids[key])), prompt, self.model_id)
-        return self._label_ids[key]
+        """Per label, the ids of every token that is the label (base.backend_label_ids)."""
+        return backend_label_ids(self, choices, prompt)
 
     def render(self, conversation: Conversation) -> str:
         """The text the engine sees (chat template applied; a raw prompt as given)."""
