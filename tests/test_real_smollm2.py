@@ -182,7 +182,7 @@ def test_the_loop_on_real_weights(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(merged)
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert (out / "afr" / "report.md").is_file() and (out / "sos" / "sos_report.md").is_file()
-    compare = (out / "compare" / "report.md").read_text()
+    compare = (out / "compare" / "comparison.md").read_text()
     for condition in ("Baseline", "SFT", "DPO"):
         assert f"| {condition} |" in compare, condition
     # SmolLM2 does not answer with a digit under flipguard's prompt: the comparison says so in words
