@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
                              positional="gguf")
     configure_threads(args.threads)
     if not args.gguf or not args.out:
-        raise UserError("flipguard convert: give the GGUF file and --out FOLDER")
+        raise UserError("give the GGUF file and an output folder: flipguard convert FILE.gguf --out FOLDER")
     out = convert_gguf(args.gguf, args.out, args.dtype, args.overwrite)
     print(out)
     return 0
