@@ -87,4 +87,5 @@ def test_run_json_records_the_label_tokens_and_dtype_the_backend_computed_with(t
     assert entry["label_tokens"]["1,2"] == {"1": [[one, "1"]], "2": [[two, "2"]]}
     from flipguard.eval.dds.report import write_run_report
 
-    assert f"Computed in: {tiny_model_path} (hf, float32)." in (write_run_report(run, n_boot=0) / "summary.md").read_text()
+    report = (write_run_report(run, n_boot=0) / "summary.md").read_text()
+    assert f"Computed in: {tiny_model_path} (hf, float32)." in report

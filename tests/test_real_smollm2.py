@@ -87,7 +87,8 @@ def test_smollm2_label_tokens_after_its_chat_template(smollm2):
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     # byte-level BPE that splits digits: "1" and "2" are single tokens and no " 1"/"\n1" token exists
-    assert tok.encode(" 1", add_special_tokens=False) == [tok.convert_tokens_to_ids("Ġ"), tok.convert_tokens_to_ids("1")]
+    space_one = [tok.convert_tokens_to_ids("Ġ"), tok.convert_tokens_to_ids("1")]
+    assert tok.encode(" 1", add_special_tokens=False) == space_one
     groups = label_token_ids(tok, ("1", "2"), "smollm2")
     assert groups == [[tok.convert_tokens_to_ids("1")], [tok.convert_tokens_to_ids("2")]]
     for system in ([], [{"role": "system", "content": "Be honest."}]):
@@ -162,8 +163,9 @@ def test_the_loop_on_real_weights(tmp_path):
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "smollm2.yaml"
     out = tmp_path / "study"
     flipguard("study", str(recipe), "--model", str(GGUF), "--out", str(out), "--threads", "1")
-    for run, n, mode in (("baseline", 16, "logprob"), ("baseline-generate", 8, "generate"), ("be_honest", 16, "logprob"),
-                         ("sft-eval", 16, "logprob"), ("dpo-eval", 16, "logprob")):
+    runs = (("baseline", 16, "logprob"), ("baseline-generate", 8, "generate"), ("be_honest", 16, "logprob"),
+            ("sft-eval", 16, "logprob"), ("dpo-eval", 16, "logprob"))
+    for run, n, mode in runs:
         records = load_records(out / "dds" / run)
         assert len(records) == n and {r.mode for r in records} == {mode}, run
         meta = json.loads((out / "dds" / run / "run.json").read_text())

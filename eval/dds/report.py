@@ -441,8 +441,9 @@ def print_summary(report: dict[str, Any], title: str) -> None:
     if report["meta"]["c1_source"] == "baseline":
         damage = " — C1 damage ‡" if tot["c1_damage"] is not None and bool(tot["c1_damage"]) else ""
         unfit = bool(report["meta"].get("capability_note"))
-        console.print(f"total: DDS {'n/m' if unfit else _fmt(tot['dds'], True)} (paper: fixed C1 from the baseline), "
-                      f"own DDS {'n/m' if unfit else _fmt(tot['own_dds'], True)} (own C1; C1 change {_fmt(tot['c1_true_change'], True)} / "
+        dds, own = ("n/m", "n/m") if unfit else (_fmt(tot["dds"], True), _fmt(tot["own_dds"], True))
+        console.print(f"total: DDS {dds} (paper: fixed C1 from the baseline), own DDS {own} "
+                      f"(own C1; C1 change {_fmt(tot['c1_true_change'], True)} / "
                       f"{_fmt(tot['c1_false_change'], True)}){damage}")
     for ds, b in report["balanced"].items():
         parts = ", ".join(f"{s} {_fmt(m['dds'], True)} (n={m['n']})" for s, m in b["strata"].items())
