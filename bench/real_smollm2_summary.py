@@ -1,4 +1,5 @@
-"""Numbers for bench/real_smollm2.md section 2, read from the study's records: python bench/real_smollm2_summary.py OUT."""
+"""Numbers for bench/real_smollm2.md section 2, read from a study's records and reports:
+python bench/real_smollm2_summary.py STUDY_OUT"""
 import json, statistics, sys
 from pathlib import Path
 from flipguard.eval.records import load_records
@@ -19,5 +20,3 @@ for run in ("baseline", "sft-eval"):
     tot = [r for r in s["summary"] if r["dataset"] == "total_avg"][0]
     print("   total:", {k: tot[k] for k in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "dds")},
           "meaningful:", s["meta"]["capability"]["meaningful"], s["meta"]["capability"]["first_tokens"])
-study = json.loads((root / "study.json").read_text())
-print(json.dumps({k: v for k, v in study.items() if k in ("stages", "times", "durations")}, indent=0)[:1500])
