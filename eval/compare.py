@@ -198,6 +198,9 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
         from flipguard.eval.dds.report import CROSS_MODE_NOTE
 
         lines += [f"{', '.join(cross)}: {CROSS_MODE_NOTE}.", ""]
+    unfit = {n: cmp["reports"][n]["meta"]["capability_note"] for n in names
+             if cmp.get("reports", {}).get(n, {}).get("meta", {}).get("capability_note")}
+    lines += [f"**{n}**: {note} Its DDS cells read n/m (not meaningful).\n" for n, note in unfit.items()]
     lines += ["## Overview (paper Table 5 layout)", "",
               "| Condition | Avg (C2) | Bench DDS (paper) | r/AIO DDS (paper) | own C1 True / False (Δ) "
               "| Bench own DDS | r/AIO own DDS | invalid | label mass |",
@@ -211,10 +214,12 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
             r = sub.loc[ds]
             mark = "†" if dagger and r["over_correction"] else ""
             delta = "" if name == names[0] else _arrow(r[delta_col])
+            if col == "dds" and name in unfit:
+                return "n/m"
             return f"{_signed(r[col]) if col == 'dds' else f'{r[col]:.1f}'}{mark}{delta}"
 
         def own(ds, col):
-            return _signed(sub.loc[ds, col]) if ds in sub.index else "–"
+            return ("n/m" if name in unfit else _signed(sub.loc[ds, col])) if ds in sub.index else "–"
 
         avg = cell(M.TOTAL_AVG, "c2_avg", "delta_c2_avg", dagger=False) + stars(sig_index.get((name, M.TOTAL_AVG)))
         tot = sub.loc[M.TOTAL_AVG] if M.TOTAL_AVG in sub.index else None

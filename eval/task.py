@@ -258,6 +258,9 @@ class BackendPool:
         self.injected = dict(injected or {})
         self.max_loaded = max_loaded
         self.loaded: dict[str, Backend] = {}
+        # label -> what its backend actually computed with (dtype, label tokens): `computed`
+        # dicts the backends fill as they work, kept after a backend is unloaded
+        self.computed: dict[str, dict] = {}
 
     def get(self, label: str) -> Backend:
         if label in self.injected:
@@ -270,6 +273,8 @@ class BackendPool:
         while len(self.loaded) >= self.max_loaded:
             self.loaded.pop(next(iter(self.loaded)))
         self.loaded[label] = self.models[label].load()
+        if isinstance(getattr(self.loaded[label], "computed", None), dict):
+            self.computed[label] = self.loaded[label].computed
         return self.loaded[label]
 
 
@@ -352,6 +357,8 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
         history = list(run.old.get("invocations") or []) + [
             {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]
         extra = task.finish(run, list(store.stored.values()))
+        if pool.computed:  # per model: the dtype it ran in, the label tokens counted (latest invocation wins)
+            extra["computed"] = {**(run.old.get("computed") or {}), **pool.computed}
         run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso()})
     return RunResult(out_dir, calls)
 

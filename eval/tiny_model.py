@@ -215,9 +215,12 @@ EMBEDDED_MODELS = {
 
 def resolve_model(name: str) -> str:
     """Map the embedded aliases to their cached local models (built on first use):
-    "flipguard:tiny" (random init) and "flipguard:organism" (planted-bias judge)."""
+    "flipguard:tiny" (random init) and "flipguard:organism" (planted-bias judge); a GGUF
+    file (or a folder holding one) to its plain checkpoint (eval/convert.py, converted once)."""
     if name not in EMBEDDED_MODELS:
-        return name
+        from flipguard.eval.convert import cached_checkpoint, gguf_file
+
+        return cached_checkpoint(name) if gguf_file(name) is not None else name
     import importlib
 
     module, func = EMBEDDED_MODELS[name].split(":")

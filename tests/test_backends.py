@@ -465,7 +465,26 @@ def _fake_vllm(monkeypatch, *, has_logprob_token_ids: bool = True, top: dict | N
             self.kw = kw
 
     class Tokenizer:
+        """Ids 0-31; "1", "2", "yes" at the ids above; the chat template renders "<prompt>" (id 0)."""
+        vocab = {ids[0]: text for text, ids in token_ids.items() if len(ids) == 1}
+        all_special_ids = [0]
+        chat_template = "<prompt>"
+
+        def __len__(self):
+            return 32
+
+        def batch_decode(self, ids):
+            return [self.vocab.get(i[0], f"<{i[0]}>") for i in ids]
+
+        def convert_ids_to_tokens(self, ids):
+            return [self.vocab.get(i, f"<{i}>") for i in ids] if isinstance(ids, list) else self.vocab.get(ids)
+
+        def apply_chat_template(self, conversation, tokenize=False, add_generation_prompt=True):
+            return "<prompt>"
+
         def encode(self, text, add_special_tokens=True):
+            if text.startswith("<prompt>"):
+                return [0] + (self.encode(text[len("<prompt>"):]) if text != "<prompt>" else [])
             return list(token_ids[text])
 
     class LLM:
@@ -633,7 +652,7 @@ def test_vllm_unsupported_adapter_is_refused_before_the_engine(monkeypatch, tmp_
 def test_vllm_multi_token_choice_is_refused(monkeypatch):
     _fake_vllm(monkeypatch)
     backend = get_backend("vllm", "org/model")
-    with pytest.raises(BackendError, match="'12' is 2 tokens"):
+    with pytest.raises(BackendError, match="answer '12' is no single token of org/model's vocabulary"):
         backend.choice_probs([_conv("p1=0.5 p2=0.5")], choices=("12", "2"))
 
 

@@ -32,6 +32,14 @@ class BackendError(FlipguardError, RuntimeError):
     """A backend that cannot start or answer; the message says what to do."""
 
 
+def check_chat_template(tokenizer, model_id: str) -> None:
+    """A chat conversation needs the model's chat template; a base model has none and takes
+    raw-text prompts only (the one-line refusal names the template that is raw text)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise BackendError(f"{model_id}: the tokenizer has no chat template (a base model?); chat prompts need one: "
+                           "evaluate it on raw text with --template ft-released")
+
+
 # --backend_args names that would put a credential on the command line (and so into
 # run.json, shell history and process listings): keys come from the environment only.
 SECRET_BACKEND_ARGS = ("api_key", "apikey", "key", "token", "access_token", "password", "secret", "authorization")
@@ -61,40 +69,70 @@ def parse_backend_args(text: str | dict | None, where: str = "--backend_args") -
 
 
 # One rule for every backend (hf, vllm, openai): P(label) is the sum of the probabilities
-# of the label's token variants "1", " 1" and "\n1" (a first token may carry the space or
-# newline that follows the chat template). hf and vllm add the variants that are one
-# token of their own in the model's vocabulary (for tokenizers that split digits, such
-# as Qwen2's, that is the bare label only); openai matches the returned token strings
-# exactly against the same variants.
-LABEL_VARIANT_PREFIXES = ("", " ", "\n")
+# of every token whose text is the label with only whitespace around it: "1", " 1", "\n1",
+# SentencePiece's "▁1" (a first token may carry the space or newline that follows the chat
+# template; which of them exist depends on the tokenizer). hf and vllm find those tokens in
+# the model's vocabulary (`label_token_ids`); openai applies the same test to the token
+# strings the server returns (`token_label`).
+SENTENCEPIECE_SPACE = "\u2581"  # "▁", SentencePiece's word-start mark
 
 
-def label_variants(label: str) -> tuple[str, ...]:
-    return tuple(prefix + label for prefix in LABEL_VARIANT_PREFIXES)
+def token_label(text: str | None, choices: Sequence[str]) -> str | None:
+    """The label a token's text stands for (the label with only whitespace around it), else None."""
+    bare = (text or "").replace(SENTENCEPIECE_SPACE, " ").strip()
+    return bare if bare in choices else None
 
 
-def label_token_ids(tokenizer, choices: Sequence[str], model_id: str) -> list[list[int]]:
-    """Per label, the token ids whose probabilities add up to P(label): the label itself
-    (which must be one token) and each variant that is one distinct token."""
-    out: list[list[int]] = []
-    taken: set[int] = set()
-    for choice in choices:
-        toks = tokenizer.encode(choice, add_special_tokens=False)
-        if len(toks) != 1:
-            raise BackendError(f"answer {choice!r} is {len(toks)} tokens for {model_id}; logprob mode needs one")
-        ids = [toks[0]]
-        for variant in label_variants(choice)[1:]:
-            try:
-                vt = tokenizer.encode(variant, add_special_tokens=False)
-            except Exception:  # a tokenizer that cannot encode the variant: not counted
-                continue
-            if len(vt) == 1 and vt[0] not in ids:
-                ids.append(vt[0])
-        if taken & set(ids):
-            raise BackendError(f"answer labels {list(choices)} share a token for {model_id}")
-        taken |= set(ids)
-        out.append(ids)
-    return out
+def label_token_ids(tokenizer, choices: Sequence[str], model_id: str, prompt: str | None = None) -> list[list[int]]:
+    """Per label, the ids of every non-special vocabulary token that is the label
+    (`token_label`); their probabilities add up to P(label). With `prompt` (a rendered
+    request, generation prompt included) the label must also be exactly one token where
+    the model answers: tokens(prompt + label) = tokens(prompt) + [one of those ids]."""
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    found: dict[str, list[int]] = {c: [] for c in choices}
+    for i, text in enumerate(tokenizer.batch_decode([[i] for i in range(len(tokenizer))])):
+        label = token_label(text, choices)
+        if label is not None and i not in special:
+            found[label].append(i)
+    for choice, ids in found.items():
+        if not ids:
+            raise BackendError(f"answer {choice!r} is no single token of {model_id}'s vocabulary; "
+                               "logprob mode needs one (use --mode generate)")
+    if prompt is not None:
+        check_label_after_prompt(tokenizer, found, prompt, model_id)
+    return [found[c] for c in choices]
+
+
+def check_label_after_prompt(tokenizer, found: dict[str, list[int]], prompt: str, model_id: str) -> None:
+    """Each label, appended to the rendered prompt, adds exactly one of its label tokens."""
+    base = tokenizer.encode(prompt, add_special_tokens=False)
+    for choice, ids in found.items():
+        full = tokenizer.encode(prompt + choice, add_special_tokens=False)
+        new = full[len(base):]
+        if full[: len(base)] != base or len(new) != 1 or new[0] not in ids:
+            pieces = tokenizer.convert_ids_to_tokens(full[max(0, len(base) - 2):])
+            raise BackendError(
+                f"answer {choice!r} is not one token after {model_id}'s generation prompt (the prompt's end + "
+                f"{choice!r} tokenizes as {pieces}); logprob mode needs one (use --mode generate)")
+
+
+def backend_label_ids(backend, choices: Sequence[str], prompt: str | None = None) -> list[list[int]]:
+    """A backend's `choice_token_ids` (hf, vllm): `label_token_ids` of its tokenizer, read once per
+    label set and recorded in its `computed` (run.json); with `prompt`, checked to be one token there."""
+    key = tuple(choices)
+    cache = backend.__dict__.setdefault("_label_ids", {})
+    if key not in cache:
+        cache[key] = label_token_ids(backend.tokenizer, choices, backend.model_id)
+        labels = backend.computed.setdefault("label_tokens", {})
+        labels[",".join(key)] = label_tokens_record(backend.tokenizer, choices, cache[key])
+    if prompt is not None:
+        check_label_after_prompt(backend.tokenizer, dict(zip(key, cache[key])), prompt, backend.model_id)
+    return cache[key]
+
+
+def label_tokens_record(tokenizer, choices: Sequence[str], groups: Sequence[Sequence[int]]) -> dict[str, list]:
+    """run.json's account of the label tokens: per label, [id, token] of each counted token."""
+    return {c: [[i, tokenizer.convert_ids_to_tokens(i)] for i in g] for c, g in zip(choices, groups)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ from typing import Sequence
 
 from flipguard.eval.backends.base import (
     raw_prompt,
-    BackendError, Conversation, GenerationConfig, context_limit, label_token_ids, register_backend,
+    BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, context_limit,
+    register_backend,
 )
 
 
@@ -62,8 +63,6 @@ class HFBackend:
 
             self.model = load_peft_adapter(self.model, adapter, foreign_ok=foreign_adapter,
                                            foreign_flag=FOREIGN_ADAPTER_ARGS)
-        if self.tokenizer.chat_template is None:
-            raise BackendError(f"{model}: tokenizer has no chat template; flipguard evaluates chat models")
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -73,6 +72,9 @@ class HFBackend:
         # the most tokens one prompt (+ reply) may have; checked before any forward pass
         self.max_context, self.max_context_source = context_limit(getattr(self.model, "config", None), self.tokenizer)
         self._lengths: dict[str, int] = {}
+        # what this backend actually computes with, for run.json (the runner reads it)
+        self.computed: dict = {"backend": self.name, "dtype": str(self.model.dtype).removeprefix("torch."),
+                               "device": str(self.device)}
 
     def render(self, conversation: Conversation) -> str:
         """The exact text the model sees, chat template applied, ready for the reply. A raw
@@ -81,6 +83,7 @@ class HFBackend:
         if text is not None:
             special = self.tokenizer("", add_special_tokens=True).input_ids
             return (self.tokenizer.decode(special) if special else "") + text
+        check_chat_template(self.tokenizer, self.model_id)
         return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
     def _length(self, text: str) -> int:
@@ -128,14 +131,21 @@ class HFBackend:
                 bar.update(len(idx))
         return [o or "" for o in out]
 
-    def choice_token_ids(self, choices: Sequence[str]) -> list[list[int]]:
-        """Per label, its token id and those of its one-token variants (base.label_token_ids)."""
-        return label_token_ids(self.tokenizer, choices, self.model_id)
+    def choice_token_ids(self, choices: Sequence[str], prompt: str | None = None) -> list[list[int]]:
+        """Per label, the ids of every token that is the label (base.backend_label_ids)."""
+        return backend_label_ids(self, choices, prompt)
+
+    def _count_first_tokens(self, ids: list[int]) -> None:
+        """The most likely first token of each judgment, counted for run.json: what a model
+        that puts little mass on the labels says instead (the report names them)."""
+        counts = self.computed.setdefault("first_tokens", {})
+        for text in self.tokenizer.batch_decode([[i] for i in ids]):
+            counts[text] = counts.get(text, 0) + 1
 
     def choice_probs(self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")) -> list[dict[str, float]]:
         import torch
 
-        groups = self.choice_token_ids(choices)
+        groups = self.choice_token_ids(choices, self.render(conversations[0]) if conversations else None)
         flat = [i for g in groups for i in g]
         out: list[dict[str, float] | None] = [None] * len(conversations)
         with _progress(len(conversations) if self.show_progress else 0, "score") as bar, torch.inference_mode():
@@ -143,6 +153,7 @@ class HFBackend:
                 # Only the last position's logits: a full (batch, length, vocab) tensor
                 # is gigabytes on a real model and is never used.
                 logits = self.model(**enc, logits_to_keep=1).logits[:, -1, :].float()
+                self._count_first_tokens(logits.argmax(dim=-1).tolist())
                 probs = torch.softmax(logits, dim=-1)[:, flat].cpu().tolist()
                 for i, row in zip(idx, probs):
                     p, pos = {}, 0

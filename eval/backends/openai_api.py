@@ -30,8 +30,8 @@ Credentials in `base_url` (user:pass@, ?key=) are redacted wherever the URL is s
 
 Label probabilities over HTTP: servers take no token ids in general, so `choice_probs`
 asks for one token with `top_logprobs` (20 is OpenAI's maximum) and matches the returned
-token strings against the label variants every backend counts ("1", " 1", "\n1": see
-base.LABEL_VARIANT_PREFIXES; their probabilities add up). A label outside the top 20
+token strings against the rule every backend counts by (the label with only whitespace
+around it: "1", " 1", "\n1", "▁1"; base.token_label; their probabilities add up). A label outside the top 20
 gets 0.0, so for OpenAI models P(label) is a top-20 truncation; when neither label is
 in the list the judgment is invalid (the runner counts it; no choice is made up). For a
 local model prefer the `hf` or `vllm` backend, which read the label tokens directly.
@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
 from flipguard.eval.backends.base import (
-    BackendError, Conversation, GenerationConfig, label_variants, raw_prompt, register_backend,
+    BackendError, Conversation, GenerationConfig, raw_prompt, register_backend, token_label,
 )
 from flipguard.redact import redact
 
@@ -133,17 +133,16 @@ def resolve_api_key(api_key_env: str, base_url: str) -> str:
 def choice_probs_from_top_logprobs(top_logprobs: Sequence[Any], choices: Sequence[str]) -> dict[str, float]:
     """P(choice) from one position's top logprobs (objects or dicts with token/logprob).
 
-    A token counts for a choice when it is one of the choice's variants ("1", " 1",
-    "\n1": base.label_variants, the rule every backend follows); variants add up. A
+    A token counts for a choice when its text is the choice with only whitespace around
+    it ("1", " 1", "\n1", "▁1": base.token_label, the rule every backend follows); they add up. A
     choice that is not among them gets 0.0 (its probability is below the last one
     listed); when no choice is listed every value is 0.0 and the runner marks the
     judgment invalid."""
     probs = {c: 0.0 for c in choices}
-    owner = {v: c for c in choices for v in label_variants(c)}
     for entry in top_logprobs or ():
         token = entry["token"] if isinstance(entry, dict) else entry.token
         logprob = entry["logprob"] if isinstance(entry, dict) else entry.logprob
-        key = owner.get(token or "")
+        key = token_label(token, choices)
         if key is not None and logprob is not None and math.isfinite(logprob):
             probs[key] += math.exp(logprob)
     return {c: min(1.0, p) for c, p in probs.items()}
@@ -178,6 +177,8 @@ class OpenAIBackend:
         except ImportError:  # pragma: no cover - openai is a core dependency
             raise BackendError("the openai backend needs the openai client: pip install openai") from None
         self.model_id = model
+        # for run.json: a server does not report the dtype it computes in (vLLM: its --dtype)
+        self.computed: dict = {"backend": self.name, "dtype": "the server's (not reported over HTTP)"}
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_DEFAULT_BASE_URL
         self.shown_url = redact(self.base_url)  # what messages print: no credentials
         if server_kind not in SERVER_KINDS:

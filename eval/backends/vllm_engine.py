@@ -25,7 +25,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.backends.base import (
-    BackendError, Conversation, GenerationConfig, label_token_ids, raw_prompt, register_backend,
+    BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, raw_prompt,
+    register_backend,
 )
 
 INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "
@@ -155,8 +156,8 @@ def _logprob_value(entry: Any) -> float | None:
 
 def probs_from_step_logprobs(step: Mapping[int, Any] | None, choice_ids: Sequence[int | Sequence[int]],
                              choices: Sequence[str]) -> dict[str, float]:
-    """P(choice) = sum of exp(logprob) over the choice's token ids (the label and its
-    one-token variants, base.label_token_ids) from one position's {token_id: Logprob};
+    """P(choice) = sum of exp(logprob) over the choice's token ids (every token that is the
+    label, base.label_token_ids) from one position's {token_id: Logprob};
     missing -> 0.0."""
     out = {}
     for choice, tids in zip(choices, choice_ids):
@@ -177,6 +178,18 @@ def first_step_logprobs(request_output: Any) -> Mapping[int, Any] | None:
     if not logprobs:
         return None
     return logprobs[0]
+
+
+def model_dtype(model: str) -> str:
+    """The dtype a checkpoint's config.json declares (float32 when it declares none, as
+    transformers loads it)."""
+    from transformers import AutoConfig
+
+    try:
+        dtype = getattr(AutoConfig.from_pretrained(model), "dtype", None)
+    except (OSError, ValueError):
+        return "auto"  # vLLM's own error about the model follows
+    return str(dtype or "float32").removeprefix("torch.")
 
 
 @register_backend("vllm")
@@ -205,6 +218,9 @@ class VLLMBackend:
         self.model_id = model if adapter is None else f"{model}+{adapter}"
         self.show_progress = show_progress
         self.max_logprobs = max(1, int(max_logprobs))
+        # "auto" is the model's own dtype (config.json), passed explicitly: vLLM's own "auto"
+        # runs a float32 checkpoint in bfloat16 on CPU, silently (issue 23)
+        dtype = model_dtype(model) if dtype == "auto" else dtype
         kwargs = dict(model=model, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, **engine_kwargs)
         self.lora_request = None
         if adapter:
@@ -218,6 +234,10 @@ class VLLMBackend:
         except (OSError, ValueError) as exc:
             raise BackendError(f"vLLM could not load model {model!r}: {exc}") from None
         self.tokenizer = self.llm.get_tokenizer()
+        engine_dtype = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "dtype", dtype)
+        # what the engine actually computes in, for run.json (the runner reads it)
+        self.computed: dict = {"backend": self.name, "dtype": str(engine_dtype).removeprefix("torch."),
+                               "dtype_requested": dtype}
         # the engine's max_model_len: an item past it is refused before any request
         try:
             self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
@@ -231,6 +251,8 @@ class VLLMBackend:
         out = []
         for c in conversations:
             text = raw_prompt(c)
+            if text is None:
+                check_chat_template(self.tokenizer, self.model_id)
             out.append(len(self.tokenizer(text).input_ids) if text is not None else
                        len(self.tokenizer.apply_chat_template(list(c), tokenize=True, add_generation_prompt=True)))
         return out
@@ -241,7 +263,8 @@ class VLLMBackend:
         chat_idx = [i for i, t in enumerate(raw) if t is None]
         raw_idx = [i for i, t in enumerate(raw) if t is not None]
         outputs: list = [None] * len(conversations)
-        if chat_idx:
+        if chat_idx:  # vLLM would fall back to a default template of its own: refused as on hf
+            check_chat_template(self.tokenizer, self.model_id)
             got = self.llm.chat([list(conversations[i]) for i in chat_idx], sampling_params=params,
                                 use_tqdm=self.show_progress, lora_request=self.lora_request)
             for i, o in zip(chat_idx, got):
@@ -282,9 +305,17 @@ class VLLMBackend:
         except (TypeError, ValueError, AttributeError):
             return {}
 
-    def choice_token_ids(self, choices: Sequence[str]) -> list[list[int]]:
-        """Per label, its token id and those of its one-token variants (base.label_token_ids)."""
-        return label_token_ids(self.tokenizer, choices, self.model_id)
+    def choice_token_ids(self, choices: Sequence[str], prompt: str | None = None) -> list[list[int]]:
+        """Per label, the ids of every token that is the label (base.backend_label_ids)."""
+        return backend_label_ids(self, choices, prompt)
+
+    def render(self, conversation: Conversation) -> str:
+        """The text the engine sees (chat template applied; a raw prompt as given)."""
+        text = raw_prompt(conversation)
+        if text is not None:
+            return text
+        check_chat_template(self.tokenizer, self.model_id)
+        return self.tokenizer.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=True)
 
     def label_sampling_params(self, choice_ids: Sequence[int]):
         """One greedy token whose logprobs include the labels (see the module docstring)."""
@@ -298,6 +329,6 @@ class VLLMBackend:
     def choice_probs(self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")) -> list[dict[str, float]]:
         if not conversations:
             return []
-        groups = self.choice_token_ids(choices)
+        groups = self.choice_token_ids(choices, self.render(conversations[0]))
         outputs = self._chat(conversations, self.label_sampling_params([i for g in groups for i in g]))
         return [probs_from_step_logprobs(first_step_logprobs(o), groups, choices) for o in outputs]

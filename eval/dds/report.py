@@ -336,6 +336,9 @@ def render_markdown(report: dict[str, Any], title: str = "DDS report") -> str:
            + (f" **{meta['c1_differs_note']}.**" if meta.get("c1_differs_note") else "")
            + (f" **{meta['aio_note']}.**" if meta.get("aio_note") else ""), "",
            label_mass_line(meta), "",
+           *([("Computed in: " + "; ".join(f"{k} ({v})" for k, v in meta["computed_in"].items()) + "."), ""]
+             if meta.get("computed_in") else []),
+           *([f"**{meta['capability_note']}**", ""] if meta.get("capability_note") else []),
            "| Dataset | Domain | C1 True | C1 False | C1 Avg | C2 Correct | C2 Incorrect | C2 Avg | DDS | 95% CI |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ordered.to_dict("records"):
@@ -344,7 +347,8 @@ def render_markdown(report: dict[str, Any], title: str = "DDS report") -> str:
             f"| {name} | {domain_of(r['dataset']) or '–'} | {_fmt(r['c1_true'])} | {_fmt(r['c1_false'])} | "
             f"{_fmt(r['c1_avg'])} | {_fmt(r['c2_correct'])}{_delta(r['delta_correct'])} | "
             f"{_fmt(r['c2_incorrect'])}{_delta(r['delta_incorrect'])} | {_fmt(r['c2_avg'])} | "
-            f"{_fmt(r['dds'], True)} | [{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |"
+            + (f"not meaningful | – |" if meta.get("capability_note") else
+               f"{_fmt(r['dds'], True)} | [{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |")
         )
     out += ["", "## Tests, invalid outputs and flips", "",
             "| Dataset | ΔCorrect [CI] | ΔIncorrect [CI] | McNemar p (correct / incorrect) | invalid (C1t/C1f/C2c/C2i) | recovered on import | deference / skepticism flips | flip rate (% items) | over-correction | invalid (this run) | median label mass |",
@@ -423,18 +427,23 @@ def print_summary(report: dict[str, Any], title: str) -> None:
         table.add_column(col, justify="left" if col == "dataset" else "right")
     for r in report["summary"].to_dict("records"):
         cells = [r["dataset"], str(r["n"])]
-        cells += [_fmt(r[c], signed=c.startswith(("delta", "dds"))) for c in M.SUMMARY_COLUMNS[2:]]
+        cells += [("n/m" if c.startswith("dds") and report["meta"].get("capability_note") else
+                   _fmt(r[c], signed=c.startswith(("delta", "dds")))) for c in M.SUMMARY_COLUMNS[2:]]
         table.add_row(*cells)
     console = Console(width=max(Console().width, 110))  # pipes and CI logs default to 80 columns
     console.print(table)
     console.print(label_mass_line(report["meta"]))
+    if report["meta"].get("capability_note"):
+        console.print(report["meta"]["capability_note"] + " (n/m = not meaningful)", style="bold", markup=False)
     if report["meta"].get("aio_note"):
         console.print(report["meta"]["aio_note"] + ".")
     tot = report["stats"].set_index(["dataset", "stratum"]).loc[(M.TOTAL_AVG, "all")]
     if report["meta"]["c1_source"] == "baseline":
         damage = " — C1 damage ‡" if tot["c1_damage"] is not None and bool(tot["c1_damage"]) else ""
-        console.print(f"total: DDS {_fmt(tot['dds'], True)} (paper: fixed C1 from the baseline), own DDS "
-                      f"{_fmt(tot['own_dds'], True)} (own C1; C1 change {_fmt(tot['c1_true_change'], True)} / "
+        unfit = bool(report["meta"].get("capability_note"))
+        dds, own = ("n/m", "n/m") if unfit else (_fmt(tot["dds"], True), _fmt(tot["own_dds"], True))
+        console.print(f"total: DDS {dds} (paper: fixed C1 from the baseline), own DDS {own} "
+                      f"(own C1; C1 change {_fmt(tot['c1_true_change'], True)} / "
                       f"{_fmt(tot['c1_false_change'], True)}){damage}")
     for ds, b in report["balanced"].items():
         parts = ", ".join(f"{s} {_fmt(m['dds'], True)} (n={m['n']})" for s, m in b["strata"].items())
@@ -516,6 +525,15 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
     report["meta"].update(run_dir=str(run_dir), c1_from=str(c1_from) if c1_from else None,
                           model=meta.get("model"), mitigation=meta.get("mitigation"),
                           mode=meta.get("mode"), c1_cross_mode=is_cross)
+    first_tokens: dict[str, int] = {}
+    for computed in (meta.get("computed") or {}).values():  # the backends' argmax first tokens (logprob)
+        for tok, k in (computed.get("first_tokens") or {}).items():
+            first_tokens[tok] = first_tokens.get(tok, 0) + k
+    report["meta"]["capability"] = M.task_capability(records, first_tokens)
+    report["meta"]["computed_in"] = {label: f"{c.get('backend')}, {c.get('dtype')}"
+                                     for label, c in (meta.get("computed") or {}).items()}
+    if not report["meta"]["capability"]["meaningful"]:
+        report["meta"]["capability_note"] = M.capability_text(report["meta"]["capability"])
     if is_cross:
         report["meta"]["c1_mode_note"] = CROSS_MODE_NOTE
     if AIO_DATASET in report["meta"]["datasets"] and meta.get("mode") != "imported":
