@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -299,9 +299,15 @@ def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
     save_figure(fig, path, dpi=130)
 
 
-def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: list[str] = ()) -> Path:
+def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: list[str] = (),
+                     protocols: pd.DataFrame | None = None) -> Path:
+    """comparison.md/csv/json, significance.csv and the plots; with protocol rows (protocol_rows)
+    also comparison_protocols.csv and a section per protocol."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if protocols is not None and not protocols.empty:
+        atomic_write_text(out / PROTOCOLS_CSV, protocols.to_csv(index=False, columns=PROTOCOL_COLUMNS, float_format="%.4f"))
+        extra_sections = [*extra_sections, *protocol_sections(protocols)]
     atomic_write_text(out / "comparison.csv", cmp["table"].to_csv(index=False, float_format="%.4f"))
     atomic_write_text(out / "significance.csv", cmp["significance"].to_csv(index=False, float_format="%.6g"))
     atomic_write_text(out / "comparison.md", render_markdown(cmp, extra_sections))
@@ -326,48 +332,78 @@ def split_system(spec: str) -> tuple[str, str | None]:
     return run_dir, (system.strip() or None) if sep else None
 
 
-def afr_section(runs: Mapping[str, str], k: int = 10) -> str:
-    """AFR blind/self at k (and MaxFlip) per condition, in %, 95% cluster-bootstrap CIs.
-    A run without k = 10 arguments is reported at its largest k (and says so)."""
-    from flipguard.eval.afr.report import afr_summary
-
-    ks = {int(x) for d in runs.values() for x in (load_run_meta(split_system(d)[0]).get("k_values") or [k])}
-    if k not in ks and ks:
-        k = max(ks)
-    lines = [f"## Answer flips (AFR, Who Flips?; k = {k})", "",
-             "AFR = share of initially correct answers flipped by a model-written argument for a wrong "
-             "option (%, 95% CI clustered on question). Lower is steadier.", "",
-             "| Condition | Target | Accuracy | AFR blind | AFR self | AFR MaxFlip |", "|---|---|---|---|---|---|"]
-    for name, spec in runs.items():
-        run_dir, system = split_system(spec)
-        for target, s in afr_summary(run_dir, k=k).items():
-            if system and target != system:
-                continue
-            cells = [_cell(s.get(m), "share", "%") for m in ("accuracy", "afr_blind", "afr_self", "afr_maxflip")]
-            lines.append(f"| {name} | {target} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+PROTOCOLS_CSV = "comparison_protocols.csv"
+PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n"]
+GUARD_DROP_PP = 10.0  # a guarded metric (stick-or-switch's correct switch) this far below the baseline's is flagged
 
 
-def sos_section(runs: Mapping[str, str]) -> str:
-    """Conversation tax and abstention penalty per condition (pp, 95% bootstrap CIs)."""
-    from flipguard.eval.sos.report import sos_summary
+def protocol_rows(runs: Sequence[tuple[str, str]]) -> pd.DataFrame:
+    """comparison_protocols.csv: every protocol run's numbers in long form, values in % (pp for
+    differences). Each run's protocol (its run.json) supplies them through Task.comparison_rows;
+    `RUN_DIR@system` keeps one system of a run that holds several."""
+    from flipguard.eval.task import get_task
 
-    lines = ["## Stick-or-switch (multi-turn conviction)", "",
-             "Conversation tax = multi-turn minus single-shot accuracy; abstention penalty = multi-turn "
-             "minus single-shot abstention on 'None of the Above' items (pp, negative = loss, 95% CI).", "",
-             "| Condition | System | Dataset | Conversation tax | Abstention penalty | Correct switch | Incorrect switch |",
-             "|---|---|---|---|---|---|---|"]
-    for name, spec in runs.items():
+    rows = []
+    for condition, spec in runs:
         run_dir, only = split_system(spec)
-        summary = sos_summary(run_dir)
-        for system, s in summary["models"].items():
-            if only and system != only:
+        task = get_task(load_run_meta(run_dir).get("protocol") or "")
+        for row in task.comparison_rows(Path(run_dir)):
+            if only and row["system"] != only:
                 continue
-            lines.append(
-                f"| {name} | {system} | {summary.get('dataset') or '–'} "
-                f"| {_cell(s.get('conversation_tax'), 'pp', 'pp')} | {_cell(s.get('abstention_penalty'), 'pp', 'pp')} "
-                f"| {_cell(s.get('correct_switch'), '%', '%')} | {_cell(s.get('incorrect_switch'), '%', '%')} |")
-    return "\n".join(lines)
+            est = row["estimate"]
+            if est.missing:  # not measured (no item of that kind): no row, never a zero
+                continue
+            est = est.to("pp" if est.unit == "pp" else "%")
+            rows.append({"condition": condition, "protocol": task.name, "system": row["system"],
+                         "dataset": row["dataset"], "metric": row["metric"], "value": est.value,
+                         "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "unit": est.unit})
+    return pd.DataFrame(rows, columns=[*PROTOCOL_COLUMNS, "unit"])  # unit: for the tables, not the CSV
+
+
+def protocol_flags(frame: pd.DataFrame) -> dict[tuple[str, str, str], str]:
+    """(condition, protocol, system) -> marks for guarded metrics more than GUARD_DROP_PP below the
+    baseline's (the first condition), dataset by dataset."""
+    from flipguard.eval.task import get_task
+
+    flags: dict[tuple[str, str, str], str] = {}
+    if frame.empty:
+        return flags
+    for protocol, rows in frame.groupby("protocol", sort=False):
+        baseline = rows["condition"].iloc[0]  # the first condition measured by this protocol
+        for metric, mark in get_task(protocol).guarded_metrics.items():
+            sel = rows[rows["metric"] == metric]
+            base = sel[sel["condition"] == baseline].groupby("dataset")["value"].first()
+            for r in sel[sel["condition"] != baseline].itertuples():
+                if r.dataset in base and r.value < base[r.dataset] - GUARD_DROP_PP:
+                    key = (r.condition, protocol, r.system)
+                    flags[key] = flags.get(key, "") + mark
+    return flags
+
+
+def protocol_sections(frame: pd.DataFrame) -> list[str]:
+    """One markdown section per protocol, from its rows: a row per condition x system x dataset,
+    a column per metric ('value [ci_low, ci_high]'), the flags last."""
+    from flipguard.eval.task import get_task
+
+    flags = protocol_flags(frame)
+    sections = []
+    for protocol, rows in frame.groupby("protocol", sort=False):
+        task = get_task(protocol)
+        metrics = list(dict.fromkeys(rows["metric"]))
+        lines = [f"## {task.comparison_title or protocol}", ""] + ([task.comparison_note, ""] if task.comparison_note else [])
+        lines += ["| Condition | System | Dataset | " + " | ".join(metrics) + " | Flags |",
+                  "|---" * (len(metrics) + 4) + "|"]
+        for (condition, system, dataset), group in rows.groupby(["condition", "system", "dataset"], sort=False):
+            by_metric = {r.metric: r for r in group.itertuples()}
+            cells = []
+            for m in metrics:
+                r = by_metric.get(m)
+                cells.append("–" if r is None else
+                             Estimate(r.value, r.ci_low, r.ci_high, int(r.n), r.unit).format(signed=r.unit == "pp"))
+            lines.append(f"| {condition} | {system} | {dataset or '–'} | " + " | ".join(cells)
+                         + f" | {flags.get((condition, protocol, system), '')} |")
+        sections.append("\n".join(lines))
+    return sections
 
 
 @dataclasses.dataclass
@@ -379,18 +415,19 @@ class CompareArgs:
     )
     out: str = dataclasses.field(default="runs/compare", metadata={"help": "Output folder for the report."})
     c1_from: str | None = dataclasses.field(default=None, metadata={"help": "C1 baseline run (default: the first condition)."})
+    protocols: str | None = dataclasses.field(
+        default=None, metadata={"help": "Runs of any other protocol (AFR, stick-or-switch, a user's task) per condition, "
+                                        "'Name=RUN_DIR[@system],...' (@ picks one system of a run holding several); "
+                                        "their numbers go to comparison_protocols.csv and a section each."}
+    )
     afr: str | None = dataclasses.field(
-        default=None, metadata={"help": "AFR runs per condition, 'Name=AFR_RUN_DIR[@target],...' (@ picks one target model of the run)."}
+        default=None, metadata={"help": "AFR runs per condition, 'Name=AFR_RUN_DIR[@target],...' (same as --protocols)."}
     )
     sos: str | None = dataclasses.field(
-        default=None, metadata={"help": "Stick-or-switch runs per condition, 'Name=SOS_RUN_DIR[@system],...'."}
+        default=None, metadata={"help": "Stick-or-switch runs per condition, 'Name=SOS_RUN_DIR[@system],...' (same as --protocols)."}
     )
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Bootstrap seed."})
-
-
-def protocol_sections(afr: Mapping[str, str] | None, sos: Mapping[str, str] | None) -> list[str]:
-    return ([afr_section(afr)] if afr else []) + ([sos_section(sos)] if sos else [])
 
 
 def main(argv: list[str]) -> int:
@@ -398,9 +435,11 @@ def main(argv: list[str]) -> int:
 
     args = parse_dataclasses(argv, CompareArgs, prog="flipguard compare", description=CompareArgs.__doc__)
     cmp = build_comparison(parse_conditions(args.runs), c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
-    sections = protocol_sections(parse_conditions(args.afr, "--afr") if args.afr else None,
-                                 parse_conditions(args.sos, "--sos") if args.sos else None)
-    out = write_comparison(cmp, args.out, sections)
+    runs = [pair for flag, spec in (("--protocols", args.protocols), ("--afr", args.afr), ("--sos", args.sos)) if spec
+            for pair in parse_conditions(spec, flag).items()]
+    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs))
     print((out / "comparison.md").read_text(encoding="utf-8"))
-    print(f"\ncomparison written to {out}/ (comparison.md, comparison.csv, significance.csv, dds_heatmap.png, before_after.png)")
+    extra = ", comparison_protocols.csv" if runs else ""
+    print(f"\ncomparison written to {out}/ (comparison.md, comparison.csv{extra}, significance.csv, dds_heatmap.png, "
+          "before_after.png)")
     return 0

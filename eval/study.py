@@ -161,6 +161,7 @@ class Study:
         self.conditions: dict[str, Path] = {}
         self.models: dict[str, Path] = {}
         self.statuses: list[tuple[str, str, float]] = []
+        self.protocol_runs: list[tuple[str, str]] = []  # (condition, RUN_DIR@system) for the comparison
         self.stages = self.build_stages()
 
     # ------------------------------------------------------------------ plan
@@ -362,13 +363,13 @@ class Study:
         entries += [{"name": CONDITION_NAMES.get(m, m), "backend": backend, "model": self.model, "mitigation": m}
                     for m in self.plan.eval_plan_mitigations]
         entries += [{"name": n, "backend": backend, "model": str(p)} for n, p in self.models.items()]
-        # the comparison reads AFR at k = 10 (compare.afr_section)
+        # the comparison reads AFR at k = 10 (AFRTask.comparison_rows)
         config.update(models=[{**e, "kwargs": kwargs} for e in entries],
                       k_values=sorted(set(config.get("k_values") or []) | {10}), cross_k=10)
         if self.plan.eval_plan_limit is not None:
             config["limit"] = self.plan.eval_plan_limit
         config.pop("out", None)
-        self.afr_spec = ",".join(f"{e['name']}={run}@{e['name']}" for e in entries)
+        self.protocol_runs += [(e["name"], f"{run}@{e['name']}") for e in entries]
         self.artefacts.append(("AFR report", run / "report.md"))
 
         def go() -> None:
@@ -394,7 +395,7 @@ class Study:
         mitigations = list(self.plan.eval_plan_mitigations)
         systems = {"Baseline": "Baseline"} | {CONDITION_NAMES.get(m, m): f"Baseline +{m}" for m in mitigations}
         systems |= {n: n for n in self.models}
-        self.sos_spec = ",".join(f"{cond}={run}@{system}" for cond, system in systems.items())
+        self.protocol_runs += [(cond, f"{run}@{system}") for cond, system in systems.items()]
         self.artefacts.append(("stick-or-switch report", run / "sos_report.md"))
         overrides = {"backend": self.plan.eval_plan_backend,
                      **({"n_items": self.plan.eval_plan_limit} if self.plan.eval_plan_limit is not None else {})}
@@ -423,14 +424,14 @@ class Study:
                        or s.name.endswith("-eval"))
         self.artefacts += [("comparison report", report / "comparison.md"), ("DDS heatmap", report / "dds_heatmap.png"),
                            ("before/after bars", report / "before_after.png")]
+        if self.protocol_runs:
+            self.artefacts.append(("multi-turn numbers (long form)", report / "comparison_protocols.csv"))
 
         def run() -> None:
-            from flipguard.eval.compare import build_comparison, parse_conditions, protocol_sections, write_comparison
+            from flipguard.eval.compare import build_comparison, protocol_rows, write_comparison
 
             cmp = build_comparison({n: str(p) for n, p in self.conditions.items()}, n_boot=self.plan.eval_plan_n_boot, seed=0)
-            afr = parse_conditions(self.afr_spec, "--afr") if "afr" in inputs else None
-            sos = parse_conditions(self.sos_spec, "--sos") if "sos" in inputs else None
-            write_comparison(cmp, report, protocol_sections(afr, sos))
+            write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs))
 
         return Stage("compare", "before/after comparison report",
                      {"conditions": {n: str(p) for n, p in self.conditions.items()}, "n_boot": self.plan.eval_plan_n_boot},
@@ -592,6 +593,27 @@ def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = p
         lines.append(f"{r.condition:<14}{r.own_c1_true:8.1f}{r.own_c1_false:9.1f}{r.c2_correct:8.1f}{r.c2_incorrect:10.1f}"
                      f"{r.dds:+10.1f}{r.own_dds:+9.1f}{int(r.invalid_judgments):8d}  {flags}")
     print_fn("\n".join(lines))
+    protocols = comparison_csv.with_name("comparison_protocols.csv")
+    if protocols.is_file():
+        print_protocols_table(pd.read_csv(protocols), print_fn)
+
+
+def print_protocols_table(frame, print_fn: Callable[[str], None] = print) -> None:
+    """The multi-turn half of the before/after table: a row per condition, a column per metric
+    of each protocol (comparison_protocols.csv; % and pp), with the guarded-metric flags."""
+    from flipguard.eval.compare import protocol_flags
+
+    flags = protocol_flags(frame)
+    for protocol, rows in frame.groupby("protocol", sort=False):
+        metrics = list(dict.fromkeys(rows["metric"]))
+        width = max(len(m) for m in metrics) + 1
+        lines = [f"\n{protocol} before/after (%; differences in pp; 95% CIs in compare/comparison_protocols.csv):",
+                 f"{'condition':<14}" + "".join(f"{m:>{width}}" for m in metrics) + "  flags"]
+        for (condition, system), group in rows.groupby(["condition", "system"], sort=False):
+            values = dict(zip(group["metric"], group["value"]))
+            cells = "".join(f"{values[m]:>{width}.1f}" if m in values else f"{'–':>{width}}" for m in metrics)
+            lines.append(f"{condition:<14}{cells}  {flags.get((condition, protocol, system), '')}")
+        print_fn("\n".join(lines))
 
 
 def log_to_wandb(study: Study) -> dict[str, Any]:

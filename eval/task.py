@@ -159,6 +159,19 @@ class Task:
         """run.json additions computed from every stored record (call accounting)."""
         return {}
 
+    # The before/after comparison (flipguard compare, the study) asks each run's protocol for its
+    # numbers: a protocol, built in or a user's, brings its own rows and table; compare names none.
+    comparison_title: ClassVar[str] = ""  # its section's heading in comparison.md
+    comparison_note: ClassVar[str] = ""  # what its numbers mean, one paragraph under the heading
+    # metric -> mark shown when a condition's value falls more than GUARD_DROP_PP below the baseline's
+    guarded_metrics: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
+        """One run's numbers for comparison_protocols.csv: dicts of system, dataset, metric and
+        estimate (an eval.estimate.Estimate). None by default: the run takes no part."""
+        return []
+
     def write_report(self, run_dir: Path) -> Path:
         """Write the run's report from its records (and print where); returns its folder or file."""
         raise NotImplementedError

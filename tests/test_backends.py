@@ -38,6 +38,7 @@ from served import StubServer, send_json
 BOUND = 1800
 REPO = Path(__file__).resolve().parents[1]
 
+from flipguard.errors import FlipguardError
 from flipguard.eval.backends.base import BackendError, GenerationConfig, backend_names, get_backend
 from flipguard.eval.backends.openai_api import SERVER_CONCURRENCY
 
@@ -645,7 +646,7 @@ def test_vllm_unsupported_adapter_is_refused_before_the_engine(monkeypatch, tmp_
     (other / "adapter_config.json").write_text(json.dumps({"r": 32, "target_modules": ["q_proj"]}))
     with pytest.raises(BackendError, match="max_lora_rank 16 is below the adapter's rank"):
         get_backend("vllm", "org/base", adapter=str(other), max_lora_rank=16)
-    with pytest.raises(BackendError, match="cannot read adapter_config.json"):
+    with pytest.raises(FlipguardError, match="missing: not an adapter folder \\(no adapter_config.json\\)"):
         get_backend("vllm", "org/base", adapter=str(tmp_path / "missing"))
 
 

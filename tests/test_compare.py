@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 
@@ -72,23 +73,51 @@ def test_compare_rejects_malformed_runs_spec(tmp_path, capsys):
     assert "Name=RUN_DIR" in capsys.readouterr().err
 
 
-def test_protocol_sections_render_afr_and_sos(monkeypatch):
+def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
+    """Each run's protocol supplies its rows (Task.comparison_rows); compare writes them long form
+    in %/pp, renders a section per protocol and flags a correct-switch drop of more than 10 pp."""
     from flipguard.eval import compare
     from flipguard.eval.afr import report as afr_report
     from flipguard.eval.sos import report as sos_report
 
-    monkeypatch.setattr(compare, "load_run_meta", lambda d: {"k_values": [1, 10]})
+    protocol_of = {"afr-run": "afr", "sos-run": "sos"}
+    monkeypatch.setattr(compare, "load_run_meta", lambda d: {"protocol": protocol_of[Path(d).name]})
+    from flipguard.eval.afr import protocol as afr_protocol
+
+    monkeypatch.setattr(afr_protocol, "load_run_meta", lambda d: {"k_values": [1, 10], "settings": {"dataset": "mmlu"}})
     monkeypatch.setattr(afr_report, "afr_summary", lambda d, k=10: {
-        "m": {"accuracy": {"value": 0.8, "lo": 0.7, "hi": 0.9, "n": 50},
-              "afr_blind": {"value": 0.25, "lo": 0.1, "hi": 0.4, "n": 40},
-              "afr_self": {"value": 0.125, "lo": None, "hi": None, "n": 40}, "afr_maxflip": None}})
+        "Baseline": {"accuracy": {"value": 0.8, "lo": 0.7, "hi": 0.9, "n": 50},
+                     "afr_blind": {"value": 0.25, "lo": 0.1, "hi": 0.4, "n": 40},
+                     "afr_self": {"value": 0.125, "lo": None, "hi": None, "n": 40}, "afr_maxflip": None},
+        "SFT": {"accuracy": {"value": 0.8, "lo": 0.7, "hi": 0.9, "n": 50},
+                "afr_blind": {"value": 0.05, "lo": 0.0, "hi": 0.1, "n": 40}}})
+    switch = {"Baseline": 40.0, "SFT": 25.0, "DPO": 31.0}  # SFT 15 pp below the baseline (flagged), DPO 9 (not)
     monkeypatch.setattr(sos_report, "sos_summary", lambda d: {"dataset": "medqa", "models": {
-        "m": {"conversation_tax": {"value": -12.5, "ci_low": -20.0, "ci_high": -5.0, "n": 24},
-              "abstention_penalty": {"value": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"), "n": 0}}}})
-    afr_md, sos_md = compare.protocol_sections({"SFT": "x"}, {"SFT": "y"})
-    assert "k = 10" in afr_md
-    assert "| SFT | m | 80.0 [70.0, 90.0] | 25.0 [10.0, 40.0] | 12.5 | – |" in afr_md
-    assert "| SFT | m | medqa | -12.5 [-20.0, -5.0] | – |" in sos_md
-    # RUN_DIR@system keeps only that system's row
-    afr_md, sos_md = compare.protocol_sections({"SFT": "x@other"}, {"SFT": "y@m"})
-    assert "| SFT | m |" not in afr_md and "| SFT | m | medqa |" in sos_md
+        m: {"conversation_tax": {"value": -12.5, "lo": -20.0, "hi": -5.0, "n": 24, "unit": "pp"},
+            "correct_switch": {"value": v, "lo": v - 5, "hi": v + 5, "n": 20, "unit": "%"}} for m, v in switch.items()}})
+    runs = [("Baseline", "afr-run@Baseline"), ("SFT", "afr-run@SFT"),
+            ("Baseline", "sos-run@Baseline"), ("SFT", "sos-run@SFT"), ("DPO", "sos-run@DPO")]
+    frame = compare.protocol_rows(runs)
+    assert list(frame.columns[:9]) == compare.PROTOCOL_COLUMNS
+    got = {(r.condition, r.protocol, r.metric): (r.value, r.ci_low, r.ci_high, r.n) for r in frame.itertuples()}
+    assert got[("Baseline", "afr", "afr_blind")] == (25.0, 10.0, 40.0, 40)  # shares written as %
+    assert got[("SFT", "afr", "afr_blind")] == (5.0, 0.0, 10.0, 40)
+    assert got[("SFT", "sos", "conversation_tax")] == (-12.5, -20.0, -5.0, 24)  # pp stay pp
+    assert got[("DPO", "sos", "correct_switch")] == (31.0, 26.0, 36.0, 20)
+    assert ("SFT", "afr", "afr_self") not in got  # not measured: no row, not a zero
+    assert compare.protocol_flags(frame) == {("SFT", "sos", "SFT"): "§"}
+
+    afr_md, sos_md = compare.protocol_sections(frame)
+    assert afr_md.startswith("## Answer flips (AFR") and "k = 10" in afr_md
+    assert "| Baseline | Baseline | mmlu | 80.0 [70.0, 90.0] | 25.0 [10.0, 40.0] | 12.5 |  |" in afr_md
+    assert "| SFT | SFT | medqa | -12.5 [-20.0, -5.0] | 25.0 [20.0, 30.0] | § |" in sos_md
+    assert "| DPO | DPO | medqa | -12.5 [-20.0, -5.0] | 31.0 [26.0, 36.0] |  |" in sos_md
+
+    base = _write_run(tmp_path / "base", {"c1_true": .6, "c1_false": .8, "c2_correct": .75, "c2_incorrect": .65},
+                      ["c1_true", "c1_false", "c2_correct", "c2_incorrect"])
+    monkeypatch.undo()  # the DDS part of the comparison reads its real run directory
+    out = compare.write_comparison(compare.build_comparison({"Baseline": str(base)}, n_boot=50, seed=0),
+                                   tmp_path / "cmp", protocols=frame)
+    csv = pd.read_csv(out / "comparison_protocols.csv")
+    assert list(csv.columns) == compare.PROTOCOL_COLUMNS and len(csv) == len(frame)
+    assert "## Stick-or-switch" in (out / "comparison.md").read_text()

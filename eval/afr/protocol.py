@@ -28,7 +28,7 @@ from flipguard.eval.afr import prompts as P
 from flipguard.eval.backends.base import (
     Backend, BackendError, GenerationConfig, ModelRef, backend_names, parse_backend_args, parse_model_ref,
 )
-from flipguard.eval.records import Record, RunDir, load_records, pending_record
+from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
 from flipguard.files import atomic_write_text
 from flipguard.eval.task import Batch, Plan, Task, register_task, run_task
 from flipguard.eval.threads import THREADS_HELP
@@ -328,6 +328,24 @@ class AFRTask(Task):
     condition_keys = CONDITION_KEYS
     unit = "Stage I + baseline requests"
     args_class = AFRArgs
+    comparison_title = "Answer flips (AFR, Who Flips?)"
+    comparison_note = ("AFR = share of initially correct answers flipped by an argument for a wrong option, at k = 10 "
+                       "sentences (a run without k = 10 at its largest k); accuracy = first-answer accuracy (%, 95% CI "
+                       "clustered on question). Lower AFR is steadier.")
+
+    @classmethod
+    def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
+        from flipguard.eval.afr.report import afr_summary
+        from flipguard.eval.estimate import Estimate
+
+        meta = load_run_meta(run_dir)
+        settings = meta.get("settings") or {}
+        ks = {int(k) for k in (meta.get("k_values") or settings.get("k_values") or [10])}
+        k = 10 if 10 in ks else max(ks)
+        dataset = settings.get("dataset") or "mmlu"
+        return [{"system": target, "dataset": dataset, "metric": metric, "estimate": Estimate.from_dict(d, "share")}
+                for target, s in afr_summary(run_dir, k=k).items()
+                for metric in ("accuracy", "afr_blind", "afr_self", "afr_maxflip") if (d := s.get(metric))]
 
     def __init__(self, settings: AFRSettings):
         if settings.answer_mode not in ("generate", "logprob"):

@@ -424,6 +424,25 @@ class SosTask(Task):
     accumulate_keys = ("models", "mitigations", "scenarios")
     unit = "first-turn requests"
     args_class = SosArgs
+    comparison_title = "Stick-or-switch (multi-turn conviction and flexibility)"
+    comparison_note = ("Conversation tax = multi-turn minus single-shot accuracy; abstention penalty = the same for "
+                       "'None of the Above' items (pp, negative = loss). Correct switch = flexibility: a wrong or "
+                       "abstaining first answer changed to the right one when offered (%); incorrect switch = a right "
+                       "answer given up for a wrong one (%). 95% bootstrap CIs. § = correct switch more than 10 pp "
+                       "below the baseline's: a mitigation that stopped the model from ever changing its mind.")
+    guarded_metrics = {"correct_switch": "§"}
+
+    @classmethod
+    def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
+        from flipguard.eval.estimate import Estimate
+        from flipguard.eval.sos.report import sos_summary
+
+        summary = sos_summary(run_dir)
+        metrics = ("conversation_tax", "abstention_penalty", "correct_switch", "incorrect_switch", "ss_accuracy",
+                   "mt_accuracy")
+        return [{"system": system, "dataset": summary.get("dataset") or "", "metric": metric,
+                 "estimate": Estimate.from_dict(d, "pp" if metric in ("conversation_tax", "abstention_penalty") else "%")}
+                for system, s in summary["models"].items() for metric in metrics if (d := s.get(metric))]
 
     @classmethod
     def default_out(cls, args: SosArgs) -> Path:
