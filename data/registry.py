@@ -10,6 +10,10 @@ A registered dataset is Item-schema JSONL files (one per split) plus a small ent
       test: test.jsonl
       train: train.jsonl       # optional: only datasets with a train split make pairs
 
+A multiple-choice dataset (for `flipguard afr --dataset` and `flipguard sos --dataset`) adds
+`kind: multiple_choice`; its JSONL rows are {id, question, options: [..], answer: "B"}
+(optional subject, category), one per line.
+
 Use it by path (`--datasets my_claims/dataset.yaml`) or register it once
 (`flipguard data --register my_claims/dataset.yaml`, which writes the entry with absolute
 paths to $FLIPGUARD_HOME/datasets/) and then by name (`--datasets my_claims`). The group
@@ -25,8 +29,9 @@ from pathlib import Path
 from flipguard.data.schema import ALL_DATASETS, DataError
 
 ENTRY_FILE = "dataset.yaml"
-SHIPPED_ENTRIES = (Path(__file__).resolve().parent / "organism" / ENTRY_FILE,)
+SHIPPED_ENTRIES = tuple(Path(__file__).resolve().parent / d / ENTRY_FILE for d in ("organism", "organism_mc"))
 ENTRY_SPLITS = ("test", "train")
+KINDS = ("claims", "multiple_choice")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -37,6 +42,7 @@ class DatasetEntry:
     splits: dict[str, Path]
     description: str = ""
     source: Path | None = None
+    kind: str = "claims"
 
     def split_file(self, split: str) -> Path:
         if split not in self.splits:
@@ -63,13 +69,16 @@ def read_entry(path: str | Path) -> DatasetEntry:
         raise DataError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise DataError(f"{path}: a dataset entry is a mapping with name, domain and splits")
-    unknown = sorted(set(raw) - {"name", "domain", "description", "splits"})
+    unknown = sorted(set(raw) - {"name", "kind", "domain", "description", "splits"})
     if unknown:
-        raise DataError(f"{path}: unknown key(s) {unknown}; expected name, domain, description, splits")
+        raise DataError(f"{path}: unknown key(s) {unknown}; expected name, kind, domain, description, splits")
+    kind = raw.get("kind", "claims")
+    if kind not in KINDS:
+        raise DataError(f"{path}: 'kind' must be one of {list(KINDS)}, got {kind!r}")
     name, domain, splits = raw.get("name"), raw.get("domain"), raw.get("splits")
     if not isinstance(name, str) or not _NAME.match(name):
         raise DataError(f"{path}: 'name' must be a lower-case identifier (letters, digits, _), got {name!r}")
-    if name in ALL_DATASETS or name in ("all", "bench", "trainable"):
+    if name in ALL_DATASETS or name in ("all", "bench", "trainable", "mmlu", "medqa", "medmcqa"):
         raise DataError(f"{path}: {name!r} is a built-in dataset or group name; choose another name")
     if not isinstance(domain, str) or not domain.strip():
         raise DataError(f"{path}: 'domain' must be a non-empty string (the report's Domain column)")
@@ -83,7 +92,7 @@ def read_entry(path: str | Path) -> DatasetEntry:
         if not isinstance(file, str) or not file.strip():
             raise DataError(f"{path}: splits.{split} must be a file path")
         files[split] = (path.parent / file).resolve()
-    return DatasetEntry(name, domain.strip(), files, str(raw.get("description") or ""), path.resolve())
+    return DatasetEntry(name, domain.strip(), files, str(raw.get("description") or ""), path.resolve(), kind)
 
 
 def user_registry_dir() -> Path:
@@ -142,7 +151,56 @@ def register(path: str | Path, replace: bool = False) -> Path:
         hint = "" if existing.source != target.resolve() else "; pass --replace to register these files instead"
         raise DataError(f"{path}: dataset {entry.name!r} is already registered {what}{hint}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    body = {"name": entry.name, "domain": entry.domain, "description": entry.description,
+    body = {"name": entry.name, **({"kind": entry.kind} if entry.kind != "claims" else {}), "domain": entry.domain, "description": entry.description,
             "splits": {s: str(p) for s, p in entry.splits.items()}}
     atomic_write_text(target, f"# registered from {Path(path).resolve()}\n" + yaml.safe_dump(body, sort_keys=False))
     return target
+
+
+def mc_entry(token: str) -> DatasetEntry:
+    """The registered multiple-choice dataset a --dataset token names (name or entry path)."""
+    entry = lookup(token)
+    if entry is None:
+        mc = [n for n, e in registered().items() if e.kind == "multiple_choice"]
+        raise DataError(f"unknown multiple-choice dataset {token!r}; registered: {', '.join(mc) or 'none'} "
+                        f"(or a path to a dataset entry with kind: multiple_choice, see flipguard data --help)")
+    if entry.kind != "multiple_choice":
+        raise DataError(f"{entry.source}: dataset {entry.name!r} is not multiple-choice (add kind: multiple_choice)")
+    return entry
+
+
+def load_mc(token: str, split: str) -> list:
+    """MCQItems of a registered multiple-choice dataset's split; a bad row names file and line."""
+    from flipguard.data.mmlu import LETTERS, MCQItem
+    from flipguard.data.schema import read_jsonl
+
+    entry = mc_entry(token)
+    path = entry.split_file(split)
+    items, seen = [], set()
+    for lineno, row in read_jsonl(path):
+        where = f"{path}:{lineno}"
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: a row is a JSON object with id, question, options, answer")
+        missing = [k for k in ("id", "question", "options", "answer") if k not in row]
+        if missing:
+            raise DataError(f"{where}: missing field(s) {missing}")
+        options = row["options"]
+        if not isinstance(options, list) or not 2 <= len(options) <= len(LETTERS) \
+                or not all(isinstance(o, str) and o.strip() for o in options):
+            raise DataError(f"{where}: 'options' must be a list of 2-{len(LETTERS)} non-empty strings")
+        answer = row["answer"]
+        if not isinstance(answer, str) or answer not in LETTERS[: len(options)]:
+            raise DataError(f"{where}: 'answer' must be one of the option letters {LETTERS[:len(options)]}, got {answer!r}")
+        if not isinstance(row["question"], str) or not row["question"].strip():
+            raise DataError(f"{where}: 'question' must be a non-empty string")
+        item_id = str(row["id"])
+        if item_id in seen:
+            raise DataError(f"{where}: duplicate id {item_id!r}")
+        seen.add(item_id)
+        subject = str(row.get("subject") or entry.name)
+        items.append(MCQItem(id=item_id, subject=subject, category=str(row.get("category") or entry.domain),
+                             question=row["question"], options=options, answer=answer, split=split,
+                             dataset=entry.name, subcategory=str(row.get("subcategory") or subject)))
+    if not items:
+        raise DataError(f"{path}: no items")
+    return items

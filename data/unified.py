@@ -127,6 +127,9 @@ def parse_datasets(datasets: str | Iterable[str] | None, default: Iterable[str],
                     f"registered: {', '.join(registry.registered()) or 'none'}; groups: {', '.join(DATASET_GROUPS)}; "
                     f"or a path to a dataset entry ({registry.ENTRY_FILE}, see flipguard data --help)"
                 )
+            if entry.kind != "claims":
+                raise DataError(f"{entry.source}: dataset {entry.name!r} is {entry.kind.replace('_', '-')}: "
+                                f"use it with flipguard afr/sos --dataset, not as DDS claims")
             expanded = [entry.name]
             _LOOKED_UP[entry.name] = entry
         for name in expanded:

@@ -75,7 +75,7 @@ def test_registered_dataset_by_entry_file_and_by_name(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="no 'train' split"):
         load_items(str(entry), split="train")
     register(entry)
-    assert set(registered()) == {"organism", "legal_claims"}
+    assert set(registered()) == {"organism", "organism_mc", "legal_claims"}
     assert [it.id for it in load_items("legal_claims,organism")][:3] == ["c0", "c1", "c2"]
     # a user entry cannot pose as a built-in dataset
     (folder / "bad.yaml").write_text("name: bbq\ndomain: Bias\nsplits:\n  test: test.jsonl\n")

@@ -74,6 +74,9 @@ class AFRSettings:
     split: str = "test"
     data_root: str | None = None
     seed: int = 0
+    dataset: str = "mmlu"
+    scripted_arguments: str | None = None
+    scripted_as: str = "blind"
     limit: int | None = None
     coercion_max_new_tokens: int = 512
     coercion_temperature: float = 0.0  # paper: 0 for every call
@@ -93,7 +96,15 @@ class AFRSettings:
         raise AFRConfigError(f"unknown model {name!r}; the config's models are {[m.name for m in self.models]}")
 
     def to_dict(self) -> dict[str, Any]:
-        return redact_obj(dataclasses.asdict(self))  # run.json: no credentials from a base_url
+        d = dataclasses.asdict(self)
+        for key, default in ADDED_SETTINGS.items():  # an MMLU run's run.json stays as it was
+            if d[key] == default:
+                del d[key]
+        return redact_obj(d)  # run.json: no credentials from a base_url
+
+
+# settings added after run.json's format settled: written only when not at their default
+ADDED_SETTINGS = {"dataset": "mmlu", "scripted_arguments": None, "scripted_as": "blind"}
 
 
 def parse_model_entry(entry: Any, where: str) -> ModelSpec:
@@ -152,9 +163,24 @@ def build_settings(models: Iterable[Any], targets=None, sources=None, where: str
     return s
 
 
+def load_dataset(settings: AFRSettings) -> list[MCQItem]:
+    """MMLU through its own loader; any other name is a registered multiple-choice dataset."""
+    if settings.dataset == "mmlu":
+        return load_mmlu(settings.split, settings.data_root, settings.subjects)
+    from flipguard.data.registry import load_mc
+
+    items = load_mc(settings.dataset, settings.split)
+    if settings.subjects:
+        missing = sorted(set(settings.subjects) - {it.subject for it in items})
+        if missing:
+            raise AFRConfigError(f"{settings.dataset}: no subject(s) {missing} in its {settings.split} split")
+        items = [it for it in items if it.subject in settings.subjects]
+    return items
+
+
 def select_items(settings: AFRSettings) -> list[MCQItem]:
     """Uniform per-subject sample; `limit` then takes questions round-robin across subjects."""
-    items = sample_uniform(load_mmlu(settings.split, settings.data_root, settings.subjects), settings.per_subject, settings.seed)
+    items = sample_uniform(load_dataset(settings), settings.per_subject, settings.seed)
     if settings.limit is not None:
         rank: Counter = Counter()
         order = []
@@ -264,7 +290,7 @@ def call_accounting(settings: AFRSettings, items: list[MCQItem], records: list[R
 CONDITION_KEYS = (
     "models", "targets", "sources", "k_values", "cross", "cross_k", "per_subject", "subjects", "split",
     "data_root", "seed", "answer_mode", "coercion_max_new_tokens", "coercion_temperature", "answer_max_new_tokens",
-    "maxflip", "maxflip_file",
+    "maxflip", "maxflip_file", "dataset", "scripted_arguments", "scripted_as",
 )
 
 
@@ -281,9 +307,10 @@ class AFRArgs:
     k_values: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_K), metadata={"help": "Argument lengths k (sentences)."})
     cross: bool = dataclasses.field(default=True, metadata={"help": "Run cross-model challenges (blind, k=cross_k)."})
     cross_k: int = dataclasses.field(default=10, metadata={"help": "k of the cross condition and of MaxFlip."})
-    per_subject: int = dataclasses.field(default=36, metadata={"help": "Questions per MMLU subject (paper: 36 x 57 = 2,052)."})
+    dataset: str = dataclasses.field(default="mmlu", metadata={"help": "mmlu, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; e.g. organism_mc)."})
+    per_subject: int = dataclasses.field(default=36, metadata={"help": "Questions per subject (MMLU paper: 36 x 57 = 2,052; a registered dataset's rows name their subject)."})
     subjects: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Restrict to these subjects."})
-    split: str = dataclasses.field(default="test", metadata={"help": "MMLU split (test, dev)."})
+    split: str = dataclasses.field(default="test", metadata={"help": "Split (MMLU: test, dev; registered: test, train)."})
     data_root: Optional[str] = dataclasses.field(default=None, metadata={"help": "MMLU folder (default: $FLIPGUARD_DATA, else the shipped sample)."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed for sampling, decoding, bootstrap and MaxFlip ties."})
     limit: Optional[int] = dataclasses.field(default=None, metadata={"help": "Use only the first N sampled questions (round-robin over subjects); a rerun may raise it to grow the run."})
@@ -293,6 +320,8 @@ class AFRArgs:
     chunk_size: int = dataclasses.field(default=32, metadata={"help": "Requests per backend call (records are saved per chunk)."})
     maxflip: bool = dataclasses.field(default=True, metadata={"help": "Build MaxFlip from the cross-model pool (needs >= 2 sources)."})
     maxflip_file: Optional[str] = dataclasses.field(default=None, metadata={"help": "Evaluate the targets on an existing MaxFlip/argument file instead."})
+    scripted_arguments: Optional[str] = dataclasses.field(default=None, metadata={"help": "Stage I arguments from a JSONL file ({item_id, target_option, argument[, k]} per line; source 'scripted'), e.g. data/organism_mc/arguments.jsonl."})
+    scripted_as: str = dataclasses.field(default="blind", metadata={"help": "blind: the file replaces the targets' own Stage I (no Stage I calls, no self condition); cross: the file is one more cross source."})
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Cluster-bootstrap replicates."})
     answer_mode: str = dataclasses.field(default="generate", metadata={"help": "Stage II answers: 'generate' (paper; letter parsed from text) or 'logprob' (argmax over option letters; for small local models)."})
     report_only: bool = dataclasses.field(default=False, metadata={"help": "Only rewrite the report of an existing run directory."})
@@ -312,7 +341,7 @@ def settings_from_args(args: AFRArgs, where: str = "config") -> AFRSettings:
 
 def _condition(settings: dict[str, Any]) -> dict[str, Any]:
     """run.json's `settings` reduced to CONDITION_KEYS (also for run.json files of earlier versions)."""
-    cond = {k: settings.get(k) for k in CONDITION_KEYS}
+    cond = {k: settings.get(k, ADDED_SETTINGS.get(k)) for k in CONDITION_KEYS}
     # a model counts by what makes its records (not its device or batch size)
     cond["models"] = [{"name": m.get("name"), "backend": m.get("backend"), "model": m.get("model"),
                        "adapter": (m.get("kwargs") or {}).get("adapter"), "mitigation": m.get("mitigation", "none")}
@@ -350,15 +379,24 @@ class AFRTask(Task):
     def __init__(self, settings: AFRSettings):
         if settings.answer_mode not in ("generate", "logprob"):
             raise AFRConfigError(f"answer_mode must be 'generate' or 'logprob', got {settings.answer_mode!r}")
+        from flipguard.eval.afr import scripted as S
+
+        if settings.scripted_as not in S.SCRIPTED_AS:
+            raise AFRConfigError(f"scripted_as must be one of {S.SCRIPTED_AS}, got {settings.scripted_as!r}")
+        if S.SOURCE in [m.name for m in settings.models]:
+            raise AFRConfigError(f"model name {S.SOURCE!r} is reserved for the scripted argument source")
         items = select_items(settings)
         if not items:
-            raise AFRConfigError("the MMLU sample is empty (check subjects / per_subject / limit)")
+            raise AFRConfigError(f"the {settings.dataset} sample is empty (check subjects / per_subject / limit)")
         if settings.answer_mode == "logprob" and len({len(it.options) for it in items}) != 1:
             raise AFRConfigError("answer_mode 'logprob' needs the same number of options for every question")
         self.settings, self.items = settings, items
         self.by_id = {it.id: it for it in items}
         self.models = [m.model_ref() for m in settings.models]
         self.maxflip_entries = _load_maxflip_file(settings, items)  # a question outside the sample: refused now
+        self.scripted = S.load_scripted(settings.scripted_arguments, self.by_id) if settings.scripted_arguments else None
+        # with scripted blind arguments the targets write no Stage I of their own
+        self.own_arguments = not (self.scripted is not None and settings.scripted_as == "blind")
         self.built_maxflip: list[dict[str, Any]] | None = None
         mode = settings.answer_mode
         self.answer_parse = P.letter_parser(max(len(it.options) for it in items)) if mode == "generate" else None
@@ -383,14 +421,24 @@ class AFRTask(Task):
             "k_values": s.k_values,
             "cross_k": s.cross_k,
             "sample_ids": [it.id for it in self.items],
+            **({"scripted_arguments": self._scripted_meta()} if self.scripted is not None else {}),
         }
+
+    def _scripted_meta(self) -> dict[str, Any]:
+        from flipguard.eval.afr import scripted as S
+
+        s = self.settings
+        ks = s.k_values if s.scripted_as == "blind" else [s.cross_k]
+        return {"source": S.SOURCE, "used_as": s.scripted_as,
+                **S.describe(s.scripted_arguments, self.scripted, self.items, ks)}
 
     def condition_clash(self, old: dict[str, Any], meta: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """The condition lives in run.json's `settings` (as every AFR run has written it)."""
         if not old.get("settings"):
             return {}
         was, now = _condition(old["settings"]), _condition(meta["settings"])
-        return {k: (was[k], now[k]) for k in CONDITION_KEYS if k in old["settings"] and was[k] != now[k]}
+        return {k: (was[k], now[k]) for k in CONDITION_KEYS
+                if (k in old["settings"] or k in ADDED_SETTINGS) and was[k] != now[k]}
 
     # ------------------------------------------------------------ requests
 
@@ -405,7 +453,7 @@ class AFRTask(Task):
         s, mode = self.settings, self.settings.answer_mode
         first = []
         for spec in s.models:
-            ks = set(s.k_values) if spec.name in s.targets else set()
+            ks = set(s.k_values) if spec.name in s.targets and self.own_arguments else set()
             if spec.name in self.cross_sources:
                 ks.add(s.cross_k)
             coerce = [r for it in self.items for r in coercion_records(it, spec, sorted(ks), self.gen_arg)]
@@ -442,6 +490,17 @@ class AFRTask(Task):
             return challenge_record(item, s.spec(name), baselines[(name, item.id)], x, k, argument, condition, source,
                                     self.gen_ans, mode)
 
+        from flipguard.eval.afr import scripted as S
+
+        if self.scripted is not None:  # the file's arguments, as if its source had written them
+            for it in self.items:
+                for x in it.wrong_letters:
+                    for k in (s.k_values if s.scripted_as == "blind" else [s.cross_k]):
+                        arg = S.scripted_argument(self.scripted, it.id, x, k)
+                        if arg is not None:
+                            arguments[(S.SOURCE, it.id, x, k)] = arg
+        cross_sources = self.cross_sources + ([S.SOURCE] if self.scripted is not None and s.scripted_as == "cross" else [])
+
         # Stage II challenges, one target at a time (last-loaded first saves a reload).
         for name in reversed(s.targets):
             recs = []
@@ -450,10 +509,15 @@ class AFRTask(Task):
                     continue
                 for x in it.wrong_letters:
                     for k in s.k_values:
+                        if not self.own_arguments:
+                            arg = arguments.get((S.SOURCE, it.id, x, k))
+                            if arg is not None:
+                                recs.append(challenge(name, it, x, k, arg, "blind", S.SOURCE))
+                            continue
                         arg = arguments.get((name, it.id, x, k))
                         if arg is not None:
                             recs += [challenge(name, it, x, k, arg, c, name) for c in ("blind", "self")]
-                    for src in self.cross_sources:
+                    for src in cross_sources:
                         arg = arguments.get((src, it.id, x, s.cross_k))
                         if src != name and arg is not None:
                             recs.append(challenge(name, it, x, s.cross_k, arg, "cross", src))

@@ -222,6 +222,15 @@ def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> 
             f"{calls.get('formula')} = {calls.get('formula_calls')}. "
             f"Observed p_b = {calls.get('p_b', float('nan')):.3f}, p_c = {calls.get('p_c', float('nan')):.3f}.\n"
         )
+    scripted = meta.get("scripted_arguments")
+    if scripted:
+        parts.append(
+            f"Dataset: {(meta.get('settings') or {}).get('dataset', 'mmlu')}. Arguments: scripted (ours, not the "
+            f"paper's model-written Stage I), used as {scripted['used_as']} from {scripted['file']} "
+            f"(sha256 {scripted['sha256'][:12]}; {scripted['arguments_used']} used, {scripted['missing']} missing)"
+            + ("; coverage and CRR read Stage I records, so they are empty for the targets" if scripted["used_as"] == "blind" else "")
+            + ".\n"
+        )
     sections = [
         ("table2_afr_blind", "Table 2: AFR blind by model and k (Δ = largest k − smallest k; Cov. = coverage)", table2(frame, ks, n_boot, seed) if ks else None),
         ("table3_sad", "Table 3: Self-Attribution Delta (SAD = AFR self − AFR blind)", table3(frame, ks, n_boot, seed) if ks else None),

@@ -310,6 +310,7 @@ def start_conversation(item: SosItem, scenario: str, pool: Sequence[SosItem], se
 DATASETS = ("medqa", "medmcqa", "mmlu")
 # dataset -> (evaluated split, exemplar split)
 DEFAULT_SPLITS = {"medqa": ("test", "fewshot"), "medmcqa": ("dev", "fewshot"), "mmlu": ("test", "dev")}
+REGISTERED_SPLITS = ("test", "train")  # a registered multiple-choice dataset: exemplars from its train split
 SAMPLING = ("greedy", "model_default")
 # run.json keys a run directory holds one value of; models, mitigations and scenarios accumulate
 CONDITION_KEYS = ("dataset", "split", "seed", "n_items", "n_shots", "target_position", "format_reminder",
@@ -320,7 +321,7 @@ CONDITION_KEYS = ("dataset", "split", "seed", "n_items", "n_shots", "target_posi
 class SosArgs:
     """Stick-or-switch evaluation (positive/negative conviction, flexibility) with report."""
 
-    dataset: str = dataclasses.field(default="medqa", metadata={"help": f"One of {', '.join(DATASETS)}."})
+    dataset: str = dataclasses.field(default="medqa", metadata={"help": f"One of {', '.join(DATASETS)}, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; exemplars from its train split), e.g. organism_mc."})
     models: list[str] = dataclasses.field(
         default_factory=lambda: ["flipguard:tiny"],
         metadata={"help": "Models as [label=][backend:]model[|adapter_dir] (the model-spec syntax afr shares; backend defaults to --backend): hub id, local folder or 'flipguard:tiny'."},
@@ -386,7 +387,9 @@ def load_mcq(dataset: str, split: str, data_root: str | None, skip_invalid: bool
 
         subj = [s.strip() for s in subjects.split(",") if s.strip()] if subjects else None
         return load_mmlu(split=split, data_root=data_root, subjects=subj)
-    raise DataError(f"unknown dataset {dataset!r}; expected one of {DATASETS}")
+    from flipguard.data.registry import load_mc
+
+    return load_mc(dataset, split)
 
 
 def to_sos_items(mcq_items, dataset: str, skip_invalid: bool) -> tuple[list[SosItem], list[str]]:
@@ -464,7 +467,9 @@ class SosTask(Task):
 
     def __init__(self, args: SosArgs, items: Sequence[SosItem] | None = None, pool: Sequence[SosItem] | None = None):
         if args.dataset not in DATASETS:
-            raise UserError(f"--dataset must be one of {DATASETS}, got {args.dataset!r}")
+            from flipguard.data.registry import mc_entry
+
+            mc_entry(args.dataset)  # a registered multiple-choice dataset, or one clear error
         bad = [s for s in args.scenarios if s not in SCENARIOS]
         if bad:
             raise UserError(f"--scenarios: unknown {bad}; expected some of {SCENARIOS}")
@@ -490,7 +495,7 @@ class SosTask(Task):
         self.models = [dataclasses.replace(r, kwargs=model_kwargs(r.backend, args.backend_args,
                                                               batch_size=args.batch_size, device=args.device))
                        for r in refs]
-        self.split, fewshot_split = DEFAULT_SPLITS[args.dataset]
+        self.split, fewshot_split = DEFAULT_SPLITS.get(args.dataset, REGISTERED_SPLITS)
         self.skipped: list[str] = []
         if items is None:
             mcq = load_mcq(args.dataset, self.split, args.data_root, args.skip_invalid_items, args.subjects)
