@@ -170,7 +170,8 @@ def test_merge_round_trip_matches_base_plus_adapter(tiny_model_path, tmp_path):
     lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
     peft_model = get_peft_model(base, lora)
     peft_model.save_pretrained(tmp_path / "adapter")
-    merged_dir = merge_adapter(tiny_model_path, str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
+    merged_dir = merge_adapter(tiny_model_path, str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32",
+                               foreign_adapter=True)  # a peft adapter, no flipguard provenance
     assert (merged_dir / "model.safetensors").is_file() and (merged_dir / "generation_config.json").is_file()
     assert (merged_dir / "README.md").is_file() and (merged_dir / "tokenizer_config.json").is_file()
 
@@ -207,7 +208,7 @@ def test_merge_measures_the_gap_to_the_4bit_base_as_trained(tiny_model_path, pai
     merged_dir = tmp_path / "merged"
     code = merge_main(["recipes/tiny.yaml", "--model_name_or_path", tiny_model_path, "--adapter", str(tmp_path / "adapter"),
                        "--out", str(merged_dir), "--pairs_dir", str(pairs_dir), "--gap_prompts", "4",
-                       "--max_merge_gap", "0"])
+                       "--max_merge_gap", "0", "--foreign_adapter", "true"])
     assert code == 0
     err = capsys.readouterr().err
     gap = json.loads((merged_dir / "flipguard_merge.json").read_text())["merge_gap"]
@@ -240,7 +241,8 @@ def test_merge_without_pair_set_records_no_gap(tiny_model_path, tmp_path, capsys
     get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
                    LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
     assert merge_main(["recipes/tiny.yaml", "--model_name_or_path", tiny_model_path, "--adapter", str(tmp_path / "adapter"),
-                       "--out", str(tmp_path / "merged"), "--pairs_dir", str(tmp_path / "no-pairs")]) == 0
+                       "--out", str(tmp_path / "merged"), "--pairs_dir", str(tmp_path / "no-pairs"),
+                       "--foreign_adapter", "true"]) == 0
     gap = json.loads((tmp_path / "merged" / "flipguard_merge.json").read_text())["merge_gap"]
     assert gap["max_abs_delta_p1"] is None and "no pair set" in gap["skipped"]
     out = capsys.readouterr()
