@@ -162,8 +162,9 @@ def mc_entry(token: str) -> DatasetEntry:
     entry = lookup(token)
     if entry is None:
         mc = [n for n, e in registered().items() if e.kind == "multiple_choice"]
-        raise DataError(f"unknown multiple-choice dataset {token!r}; registered: {', '.join(mc) or 'none'} "
-                        f"(or a path to a dataset entry with kind: multiple_choice, see flipguard data --help)")
+        raise DataError(f"unknown dataset {token!r}: not a built-in multiple-choice dataset (medqa, medmcqa, mmlu) "
+                        f"nor a registered one ({', '.join(mc) or 'none'}); or give the path of a dataset entry with "
+                        "kind: multiple_choice (see flipguard data --help)")
     if entry.kind != "multiple_choice":
         raise DataError(f"{entry.source}: dataset {entry.name!r} is not multiple-choice (add kind: multiple_choice)")
     return entry
