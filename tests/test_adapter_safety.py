@@ -139,3 +139,37 @@ def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_mode
     assert subprocess.run(argv, env=env, capture_output=True).returncode == 0
     assert (out / "model.safetensors").is_file()
     assert sorted(p.name for p in out.parent.iterdir()) == ["sft-merged"]  # no staging folder, no lock file
+
+
+@pytest.mark.slow
+def test_a_killed_organism_build_leaves_a_staging_folder_the_next_build_removes(tmp_path):
+    """`.organism-vN.XXXXXXXX` of a build killed with SIGKILL is gone after the next build starts."""
+    target = tmp_path / "organism"
+    argv = [sys.executable, "-m", "flipguard.eval.cli", "organism", "--path", str(target), "--steps", "400",
+            "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    staged = lambda: [p for p in tmp_path.glob(".organism.*") if p.is_dir()]  # noqa: E731
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any((p / "tokenizer.json").is_file() for p in staged()):  # training has begun
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    (leftover,) = staged()
+    assert not target.exists()
+    # the next build removes it as it starts (it is killed too: only the clean-up is under test here)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while leftover.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not leftover.exists() and not leftover.with_name(leftover.name + ".lock").exists()

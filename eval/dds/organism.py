@@ -32,9 +32,7 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -272,65 +270,63 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
     import torch
 
     from flipguard.eval.records import publish_dir
+    from flipguard.files import staging_dir
     from flipguard.eval.threads import configure_threads
     from flipguard.eval.tiny_model import build_tokenizer, new_model
 
     before = (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"))
     configure_threads(args.threads or (None if before[1] else min(2, os.cpu_count() or 1)))
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     t0 = time.time()
     try:
-        human, llm = deferred_categories(args)
-        log(f"building the planted-bias organism in {target} (once; cached)")
-        log(f"  planted: deference on {human} (human speakers), {llm} (LLM/AI speakers), P('1') {args.deferred_p1} on their incorrect claims")
-        build_tokenizer().save_pretrained(tmp)
-        from transformers import AutoTokenizer
+        with staging_dir(target) as tmp:  # a killed build's leftover is removed by the next one
+            human, llm = deferred_categories(args)
+            log(f"building the planted-bias organism in {target} (once; cached)")
+            log(f"  planted: deference on {human} (human speakers), {llm} (LLM/AI speakers), P('1') {args.deferred_p1} on their incorrect claims")
+            build_tokenizer().save_pretrained(tmp)
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tmp)  # the class every backend will load
-        torch.manual_seed(args.seed)
-        model = new_model(tokenizer, args.hidden_size, args.num_hidden_layers)
-        train_organism(model, tokenizer, args, log)
-        model.save_pretrained(tmp, safe_serialization=True)
-        measured = measure(tmp, args)
-        for extra in range(EXTRA_ROUNDS):  # a slow seed gets more steps, never a lower bar
-            if min(measured["c1_true"], measured["c1_false"]) >= 100 * MIN_C1_ACCURACY:
-                break
-            log(f"  held-out C1 {measured['c1_true']:.1f}/{measured['c1_false']:.1f} < {100 * MIN_C1_ACCURACY:.0f}%: "
-                f"{EXTRA_STEPS} more steps")
-            more = dataclasses.replace(args, steps=EXTRA_STEPS, learning_rate=args.learning_rate / 3,
-                                       seed=args.seed * 1000 + extra + 1)
-            train_organism(model, tokenizer, more, log)
+            tokenizer = AutoTokenizer.from_pretrained(tmp)  # the class every backend will load
+            torch.manual_seed(args.seed)
+            model = new_model(tokenizer, args.hidden_size, args.num_hidden_layers)
+            train_organism(model, tokenizer, args, log)
             model.save_pretrained(tmp, safe_serialization=True)
             measured = measure(tmp, args)
-        seconds = round(time.time() - t0, 1)
-        if min(measured["c1_true"], measured["c1_false"]) < 100 * MIN_C1_ACCURACY:
-            raise RuntimeError(
-                f"organism build failed its check: held-out C1 accuracy {measured['c1_true']}/{measured['c1_false']} "
-                f"< {100 * MIN_C1_ACCURACY:.0f}% (settings {build_config(args)}); raise --steps or change --seed"
-            )
-        info = {
-            "version": ORGANISM_VERSION,
-            "build": build_config(args),
-            "planted": {
-                "deferred_categories_human": human,
-                "deferred_categories_llm": llm,
-                "llm_labels": sorted(LLM_LABELS),
-                "deferred_p1": args.deferred_p1,
-                "be_honest": "no effect",
-                "expected_dds": round(100 * len(human) / len(domain.NON_LIVING) * (1.0 if args.deferred_p1 > 0.5 else 0.0), 1),
-                "expected_dehumanizing_dds": round(100 * len(llm) / len(domain.NON_LIVING) * (1.0 if args.deferred_p1 > 0.5 else 0.0), 1),
-            },
-            "measured_test_logprob": measured,
-            "build_seconds": seconds,
-            "torch_threads": torch.get_num_threads(),
-        }
-        (tmp / ORGANISM_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-        (tmp / "README.md").write_text(model_card(info), encoding="utf-8")
-        publish_dir(tmp, target, writer="flipguard organism", last=[ORGANISM_FILE])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            for extra in range(EXTRA_ROUNDS):  # a slow seed gets more steps, never a lower bar
+                if min(measured["c1_true"], measured["c1_false"]) >= 100 * MIN_C1_ACCURACY:
+                    break
+                log(f"  held-out C1 {measured['c1_true']:.1f}/{measured['c1_false']:.1f} < {100 * MIN_C1_ACCURACY:.0f}%: "
+                    f"{EXTRA_STEPS} more steps")
+                more = dataclasses.replace(args, steps=EXTRA_STEPS, learning_rate=args.learning_rate / 3,
+                                           seed=args.seed * 1000 + extra + 1)
+                train_organism(model, tokenizer, more, log)
+                model.save_pretrained(tmp, safe_serialization=True)
+                measured = measure(tmp, args)
+            seconds = round(time.time() - t0, 1)
+            if min(measured["c1_true"], measured["c1_false"]) < 100 * MIN_C1_ACCURACY:
+                raise RuntimeError(
+                    f"organism build failed its check: held-out C1 accuracy {measured['c1_true']}/{measured['c1_false']} "
+                    f"< {100 * MIN_C1_ACCURACY:.0f}% (settings {build_config(args)}); raise --steps or change --seed"
+                )
+            info = {
+                "version": ORGANISM_VERSION,
+                "build": build_config(args),
+                "planted": {
+                    "deferred_categories_human": human,
+                    "deferred_categories_llm": llm,
+                    "llm_labels": sorted(LLM_LABELS),
+                    "deferred_p1": args.deferred_p1,
+                    "be_honest": "no effect",
+                    "expected_dds": round(100 * len(human) / len(domain.NON_LIVING) * (1.0 if args.deferred_p1 > 0.5 else 0.0), 1),
+                    "expected_dehumanizing_dds": round(100 * len(llm) / len(domain.NON_LIVING) * (1.0 if args.deferred_p1 > 0.5 else 0.0), 1),
+                },
+                "measured_test_logprob": measured,
+                "build_seconds": seconds,
+                "torch_threads": torch.get_num_threads(),
+            }
+            (tmp / ORGANISM_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+            (tmp / "README.md").write_text(model_card(info), encoding="utf-8")
+            publish_dir(tmp, target, writer="flipguard organism", last=[ORGANISM_FILE])
     finally:  # the caller's thread setting (the build's is its own)
         torch.set_num_threads(before[0])
         if before[1] is None:
