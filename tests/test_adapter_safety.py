@@ -70,6 +70,21 @@ def _wrong_rank(path: Path) -> None:
     path.write_text(json.dumps({**config, "r": 4}))
 
 
+def _kill_when(argv: list[str], env: dict, ready) -> None:
+    """Start `argv` (a real process) and SIGKILL it once `ready()` holds (polled on files)."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not ready():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+
+
 @pytest.mark.parametrize("damage, file, message", [
     (None, None, "no flipguard_training.json, so its training did not finish"),
     (lambda p: p.write_text("{not json"), "adapter_config.json", "adapter_config.json: not valid JSON (line 1"),
@@ -122,18 +137,8 @@ def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_mode
     argv = [sys.executable, "-m", "flipguard.eval.cli", "merge", TINY, "--model_name_or_path", tiny_model_path,
             "--adapter", str(adapter), "--out", str(out), "--pairs_dir", str(pairs), "--gap_prompts", "32"]
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
     staged = lambda: [p for p in out.parent.glob(".sft-merged.*") if p.is_dir()]  # noqa: E731
-    try:
-        deadline = time.monotonic() + 600
-        while not any((p / "model.safetensors").is_file() for p in staged()):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
+    _kill_when(argv, env, lambda: any((p / "model.safetensors").is_file() for p in staged()))
     assert len(staged()) == 1 and not out.exists()  # what a killed merge leaves
 
     assert subprocess.run(argv, env=env, capture_output=True).returncode == 0
@@ -149,27 +154,9 @@ def test_a_killed_organism_build_leaves_a_staging_folder_the_next_build_removes(
             "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     staged = lambda: [p for p in tmp_path.glob(".organism.*") if p.is_dir()]  # noqa: E731
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not any((p / "tokenizer.json").is_file() for p in staged()):  # training has begun
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
+    _kill_when(argv, env, lambda: any((p / "tokenizer.json").is_file() for p in staged()))  # training has begun
     (leftover,) = staged()
     assert not target.exists()
     # the next build removes it as it starts (it is killed too: only the clean-up is under test here)
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while leftover.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _kill_when(argv, env, lambda: not leftover.exists())
     assert not leftover.exists() and not leftover.with_name(leftover.name + ".lock").exists()
