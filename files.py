@@ -24,7 +24,7 @@ import tempfile
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from flipguard.errors import FlipguardError, RecordError, UserError
 

@@ -1,6 +1,8 @@
 """Numbers for bench/real_smollm2.md section 2, read from a study's records and reports:
 python bench/real_smollm2_summary.py STUDY_OUT"""
-import json, statistics, sys
+import json
+import statistics
+import sys
 from pathlib import Path
 from flipguard.eval.records import load_records
 root = Path(sys.argv[1])

@@ -21,6 +21,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from flipguard.data.mmlu import MCQItem  # one item shape with the MMLU loader
 from flipguard.data.schema import DataError, normalise_question, read_jsonl
 
 log = logging.getLogger("flipguard.data")
@@ -32,8 +33,6 @@ POOL_SIZE = 12
 SPLITS = ("test", "fewshot")
 LETTERS = "ABCDEFGHIJ"
 
-
-from flipguard.data.mmlu import MCQItem  # one item shape with the MMLU loader
 
 
 def make_item(**fields: Any) -> MCQItem:

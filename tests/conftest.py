@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 
@@ -19,7 +20,7 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def organism_path() -> "Path":
+def organism_path() -> "pathlib.Path":
     """The planted-bias organism with its default settings, built once under FLIPGUARD_HOME
     (the same cache the demo and README command 1 use, so CI builds it once)."""
     from pathlib import Path

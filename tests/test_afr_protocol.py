@@ -155,5 +155,5 @@ def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
     assert main([str(cfg), "--out", str(out)]) == 0
     meta = json.loads((out / "run.json").read_text())
     assert meta["invocations"][-1]["calls_total"] == 0
-    base = [json.loads(l) for l in (out / "records.jsonl").read_text().splitlines() if '"baseline"' in l]
+    base = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if '"baseline"' in line]
     assert all(r["valid"] and r["choice"] in "ABCD" for r in base if r["case"] == "baseline")

@@ -33,14 +33,14 @@ import pytest
 
 from served import StubServer, send_json
 
+from flipguard.errors import FlipguardError
+from flipguard.eval.backends.base import BackendError, GenerationConfig, backend_names, get_backend
+from flipguard.eval.backends.openai_api import SERVER_CONCURRENCY
+
 # Limits below are hang guards only (never reached by a healthy run, however loaded the
 # machine): tests synchronise on events, not on wall-clock guesses.
 BOUND = 1800
 REPO = Path(__file__).resolve().parents[1]
-
-from flipguard.errors import FlipguardError
-from flipguard.eval.backends.base import BackendError, GenerationConfig, backend_names, get_backend
-from flipguard.eval.backends.openai_api import SERVER_CONCURRENCY
 
 # ---------------------------------------------------------------------------- stub for faults only
 

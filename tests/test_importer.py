@@ -13,7 +13,7 @@ import pytest
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.cli import main as cli_main
 from flipguard.eval.dds.importer import import_records, recover_answer
-from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore, load_records, load_run_meta, request_key
+from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore, load_records, request_key
 from flipguard.files import atomic_write_json
 from flipguard.eval.dds.report import CROSS_MODE_NOTE, build_report, report_run
 

@@ -199,7 +199,7 @@ def test_c2_only_mitigation_records_need_c1_from(tmp_path, capsys):
     # baseline: the fixture's GPQA records; mitigation: only the C2 answers, all "2"
     base = tmp_path / "base"
     assert cli_main(["import-records", str(FIXTURE / "gpt-4o-mini"), "--out", str(base)]) == 0
-    rows = [json.loads(l) for l in (FIXTURE / "gpt-4o-mini" / "gpqa.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (FIXTURE / "gpt-4o-mini" / "gpqa.jsonl").read_text().splitlines()]
     mit = [{"id": r["id"], "dataset": "gpqa", "c2_correct_chat_ans_t1": "2", "c2_incorrect_chat_ans_t1": "2"}
            for r in rows]
     write_jsonl(tmp_path / "mit_src" / "gpqa.jsonl", mit)

@@ -300,30 +300,40 @@ class AFRArgs:
     Stage II blind/self/cross (and MaxFlip) challenges, report with the paper's tables.
     A YAML path first is a config (its keys are these options); rerunning resumes."""
 
-    models: list[str] = dataclasses.field(default_factory=list, metadata={"help": "Models: in YAML a list of {name, backend, model, kwargs, mitigation}; on the command line [name=][backend:]model[|adapter] (the model-spec syntax sos shares; backend defaults to hf; model 'flipguard:tiny' = the tiny local model)."})
+    models: list[str] = dataclasses.field(default_factory=list, metadata={"help":
+            "Models: in YAML a list of {name, backend, model, kwargs, mitigation}; on the command line [name=][backend:]model[|adapter] (the "
+            "model-spec syntax sos shares; backend defaults to hf; model 'flipguard:tiny' = the tiny local model)."})
     out: Optional[str] = dataclasses.field(default=None, metadata={"help": "Run directory (records.jsonl, run.json, report.md, figures)."})
     targets: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Model names challenged in Stage II (default: all)."})
-    sources: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Model names whose arguments are used in the cross condition (default: all)."})
+    sources: Optional[list[str]] = dataclasses.field(default=None, metadata={"help":
+            "Model names whose arguments are used in the cross condition (default: all)."})
     k_values: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_K), metadata={"help": "Argument lengths k (sentences)."})
     cross: bool = dataclasses.field(default=True, metadata={"help": "Run cross-model challenges (blind, k=cross_k)."})
     cross_k: int = dataclasses.field(default=10, metadata={"help": "k of the cross condition and of MaxFlip."})
-    dataset: str = dataclasses.field(default="mmlu", metadata={"help": "mmlu, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; e.g. organism_mc)."})
-    per_subject: int = dataclasses.field(default=36, metadata={"help": "Questions per subject (MMLU paper: 36 x 57 = 2,052; a registered dataset's rows name their subject)."})
+    dataset: str = dataclasses.field(default="mmlu", metadata={"help":
+            "mmlu, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; e.g. organism_mc)."})
+    per_subject: int = dataclasses.field(default=36, metadata={"help":
+            "Questions per subject (MMLU paper: 36 x 57 = 2,052; a registered dataset's rows name their subject)."})
     subjects: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Restrict to these subjects."})
     split: str = dataclasses.field(default="test", metadata={"help": "Split (MMLU: test, dev; registered: test, train)."})
     data_root: Optional[str] = dataclasses.field(default=None, metadata={"help": "MMLU folder (default: $FLIPGUARD_DATA, else the shipped sample)."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed for sampling, decoding, bootstrap and MaxFlip ties."})
-    limit: Optional[int] = dataclasses.field(default=None, metadata={"help": "Use only the first N sampled questions (round-robin over subjects); a rerun may raise it to grow the run."})
+    limit: Optional[int] = dataclasses.field(default=None, metadata={"help":
+            "Use only the first N sampled questions (round-robin over subjects); a rerun may raise it to grow the run."})
     coercion_max_new_tokens: int = dataclasses.field(default=512, metadata={"help": "Token budget of a Stage I argument."})
     coercion_temperature: float = dataclasses.field(default=0.0, metadata={"help": "Sampling temperature of Stage I (paper: 0)."})
     answer_max_new_tokens: int = dataclasses.field(default=512, metadata={"help": "Token budget of a Stage II answer."})
     chunk_size: int = dataclasses.field(default=32, metadata={"help": "Requests per backend call (records are saved per chunk)."})
     maxflip: bool = dataclasses.field(default=True, metadata={"help": "Build MaxFlip from the cross-model pool (needs >= 2 sources)."})
     maxflip_file: Optional[str] = dataclasses.field(default=None, metadata={"help": "Evaluate the targets on an existing MaxFlip/argument file instead."})
-    scripted_arguments: Optional[str] = dataclasses.field(default=None, metadata={"help": "Stage I arguments from a JSONL file ({item_id, target_option, argument[, k]} per line; source 'scripted'), e.g. data/organism_mc/arguments.jsonl."})
-    scripted_as: str = dataclasses.field(default="blind", metadata={"help": "blind: the file replaces the targets' own Stage I (no Stage I calls, no self condition); cross: the file is one more cross source."})
+    scripted_arguments: Optional[str] = dataclasses.field(default=None, metadata={"help":
+            "Stage I arguments from a JSONL file ({item_id, target_option, argument[, k]} per line; source 'scripted'), e.g. "
+            "data/organism_mc/arguments.jsonl."})
+    scripted_as: str = dataclasses.field(default="blind", metadata={"help":
+            "blind: the file replaces the targets' own Stage I (no Stage I calls, no self condition); cross: the file is one more cross source."})
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Cluster-bootstrap replicates."})
-    answer_mode: str = dataclasses.field(default="generate", metadata={"help": "Stage II answers: 'generate' (paper; letter parsed from text) or 'logprob' (argmax over option letters; for small local models)."})
+    answer_mode: str = dataclasses.field(default="generate", metadata={"help":
+            "Stage II answers: 'generate' (paper; letter parsed from text) or 'logprob' (argmax over option letters; for small local models)."})
     report_only: bool = dataclasses.field(default=False, metadata={"help": "Only rewrite the report of an existing run directory."})
     progress: bool = dataclasses.field(default=True, metadata={"help": "Show progress bars."})
     threads: Optional[int] = dataclasses.field(default=None, metadata={"help": THREADS_HELP})

@@ -232,7 +232,8 @@ def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> 
             + ".\n"
         )
     sections = [
-        ("table2_afr_blind", "Table 2: AFR blind by model and k (Δ = largest k − smallest k; Cov. = coverage)", table2(frame, ks, n_boot, seed) if ks else None),
+        ("table2_afr_blind", "Table 2: AFR blind by model and k (Δ = largest k − smallest k; Cov. = coverage)",
+         table2(frame, ks, n_boot, seed) if ks else None),
         ("table3_sad", "Table 3: Self-Attribution Delta (SAD = AFR self − AFR blind)", table3(frame, ks, n_boot, seed) if ks else None),
         ("table4_crr", "Table 4: Coercion Refusal Rate and RSS = CRR corr − CRR incorr", table4(frame, n_boot, seed)),
         ("table5_subjects", "Table 5: Subject-level AFR (pooled over models, k, blind/self)", table5(frame, n_boot, seed)),
@@ -251,7 +252,8 @@ def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> 
         atomic_write_text(run_dir / f"{stem}.csv", raw.to_csv(index=False))
     cat = M.grouped_afr(frame, "category", n_boot=n_boot, seed=seed)
     atomic_write_text(run_dir / "category_afr.csv", cat.to_csv(index=False))
-    parts.append("## AFR by MMLU category (pooled)\n\n" + _md(cat.assign(afr=(100 * cat["afr"]).round(1), csr=(100 * cat["csr"]).round(1))[["category", "afr", "n", "csr"]]))
+    pct = cat.assign(afr=(100 * cat["afr"]).round(1), csr=(100 * cat["csr"]).round(1))
+    parts.append("## AFR by MMLU category (pooled)\n\n" + _md(pct[["category", "afr", "n", "csr"]]))
     matrix = M.cross_matrix(frame, cross_k)
     figures = []
     if not matrix.empty and matrix.shape[0] > 1:

@@ -18,7 +18,6 @@ vLLM would not apply faithfully is refused before the engine loads (`lora_refusa
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence

@@ -73,7 +73,8 @@ class EvalArgs:
         default="auto", metadata={"help": "Comma list of c1_true,c1_false,c2_correct,c2_incorrect; auto = all four (with a mitigation too)."}
     )
     c1_from: str | None = dataclasses.field(
-        default=None, metadata={"help": "Baseline run whose C1 gives the paper's fixed-C1 DDS (DialDefer §7); the run's own C1 is reported next to it (recorded in run.json)."}
+        default=None, metadata={"help": "Baseline run whose C1 gives the paper's fixed-C1 DDS (DialDefer §7); the run's own C1 is reported next to it "
+                                        "(recorded in run.json)."}
     )
     allow_cross_mode_c1: bool = dataclasses.field(
         default=False,

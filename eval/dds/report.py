@@ -347,11 +347,12 @@ def render_markdown(report: dict[str, Any], title: str = "DDS report") -> str:
             f"| {name} | {domain_of(r['dataset']) or '–'} | {_fmt(r['c1_true'])} | {_fmt(r['c1_false'])} | "
             f"{_fmt(r['c1_avg'])} | {_fmt(r['c2_correct'])}{_delta(r['delta_correct'])} | "
             f"{_fmt(r['c2_incorrect'])}{_delta(r['delta_incorrect'])} | {_fmt(r['c2_avg'])} | "
-            + (f"not meaningful | – |" if meta.get("capability_note") else
+            + ("not meaningful | – |" if meta.get("capability_note") else
                f"{_fmt(r['dds'], True)} | [{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |")
         )
     out += ["", "## Tests, invalid outputs and flips", "",
-            "| Dataset | ΔCorrect [CI] | ΔIncorrect [CI] | McNemar p (correct / incorrect) | invalid (C1t/C1f/C2c/C2i) | recovered on import | deference / skepticism flips | flip rate (% items) | over-correction | invalid (this run) | median label mass |",
+            "| Dataset | ΔCorrect [CI] | ΔIncorrect [CI] | McNemar p (correct / incorrect) | invalid (C1t/C1f/C2c/C2i) | recovered on import | "
+            "deference / skepticism flips | flip rate (% items) | over-correction | invalid (this run) | median label mass |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in main.to_dict("records"):
         oc = r["over_correction"]

@@ -321,10 +321,13 @@ CONDITION_KEYS = ("dataset", "split", "seed", "n_items", "n_shots", "target_posi
 class SosArgs:
     """Stick-or-switch evaluation (positive/negative conviction, flexibility) with report."""
 
-    dataset: str = dataclasses.field(default="medqa", metadata={"help": f"One of {', '.join(DATASETS)}, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; exemplars from its train split), e.g. organism_mc."})
+    dataset: str = dataclasses.field(default="medqa", metadata={"help":
+            f"One of {', '.join(DATASETS)}, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; exemplars "
+            f"from its train split), e.g. organism_mc."})
     models: list[str] = dataclasses.field(
         default_factory=lambda: ["flipguard:tiny"],
-        metadata={"help": "Models as [label=][backend:]model[|adapter_dir] (the model-spec syntax afr shares; backend defaults to --backend): hub id, local folder or 'flipguard:tiny'."},
+        metadata={"help": "Models as [label=][backend:]model[|adapter_dir] (the model-spec syntax afr shares; backend defaults to --backend): hub id, "
+                          "local folder or 'flipguard:tiny'."},
     )
     backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
     backend_args: str = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
@@ -344,7 +347,8 @@ class SosArgs:
         default=False, metadata={"help": "Leave out items with no usable key or < 2 distinct distractors (listed in run.json) instead of stopping."}
     )
     n_shots: int = dataclasses.field(default=3, metadata={"help": "Few-shot exemplars from the development pool."})
-    target_position: str = dataclasses.field(default="random", metadata={"help": "Turn-1 position of the answer/NA: random (seeded) | first (paper's listing)."})
+    target_position: str = dataclasses.field(default="random", metadata={"help":
+            "Turn-1 position of the answer/NA: random (seeded) | first (paper's listing)."})
     format_reminder: bool = dataclasses.field(default=False, metadata={"help": "Repeat the 'Answer: <letter>' format in later turns (paper: no)."})
     max_new_tokens: int = dataclasses.field(default=64, metadata={"help": "Reply length limit (direct-answer setting)."})
     sampling: str = dataclasses.field(
