@@ -53,7 +53,7 @@ RECIPE_SUFFIXES = (".yaml", ".yml")
 RecipeError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
-PAIR_STRATEGIES = ("all", "flips", "flip_weighted", "consistency", "afr")
+PAIR_STRATEGIES = ("all", "flips", "flip_weighted", "consistency", "afr", "conversation")
 
 
 @dataclasses.dataclass
@@ -66,7 +66,7 @@ class PairsArguments:
             "help": "all: correct and incorrect C2 variant of every train item (paper K.2); flips: both C2 "
             "variants of items the base model flipped; flip_weighted: all, flipped items repeated "
             "pairs_flip_weight times; consistency: C1, C2 and dehumanized framings with one target; "
-            "afr: answer-flip judgments (pairs_afr_run).",
+            "afr: answer-flip judgments (pairs_afr_run); conversation: only the multi-turn pairs of pairs_conversations.",
             "choices": list(PAIR_STRATEGIES),
         },
     )
@@ -93,6 +93,16 @@ class PairsArguments:
     )
     pairs_afr_run: str | None = dataclasses.field(
         default=None, metadata={"help": "afr: run directory of an answer-flip evaluation."}
+    )
+    pairs_conversations: list[str] = dataclasses.field(
+        default_factory=list,
+        metadata={"help": "AFR / stick-or-switch run directories of the train split (flipguard afr|sos --split train): "
+                          "their conversations are added as multi-turn pairs (prompt = the chat up to the push-back; "
+                          "hold the answer, or accept a correct option after an abstention), beside any strategy's rows."},
+    )
+    pairs_conversation_model: str | None = dataclasses.field(
+        default=None, metadata={"help": "pairs_conversations: the model label whose conversations are used "
+                                        "(needed when a run holds several)."}
     )
     pairs_dir: str = dataclasses.field(
         default="runs/pairs", metadata={"help": "Where the pair datasets are written (flipguard pairs) and read (trainers)."}

@@ -28,6 +28,14 @@ Strategies (target "1" = the judged claim is correct, "2" = incorrect):
 - consistency:   the same content in C1, C2 and dehumanized-C2 framing, one target for
                  all three: teaches framing invariance (the paper's open problem).
 - afr:           answer-flip judgments from `flipguard.train.afr_pairs.afr_judgments`.
+- conversation:  only the multi-turn pairs below.
+
+Multi-turn pairs (`pairs.conversations`: AFR / stick-or-switch run directories of the
+train split; flipguard.train.conversation_pairs) are added to any strategy's rows: the
+prompt is the chat up to the push-back exactly as the evaluation sent it, the chosen reply
+holds the answer (or, after an abstention, accepts the right option) and the rejected one
+capitulates (or stays). Their targets are letters, so they are kept out of the 1/2
+balance and counted per protocol and kind in counts.json ("conversations").
 
 Prompt length (`pairs.length_policy`, Table 37 caps DPO prompts at 768 tokens): a prompt
 longer than `pairs.max_prompt_length` tokens (chat template applied, as the trainers
@@ -98,10 +106,15 @@ class PairRow:
     case: str
     mitigation: str
     flip: str | None = None
+    rejected: str | None = None  # a multi-turn pair's rejected reply (binary rows: the other label)
 
     @property
     def messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.prompt]
+
+    @property
+    def rejected_reply(self) -> str:
+        return self.rejected if self.rejected is not None else {"1": "2", "2": "1"}[self.target]
 
 
 def _row(item: Item, case: str, mitigation: str, flip: str | None = None) -> PairRow:
@@ -150,7 +163,7 @@ def load_test_items_for(items: Sequence[Item], data_root: str | None) -> list[It
 
 
 def check_binary(rows: Iterable[PairRow], source: str = "pairs") -> None:
-    bad = [r for r in rows if r.target not in TARGETS]
+    bad = [r for r in rows if r.rejected is None and r.target not in TARGETS]
     if bad:
         ex = ", ".join(f"{r.dataset}:{r.item_id} -> {r.target!r}" for r in bad[:5])
         raise PairsError(f"{source}: {len(bad)} completion(s) are not exactly '1' or '2' (refused): {ex}")
@@ -290,7 +303,13 @@ def _dedup(rows: list[PairRow]) -> tuple[list[PairRow], int, int]:
 
 
 def _balance(rows: list[PairRow], rng: random.Random) -> tuple[list[PairRow], int]:
-    """Down-sample the majority target (seeded) so '1' and '2' are equal."""
+    """Down-sample the majority target (seeded) so '1' and '2' are equal (multi-turn rows,
+    whose targets are letters, are kept as they are)."""
+    if any(r.rejected is not None for r in rows):
+        binary = [r for r in rows if r.rejected is None]
+        kept, dropped = _balance(binary, rng) if binary else ([], 0)
+        keep = {id(r) for r in kept}
+        return [r for r in rows if r.rejected is not None or id(r) in keep], dropped
     by_target = {t: [r for r in rows if r.target == t] for t in TARGETS}
     n = min(len(v) for v in by_target.values())
     kept: set[int] = set()
@@ -402,20 +421,27 @@ class PairSet:
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
         for r in self.rows:
-            c = per.setdefault(r.dataset, {"rows": 0, "target_1": 0, "target_2": 0, "flipped_rows": 0, "items": 0})
+            c = per.setdefault(r.dataset, {"rows": 0, "target_1": 0, "target_2": 0, "multi_turn_rows": 0,
+                                           "flipped_rows": 0, "items": 0})
             c["rows"] += 1
-            c[f"target_{r.target}"] += 1
             c["flipped_rows"] += int(bool(r.flip))
+            if r.rejected is not None:
+                c["multi_turn_rows"] += 1
+            elif r.target in TARGETS:
+                c[f"target_{r.target}"] += 1
         for ds in per:
             per[ds]["items"] = len({r.item_id for r in self.rows if r.dataset == ds})
-        total = {k: sum(v[k] for v in per.values()) for k in ("rows", "target_1", "target_2", "flipped_rows", "items")}
+        total = {k: sum(v[k] for v in per.values())
+                 for k in ("rows", "target_1", "target_2", "multi_turn_rows", "flipped_rows", "items")}
         flips = collections.Counter(r.flip for r in self.rows if r.flip)
+        conversations = collections.Counter(r.case for r in self.rows if r.rejected is not None)
         return {
             "strategy": self.strategy,
             "seed": self.seed,
             "per_dataset": dict(sorted(per.items())),
             "total": total,
             "flip_types": dict(sorted(flips.items())),
+            "conversations": dict(sorted(conversations.items())),
             "duplicates_dropped": self.duplicates,
             "conflicting_prompts_dropped": self.conflicts,
             "dropped_for_balance": self.dropped_for_balance,
@@ -435,10 +461,20 @@ def build_pairs(
     afr_rows: Sequence[dict] | None = None,
     test_items: Iterable[Item] | None = None,
     length: LengthPolicy | None = None,
+    conversations: Sequence[dict] | None = None,
 ) -> PairSet:
-    """Rows for one strategy; shared by the SFT and DPO formatters below."""
+    """Rows for one strategy (plus the multi-turn `conversations` rows of
+    flipguard.train.conversation_pairs); shared by the SFT and DPO formatters below."""
     refuse_test_items(items, test_items)
-    rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows)
+    if strategy == "conversation" and not conversations:
+        raise PairsError("strategy 'conversation' needs pairs.conversations (--pairs_conversations RUN_DIR ...): "
+                         "AFR / stick-or-switch run directories of the train split")
+    rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows) + [
+        PairRow(prompt=tuple((m["role"], m["content"]) for m in c["prompt"]), target=c["chosen"], rejected=c["rejected"],
+                item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=f"{c['protocol']}/{c['kind']}",
+                mitigation=c.get("mitigation") or "none")
+        for c in conversations or ()
+    ]
     check_binary(rows, f"strategy {strategy!r}")
     rows, length_info = apply_length_policy(rows, length)
     rows, dups, conflicts = _dedup(rows)
@@ -469,12 +505,11 @@ def sft_records(pairs: PairSet) -> list[dict[str, Any]]:
 
 
 def dpo_records(pairs: PairSet) -> list[dict[str, Any]]:
-    other = {"1": "2", "2": "1"}
     return [
         {
             "prompt": r.messages,
             "chosen": [{"role": "assistant", "content": r.target}],
-            "rejected": [{"role": "assistant", "content": other[r.target]}],
+            "rejected": [{"role": "assistant", "content": r.rejected_reply}],
             **_meta_columns(r),
         }
         for r in pairs.rows
@@ -543,18 +578,22 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
     from rich.table import Table
 
     table = Table(title=f"pairs: strategy={counts['strategy']} seed={counts['seed']}")
-    for col in ("dataset", "items", "rows", "target 1", "target 2", "flipped rows"):
+    keys = ("items", "rows", "target_1", "target_2", "multi_turn_rows", "flipped_rows")
+    for col in ("dataset", "items", "rows", "target 1", "target 2", "multi-turn", "flipped rows"):
         table.add_column(col, justify="left" if col == "dataset" else "right")
     for ds, c in counts["per_dataset"].items():
-        table.add_row(ds, *(str(c[k]) for k in ("items", "rows", "target_1", "target_2", "flipped_rows")))
+        table.add_row(ds, *(str(c.get(k, 0)) for k in keys))
     t = counts["total"]
-    table.add_row("total", *(str(t[k]) for k in ("items", "rows", "target_1", "target_2", "flipped_rows")), style="bold")
+    table.add_row("total", *(str(t.get(k, 0)) for k in keys), style="bold")
     console = Console(file=sys.stdout)
     console.print(table)
     console.print(
         f"dropped: {counts['duplicates_dropped']} duplicate(s), {counts['conflicting_prompts_dropped']} "
         f"conflicting prompt(s), {counts['dropped_for_balance']} for 50/50 balance"
     )
+    if counts.get("conversations"):
+        console.print("multi-turn pairs: " + ", ".join(f"{k} {v}" for k, v in counts["conversations"].items())
+                      + " (hold = keep the answer against push-back; accept = take the right option after an abstention)")
     length = counts.get("prompt_length") or {}
     if length.get("policy") in ("drop", "truncate"):
         done = (f"{length['truncated']} truncated, {length['dropped_untruncatable']} dropped (could not fit)"
@@ -625,8 +664,16 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
     flips = None
     afr_rows = None
     records_used = None
+    conversations = None
+    if args.pairs_conversations:
+        from flipguard.train.conversation_pairs import conversation_rows
+
+        conversations = [row for run_dir in args.pairs_conversations
+                         for row in conversation_rows(run_dir, args.pairs_conversation_model)]
     if args.pairs_strategy == "afr":
         afr_rows = load_afr_rows(args.pairs_afr_run)
+    elif args.pairs_strategy == "conversation":
+        pass
     else:
         from flipguard.data.unified import load_items
 
@@ -650,6 +697,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         afr_rows=afr_rows,
         test_items=test_items,
         length=length,
+        conversations=conversations,
     )
     meta = {"recipe": recipe_path, "records": records_used, "datasets": args.pairs_datasets,
             "data_root": args.pairs_data_root, "pairs_args": dataclasses.asdict(args)}

@@ -153,16 +153,24 @@ def load_pair_dataset(pairs_dir: str, kind: str):
     missing = [c for c in REQUIRED_COLUMNS[kind] if c not in dataset.column_names]
     if missing:
         raise TrainError(f"{path}: missing column(s) {missing}; expected TRL {kind} format {REQUIRED_COLUMNS[kind]}")
+    from flipguard.train.conversation_pairs import MULTI_TURN_CASES
+
     completion_cols = ("completion",) if kind == "sft" else ("chosen", "rejected")
-    for i, row in enumerate(dataset.select_columns(list(completion_cols) + [c for c in ("item_id",) if c in dataset.column_names])):
+    meta_cols = [c for c in ("item_id", "case") if c in dataset.column_names]
+    for i, row in enumerate(dataset.select_columns(list(completion_cols) + meta_cols)):
+        multi_turn = row.get("case") in MULTI_TURN_CASES  # a letter or "Answer: X" reply, not a 1/2 judgment
         for col in completion_cols:
             msgs = row[col]
-            if not (isinstance(msgs, list) and len(msgs) == 1 and msgs[0].get("role") == "assistant"
-                    and msgs[0].get("content") in ("1", "2")):
+            one = isinstance(msgs, list) and len(msgs) == 1 and msgs[0].get("role") == "assistant"
+            content = msgs[0].get("content") if one else None
+            if not (isinstance(content, str) and content.strip() if multi_turn else content in ("1", "2")):
+                want = "a non-empty reply" if multi_turn else "'1' or '2'"
                 raise TrainError(
                     f"{path}: row {i} (item {row.get('item_id', '?')}): {col} must be one assistant message "
-                    f"'1' or '2', got {msgs!r} (refused)"
+                    f"{want}, got {msgs!r} (refused)"
                 )
+        if multi_turn and kind == "dpo" and row["chosen"] == row["rejected"]:
+            raise TrainError(f"{path}: row {i} (item {row.get('item_id', '?')}): chosen equals rejected (refused)")
     if len(dataset) == 0:
         raise TrainError(f"{path}: the pair dataset is empty")
     return dataset

@@ -340,6 +340,10 @@ class SosArgs:
         default_factory=lambda: ["baseline", "positive", "negative", "flexibility"],
         metadata={"help": "Any of baseline, positive, negative, flexibility."},
     )
+    split: str | None = dataclasses.field(default=None, metadata={"help":
+            "Evaluated split (default: medqa test, medmcqa dev, mmlu test, a registered dataset test). A registered dataset's "
+            "train split is what multi-turn training pairs are built from (pairs.conversations); its exemplars then come "
+            "from the same split, never the item itself."})
     n_items: int | None = dataclasses.field(default=None, metadata={"help": "Sample this many items (seeded, without replacement); default all."})
     subjects: str | None = dataclasses.field(default=None, metadata={"help": "MMLU only: comma-separated subjects."})
     data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root (default $FLIPGUARD_DATA, else the shipped samples)."})
@@ -499,7 +503,10 @@ class SosTask(Task):
         self.models = [dataclasses.replace(r, kwargs=model_kwargs(r.backend, args.backend_args,
                                                               batch_size=args.batch_size, device=args.device))
                        for r in refs]
-        self.split, fewshot_split = DEFAULT_SPLITS.get(args.dataset, REGISTERED_SPLITS)
+        default_split, fewshot_split = DEFAULT_SPLITS.get(args.dataset, REGISTERED_SPLITS)
+        if args.split is not None and args.dataset not in DEFAULT_SPLITS and args.split not in REGISTERED_SPLITS:
+            raise UserError(f"--split {args.split!r}: a registered dataset has the splits {', '.join(REGISTERED_SPLITS)}")
+        self.split = args.split or default_split
         self.skipped: list[str] = []
         if items is None:
             mcq = load_mcq(args.dataset, self.split, args.data_root, args.skip_invalid_items, args.subjects)

@@ -1,0 +1,117 @@
+"""Multi-turn training pairs from AFR and stick-or-switch conversations (`pairs.conversations`).
+
+The single-turn `afr` strategy turns a challenge into a DDS-style judgment ("Is Speaker 2
+correct?"); nothing in it is the conversation a model capitulates in. These pairs are:
+the prompt is the chat exactly as the evaluation sent it (record.messages: the model's own
+stored turn-1 reply, then the push-back), and the completion is the reply the evaluation
+reads (the letter in logprob mode, "Answer: X" in generate mode):
+
+- hold   (an AFR challenge; a stick-or-switch turn offering a distractor, also the
+          flexibility scenario's incorrect branch): chosen = keep the answer the record
+          expects, rejected = the option argued for or offered (the capitulation);
+- accept (stick-or-switch flexibility, correct branch: the model abstained on turn 1 and
+          the right option is offered): chosen = switch to it, rejected = stay. These keep
+          a mitigation from learning "never change your mind", which the report's
+          correct-switch column (§) would show as damage.
+
+Every conversation of the run's train-split records counts, whether or not the model
+capitulated in it (held conversations are the majority of the target behaviour), so the
+pairs are the same for any model that gave the same turn-1 replies. A run of the test
+split is refused: training on the conversations the after-measurement replays would
+measure memory, not mitigation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flipguard.errors import UserError
+
+KINDS = ("hold", "accept")
+# a pair row's case: "<protocol>/<kind>" (train/utils.py accepts letter replies only on these)
+MULTI_TURN_CASES = ("afr/hold", "sos/hold", "sos/accept")
+RUN_FILE = "run.json"
+
+
+def _reply(record, letter: str) -> str:
+    """A reply in the form the evaluation reads for this record."""
+    return letter if record.mode == "logprob" else f"Answer: {letter}"
+
+
+def _run_meta(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / RUN_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{run_dir}: no {RUN_FILE}; pairs.conversations takes AFR or stick-or-switch run directories "
+                        "(flipguard afr / flipguard sos --split train)") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: unreadable ({exc})") from None
+
+
+def _afr_pair(record) -> tuple[str, str, str] | None:
+    if record.case != "challenge":
+        return None
+    x = (record.extra or {}).get("target_option")
+    if not x or x == record.expected:
+        return None
+    return "hold", record.expected, x
+
+
+def _sos_pair(record) -> tuple[str, str, str] | None:
+    extra = record.extra or {}
+    if extra.get("scenario") in (None, "baseline") or int(extra.get("turn") or 1) < 2 or not extra.get("offered"):
+        return None
+    offered = next(iter(extra["offered"]))
+    stay = extra.get("target")
+    if offered == record.expected:  # the right option offered after an abstention: switch
+        return "accept", offered, stay
+    return "hold", record.expected, offered
+
+
+PAIR_OF = {"afr": _afr_pair, "sos": _sos_pair}
+
+
+def conversation_rows(run_dir: str | Path, model: str | None = None) -> list[dict[str, Any]]:
+    """Rows {prompt, chosen, rejected, kind, item_id, dataset, protocol, case, mitigation}
+    from one AFR or stick-or-switch run directory (its train-split records of one model)."""
+    from flipguard.eval.records import load_records
+
+    run_dir = Path(run_dir)
+    meta = _run_meta(run_dir)
+    protocol = meta.get("protocol") or meta.get("task")
+    if protocol not in PAIR_OF:
+        raise UserError(f"{run_dir / RUN_FILE}: protocol {protocol!r}; pairs.conversations takes "
+                        f"{' or '.join(sorted(PAIR_OF))} runs")
+    records = [r for r in load_records(run_dir) if r.protocol == protocol]
+    tested = [r for r in records if r.split == "test"]
+    if tested:
+        raise UserError(f"{run_dir}: {len(tested)} record(s) of the test split (e.g. {tested[0].dataset}:{tested[0].item_id}); "
+                        "multi-turn pairs come from a --split train run, so the after-measurement replays no training conversation")
+    models = sorted({r.model for r in records})
+    if model is None:
+        if len(models) > 1:
+            raise UserError(f"{run_dir}: records of {len(models)} models ({', '.join(models)}); "
+                            "name one with pairs.conversation_model")
+    elif model not in models:
+        raise UserError(f"{run_dir}: no records of model {model!r} (it holds {', '.join(models) or 'none'})")
+    rows = []
+    for r in records:
+        if model is not None and r.model != model:
+            continue
+        pair = PAIR_OF[protocol](r)
+        if pair is None:
+            continue
+        kind, chosen, rejected = pair
+        if not chosen or not rejected or chosen == rejected:
+            raise UserError(f"{run_dir}: record {r.key} ({r.item_id}, {r.case}) gives no pair "
+                            f"(chosen {chosen!r}, rejected {rejected!r})")
+        rows.append({"prompt": r.messages, "chosen": _reply(r, chosen), "rejected": _reply(r, rejected), "kind": kind,
+                     "item_id": r.item_id, "dataset": r.dataset, "protocol": protocol, "case": r.case,
+                     "mitigation": r.mitigation or "none"})
+    if not rows:
+        raise UserError(f"{run_dir}: no multi-turn conversation to learn from (no AFR challenge or stick-or-switch "
+                        "turn >= 2 among its records)")
+    return rows
