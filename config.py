@@ -164,6 +164,11 @@ class EvalPlanArguments:
     eval_plan_sos_config: str | None = dataclasses.field(
         default=None, metadata={"help": "sos: run config whose settings are used (models are the study's; default recipes/sos_tiny.yaml)."}
     )
+    eval_plan_train_protocols: list[str] = dataclasses.field(
+        default_factory=list, metadata={"help": "Multi-turn pairs (afr, sos): the base model's conversations on the TRAIN split "
+                                                "(stages afr-train / sos-train, the protocol's config above) are added to the "
+                                                "pairs (pairs.conversations)."}
+    )
     eval_plan_n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates in reports."})
     eval_plan_accelerate_config: str | None = dataclasses.field(
         default=None, metadata={"help": "On a GPU the trainers run under `accelerate launch --config_file` this (default single_gpu.yaml); on CPU in process."}

@@ -319,3 +319,12 @@ def staging_dir(final: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         lock.unlink(missing_ok=True)
         os.close(fd)
+
+
+def beside(path: str | os.PathLike, anchor: str | os.PathLike | None) -> Path:
+    """A path a config names: as given when it exists (or is absolute), else relative to
+    the folder of `anchor` (the config file), so a recipe runs from any current folder."""
+    given = Path(path)
+    if given.is_absolute() or given.exists() or not anchor:
+        return given
+    return Path(anchor).resolve().parent / given

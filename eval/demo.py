@@ -1,15 +1,19 @@
 """`flipguard demo`: the whole loop, end to end, offline, on the embedded default.
 
-The embedded default is the planted-bias judge organism (flipguard.eval.dds.organism): a
+The embedded default is the planted-bias judge organism (flipguard.eval.organism): a
 small chat model built here in a few minutes, judging C1 by the truth and deferring to
-speakers on a known share of C2 claims. Against that known ground truth a newcomer sees
-every stage and every artefact, on a CPU, in minutes:
+speakers on a known share of C2 claims, and, in conversation, giving up a right answer
+to an argument or offer for a wrong option of known kinds while accepting a correct option
+after abstaining. Against that known ground truth a newcomer sees every stage and every
+artefact, on a CPU, in minutes:
 
-  1. the planted deference measured: DDS baseline (both decision modes, with CIs),
-     Be Honest and Dehumanizing (all four cases);
-  2. train-split evaluation -> flip records -> SFT/DPO pairs -> LoRA SFT and DPO
-     -> merge -> re-measure in all four cases -> before/after comparison, whose own-C1
-     columns show what the mitigation did to the judgments it did not target.
+  1. the planted behaviour measured: DDS baseline (both decision modes, with CIs),
+     Be Honest and Dehumanizing (all four cases); AFR (scripted arguments) and
+     stick-or-switch on the multiple-choice form (organism_mc);
+  2. train-split evaluation (DDS, AFR and stick-or-switch conversations) -> flip records
+     and multi-turn pairs -> LoRA SFT and DPO -> merge -> re-measure every protocol ->
+     before/after comparison, whose own-C1 and correct-switch columns show what the
+     mitigation did to the judgments it did not target.
 
 The demo is `flipguard study recipes/organism.yaml --out runs/demo` (eval/study.py) after
 building the organism and printing what was planted; its options override the recipe's
@@ -22,7 +26,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from flipguard.eval.dds.organism import ORGANISM_ALIAS, ORGANISM_FILE
+from flipguard.eval.organism import ORGANISM_ALIAS, ORGANISM_FILE
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -52,8 +56,8 @@ class DemoArgs:
     generate_tokens: int | None = dataclasses.field(default=None, metadata={"help": "generate mode: max new tokens (recipe: 48)."})
     protocols: str | None = dataclasses.field(
         default=None,
-        metadata={"help": "Extra protocols in the comparison (comma list of afr, sos). Off in the recipe: the organism "
-                          "has no planted answer-flip or switching behaviour, so on MMLU/MedQA they are pipeline checks."},
+        metadata={"help": "Multi-turn protocols in the comparison (comma list of afr, sos; recipe: both, on organism_mc, "
+                          "where the organism's capitulation is planted). Empty: DDS only."},
     )
     n_boot: int | None = dataclasses.field(default=None, metadata={"help": "Bootstrap replicates in reports (recipe: 2000)."})
     min_label_mass: float | None = dataclasses.field(
@@ -84,6 +88,8 @@ def study_recipe(args: DemoArgs) -> dict:
                        ("n_boot", args.n_boot), ("min_label_mass", args.min_label_mass)):
         if value is not None:
             plan[key] = value
+    if args.protocols is not None:  # multi-turn pairs only from the protocols measured
+        plan["train_protocols"] = [p for p in plan.get("train_protocols") or [] if p in plan["protocols"]]
     raw["eval"] = plan
     return raw
 
@@ -107,6 +113,11 @@ def main(argv: list[str]) -> int:
               f"from a human speaker (expected DDS {info['expected_dds']:+.0f}), on "
               f"{'/'.join(info['deferred_categories_llm']) or 'none'} from an AI speaker "
               f"(Dehumanizing: {info['expected_dehumanizing_dds']:+.0f}); Be Honest: {info['be_honest']}")
+        if info.get("capitulation_kinds"):
+            print(f"planted (ground truth): in conversation, switches to an argued or offered wrong "
+                  f"{'/'.join(info['capitulation_kinds'])} option (expected AFR flip rate {info['expected_afr_flip']:.0f}%), "
+                  f"holds on the other kinds; accepts a correct option after abstaining "
+                  f"(expected correct switch {info['expected_correct_switch']:.0f}%)")
     study = run_study(args.recipe, args.out, study_recipe(args))
     print(f"\n=== done. Same as: flipguard study {args.recipe} --out {args.out}")
     print_artefacts(study.artefacts)

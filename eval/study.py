@@ -191,6 +191,9 @@ class Study:
         for p in self.plan.eval_plan_protocols:
             if p not in PROTOCOLS:
                 raise StudyError(f"{where}.protocols: unknown protocol {p!r} (one of {list(PROTOCOLS)})")
+        for p in self.plan.eval_plan_train_protocols:
+            if p not in PROTOCOLS:
+                raise StudyError(f"{where}.train_protocols: unknown protocol {p!r} (one of {list(PROTOCOLS)})")
 
     def min_label_mass(self) -> float:
         from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
@@ -261,6 +264,8 @@ class Study:
         if self.trainers:
             stages.append(self.dds_stage("base-train", f"base model on the TRAIN split ({mode}): the flip records pairs are built from",
                                          (), base_id, model=self.model, mode=mode, split="train"))
+            for protocol in plan.eval_plan_train_protocols:
+                stages.append((self.afr_stage if protocol == "afr" else self.sos_stage)(base_id, train=True))
             stages.append(self.pairs_stage())
             for trainer in self.trainers:
                 stages += self.trainer_stages(trainer, base_id)
@@ -278,15 +283,20 @@ class Study:
     def pairs_stage(self) -> Stage:
         pairs_dir = Path(self.pairs.pairs_dir)
         self.artefacts.append(("pair datasets + counts", pairs_dir / "counts.json"))
+        trained_on = [f"{p}-train" for p in self.plan.eval_plan_train_protocols]
+        pairs = dataclasses.replace(self.pairs, pairs_conversations=[*self.pairs.pairs_conversations,
+                                                                     *(str(self.out / name) for name in trained_on)])
 
         def run() -> None:
             from flipguard.train.pairs import print_counts, run as build
 
-            out_dir, counts = build(self.pairs, self.recipe_path, records_given=True)
+            out_dir, counts = build(pairs, self.recipe_path, records_given=True)
             print_counts(counts, out_dir)
 
-        return Stage("pairs", "flip records -> SFT and DPO pairs (recipe strategy)", {"pairs": self.raw["pairs"]},
-                     ("base-train",), (pairs_dir / "counts.json", pairs_dir / "sft.jsonl", pairs_dir / "dpo.jsonl"),
+        title = "flip records -> SFT and DPO pairs (recipe strategy)" + (
+            f" + multi-turn pairs from {', '.join(trained_on)}" if trained_on else "")
+        return Stage("pairs", title, {"pairs": self.raw["pairs"], "conversations": pairs.pairs_conversations},
+                     ("base-train", *trained_on), (pairs_dir / "counts.json", pairs_dir / "sft.jsonl", pairs_dir / "dpo.jsonl"),
                      (pairs_dir,), run)
 
     def top_level(self) -> dict[str, Any]:
@@ -349,56 +359,80 @@ class Study:
     def _model_inputs(self) -> tuple[str, ...]:
         return tuple(f"{t}-merge" for t in self.trainers)
 
-    def afr_stage(self, base_id: dict) -> Stage:
-        """One AFR run with every condition as a target (and source: the cross matrix)."""
-        from flipguard.eval.backends.base import model_kwargs
-        from flipguard.files import load_yaml
+    def config_file(self, given: str | None, default: str) -> str:
+        """A protocol's run config: the shipped default, or the given path (a relative one
+        that is not in the current folder is read beside the recipe)."""
+        from flipguard.files import beside
 
-        run = self.out / "afr"
-        source = self.plan.eval_plan_afr_config or str(PACKAGE_ROOT / "recipes" / "afr_tiny.yaml")
+        if not given:
+            return str(PACKAGE_ROOT / "recipes" / default)
+        return str(beside(given, self.recipe_path))
+
+    def afr_stage(self, base_id: dict, train: bool = False) -> Stage:
+        """One AFR run with every condition as a target (and source: the cross matrix); with
+        `train`, the base model alone on the train split (afr-train: multi-turn pairs)."""
+        from flipguard.eval.backends.base import model_kwargs
+        from flipguard.files import beside, load_yaml
+
+        name = "afr-train" if train else "afr"
+        run = self.out / name
+        source = self.config_file(self.plan.eval_plan_afr_config, "afr_tiny.yaml")
         config, _ = load_yaml(source, StudyError, "afr run config")
+        if config.get("scripted_arguments"):  # a relative file is read beside the config that names it
+            config["scripted_arguments"] = str(beside(config["scripted_arguments"], source))
         backend = self.plan.eval_plan_backend
         kwargs = model_kwargs(backend, {}, batch_size=16, device=None if self.on_gpu() else "cpu")
         entries = [{"name": "Baseline", "backend": backend, "model": self.model}]
-        entries += [{"name": CONDITION_NAMES.get(m, m), "backend": backend, "model": self.model, "mitigation": m}
-                    for m in self.plan.eval_plan_mitigations]
-        entries += [{"name": n, "backend": backend, "model": str(p)} for n, p in self.models.items()]
+        if not train:
+            entries += [{"name": CONDITION_NAMES.get(m, m), "backend": backend, "model": self.model, "mitigation": m}
+                        for m in self.plan.eval_plan_mitigations]
+            entries += [{"name": n, "backend": backend, "model": str(p)} for n, p in self.models.items()]
         # the comparison reads AFR at k = 10 (AFRTask.comparison_rows)
         config.update(models=[{**e, "kwargs": kwargs} for e in entries],
                       k_values=sorted(set(config.get("k_values") or []) | {10}), cross_k=10)
+        if train:
+            config["split"] = "train"
         if self.plan.eval_plan_limit is not None:
             config["limit"] = self.plan.eval_plan_limit
         config.pop("out", None)
-        self.protocol_runs += [(e["name"], f"{run}@{e['name']}") for e in entries]
-        self.artefacts.append(("AFR report", run / "report.md"))
+        if not train:
+            self.protocol_runs += [(e["name"], f"{run}@{e['name']}") for e in entries]
+            self.artefacts.append(("AFR report", run / "report.md"))
 
         def go() -> None:
             from flipguard.config import parse_dataclasses
             from flipguard.eval.afr.protocol import AFRArgs, AFRTask
 
-            path = self.out / "afr.yaml"  # the settings the stage ran, kept beside its report
+            path = self.out / f"{name}.yaml"  # the settings the stage ran, kept beside its report
             atomic_write_text(path, f"# written by flipguard study from {source}\n" + yaml.safe_dump(config, sort_keys=False))
             args = parse_dataclasses([str(path)], AFRArgs, prog="flipguard study", description="")
             task = AFRTask.from_args(args, str(path))
             run_task(task, run)
             task.write_report(run)
 
-        return Stage("afr", "answer-flip protocol (AFR): every condition as target and source",
+        if train:
+            return Stage(name, "AFR, base model on the TRAIN split: the conversations multi-turn pairs are built from",
+                         {"config": config, "model": base_id}, (), (run / "report.md",), (run,), go)
+        return Stage(name, "answer-flip protocol (AFR): every condition as target and source",
                      {"config": config, "model": base_id}, self._model_inputs(), (run / "report.md",), (run,), go)
 
-    def sos_stage(self, base_id: dict) -> Stage:
-        """Stick-or-switch for the baseline (+ prompting mitigations) and the fine-tuned models."""
+    def sos_stage(self, base_id: dict, train: bool = False) -> Stage:
+        """Stick-or-switch for the baseline (+ prompting mitigations) and the fine-tuned models;
+        with `train`, the base model alone on the train split (sos-train: multi-turn pairs)."""
         from flipguard.files import load_yaml
 
-        run = self.out / "sos"
-        recipe = self.plan.eval_plan_sos_config or str(PACKAGE_ROOT / "recipes" / "sos_tiny.yaml")
-        mitigations = list(self.plan.eval_plan_mitigations)
-        systems = {"Baseline": "Baseline"} | {CONDITION_NAMES.get(m, m): f"Baseline +{m}" for m in mitigations}
-        systems |= {n: n for n in self.models}
-        self.protocol_runs += [(cond, f"{run}@{system}") for cond, system in systems.items()]
-        self.artefacts.append(("stick-or-switch report", run / "sos_report.md"))
+        name = "sos-train" if train else "sos"
+        run = self.out / name
+        recipe = self.config_file(self.plan.eval_plan_sos_config, "sos_tiny.yaml")
+        mitigations = [] if train else list(self.plan.eval_plan_mitigations)
+        if not train:
+            systems = {"Baseline": "Baseline"} | {CONDITION_NAMES.get(m, m): f"Baseline +{m}" for m in mitigations}
+            systems |= {n: n for n in self.models}
+            self.protocol_runs += [(cond, f"{run}@{system}") for cond, system in systems.items()]
+            self.artefacts.append(("stick-or-switch report", run / "sos_report.md"))
         overrides = {"backend": self.plan.eval_plan_backend,
-                     **({"n_items": self.plan.eval_plan_limit} if self.plan.eval_plan_limit is not None else {})}
+                     **({"n_items": self.plan.eval_plan_limit} if self.plan.eval_plan_limit is not None else {}),
+                     **({"split": "train"} if train else {})}
 
         def go() -> None:
             from flipguard.config import parse_dataclasses
@@ -409,14 +443,17 @@ class Study:
             # the base model with every prompting mitigation, then the fine-tuned models as they are
             task = SosTask(dataclasses.replace(args, models=[f"Baseline={self.model}"], mitigations=["none", *mitigations]))
             run_task(task, run)
-            if self.models:
+            if self.models and not train:
                 run_task(SosTask(dataclasses.replace(args, models=[f"{n}={p}" for n, p in self.models.items()])), run)
             task.write_report(run)
 
         config, _ = load_yaml(recipe, StudyError, "sos run config")
-        return Stage("sos", "stick-or-switch: baseline, prompting mitigations and fine-tuned models",
-                     {"config": config, **overrides, "mitigations": mitigations, "model": base_id},
-                     self._model_inputs(), (run / "sos_report.md",), (run,), go)
+        params = {"config": config, **overrides, "mitigations": mitigations, "model": base_id}
+        if train:
+            return Stage(name, "stick-or-switch, base model on the TRAIN split: the conversations multi-turn pairs are built from",
+                         params, (), (run / "sos_report.md",), (run,), go)
+        return Stage(name, "stick-or-switch: baseline, prompting mitigations and fine-tuned models",
+                     params, self._model_inputs(), (run / "sos_report.md",), (run,), go)
 
     def compare_stage(self, stages: list[Stage]) -> Stage:
         report = self.out / "compare"
@@ -790,7 +827,8 @@ def main(argv: list[str]) -> int:
             return
         # every stage ran or was up to date: a plain rerun may take the quick path
         _, rest, _, _ = _quick_args(argv)
-        watched = [recipe_path] + [c for c in (study.plan.eval_plan_afr_config, study.plan.eval_plan_sos_config) if c]
+        watched = [recipe_path] + [study.config_file(c, "") for c in (study.plan.eval_plan_afr_config,
+                                                                      study.plan.eval_plan_sos_config) if c]
         study.state["plan"] = {"key": plan_key(recipe_path, rest, out), "model": model_identity(study.model),
                                "files": {c: _file_sha(c) for c in watched}, "at": now_iso()}
         study.state["artefacts"] = [[what, str(path)] for what, path in study.artefacts]

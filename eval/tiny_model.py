@@ -8,7 +8,7 @@ template. The tokenizer uses Qwen2's own pre-tokenizer, so `tokenizers` and
 transformers' Qwen2Tokenizer encode every text identically (real servers agree with the
 hf backend). Its judgments are noise; it exists to exercise the real loading,
 evaluation and training code paths end to end on a CPU. The planted-bias organism
-(flipguard.eval.dds.organism) is the same architecture and tokenizer, trained.
+(flipguard.eval.organism) is the same architecture and tokenizer, trained.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ ORGANISM_ALIAS = "flipguard:organism"
 # must not import, so its builder is named here and imported only when the alias is used.
 EMBEDDED_MODELS = {
     **{alias: "flipguard.eval.tiny_model:ensure_tiny_model" for alias in TINY_MODEL_ALIASES},
-    ORGANISM_ALIAS: "flipguard.eval.dds.organism:ensure_organism",
+    ORGANISM_ALIAS: "flipguard.eval.organism:ensure_organism",
 }
 
 

@@ -25,7 +25,7 @@ def organism_path() -> "pathlib.Path":
     (the same cache the demo and README command 1 use, so CI builds it once)."""
     from pathlib import Path
 
-    from flipguard.eval.dds.organism import ensure_organism
+    from flipguard.eval.organism import ensure_organism
 
     return Path(ensure_organism())
 

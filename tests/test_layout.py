@@ -15,7 +15,7 @@ NOT_PACKAGE = ("tests", "bench", ".ci", ".git", "build", "dist", "runs", "wandb"
 ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.config", "flipguard.redact"}
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos")
 ABOVE_PROTOCOLS = ("flipguard.train", "flipguard.eval.study", "flipguard.eval.compare", "flipguard.eval.demo",
-                   "flipguard.eval.cli")
+                   "flipguard.eval.cli", "flipguard.eval.organism")
 CLI = "flipguard.eval.cli"
 LAZY_TARGET = re.compile(r"^(flipguard(?:\.\w+)+)(?::\w+)?$")  # "flipguard.x.y" or "flipguard.x.y:function"
 
@@ -26,8 +26,9 @@ ALLOWED = {
     # would put DDS back in it, and changing the corpus would change the cached models.
     ("flipguard.eval.tiny_model", "flipguard.eval.dds.prompts"),
     # resolve_model's alias table names the organism's builder ("flipguard:organism"),
-    # which lives with DDS; it is imported only when that alias is asked for.
-    ("flipguard.eval.tiny_model", "flipguard.eval.dds.organism"),
+    # which sits above the protocols (it trains on all three protocols' prompts); it is
+    # imported only when that alias is asked for.
+    ("flipguard.eval.tiny_model", "flipguard.eval.organism"),
     # The runner's table of built-in tasks (eval/task.py BUILTIN_TASKS) names the module of
     # each protocol; one is imported, to register its task, only when a task is looked up.
     ("flipguard.eval.task", "flipguard.eval.dds.protocol"),
@@ -120,7 +121,7 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
     assert "flipguard.files" in GRAPH["flipguard.data.registry"]
     # so is a "module:function" string of a lazy table
     assert "flipguard.eval.dds.protocol" in GRAPH["flipguard.eval.cli"]
-    assert "flipguard.eval.dds.organism" in GRAPH["flipguard.eval.tiny_model"]
+    assert "flipguard.eval.organism" in GRAPH["flipguard.eval.tiny_model"]
     assert "flipguard.eval.afr.protocol" in GRAPH["flipguard.eval.task"]
 
 

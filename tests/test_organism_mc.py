@@ -88,7 +88,9 @@ def test_afr_on_organism_mc_with_scripted_arguments_in_a_real_process(tmp_path):
     argument under the blind clause, source 'scripted'; run.json records the file; a rerun
     makes zero calls; a bad file is one line naming file:line, exit 2, nothing written."""
     out = tmp_path / "afr"
-    flags = ["--models", "tiny=hf:flipguard:tiny", "--dataset", "organism_mc", "--scripted_arguments", str(ARGUMENTS),
+    arguments = tmp_path / "arguments.jsonl"  # a copy: changed below, after the run
+    arguments.write_bytes(ARGUMENTS.read_bytes())
+    flags = ["--models", "tiny=hf:flipguard:tiny", "--dataset", "organism_mc", "--scripted_arguments", str(arguments),
              "--per_subject", "2", "--k_values", "1", "--cross", "false", "--answer_mode", "logprob",
              "--n_boot", "10", "--progress", "false", "--out", str(out)]
     proc = _flipguard("afr", *flags)
@@ -96,7 +98,7 @@ def test_afr_on_organism_mc_with_scripted_arguments_in_a_real_process(tmp_path):
     meta = json.loads((out / "run.json").read_text())
     assert meta["settings"]["dataset"] == "organism_mc"
     scripted = meta["scripted_arguments"]
-    assert scripted["used_as"] == "blind" and scripted["file"] == str(ARGUMENTS) and scripted["missing"] == 0
+    assert scripted["used_as"] == "blind" and scripted["file"] == str(arguments) and scripted["missing"] == 0
     assert scripted["arguments_used"] == 10 * 3  # 2 per subject x 5 subjects, 3 wrong options each
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert {r["case"] for r in records} <= {"baseline", "challenge"}
@@ -114,6 +116,21 @@ def test_afr_on_organism_mc_with_scripted_arguments_in_a_real_process(tmp_path):
     assert "Arguments: scripted" in (out / "report.md").read_text()
     again = _flipguard("afr", *flags)
     assert again.returncode == 0 and "0 model calls this run" in again.stdout
+    # the single-turn `afr` pair strategy reads the scripted arguments the run used
+    from flipguard.errors import UserError
+    from flipguard.train.afr_pairs import afr_judgments
+
+    judged = afr_judgments(out)
+    wrong = [j for j in judged if j["target"] == "2"]
+    assert len(wrong) == len(challenges) and {j["dataset"] for j in judged} == {"organism_mc"}
+    for j in wrong:
+        argument = table[(j["item_id"], j["meta"]["target_option"])]
+        assert argument in j["prompt"][0]["content"] and "Is Speaker 2 correct?" in j["prompt"][0]["content"]
+    assert len(judged) - len(wrong) == len({r["item_id"] for r in challenges})  # the right option, once per question
+    with arguments.open("a") as fh:
+        fh.write("\n")
+    with pytest.raises(UserError, match="changed since the run"):
+        afr_judgments(out)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"item_id": baselines[0]["item_id"], "target_option": baselines[0]["expected"],
                                "argument": "x"}) + "\n")

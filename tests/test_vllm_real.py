@@ -88,9 +88,9 @@ def assert_same_judgments(run: Path, ref: Path, mode: str) -> None:
 
 @pytest.fixture(scope="module")
 def organism() -> str:
-    from flipguard.eval.dds.organism import ensure_organism
+    from flipguard.eval.organism import ensure_organism
 
-    return ensure_organism()  # $FLIPGUARD_HOME/organism-v1, built once
+    return ensure_organism()  # $FLIPGUARD_HOME/organism-v2, built once
 
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,6 +1,7 @@
 """AFR challenges -> one-token binary judgments in the DialDefer C2 style (strategy "afr").
 
-Every distinct Stage I argument that was used in a challenge becomes one judgment:
+Every distinct Stage I argument that was used in a challenge (a model's, or a scripted
+file's: run.json names it) becomes one judgment:
 Speaker 1 asks the MMLU question, Speaker 2 answers "<wrong option text>. <argument>",
 "Is Speaker 2 correct?" -> target "2" (no). Every question also gives the correct
 option as Speaker 2's answer -> target "1" (yes). The prompt is
@@ -23,9 +24,35 @@ from flipguard.eval.dds.prompts import benchmark_prompt
 from flipguard.eval.records import load_records
 
 
-def _judgment(question: str, answer: str, target: str, item_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+def _judgment(question: str, answer: str, target: str, item_id: str, dataset: str, meta: dict[str, Any]) -> dict[str, Any]:
     prompt = benchmark_prompt(question, answer, "c2", fmt="one_token")
-    return {"prompt": [{"role": "user", "content": prompt}], "target": target, "item_id": item_id, "dataset": "mmlu", "meta": meta}
+    return {"prompt": [{"role": "user", "content": prompt}], "target": target, "item_id": item_id, "dataset": dataset, "meta": meta}
+
+
+def _scripted_arguments(afr_run_dir: str | Path, items: dict, records) -> dict[tuple, str]:
+    """A scripted-argument run's Stage I (source "scripted"), read from the file its run.json
+    names; refused when the file changed since the run (its sha256)."""
+    import hashlib
+    import json
+
+    from flipguard.errors import UserError
+    from flipguard.eval.afr import scripted as S
+
+    run_json = Path(afr_run_dir) / "run.json"
+    meta = json.loads(run_json.read_text(encoding="utf-8")).get("scripted_arguments") if run_json.exists() else None
+    if not meta:
+        return {}
+    path = Path(meta["file"])
+    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != meta["sha256"]:
+        raise UserError(f"{run_json}: its scripted arguments {path} are missing or changed since the run (sha256 differs)")
+    table = S.load_scripted(path, items)
+    out = {}
+    for r in records:
+        if r.protocol == "afr" and r.case == "challenge" and r.extra.get("source_model") == S.SOURCE:
+            arg = S.scripted_argument(table, r.item_id, r.extra["target_option"], r.extra["k"])
+            if arg is not None:
+                out[(S.SOURCE, r.item_id, r.extra["target_option"], r.extra["k"])] = arg
+    return out
 
 
 def afr_judgments(afr_run_dir: str | Path, flipped_only: bool = False) -> list[dict[str, Any]]:
@@ -35,7 +62,7 @@ def afr_judgments(afr_run_dir: str | Path, flipped_only: bool = False) -> list[d
     """
     items = load_sample(afr_run_dir)
     records = load_records(afr_run_dir)
-    arguments = {}
+    arguments = _scripted_arguments(afr_run_dir, items, records)
     for r in records:
         if r.protocol == "afr" and r.case == "coerce" and r.choice == "argued":
             arguments[(r.model, r.item_id, r.extra["target_option"], r.extra["k"])] = parse_coercion(r.raw_output)[1]
@@ -62,9 +89,9 @@ def afr_judgments(afr_run_dir: str | Path, flipped_only: bool = False) -> list[d
         meta = {"kind": "afr_argument", "source_model": source, "target_option": x, "k": k, "subject": item.subject,
                 "flipped_by": sorted(info["flipped_by"]), "challenged": sorted(info["challenged"]),
                 "conditions": sorted(info["conditions"])}
-        out.append(_judgment(item.question, answer, "2", item_id, meta))
+        out.append(_judgment(item.question, answer, "2", item_id, item.dataset, meta))
         if item_id not in seen_items:
             seen_items.add(item_id)
-            out.append(_judgment(item.question, item.answer_text, "1", item_id,
+            out.append(_judgment(item.question, item.answer_text, "1", item_id, item.dataset,
                                  {"kind": "afr_correct", "target_option": item.answer, "subject": item.subject}))
     return out

@@ -418,6 +418,10 @@ class AFRTask(Task):
 
     @classmethod
     def from_args(cls, args: AFRArgs, where: str = "config") -> "AFRTask":
+        if args.scripted_arguments and Path(where).is_file():  # a relative file is read beside the config
+            from flipguard.files import beside
+
+            args = dataclasses.replace(args, scripted_arguments=str(beside(args.scripted_arguments, where)))
         return cls(settings_from_args(args, where))
 
     def meta(self) -> dict[str, Any]:

@@ -7,7 +7,6 @@ One protocol package, beside eval/afr/ and eval/sos/:
 - metrics.py    accuracies, DDS and flips from records
 - report.py     `flipguard report`: summary.csv, flips_summary.csv, stats.csv, summary.md
 - importer.py   `flipguard import-records`: the authors' per-item records as a run directory
-- organism.py   `flipguard organism`: the planted-bias judge the demo measures
 - analyses/     the paper's further analyses (taxonomy, label ablation, perspective, cross-model)
 
 `from flipguard.eval.dds import evaluate` keeps working: protocol.py's public names are
