@@ -159,8 +159,13 @@ def write(rows: list[dict], timings: list[dict], out: Path, args) -> None:
         return "–" if v is None or pd.isna(v) else (f"{v:+.1f}" if sign else f"{v:.1f}")
 
     lines = [f"# The organism's planted capitulation, before and after the loop ({len(args.seeds)} seeds)", "",
-             f"Measured with `python bench/organism_multiturn.py --seeds {' '.join(map(str, args.seeds))}` on {machine} "
-             "(a shared machine: times are in the .json and are not benchmarks). Each seed is a separately built "
+             f"Measured with `python bench/organism_multiturn.py --seeds {' '.join(map(str, args.seeds))}"
+             + (f" --threads {args.threads}" if args.threads else "") + f"` on {machine} "
+             "(a shared machine: times are in the .json and are not benchmarks). "
+             + (f"Organisms were built with `--threads {args.threads}`, the seeds as parallel processes; the same seeds built "
+                "with 2 threads measured other baselines (bench/organism_multiturn_sft60.md), so the organism "
+                "`flipguard demo` builds (2 threads) is not taken to be any of these. " if args.threads else "")
+             + "Each seed is a separately built "
              "organism (`flipguard organism --seed S`): capitulation planted on two of the five kinds of wrong option "
              "(P(switch) = 1 when an option of those kinds is argued for: expected AFR flip rate 40% over all "
              "challenges), a correct option accepted after abstaining (expected correct switch 100%). "
