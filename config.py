@@ -74,6 +74,12 @@ class PairsArguments:
     pairs_flip_weight: int = dataclasses.field(
         default=3, metadata={"help": "flip_weighted: each flipped item's rows appear this many times (>= 1)."}
     )
+    pairs_accept_weight: int = dataclasses.field(
+        default=1,
+        metadata={"help": "Multi-turn pairs: each accept pair (the right option taken after an abstention) appears this "
+                          "many times (>= 1). A stick-or-switch run yields several hold pairs per accept pair, and a model "
+                          "trained mostly on holds can learn never to change its mind."},
+    )
     pairs_balance: bool = dataclasses.field(
         default=True, metadata={"help": "Down-sample the majority target so '1' and '2' are 50/50."}
     )

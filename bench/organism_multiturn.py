@@ -45,6 +45,7 @@ def variant_recipe(variant: str, folder: Path) -> Path:
         return RECIPE
     raw = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
     raw["eval"]["train_protocols"] = []
+    raw["pairs"].pop("accept_weight", None)  # weighs multi-turn pairs only: these variants have none
     if variant == "afr-single-turn":  # the shipped study's train-split AFR run (same organism)
         raw["pairs"].update(strategy="afr", afr_run=str(folder / "shipped" / "afr-train"))
     for key in ("afr_config", "sos_config"):  # the copy lives elsewhere: absolute config paths
@@ -110,6 +111,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench-multiturn"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "organism_multiturn"))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                        help="Which pair variants to run (afr-single-turn reads the shipped study's afr-train run).")
     parser.add_argument("--threads", type=int, default=None,
                         help="Threads per organism build and study (default: 2 for the build, the study's own for studies). "
                              "Organisms and finished study stages are reused, "
@@ -127,7 +130,7 @@ def main() -> int:
         run(flipguard + ["organism", "--seed", str(seed), "--path", str(organism), "--threads", str(args.threads or 2)], log)
         info = json.loads((organism / "organism.json").read_text(encoding="utf-8"))
         timings.append({"seed": seed, "organism_build_s": info["build_seconds"]})
-        for variant in VARIANTS:
+        for variant in args.variants:
             study = folder / variant
             run(flipguard + ["study", str(variant_recipe(variant, folder)), "--out", str(study), "--model", str(organism)]
                 + (["--threads", str(args.threads)] if args.threads else []), log)

@@ -142,6 +142,13 @@ def test_sos_turns_become_hold_and_accept_pairs(tmp_path):
     # (both open on {NA, d1} and offer d2): one row each after dedup
     distinct = {json.dumps(row["prompt"]) for row in rows}
     assert counts["total"]["multi_turn_rows"] == len(distinct) < len(rows) and counts["total"]["target_1"] == counts["total"]["target_2"] == 10
+    # accept_weight repeats each accept pair (flexibility) after dedup and balance, and nothing else
+    weighted = P.build_pairs(items, "all", conversations=rows, seed=0, accept_weight=3).counts()
+    once = counts["conversations"]
+    assert once["sos/accept"] > 0 and weighted["conversations"] == {**once, "sos/accept": 3 * once["sos/accept"]}
+    assert weighted["accept_weight"] == 3 and weighted["total"]["target_1"] == weighted["total"]["target_2"] == 10
+    with pytest.raises(P.PairsError, match="accept_weight must be an integer >= 1"):
+        P.build_pairs(items, "all", conversations=rows, seed=0, accept_weight=0)
 
 
 def test_refusals_name_the_run(tmp_path):

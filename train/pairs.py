@@ -35,7 +35,8 @@ train split; flipguard.train.conversation_pairs) are added to any strategy's row
 prompt is the chat up to the push-back exactly as the evaluation sent it, the chosen reply
 holds the answer (or, after an abstention, accepts the right option) and the rejected one
 capitulates (or stays). Their targets are letters, so they are kept out of the 1/2
-balance and counted per protocol and kind in counts.json ("conversations").
+balance and counted per protocol and kind in counts.json ("conversations", repeats included);
+`pairs.accept_weight` repeats each accept pair, since a run yields several holds per accept.
 
 Prompt length (`pairs.length_policy`, Table 37 caps DPO prompts at 768 tokens): a prompt
 longer than `pairs.max_prompt_length` tokens (chat template applied, as the trainers
@@ -417,6 +418,7 @@ class PairSet:
     conflicts: int = 0
     dropped_for_balance: int = 0
     length: dict[str, Any] = dataclasses.field(default_factory=dict)
+    accept_weight: int = 1
 
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
@@ -442,6 +444,7 @@ class PairSet:
             "total": total,
             "flip_types": dict(sorted(flips.items())),
             "conversations": dict(sorted(conversations.items())),
+            "accept_weight": self.accept_weight,
             "duplicates_dropped": self.duplicates,
             "conflicting_prompts_dropped": self.conflicts,
             "dropped_for_balance": self.dropped_for_balance,
@@ -462,6 +465,7 @@ def build_pairs(
     test_items: Iterable[Item] | None = None,
     length: LengthPolicy | None = None,
     conversations: Sequence[dict] | None = None,
+    accept_weight: int = 1,
 ) -> PairSet:
     """Rows for one strategy (plus the multi-turn `conversations` rows of
     flipguard.train.conversation_pairs); shared by the SFT and DPO formatters below."""
@@ -484,13 +488,16 @@ def build_pairs(
         rows, dropped = _balance(rows, rng)
     if strategy == "flip_weighted":
         rows = [r for r in rows for _ in range(int(flip_weight) if r.flip else 1)]
+    if int(accept_weight) < 1:
+        raise PairsError(f"accept_weight must be an integer >= 1, got {accept_weight!r}")
+    rows = [r for r in rows for _ in range(int(accept_weight) if r.case.endswith("/accept") else 1)]
     rng.shuffle(rows)
     if not rows:
         raise PairsError(
             f"strategy {strategy!r} produced no pairs from {len(items)} item(s)"
             + (" (the base model flipped on none of them)" if strategy == "flips" else "")
         )
-    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info)
+    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight))
 
 
 def _meta_columns(r: PairRow) -> dict[str, Any]:
@@ -593,7 +600,9 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
     )
     if counts.get("conversations"):
         console.print("multi-turn pairs: " + ", ".join(f"{k} {v}" for k, v in counts["conversations"].items())
-                      + " (hold = keep the answer against push-back; accept = take the right option after an abstention)")
+                      + " (hold = keep the answer against push-back; accept = take the right option after an abstention"
+                      + (f"; each accept pair {counts['accept_weight']} times" if counts.get("accept_weight", 1) > 1 else "")
+                      + ")")
     length = counts.get("prompt_length") or {}
     if length.get("policy") in ("drop", "truncate"):
         done = (f"{length['truncated']} truncated, {length['dropped_untruncatable']} dropped (could not fit)"
@@ -693,6 +702,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         seed=args.pairs_seed,
         balance=args.pairs_balance,
         flip_weight=args.pairs_flip_weight,
+        accept_weight=args.pairs_accept_weight,
         framings=args.pairs_framings,
         afr_rows=afr_rows,
         test_items=test_items,
