@@ -32,7 +32,6 @@ def _judgment(question: str, answer: str, target: str, item_id: str, dataset: st
 def _scripted_arguments(afr_run_dir: str | Path, items: dict, records) -> dict[tuple, str]:
     """A scripted-argument run's Stage I (source "scripted"), read from the file its run.json
     names; refused when the file changed since the run (its sha256)."""
-    import hashlib
     import json
 
     from flipguard.errors import UserError
@@ -43,7 +42,7 @@ def _scripted_arguments(afr_run_dir: str | Path, items: dict, records) -> dict[t
     if not meta:
         return {}
     path = Path(meta["file"])
-    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != meta["sha256"]:
+    if not path.is_file() or S.file_sha256(path) != meta["sha256"]:
         raise UserError(f"{run_json}: its scripted arguments {path} are missing or changed since the run (sha256 differs)")
     table = S.load_scripted(path, items)
     out = {}

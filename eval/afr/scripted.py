@@ -63,9 +63,14 @@ def scripted_argument(table: dict[tuple[str, str, int | None], str], item_id: st
     return table.get((item_id, letter, k), table.get((item_id, letter, None)))
 
 
+def file_sha256(path: str | Path) -> str:
+    """The hash run.json records for a scripted-argument file (and readers check against)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def describe(path: str | Path, table: dict, items: list[MCQItem], ks: list[int]) -> dict[str, Any]:
     """run.json's record of the source: the file, its hash, what it covered."""
     wanted = [(it.id, x, k) for it in items for x in it.wrong_letters for k in ks]
     covered = sum(scripted_argument(table, i, x, k) is not None for i, x, k in wanted)
-    return {"file": str(Path(path).resolve()), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+    return {"file": str(Path(path).resolve()), "sha256": file_sha256(path),
             "arguments_used": covered, "missing": len(wanted) - covered}
