@@ -121,6 +121,47 @@ def test_dpo_cli_moves_margin_and_writes_wandb_offline_run(tiny_model_path, ones
     assert b"pairs_fingerprint" in blob and b"recipes/tiny.yaml" in blob and b"git_commit" in blob
 
 
+def test_fused_lm_head_on_labelled_positions_equals_trls_every_position_path(tiny_model_path, monkeypatch):
+    """score_labelled_positions_only: TRL's fused head gets only the labelled rows on CPU and
+    returns the log-probs, entropy, top-1 flags and gradients of TRL's own every-position path."""
+    import trl.kernels
+    import trl.trainer.utils as trl_utils
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(trl_utils, "_use_triton", trl_utils._use_triton)  # restored after the test
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    ids = torch.randint(10, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[0, 30:32], labels[1, 39], labels[2, 5:9] = ids[0, 30:32], ids[1, 39], ids[2, 5:9]
+    rows = []  # the rows the head projects, call by call
+
+    class Recorded:
+        @staticmethod
+        def apply(hidden, *args):
+            rows.append(len(hidden))
+            return trl.kernels.ChunkedLogProbFunction.apply(hidden, *args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Recorded)
+
+    def run():
+        model.zero_grad()
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        out.loss.backward()
+        return out, model.model.layers[0].mlp.down_proj.weight.grad.clone()
+
+    every, every_grad = run()
+    assert utils.score_labelled_positions_only() == "labelled positions only"
+    assert utils.score_labelled_positions_only() == "labelled positions only"  # twice: patched once
+    compact, compact_grad = run()
+    assert rows == [3 * 39, 7]  # every shifted position, then the 7 labelled ones
+    for field in ("log_probs", "entropy"):
+        torch.testing.assert_close(getattr(compact, field), getattr(every, field), rtol=1e-5, atol=1e-5)
+    assert torch.equal(compact.is_top1, every.is_top1)
+    torch.testing.assert_close(compact.loss, every.loss)
+    torch.testing.assert_close(compact_grad, every_grad, rtol=1e-4, atol=1e-6)
+
+
 def test_pairs_that_would_be_truncated_are_refused(tiny_model_path, pairs_dir):
     tok = utils.load_tokenizer(tiny_model_path)
     ds = utils.load_pair_dataset(str(pairs_dir), "dpo")

@@ -39,7 +39,7 @@ def main(argv: list[str], prog: str = "train/dpo.py") -> int:
 
     config = utils.run_config(
         recipe_path, recipe, (pairs_args, training_args, model_args, tracking_args), dataset,
-        {"trainer": "dpo", "base_model": model_path},
+        {"trainer": "dpo", "base_model": model_path, "lm_head_scores": utils.score_labelled_positions_only()},
     )
     run = utils.init_tracking(training_args, tracking_args, config, "dpo")
 
