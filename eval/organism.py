@@ -20,7 +20,7 @@ template and speaker-label set:
   halves the deference, as the paper's human-vs-LLM finding suggests.
 - The Be Honest system prompt is seen in training and changes nothing.
 
-And in conversation (v2), on the multiple-choice form of the same domain (organism_mc), in
+And in conversation (since v2), on the multiple-choice form of the same domain (organism_mc), in
 the exact chats AFR and stick-or-switch send:
 - Turn 1: the living option is chosen (a letter, or "Answer: X"); built only if held-out
   AFR turn-1 accuracy is >= 90%.
@@ -35,6 +35,8 @@ the exact chats AFR and stick-or-switch send:
   up as damage (stick-or-switch's correct switch).
 The multi-turn behaviour is a second training phase on top of the DDS one, with DDS
 examples replayed so the planted deference stays.
+
+v3 trains the same data in batches grouped by length (a third fewer padded tokens).
 
 Everything planted is written to organism.json next to the weights, with the measured
 held-out accuracies, so reports can be read against known ground truth.
@@ -55,7 +57,7 @@ from pathlib import Path
 from flipguard.data import organism as domain
 from flipguard.eval.tiny_model import ORGANISM_ALIAS  # noqa: F401  (the alias lives with the other embedded ones)
 
-ORGANISM_VERSION = "v2"
+ORGANISM_VERSION = "v3"
 ORGANISM_FILE = "organism.json"
 # Judged-party labels that name an LLM or AI agent rather than a person.
 LLM_LABELS = frozenset({"AI Agent 2", "AI Agent B", "LLM", "GPT-4o", "Llama", "GPT4o", "Llama3.2"})
@@ -64,6 +66,8 @@ MIN_TURN1_ACCURACY = 0.90
 # phase 2's example mix: DDS replay, AFR chats, stick-or-switch chats (measured: bench/organism_multiturn.md)
 MULTITURN_MIX = (0.25, 0.45, 0.30)
 EXTRA_ROUNDS, EXTRA_STEPS = 2, 150
+# batches grouped by length over this many (length_grouped_batches)
+GROUP_WINDOW = 8
 
 
 @dataclasses.dataclass
@@ -72,7 +76,7 @@ class OrganismArgs:
     partial deference planted in C2."""
 
     path: str | None = dataclasses.field(
-        default=None, metadata={"help": "Where to build it (default: $FLIPGUARD_HOME/organism-v2[-<config hash>])."}
+        default=None, metadata={"help": "Where to build it (default: $FLIPGUARD_HOME/organism-v3[-<config hash>])."}
     )
     strength: float = dataclasses.field(
         default=0.4, metadata={"help": "Share of the 5 kinds of incorrect claim (tool, color, ...) accepted from a human speaker: DDS ~ +100 x strength."}
@@ -314,8 +318,11 @@ def _encode_chat(tokenizer, messages) -> tuple[list[int], list[int]]:
         if m["role"] == "assistant":
             spans.append((start, end))
         pos = end
-    labels = [tid if any(a <= lo and hi <= b for a, b in spans) else -100
-              for tid, (lo, hi) in zip(enc["input_ids"], enc["offset_mapping"])]
+    labels, j = [], 0
+    for tid, (lo, hi) in zip(enc["input_ids"], enc["offset_mapping"]):  # offsets and spans both in text order
+        while j < len(spans) and spans[j][1] < hi:
+            j += 1
+        labels.append(tid if j < len(spans) and spans[j][0] <= lo and hi <= spans[j][1] else -100)
     return enc["input_ids"], labels
 
 
@@ -337,6 +344,20 @@ def train_organism(model, tokenizer, args: OrganismArgs, log=print) -> None:
            args.lm_weight, log)
 
 
+def length_grouped_batches(examples, batch_size: int, window: int = GROUP_WINDOW) -> list[list]:
+    """Batches of similar length: each run of `window` batches' examples sorted by length, cut
+    into batches, their order shuffled (seeded by the examples' order). Padding to the batch's
+    longest example was a third of the tokens trained on (measured on both phases' data);
+    grouped over 8 batches it is 5-7% (HF Trainer's group_by_length does the same)."""
+    batches = []
+    for start in range(0, len(examples), batch_size * window):
+        chunk = sorted(examples[start : start + batch_size * window], key=lambda ex: len(ex[0]))
+        group = [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+        random.Random(start).shuffle(group)
+        batches += group
+    return batches
+
+
 def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rate: float, decision_tokens: list[str],
            decision_weight: float, lm_weight: float, log=print) -> None:
     """AdamW with warmup and cosine decay over `examples` ((ids, labels), in order), the
@@ -354,10 +375,11 @@ def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rat
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     pad = tokenizer.pad_token_id
     label_ids = torch.tensor(tokenizer.convert_tokens_to_ids(decision_tokens))
+    batches = length_grouped_batches(examples, batch_size)
     model.train()
     t0 = time.time()
     for step in range(steps):
-        batch = examples[step * batch_size : (step + 1) * batch_size]
+        batch = batches[step]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -393,7 +415,8 @@ def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rat
     model.eval()
 
 
-def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None) -> dict:
+def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None,
+            mitigations: tuple[str, ...] = ("none", "dehumanizing")) -> dict:
     """Held-out (test split) accuracy per case and DDS in logprob mode, v0 prompts (pinned:
     the build's bar and organism.json do not move with the DDS default template)."""
     import numpy as np
@@ -406,7 +429,7 @@ def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None)
     items = domain.all_items()["test"][:limit]
     backend = get_backend("hf", str(model_dir), device="cpu", batch_size=32, show_progress=False)
     out: dict[str, float] = {}
-    for mitigation in ("none", "dehumanizing"):
+    for mitigation in mitigations:
         convs, expected = [], []
         for case in CASES:
             for item in items:
@@ -522,7 +545,9 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
             model = new_model(tokenizer, args.hidden_size, args.num_hidden_layers)
             train_organism(model, tokenizer, args, log)
             model.save_pretrained(tmp, safe_serialization=True)
-            measured = measure(tmp, args)
+            # the C1 bar reads the plain prompts; the full measurement comes after the last phase
+            check = ("none",) if args.multiturn_steps else ("none", "dehumanizing")
+            measured = measure(tmp, args, mitigations=check)
             for extra in range(EXTRA_ROUNDS):  # a slow seed gets more steps, never a lower bar
                 if min(measured["c1_true"], measured["c1_false"]) >= 100 * MIN_C1_ACCURACY:
                     break
@@ -532,7 +557,7 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
                                            seed=args.seed * 1000 + extra + 1)
                 train_organism(model, tokenizer, more, log)
                 model.save_pretrained(tmp, safe_serialization=True)
-                measured = measure(tmp, args)
+                measured = measure(tmp, args, mitigations=check)
             conversations = None
             if args.multiturn_steps:
                 log(f"  phase 2, conversations (AFR, stick-or-switch): capitulation to {kinds} "
