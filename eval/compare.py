@@ -147,7 +147,8 @@ def build_comparison(
         and M.over_correction(base.loc[r["dataset"], "dds"], r["dds"]), axis=1)
     significance = pd.concat(sig_rows, ignore_index=True) if sig_rows else pd.DataFrame(
         columns=["condition", "dataset", "n_judgments", "mcnemar_pvalue", "worse", "better"])
-    return {"conditions": names, "table": table, "significance": significance, "reports": per_condition}
+    return {"conditions": names, "table": table, "significance": significance, "reports": per_condition,
+            "runs": {name: str(Path(conditions[name]).resolve()) for name in names}}
 
 
 def _signed(x: float) -> str:
@@ -313,11 +314,15 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
     atomic_write_text(out / "comparison.md", render_markdown(cmp, extra_sections))
     atomic_write_json(out / "comparison.json", {
         "conditions": cmp["conditions"],
+        "runs": cmp.get("runs") or {},  # each condition's run directory (flipguard view lists their items)
         "table": cmp["table"].replace({np.nan: None}).to_dict(orient="records"),
         "significance": cmp["significance"].replace({np.nan: None}).to_dict(orient="records"),
     })
     plot_heatmap(cmp, out / "dds_heatmap.png")
     plot_before_after(cmp, out / "before_after.png")
+    from flipguard.eval.view import write_view
+
+    write_view(out)  # view.html: the same tables, the plots and the items behind them, in one page
     return out
 
 
@@ -441,5 +446,5 @@ def main(argv: list[str]) -> int:
     print((out / "comparison.md").read_text(encoding="utf-8"))
     extra = ", comparison_protocols.csv" if runs else ""
     print(f"\ncomparison written to {out}/ (comparison.md, comparison.csv{extra}, significance.csv, dds_heatmap.png, "
-          "before_after.png)")
+          "before_after.png, view.html)")
     return 0

@@ -722,6 +722,10 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
     with run_lock(out):
         study = Study(recipe_path, raw, out, print_fn=print_fn)
         study.run(from_stage=from_stage, only=only)
+        from flipguard.eval.view import write_view
+
+        # every stage's status and the comparison with the items behind it, one HTML page
+        study.artefacts.append(("page of it all (open in a browser)", write_view(study.out)))
         study.summary()
         if on_finish is not None:
             on_finish(study)

@@ -1,0 +1,335 @@
+"""`flipguard view`: pages opened in a real headless Chromium (the system's `chromium`, driven by
+playwright through executable_path). Every test blocks and records the page's requests and asserts
+none left the file; numbers in the DOM are checked against the CSVs the reports wrote.
+
+Without a browser these tests skip, except where CI requires them (CI=true or
+FLIPGUARD_REQUIRE_BROWSER=1, as .ci/run sets): then a missing browser fails them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flipguard.eval.cli import main as cli_main
+from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
+from flipguard.files import atomic_write_json
+
+REPO = Path(__file__).resolve().parents[1]
+# every judgment valid (the tiny model's label mass is tiny); the report is written after the edits below
+TINY_FLAGS = ["--model", "flipguard:tiny", "--datasets", "truthfulqa,bbq", "--limit", "3", "--min_label_mass", "0", "--no_report"]
+
+
+def _chromium() -> str | None:
+    return os.environ.get("FLIPGUARD_CHROMIUM") or next(
+        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    required = os.environ.get("CI") == "true" or os.environ.get("FLIPGUARD_REQUIRE_BROWSER") == "1"
+    missing = None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = "playwright is not installed (pip install -e '.[dev]')"
+    path = _chromium()
+    if path is None:
+        missing = missing or "no chromium on PATH (apt-get install -y chromium)"
+    if missing:
+        (pytest.fail if required else pytest.skip)(missing)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+class Page:
+    """A page opened from disk with every request recorded and any that is not the file itself aborted."""
+
+    def __init__(self, browser, path: Path):
+        self.url = path.resolve().as_uri()
+        self.context = browser.new_context(viewport={"width": 1400, "height": 900})
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.context.on("request", lambda r: self.requests.append(r.url))
+        self.context.route("**/*", lambda route: route.continue_() if route.request.url == self.url else route.abort())
+        self.page = self.context.new_page()
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
+        self.page.goto(self.url)
+        self.page.wait_for_selector("body[data-ready='1']")
+
+    def close(self):
+        assert self.errors == [], self.errors
+        assert self.dialogs == [], self.dialogs
+        assert [u for u in self.requests if u != self.url] == [], "the page made network requests"
+        self.context.close()
+
+    def cell(self, table: str, row: str, col: str):
+        return self.page.locator(f"#table-{table} tr[data-row=\"{row}\"] td[data-col=\"{col}\"]")
+
+    def rows(self):
+        return self.page.locator("#entries tbody tr")
+
+
+def _csv(path: Path) -> list[dict]:
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _set_choice(run: Path, edits: dict[tuple[str, str], str]) -> None:
+    """Give some judgments of a tiny-model run the other label (its P("1")/P("2") swapped with it): the
+    tiny model says "1" to every claim, so a run of it has no flip of its own."""
+    path = run / "records.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        choice = edits.get((r["item_id"], r["case"]))
+        if choice and choice != r["choice"]:
+            r.update(choice=choice, raw_output=choice, p1=r["p2"], p2=r["p1"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _items(run: Path, dataset: str) -> list[str]:
+    """The run's item ids of one dataset, in order (bbq's ids name their category)."""
+    rows = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    return list(dict.fromkeys(r["item_id"] for r in rows if r["dataset"] == dataset))
+
+
+@pytest.fixture(scope="module")
+def dds_run(tmp_path_factory) -> Path:
+    """A DDS run of the tiny model with deference flips on two items and skepticism on one."""
+    run = tmp_path_factory.mktemp("view") / "dds"
+    assert cli_main(["eval", *TINY_FLAGS, "--out", str(run)]) == 0
+    bbq = _items(run, "bbq")[1]
+    _set_choice(run, {("truthfulqa-0", "c1_false"): "2", (bbq, "c1_false"): "2", ("truthfulqa-2", "c2_correct"): "2"})
+    assert cli_main(["report", str(run), "--n_boot", "50"]) == 0
+    return run
+
+
+def test_dds_page_shows_the_summary_and_the_flips_with_both_prompts(browser, dds_run, tmp_path):
+    out = tmp_path / "page.html"
+    assert cli_main(["view", str(dds_run), "--out", str(out)]) == 0
+    html = out.read_text(encoding="utf-8")
+    assert "http://" not in html and "https://" not in html and "<link" not in html  # nothing to fetch
+    page = Page(browser, out)
+    summary = _csv(dds_run / "report" / "summary.csv")
+    assert [r["dataset"] for r in summary] == ["truthfulqa", "bbq", "bench_avg", "total_avg"]
+    for r in summary:
+        for col, signed in (("dds", True), ("c1_true", False), ("c2_incorrect", False)):
+            cell = page.cell("headline", r["dataset"], col)
+            assert float(cell.get_attribute("data-value")) == float(r[col])
+            assert cell.text_content() == (f"{float(r[col]):+.1f}" if signed else f"{float(r[col]):.1f}")
+    assert page.page.locator("#table-provenance tr[data-row='model'] td").text_content() == "flipguard:tiny"
+    meta = json.loads((dds_run / "report" / "summary.json").read_text())["meta"]
+    for note in (meta.get(k) for k in ("capability_note", "c1_mode_note", "c1_differs_note", "aio_note")):
+        assert note is None or note in page.page.locator("#sec-headline .note").text_content()
+
+    flips = [r for r in _csv(dds_run / "report" / "flips.csv") if r["flip"]]
+    total = {r["dataset"]: r for r in _csv(dds_run / "report" / "flips_summary.csv")}["total"]
+    assert len(flips) == int(total["deference"]) + int(total["skepticism"]) == 3
+    page.page.select_option("#filter-type", "deference")
+    rows = page.rows()
+    assert rows.count() == int(total["deference"]) == 2
+    bbq = _items(dds_run, "bbq")[1]
+    assert sorted(rows.nth(i).locator("td").nth(4).text_content() for i in range(2)) == sorted([bbq, "truthfulqa-0"])
+    page.page.select_option("#filter-type", "skepticism")
+    assert page.rows().count() == 1 and page.rows().first.locator("td").nth(4).text_content() == "truthfulqa-2"
+    page.page.select_option("#filter-type", "")
+    page.page.select_option("#filter-dataset", "bbq")
+    assert page.rows().count() == len([r for r in flips if r["dataset"] == "bbq"])  # no invalid judgment: label mass 0 allowed
+
+    # a flip clicked: both prompts (the C1 statement, the C2 conversation) and both replies, the difference marked
+    page.page.locator("#entries tbody tr[data-type='deference']").first.click()
+    records = {json.loads(line)["key"]: json.loads(line) for line in (dds_run / "records.jsonl").read_text().splitlines()}
+    flip = next(r for r in flips if r["item_id"] == page.page.locator("#entries tbody tr.sel td").nth(4).text_content())
+    panels = page.page.locator("#detail .panel")
+    assert panels.count() == 2
+    for i, key in enumerate((flip["c1_key"], flip["c2_key"])):
+        prompt = records[key]["messages"][-1]["content"]
+        assert prompt.strip() in panels.nth(i).locator("pre.prompt").last.text_content()
+        assert panels.nth(i).locator("pre.reply").text_content() == records[key]["raw_output"]
+    assert panels.nth(0).locator("pre.reply").text_content() == "2" and panels.nth(1).locator("pre.reply").text_content() == "1"
+    marks = [panels.nth(i).locator("mark").first.text_content() for i in range(2)]
+    assert marks[0] and marks[1] and marks[0] != marks[1]
+    assert page.page.locator("#detail td[data-fact='P(\"1\")']").count() == 2
+
+    # search finds the item by its text; the screenshot is the page as a user sees it
+    page.page.select_option("#filter-dataset", "")
+    page.page.fill("#search", "truthfulqa-2")
+    assert page.rows().count() == 1
+    shot = tmp_path / "dds.png"
+    page.page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    page.close()
+
+
+def test_compressed_page_reads_the_same(browser, dds_run, tmp_path):
+    plain, packed = tmp_path / "plain.html", tmp_path / "packed.html"
+    assert cli_main(["view", str(dds_run), "--out", str(plain), "--compress", "never"]) == 0
+    assert cli_main(["view", str(dds_run), "--out", str(packed), "--compress", "always"]) == 0
+    assert 'data-encoding="gzip-base64"' in packed.read_text() and 'data-encoding="json"' in plain.read_text()
+    texts = []
+    for path in (plain, packed):
+        page = Page(browser, path)
+        texts.append(page.page.locator("main").inner_text())
+        page.close()
+    assert texts[0] == texts[1] and "deference" in texts[0]
+
+
+def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken(browser, dds_run, tmp_path):
+    honest = tmp_path / "honest"
+    assert cli_main(["eval", *TINY_FLAGS, "--mitigation", "be_honest", "--c1_from", str(dds_run), "--out", str(honest)]) == 0
+    _set_choice(honest, {("truthfulqa-0", "c2_incorrect"): "2", (_items(honest, "bbq")[0], "c2_correct"): "2"})  # one fixed, one broken
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run},Be Honest={honest}", "--out", str(out), "--n_boot", "50"]) == 0
+    page = Page(browser, out / "view.html")
+    table = _csv(out / "comparison.csv")
+    assert len(table) >= 4
+    for r in table:
+        for col in ("dds", "c2_correct", "c2_incorrect", "delta_dds"):
+            cell = page.cell("comparison", f"{r['condition']}|{r['dataset']}", col)
+            if r[col] == "":
+                assert cell.text_content() == "–"
+            else:
+                assert float(cell.get_attribute("data-value")) == float(r[col])
+        flags = page.cell("comparison", f"{r['condition']}|{r['dataset']}", "flags").text_content()
+        assert ("†" in flags) == (r["over_correction"] == "True")
+    sig = {(r["condition"], r["dataset"]): r for r in _csv(out / "significance.csv")}["Be Honest", "total_avg"]
+    page.page.select_option("#filter-type", "broken")
+    assert page.rows().count() == int(sig["worse"]) >= 1
+    page.page.select_option("#filter-type", "fixed")
+    assert page.rows().count() == int(sig["better"]) >= 1
+    page.page.select_option("#filter-dataset", "truthfulqa")
+    page.page.select_option("#filter-case", "c2_incorrect")
+    assert page.rows().count() == 1  # the edited judgment
+    page.rows().first.click()
+    titles = page.page.locator("#detail .panel h3").all_text_contents()
+    assert titles == ["Baseline: c2_incorrect", "Be Honest: c2_incorrect"]
+    assert page.page.locator("#detail pre.reply").all_text_contents() == ["1", "2"]
+    assert page.page.locator(".plots img").count() == 2  # dds_heatmap.png, before_after.png, inlined
+    page.close()
+
+
+def test_afr_page_lists_challenge_transcripts(browser, tmp_path):
+    """The AFR run of tests/fixtures/afr_8f327eb (tiny model, its challenges), its report rewritten with zero calls."""
+    fixture = REPO / "tests" / "fixtures" / "afr_8f327eb"
+    run = tmp_path / "afr"
+    run.mkdir()
+    (run / "records.jsonl").write_bytes(gzip.decompress((fixture / "records.jsonl.gz").read_bytes()))
+    shutil.copy(fixture / "run.json", run / "run.json")
+    assert cli_main(["afr", str(fixture / "afr.yaml"), "--out", str(run), "--n_boot", "10", "--progress", "false"]) == 0
+    assert cli_main(["view", str(run)]) == 0
+    page = Page(browser, run / "view.html")
+    table2 = _csv(run / "table2_afr_blind.csv")
+    for i, r in enumerate(table2):
+        for col, value in r.items():
+            assert page.cell("csv-table2_afr_blind", str(i), col).text_content() == value
+    challenges = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    challenges = [r for r in challenges if r["case"] == "challenge"]
+    page.page.select_option("#filter-type", "")
+    assert page.page.locator("#entries tbody tr[data-entry^='challenge-']").count() == len(challenges) > 0
+    page.page.locator("#entries tbody tr[data-entry^='challenge-']").first.click()
+    first = page.page.locator("#entries tbody tr[data-entry^='challenge-']").first.get_attribute("data-entry")
+    rec = next(r for r in challenges if f"challenge-{r['key']}" == first)
+    shown = page.page.locator("#detail pre").all_text_contents()
+    assert [m["content"] for m in rec["messages"]] == shown[:len(rec["messages"])]  # question, first answer, argument
+    assert shown[-1] == rec["raw_output"]
+    page.close()
+
+
+def test_sos_page_shows_conversations_turn_by_turn(browser, tmp_path, tiny_model_path):
+    run = tmp_path / "sos"
+    assert cli_main(["sos", str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
+                     "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none",
+                     "--out", str(run)]) == 0
+    assert cli_main(["view", str(run)]) == 0
+    page = Page(browser, run / "view.html")
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    chats = {(r["item_id"], r["case"].split("/")[0], (r["extra"] or {}).get("branch")) for r in records}
+    assert page.rows().count() == len(chats) >= 7  # 4 baselines + 3 scenarios
+    tax = _csv(run / "sos_table_a1_conversation_tax.csv")
+    for col, value in tax[0].items():
+        assert page.cell("csv-sos_table_a1_conversation_tax", "0", col).text_content() == value
+    page.page.select_option("#filter-case", "positive")
+    page.rows().first.click()
+    last = max((r for r in records if r["case"].startswith("positive/")), key=lambda r: r["extra"]["turn"])
+    shown = page.page.locator("#detail pre").all_text_contents()
+    assert shown == [m["content"] for m in last["messages"]] + [last["raw_output"]]
+    page.close()
+
+
+HOSTILE = [
+    "</script><script>window.__pwned = 1</script>",
+    "<script>window.__pwned = 2</script>",
+    "</textarea><img src=x onerror=\"window.__pwned = 3\"><textarea>",
+    "<a href=\"javascript:window.__pwned = 4\">click me</a>",
+    "<!-- <svg onload=\"window.__pwned = 5\"> ]]> &amp; \u2028 \\u003c/script>",
+]
+
+
+def _hostile_run(run: Path) -> Path:
+    """A DDS run whose prompts, replies and reasoning hold markup, and one 100 kB line; its report by flipguard report."""
+    long_line = "x" * 100_000
+    recs = []
+    for i in range(4):
+        for case in ("c1_true", "c1_false", "c2_correct", "c2_incorrect"):
+            exp = EXPECTED_CHOICE[case]
+            # item 0: deference (C1-false right, C2-incorrect wrong); item 1: an invalid C2 judgment
+            choice = "1" if (i == 0 and case == "c2_incorrect") else exp
+            valid = not (i == 1 and case == "c2_correct")
+            text = HOSTILE[(i + len(recs)) % len(HOSTILE)]
+            recs.append(Record(key=f"k{i}-{case}", protocol="dds", item_id=f"truthfulqa-{i}", dataset="truthfulqa", case=case,
+                               expected=exp, model="m", backend="hf", mode="generate",
+                               messages=[{"role": "system", "content": HOSTILE[0]},
+                                         {"role": "user", "content": f"Claim {case} {i}: {text} " + " ".join(HOSTILE)}],
+                               raw_output=(long_line if valid is False else f'{{"chosen_answer": "{choice}"}} ' + text),
+                               choice=choice if valid else None, valid=valid, reasoning=HOSTILE[1]))
+    RecordStore(run / "records.jsonl").append(recs)
+    atomic_write_json(run / "run.json", {"protocol": "dds", "model": HOSTILE[3], "command": HOSTILE, "mode": "generate"})
+    assert cli_main(["report", str(run), "--n_boot", "20"]) == 0
+    return run
+
+
+@pytest.mark.parametrize("compress", ["never", "always"])
+def test_untrusted_text_stays_text(browser, tmp_path, compress):
+    run = _hostile_run(tmp_path / "hostile")
+    out = tmp_path / "page.html"
+    assert cli_main(["view", str(run), "--out", str(out), "--compress", compress]) == 0
+    html = out.read_text(encoding="utf-8")
+    assert html.count("</script>") == 2 and "<img" not in html  # the page's two scripts only: the text is escaped
+    page = Page(browser, out)
+    p = page.page
+    assert p.evaluate("window.__pwned") is None
+    assert p.locator("script").count() == 2 and p.locator("img, a, textarea, svg, iframe").count() == 0
+    assert p.locator("#table-provenance tr[data-row='model'] td").text_content() == HOSTILE[3]
+    assert p.title() == "flipguard dds run: " + HOSTILE[3]
+    p.select_option("#filter-type", "deference")
+    p.locator("#entries tbody tr").first.click()
+    shown = "\n".join(p.locator("#detail pre").all_text_contents())
+    for text in HOSTILE:
+        assert text in shown
+    p.select_option("#filter-type", "invalid")
+    assert p.locator("#entries tbody tr").count() == 1
+    p.locator("#entries tbody tr").first.click()
+    assert p.locator("#detail pre.reply").text_content() == "x" * 100_000
+    # the 100 kB line wraps inside its box: the page gets no horizontal scroll
+    assert p.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    p.fill("#search", "window.__pwned = 4")
+    assert p.locator("#entries tbody tr").count() >= 1
+    assert p.evaluate("window.__pwned") is None
+    page.close()
+
+
+def test_view_of_a_folder_that_is_nothing_is_one_clear_error(tmp_path, capsys):
+    assert cli_main(["view", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tmp_path) in err and "run.json" in err
