@@ -47,6 +47,8 @@ td.num{text-align:right;white-space:nowrap}
 .flag{color:#b3261e;font-weight:600}
 .plots img{max-width:100%;border:1px solid #e6e9ed;margin:4px 8px 4px 0}
 .plots figure{display:inline-block;margin:0 12px 8px 0;vertical-align:top}
+.list{max-height:42vh;overflow:auto;border:1px solid #e6e9ed}
+.list thead th{position:sticky;top:0}
 .controls{display:flex;flex-wrap:wrap;gap:8px;align-items:center;margin-bottom:8px}
 .controls label{font-size:13px;color:#55606d}
 .controls input{width:240px}
@@ -115,22 +117,48 @@ JS = r"""
     return s;
   }
 
-  // the differing middle of two texts (common word prefix and suffix kept plain): linear, any length
-  function diffRange(a, b) {
+  // what differs between two texts, word by word: [[text, marked], ...] per side. A common prefix and
+  // suffix are kept plain; the middle is aligned by longest common subsequence when it is small enough
+  // (MAX_CELLS), else marked whole, so any length stays fast.
+  var MAX_CELLS = 3000000;
+  function push(out, text, marked) {
+    if (!text) return;
+    var last = out[out.length - 1];
+    if (last && last[1] === marked) last[0] += text; else out.push([text, marked]);
+  }
+  function diffParts(a, b) {
     var ta = a.split(/(\s+)/), tb = b.split(/(\s+)/);
     var p = 0;
     while (p < ta.length && p < tb.length && ta[p] === tb[p]) p++;
     var s = 0;
     while (s < ta.length - p && s < tb.length - p && ta[ta.length - 1 - s] === tb[tb.length - 1 - s]) s++;
-    return [[ta.slice(0, p).join(""), ta.slice(p, ta.length - s).join(""), ta.slice(ta.length - s).join("")],
-            [tb.slice(0, p).join(""), tb.slice(p, tb.length - s).join(""), tb.slice(tb.length - s).join("")]];
+    var ma = ta.slice(p, ta.length - s), mb = tb.slice(p, tb.length - s);
+    var oa = [], ob = [];
+    push(oa, ta.slice(0, p).join(""), false); push(ob, tb.slice(0, p).join(""), false);
+    var n = ma.length, m = mb.length;
+    if ((n + 1) * (m + 1) > MAX_CELLS) {
+      push(oa, ma.join(""), true); push(ob, mb.join(""), true);
+    } else {
+      var w = m + 1, dp = new Uint32Array((n + 1) * w);
+      for (var i = n - 1; i >= 0; i--)
+        for (var j = m - 1; j >= 0; j--)
+          dp[i * w + j] = ma[i] === mb[j] ? dp[(i + 1) * w + j + 1] + 1 : Math.max(dp[(i + 1) * w + j], dp[i * w + j + 1]);
+      var x = 0, y = 0;
+      while (x < n && y < m) {
+        if (ma[x] === mb[y]) { push(oa, ma[x++], false); push(ob, mb[y++], false); }
+        else if (dp[(x + 1) * w + y] >= dp[x * w + y + 1]) push(oa, ma[x++], !/^\s+$/.test(ma[x - 1]));
+        else push(ob, mb[y++], !/^\s+$/.test(mb[y - 1]));
+      }
+      while (x < n) push(oa, ma[x++], true);
+      while (y < m) push(ob, mb[y++], true);
+    }
+    push(oa, ta.slice(ta.length - s).join(""), false); push(ob, tb.slice(tb.length - s).join(""), false);
+    return [oa, ob];
   }
   function preWith(parts, cls) {
     var pre = el("pre", cls ? {"class": cls} : null);
     if (typeof parts === "string") { pre.textContent = parts; return pre; }
-    pre.appendChild(document.createTextNode(parts[0]));
-    if (parts[1]) pre.appendChild(el("mark", null, parts[1]));
-    pre.appendChild(document.createTextNode(parts[2]));
+    parts.forEach(function (part) { pre.appendChild(part[1] ? el("mark", null, part[0]) : document.createTextNode(part[0])); });
     return pre;
   }
   function lastUser(panel) {
@@ -145,7 +173,7 @@ JS = r"""
     var marks = null;
     if (entry.diff && entry.panels.length === 2) {
       var i0 = lastUser(entry.panels[0]), i1 = lastUser(entry.panels[1]);
-      if (i0 >= 0 && i1 >= 0) marks = [i0, i1, diffRange(entry.panels[0].messages[i0][1], entry.panels[1].messages[i1][1])];
+      if (i0 >= 0 && i1 >= 0) marks = [i0, i1, diffParts(entry.panels[0].messages[i0][1], entry.panels[1].messages[i1][1])];
     }
     entry.panels.forEach(function (p, pi) {
       var d = el("div", {"class": "panel", "data-panel": String(pi)});
@@ -201,7 +229,7 @@ JS = r"""
     ["type", "dataset", "case", "condition", "item", "summary"].forEach(function (h) { head.appendChild(el("th", null, h)); });
     var thead = el("thead"); thead.appendChild(head); t.appendChild(thead);
     var tbody = el("tbody"); t.appendChild(tbody);
-    var wrap = el("div", {"class": "scroll"}); wrap.appendChild(t); s.appendChild(wrap);
+    var wrap = el("div", {"class": "list"}); wrap.appendChild(t); s.appendChild(wrap);
     var pager = el("div", {"class": "pager"});
     var prev = el("button", {id: "prev", type: "button"}, "< previous"), next = el("button", {id: "next", type: "button"}, "next >");
     var pageInfo = el("span", {id: "page"});
@@ -240,7 +268,7 @@ JS = r"""
         [e.dataset, e.case, e.condition, e.item, e.summary].forEach(function (v) { r.appendChild(el("td", null, v)); });
         r.addEventListener("click", function () {
           var old = tbody.querySelector("tr.sel"); if (old) old.className = "";
-          r.className = "sel"; renderDetail(detail, e);
+          r.className = "sel"; renderDetail(detail, e); detail.scrollIntoView({block: "nearest"});
         });
         tbody.appendChild(r);
       });
@@ -286,6 +314,7 @@ JS = r"""
     }
     if (data.entries) main.appendChild(entriesSection(data));
     document.body.appendChild(main);
+    if (window.performance && performance.mark) performance.mark("fg-ready");
     document.body.setAttribute("data-ready", "1");
   }
   function fail(err) {

@@ -199,6 +199,8 @@ def dds_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict
         entries.append({"id": f"flip-{row['c2_key']}", "type": kind, "dataset": row["dataset"], "case": row["c2_case"],
                         "condition": condition, "item": row["item_id"], "summary": summary, "diff": True,
                         "panels": [record_panel(f"C1: {row['c1_case']}", c1), record_panel(f"C2: {row['c2_case']}", c2)]})
+    rank = {"deference": 0, "skepticism": 1}
+    entries.sort(key=lambda e: rank.get(e["type"], 2))  # the paper's flips first, then other changes
     entries += invalid_entries(records, condition)
     return {"tables": tables, "plots": plots(run_dir / "report"), "entries": entries,
             "entries_title": "Flips and invalid judgments",
