@@ -219,6 +219,28 @@ def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken
     page.close()
 
 
+def test_study_page_lists_every_stage_with_its_status(browser, dds_run, tmp_path):
+    """A study folder (study.json as flipguard study writes it, one stage still running) and its compare/."""
+    from flipguard.eval.study import STUDY_FILE, STUDY_FORMAT
+
+    study = tmp_path / "study"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run}", "--out", str(study / "compare"), "--n_boot", "20"]) == 0
+    stages = {"baseline": {"status": "done", "seconds": 12.5, "last_action": "run"},
+              "compare": {"status": "done", "seconds": 3.25, "last_action": "redo"},
+              "sft": {"status": "running"}}
+    atomic_write_json(study / STUDY_FILE, {"format": STUDY_FORMAT, "model": "flipguard:tiny", "recipe": "recipes/tiny.yaml",
+                                           "order": ["baseline", "sft", "compare", "dpo"], "stages": stages})
+    assert cli_main(["view", str(study)]) == 0
+    page = Page(browser, study / "view.html")
+    for name in ("baseline", "sft", "compare", "dpo"):
+        assert page.cell("stages", name, "status").text_content() == stages.get(name, {}).get("status", "not run")
+    assert float(page.cell("stages", "compare", "seconds").get_attribute("data-value")) == 3.25
+    rows = _csv(study / "compare" / "comparison.csv")
+    cell = page.cell("comparison", f"Baseline|{rows[-1]['dataset']}", "dds")
+    assert float(cell.get_attribute("data-value")) == float(rows[-1]["dds"])
+    page.close()
+
+
 def test_afr_page_lists_challenge_transcripts(browser, tmp_path):
     """The AFR run of tests/fixtures/afr_8f327eb (tiny model, its challenges), its report rewritten with zero calls."""
     fixture = REPO / "tests" / "fixtures" / "afr_8f327eb"
