@@ -301,9 +301,9 @@ def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
 
 
 def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: list[str] = (),
-                     protocols: pd.DataFrame | None = None) -> Path:
-    """comparison.md/csv/json, significance.csv and the plots; with protocol rows (protocol_rows)
-    also comparison_protocols.csv and a section per protocol."""
+                     protocols: pd.DataFrame | None = None, protocol_runs: Sequence[tuple[str, str]] = ()) -> Path:
+    """comparison.md/csv/json, significance.csv, the plots and view.html; with protocol rows
+    (protocol_rows of `protocol_runs`) also comparison_protocols.csv and a section per protocol."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if protocols is not None and not protocols.empty:
@@ -314,7 +314,10 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
     atomic_write_text(out / "comparison.md", render_markdown(cmp, extra_sections))
     atomic_write_json(out / "comparison.json", {
         "conditions": cmp["conditions"],
-        "runs": cmp.get("runs") or {},  # each condition's run directory (flipguard view lists their items)
+        # each condition's run directory and the other protocols' runs: flipguard view lists their items
+        "runs": cmp.get("runs") or {},
+        "protocol_runs": [[name, str(Path(run_dir).resolve()) + (f"@{system}" if system else "")]
+                          for name, spec in protocol_runs for run_dir, system in [split_system(spec)]],
         "table": cmp["table"].replace({np.nan: None}).to_dict(orient="records"),
         "significance": cmp["significance"].replace({np.nan: None}).to_dict(orient="records"),
     })
@@ -442,7 +445,7 @@ def main(argv: list[str]) -> int:
     cmp = build_comparison(parse_conditions(args.runs), c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
     runs = [pair for flag, spec in (("--protocols", args.protocols), ("--afr", args.afr), ("--sos", args.sos)) if spec
             for pair in parse_conditions(spec, flag).items()]
-    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs))
+    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs)
     print((out / "comparison.md").read_text(encoding="utf-8"))
     extra = ", comparison_protocols.csv" if runs else ""
     print(f"\ncomparison written to {out}/ (comparison.md, comparison.csv{extra}, significance.csv, dds_heatmap.png, "

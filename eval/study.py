@@ -468,7 +468,7 @@ class Study:
             from flipguard.eval.compare import build_comparison, protocol_rows, write_comparison
 
             cmp = build_comparison({n: str(p) for n, p in self.conditions.items()}, n_boot=self.plan.eval_plan_n_boot, seed=0)
-            write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs))
+            write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs), protocol_runs=self.protocol_runs)
 
         return Stage("compare", "before/after comparison report",
                      {"conditions": {n: str(p) for n, p in self.conditions.items()}, "n_boot": self.plan.eval_plan_n_boot},

@@ -241,14 +241,30 @@ def test_study_page_lists_every_stage_with_its_status(browser, dds_run, tmp_path
     page.close()
 
 
-def test_afr_page_lists_challenge_transcripts(browser, tmp_path):
-    """The AFR run of tests/fixtures/afr_8f327eb (tiny model, its challenges), its report rewritten with zero calls."""
+@pytest.fixture(scope="module")
+def afr_run(tmp_path_factory) -> Path:
+    """The AFR run of tests/fixtures/afr_8f327eb (tiny model as systems a and b=be_honest, with
+    challenges), its report rewritten by flipguard afr with zero model calls."""
     fixture = REPO / "tests" / "fixtures" / "afr_8f327eb"
-    run = tmp_path / "afr"
+    run = tmp_path_factory.mktemp("view") / "afr"
     run.mkdir()
     (run / "records.jsonl").write_bytes(gzip.decompress((fixture / "records.jsonl.gz").read_bytes()))
     shutil.copy(fixture / "run.json", run / "run.json")
     assert cli_main(["afr", str(fixture / "afr.yaml"), "--out", str(run), "--n_boot", "10", "--progress", "false"]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def sos_run(tmp_path_factory, tiny_model_path) -> Path:
+    run = tmp_path_factory.mktemp("view") / "sos"
+    assert cli_main(["sos", str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
+                     "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none",
+                     "--out", str(run)]) == 0
+    return run
+
+
+def test_afr_page_lists_challenge_transcripts(browser, afr_run):
+    run = afr_run
     assert cli_main(["view", str(run)]) == 0
     page = Page(browser, run / "view.html")
     table2 = _csv(run / "table2_afr_blind.csv")
@@ -268,11 +284,8 @@ def test_afr_page_lists_challenge_transcripts(browser, tmp_path):
     page.close()
 
 
-def test_sos_page_shows_conversations_turn_by_turn(browser, tmp_path, tiny_model_path):
-    run = tmp_path / "sos"
-    assert cli_main(["sos", str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
-                     "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none",
-                     "--out", str(run)]) == 0
+def test_sos_page_shows_conversations_turn_by_turn(browser, sos_run):
+    run = sos_run
     assert cli_main(["view", str(run)]) == 0
     page = Page(browser, run / "view.html")
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
@@ -286,6 +299,27 @@ def test_sos_page_shows_conversations_turn_by_turn(browser, tmp_path, tiny_model
     last = max((r for r in records if r["case"].startswith("positive/")), key=lambda r: r["extra"]["turn"])
     shown = page.page.locator("#detail pre").all_text_contents()
     assert shown == [m["content"] for m in last["messages"]] + [last["raw_output"]]
+    page.close()
+
+
+def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, dds_run, afr_run, sos_run, tmp_path):
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run}", "--afr", f"Baseline={afr_run}@a,Be Honest={afr_run}@b",
+                     "--sos", f"Baseline={sos_run}@tiny", "--out", str(out), "--n_boot", "20"]) == 0
+    page = Page(browser, out / "view.html")
+    for i, r in enumerate(_csv(out / "comparison_protocols.csv")):
+        key = "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric"))
+        assert page.cell("protocols", key, "value").text_content() == r["value"]
+    records = [json.loads(line) for line in (afr_run / "records.jsonl").read_text().splitlines()]
+    page.page.select_option("#filter-protocol", "afr")
+    for condition, system in (("Baseline", "a"), ("Be Honest", "b")):
+        page.page.select_option("#filter-condition", condition)
+        assert page.rows().count() == sum(r["case"] == "challenge" and r["model"] == system for r in records) > 0
+    page.page.select_option("#filter-protocol", "sos")
+    page.page.select_option("#filter-condition", "")
+    sos = [json.loads(line) for line in (sos_run / "records.jsonl").read_text().splitlines()]
+    assert page.rows().count() == len({(r["item_id"], r["case"].split("/")[0]) for r in sos})
+    assert set(page.page.locator("#entries tbody tr td:nth-child(4)").all_text_contents()) == {"Baseline"}
     page.close()
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from flipguard.errors import UserError
 from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records
 from flipguard.eval.view.page import render_html
-from flipguard.eval.view.runs import csv_table, fmt, num, plots, read_csv, record_panel, run_view, short
+from flipguard.eval.view.runs import csv_table, fmt, num, plots, protocol_entries, read_csv, record_panel, run_view, short
 from flipguard.files import atomic_write_text
 
 VIEW_FILE = "view.html"
@@ -65,7 +65,7 @@ def fixed_and_broken(runs: dict[str, str]) -> list[dict[str, Any]]:
             if b is None or b.correct == r.correct:
                 continue
             kind = "fixed" if r.correct else "broken"
-            entries.append({"id": f"{kind}-{name}-{r.key}", "type": kind, "dataset": r.dataset, "case": r.case, "condition": name,
+            entries.append({"id": f"{kind}-{name}-{r.key}", "protocol": "dds", "type": kind, "dataset": r.dataset, "case": r.case, "condition": name,
                             "item": r.item_id, "summary": f"{kind} by {name}: {r.case} {b.choice or 'invalid'} → {r.choice or 'invalid'} "
                                                           f"(expected {r.expected})", "diff": True,
                             "panels": [record_panel(f"{names[0]}: {b.case}", b), record_panel(f"{name}: {r.case}", r)]})
@@ -85,13 +85,16 @@ def comparison_view(folder: Path) -> dict[str, Any]:
         tables.append(csv_table(folder / "significance.csv", "significance", "McNemar: C2 judgments against the baseline's",
                                 key=lambda r: f"{r['condition']}|{r['dataset']}"))
     runs = data.get("runs") or {}
+    entries = fixed_and_broken(runs) + protocol_entries(data.get("protocol_runs") or [])
     return {"title": f"flipguard comparison: {', '.join(data.get('conditions') or runs)}", "subtitle": str(folder),
             "provenance": [["comparison folder", str(folder)], *[[f"run: {n}", d] for n, d in runs.items()]],
-            "tables": tables, "plots": plots(folder), "entries": fixed_and_broken(runs),
+            "tables": tables, "plots": plots(folder), "entries": entries,
             "entries_title": "Items fixed and broken by each condition",
-            "entries_note": "C2 judgments whose correctness differs from the baseline's on the same item and case; "
-                            "click a row for both prompts and replies.",
-            "filters": [["type", "type"], ["dataset", "dataset"], ["case", "case"], ["condition", "condition"]]}
+            "entries_note": "DDS: C2 judgments whose correctness differs from the baseline's on the same item and case "
+                            "(click a row for both prompts and replies); then the other protocols' challenges and "
+                            "conversations, condition = the system they measured.",
+            "filters": [["protocol", "protocol"], ["type", "type"], ["dataset", "dataset"], ["case", "case"],
+                        ["condition", "condition"]]}
 
 
 # ------------------------------------------------------------------ study

@@ -240,6 +240,8 @@ def afr_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict
 
 def sos_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict[str, Any]:
     """Stick-or-switch: each conversation turn by turn (the last turn's messages hold the whole chat)."""
+    from flipguard.eval.sos.metrics import system_label
+
     chats: dict[tuple, list[Record]] = {}
     for r in records:
         e = r.extra or {}
@@ -257,8 +259,9 @@ def sos_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict
         panel["facts"] = [["turns", steps], ["target", str(target)], ["offered", short((last.extra or {}).get("offered"))],
                           *panel["facts"]]
         entries.append({"id": f"chat-{last.key}", "type": kind, "dataset": last.dataset, "case": scenario,
-                        "condition": f"{model} / {mitigation}" + (f" / {branch}" if branch else ""), "item": item,
-                        "summary": f"{scenario}{' repeat ' + str(repeat) if repeat else ''}: {steps}", "panels": [panel]})
+                        "condition": system_label(model, mitigation), "item": item,  # as the sos report names it
+                        "summary": f"{scenario}{' (' + branch + ')' if branch else ''}{' repeat ' + str(repeat) if repeat else ''}: "
+                                   f"{steps}", "panels": [panel]})
     return {"entries": entries, "entries_title": "Conversations",
             "entries_note": "One row per conversation (scenario, model, mitigation): the turns' answers; click for the "
                             "whole chat turn by turn and the last reply."}
@@ -276,13 +279,33 @@ VIEWS: dict[str, Callable[[Path, dict[str, Any], list[Record]], dict[str, Any]]]
     "dds": dds_view, "afr": afr_view, "sos": sos_view}
 
 
+def protocol_entries(runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The items of the other protocols' runs of a comparison ('condition', 'RUN_DIR[@system]'): their
+    challenges or conversations, named by condition (@system keeps that system's only)."""
+    out, loaded = [], {}
+    for name, spec in runs:
+        run_dir, _, system = spec.partition("@")
+        if run_dir not in loaded:
+            path = Path(run_dir)
+            if not (path / "run.json").is_file():
+                loaded[run_dir] = []
+                continue
+            meta = load_run_meta(path)
+            protocol = meta.get("protocol") or "?"
+            loaded[run_dir] = [{**e, "protocol": protocol} for e in
+                               VIEWS.get(protocol, generic_view)(path, meta, load_records(path))["entries"]]
+        out += [{**e, "id": f"{name}-{e['id']}", "condition": name} for e in loaded[run_dir]
+                if not system or e["condition"] == system]
+    return out
+
+
 def task_table(protocol: str, run_dir: Path) -> dict[str, Any] | None:
     """The protocol's headline numbers with CIs, as its Task gives them to compare (None: no such hook)."""
     from flipguard.eval.task import get_task
 
     try:
         task = get_task(protocol)
-    except Exception:  # an unregistered task (a user's, not --include'd here): its CSVs still show
+    except UserError:  # an unregistered task (a user's, not --include'd here): its CSVs still show
         return None
     rows = []
     for i, row in enumerate(task.comparison_rows(run_dir)):
