@@ -171,12 +171,12 @@ def _dds_tables(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _dds_baseline_records(run_dir: Path, meta: dict[str, Any]) -> list[Record]:
-    c1_from = meta.get("c1_from")
-    if not c1_from:
+    """The C1 baseline's records (run.json c1_from, found as the report finds it); none when it moved."""
+    from flipguard.eval.dds.report import _resolve
+
+    if not meta.get("c1_from"):
         return []
-    base = Path(c1_from).expanduser()
-    if not base.is_absolute() and not base.exists() and (run_dir / base).exists():
-        base = run_dir / base
+    base = _resolve(str(meta["c1_from"]), run_dir)
     return load_records(base) if (base / "records.jsonl").is_file() else []
 
 
@@ -300,22 +300,21 @@ def protocol_entries(runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
 
 
 def task_table(protocol: str, run_dir: Path) -> dict[str, Any] | None:
-    """The protocol's headline numbers with CIs, as its Task gives them to compare (None: no such hook)."""
+    """The protocol's headline numbers with CIs: the rows compare takes from its Task (comparison_rows);
+    None for a task this process does not know (a user's, not --include'd) or one without such rows."""
+    from flipguard.eval.compare import protocol_rows
+    from flipguard.eval.estimate import Estimate
     from flipguard.eval.task import get_task
 
     try:
         task = get_task(protocol)
-    except UserError:  # an unregistered task (a user's, not --include'd here): its CSVs still show
+        frame = protocol_rows([("run", str(run_dir))])
+    except UserError:
         return None
-    rows = []
-    for i, row in enumerate(task.comparison_rows(run_dir)):
-        est = row["estimate"]
-        if est.missing:
-            continue
-        est = est.to("pp" if est.unit == "pp" else "%")
-        rows.append({"key": f"{row['system']}|{row['dataset']}|{row['metric']}", "cells": {
-            "system": row["system"], "dataset": row["dataset"] or "–", "metric": row["metric"],
-            "value": {"t": est.format(signed=est.unit == "pp"), "v": est.value, "c": "num"}, "n": str(est.n)}})
+    rows = [{"key": f"{r.system}|{r.dataset}|{r.metric}", "cells": {
+        "system": r.system, "dataset": r.dataset or "–", "metric": r.metric, "n": str(r.n),
+        "value": {"t": Estimate(r.value, r.ci_low, r.ci_high, int(r.n), r.unit).format(signed=r.unit == "pp"),
+                  "v": r.value, "c": "num"}}} for r in frame.itertuples()]
     if not rows:
         return None
     return {"id": "headline", "title": task.comparison_title or f"{protocol} numbers", "note": task.comparison_note,
