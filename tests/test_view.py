@@ -323,6 +323,29 @@ def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, d
     page.close()
 
 
+def test_a_users_task_run_lists_its_records(browser, tmp_path, tiny_model_path):
+    """tests/are_you_sure_task.py (a task flipguard does not know), run in its own process: every record listed."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "ays"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.cli", "run", "--include", str(REPO / "tests" / "are_you_sure_task.py"),
+                           "are-you-sure", "--model", tiny_model_path, "--limit", "2", "--out", str(run)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert cli_main(["view", str(run)]) == 0
+    page = Page(browser, run / "view.html")
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert page.rows().count() == len(records) == 8
+    page.page.select_option("#filter-case", records[-1]["case"])
+    page.rows().first.click()
+    shown = page.page.locator("#detail pre").all_text_contents()
+    last = [r for r in records if r["case"] == records[-1]["case"]][0]
+    assert shown == [m["content"] for m in last["messages"]] + [last["raw_output"]]
+    page.close()
+
+
 HOSTILE = [
     "</script><script>window.__pwned = 1</script>",
     "<script>window.__pwned = 2</script>",
