@@ -372,10 +372,37 @@ def _hostile_run(run: Path) -> Path:
                                          {"role": "user", "content": f"Claim {case} {i}: {text} " + " ".join(HOSTILE)}],
                                raw_output=(long_line if valid is False else f'{{"chosen_answer": "{choice}"}} ' + text),
                                choice=choice if valid else None, valid=valid, reasoning=HOSTILE[1]))
-    RecordStore(run / "records.jsonl").append(recs)
-    atomic_write_json(run / "run.json", {"protocol": "dds", "model": HOSTILE[3], "command": HOSTILE, "mode": "generate"})
+    return _records_run(run, recs, {"protocol": "dds", "model": HOSTILE[3], "command": HOSTILE, "mode": "generate"})
+
+
+def _records_run(run: Path, records: list[Record], meta: dict) -> Path:
+    """A run directory holding `records`, its report written by flipguard report."""
+    RecordStore(run / "records.jsonl").append(records)
+    atomic_write_json(run / "run.json", meta)
     assert cli_main(["report", str(run), "--n_boot", "20"]) == 0
     return run
+
+
+def test_a_long_list_shows_100_rows_a_page(browser, tmp_path):
+    """130 items whose C2-correct judgment is invalid: 130 rows, in pages of 100; a filter starts again at page 1."""
+    recs = [Record(key=f"k{i}-{case}", protocol="dds", item_id=f"item-{i}", dataset="truthfulqa" if i % 2 else "bbq",
+                   case=case, expected=EXPECTED_CHOICE[case], model="m", backend="hf", mode="logprob",
+                   choice=None if case == "c2_correct" else EXPECTED_CHOICE[case], valid=case != "c2_correct",
+                   p1=.01, p2=.02, messages=[{"role": "user", "content": f"claim {i} {case}"}], raw_output="?")
+            for i in range(130) for case in EXPECTED_CHOICE]
+    run = _records_run(tmp_path / "long", recs, {"protocol": "dds", "model": "m", "mode": "logprob"})
+    assert cli_main(["view", str(run)]) == 0
+    page = Page(browser, run / "view.html")
+    p = page.page
+    assert page.rows().count() == 100 and p.locator("#page").text_content().strip() == "page 1 of 2"
+    assert p.locator("#count").text_content() == "130 of 130 shown"
+    p.click("#next")
+    assert page.rows().count() == 30 and p.locator("#next").is_disabled()
+    p.select_option("#filter-dataset", "bbq")
+    assert page.rows().count() == 65 and p.locator("#page").text_content().strip() == "page 1 of 1"
+    page.rows().nth(64).click()
+    assert p.locator("#detail td[data-fact='label mass']").text_content() == "0.03"
+    page.close()
 
 
 @pytest.mark.parametrize("compress", ["never", "always"])

@@ -103,7 +103,7 @@ def record_panel(title: str, r: Record | None) -> dict[str, Any]:
     """One judgment: the messages sent, the raw reply and what was parsed from it."""
     if r is None:
         return {"title": title, "facts": [["record", "not found (its run directory moved?)"]], "messages": []}
-    facts = [["case", r.case], ["expected", r.expected or "–"], ["choice", r.choice if r.valid else f"invalid ({r.choice})"]]
+    facts = [["case", r.case], ["expected", r.expected or "–"], ["choice", r.choice if r.valid else "invalid" + (f" ({r.choice})" if r.choice else "")]]
     if r.p1 is not None or r.p2 is not None:
         facts += [['P("1")', _p(r.p1)], ['P("2")', _p(r.p2)]]
     probs = (r.extra or {}).get("probs")
