@@ -366,7 +366,8 @@ def _hostile_run(run: Path) -> Path:
             choice = "1" if (i == 0 and case == "c2_incorrect") else exp
             valid = not (i == 1 and case == "c2_correct")
             text = HOSTILE[(i + len(recs)) % len(HOSTILE)]
-            recs.append(Record(key=f"k{i}-{case}", protocol="dds", item_id=f"truthfulqa-{i}", dataset="truthfulqa", case=case,
+            item = HOSTILE[2] if i == 0 else f"truthfulqa-{i}"  # an item id is text from a data file too
+            recs.append(Record(key=f"k{i}-{case}", protocol="dds", item_id=item, dataset="truthfulqa", case=case,
                                expected=exp, model="m", backend="hf", mode="generate",
                                messages=[{"role": "system", "content": HOSTILE[0]},
                                          {"role": "user", "content": f"Claim {case} {i}: {text} " + " ".join(HOSTILE)}],
@@ -429,6 +430,9 @@ def test_untrusted_text_stays_text(browser, tmp_path, compress):
     assert p.locator("#detail pre.reply").text_content() == "x" * 100_000
     # the 100 kB line wraps inside its box: the page gets no horizontal scroll
     assert p.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    p.select_option("#filter-type", "")
+    p.fill("#search", "onerror")
+    assert HOSTILE[2] in p.locator("#entries tbody").inner_text()
     p.fill("#search", "window.__pwned = 4")
     assert p.locator("#entries tbody tr").count() >= 1
     assert p.evaluate("window.__pwned") is None
@@ -439,3 +443,13 @@ def test_view_of_a_folder_that_is_nothing_is_one_clear_error(tmp_path, capsys):
     assert cli_main(["view", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(tmp_path) in err and "run.json" in err
+    # a DDS run without its report: the page reads the report's numbers, it does not make them
+    run = tmp_path / "run"
+    recs = [Record(key=f"k-{case}", protocol="dds", item_id="truthfulqa-0", dataset="truthfulqa", case=case,
+                   expected=EXPECTED_CHOICE[case], model="m", backend="hf", mode="logprob") for case in EXPECTED_CHOICE]
+    RecordStore(run / "records.jsonl").append(recs)
+    atomic_write_json(run / "run.json", {"protocol": "dds"})
+    assert cli_main(["view", str(run), "--out", str(tmp_path / "page.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(run / "report" / "summary.csv") in err and f"flipguard report {run}" in err
+    assert not (tmp_path / "page.html").exists()
