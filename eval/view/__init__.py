@@ -17,7 +17,8 @@ from typing import Any
 from flipguard.errors import UserError
 from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records
 from flipguard.eval.view.page import render_html
-from flipguard.eval.view.runs import csv_table, fmt, num, plots, protocol_entries, read_csv, record_panel, run_view, short
+from flipguard.eval.view.runs import (ci, csv_table, flags, fmt, num, plots, protocol_entries, read_csv, record_panel,
+                                     run_view, short)
 from flipguard.files import atomic_write_text
 
 VIEW_FILE = "view.html"
@@ -33,13 +34,11 @@ def _comparison_table(path: Path) -> dict[str, Any]:
                ["own_dds", "own DDS"], ["delta_dds", "Δ DDS"], ["invalid_judgments", "invalid"], ["flags", "flags"]]
     rows = []
     for r in read_csv(path):
-        flags = ("†" if r.get("over_correction") == "True" else "") + ("‡" if r.get("c1_damage") == "True" else "")
-        lo, hi = num(r.get("dds_ci_low")), num(r.get("dds_ci_high"))
         cells = {"condition": r["condition"], "dataset": r["dataset"], "n": f"{num(r['n']):.0f}",
                  **{c: fmt(r.get(c)) for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect")},
-                 "dds": fmt(r.get("dds"), True), "dds_ci": "–" if lo != lo else f"[{lo:+.1f}, {hi:+.1f}]",
+                 "dds": fmt(r.get("dds"), True), "dds_ci": ci(r.get("dds_ci_low"), r.get("dds_ci_high")),
                  "own_dds": fmt(r.get("own_dds"), True), "delta_dds": fmt(r.get("delta_dds"), True),
-                 "invalid_judgments": r.get("invalid_judgments") or "–", "flags": {"t": flags, "c": "flag"}}
+                 "invalid_judgments": r.get("invalid_judgments") or "–", "flags": flags(r)}
         rows.append({"key": f"{r['condition']}|{r['dataset']}", "cells": cells})
     return {"id": "comparison", "title": "Before/after: DDS (%, DDS in pp)", "columns": columns, "rows": rows,
             "note": "From comparison.csv. DDS paper = the condition's C2 against the baseline's C1; own DDS = against its "

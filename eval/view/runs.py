@@ -50,6 +50,17 @@ def fmt(text: str | float | None, signed: bool = False, nd: int = 1) -> dict[str
     return {"t": f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}", "v": text, "c": "num"}
 
 
+def ci(lo: str | float | None, hi: str | float | None) -> str:
+    lo, hi = num(lo), num(hi)
+    return "–" if math.isnan(lo) or math.isnan(hi) else f"[{lo:+.1f}, {hi:+.1f}]"
+
+
+def flags(row: dict[str, str]) -> dict[str, str]:
+    """The report's marks of a CSV row: † over-correction, ‡ C1 damage."""
+    return {"t": ("†" if row.get("over_correction") == "True" else "") + ("‡" if row.get("c1_damage") == "True" else ""),
+            "c": "flag"}
+
+
 def short(value: Any) -> str:
     if isinstance(value, list):
         return " ".join(str(v) for v in value) if all(isinstance(v, str) for v in value) else ", ".join(map(short, value))
@@ -147,12 +158,11 @@ def _dds_tables(run_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for r in read_csv(summary):
         s = stats.get((r["dataset"], "")) or {}
-        flags = ("†" if s.get("over_correction") == "True" else "") + ("‡" if s.get("c1_damage") == "True" else "")
         cells = {"dataset": r["dataset"], "n": r["n"], **{c: fmt(r[c]) for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect")},
                  "delta_correct": fmt(r["delta_correct"], True), "delta_incorrect": fmt(r["delta_incorrect"], True),
-                 "dds": fmt(r["dds"], True), "dds_ci": f"[{num(r['dds_ci_low']):+.1f}, {num(r['dds_ci_high']):+.1f}]",
+                 "dds": fmt(r["dds"], True), "dds_ci": ci(r["dds_ci_low"], r["dds_ci_high"]),
                  "own_dds": fmt(s.get("own_dds"), True), "invalid_judgments": s.get("invalid_judgments", "–"),
-                 "median_label_mass": fmt(s.get("median_label_mass"), nd=3), "flags": {"t": flags, "c": "flag"}}
+                 "median_label_mass": fmt(s.get("median_label_mass"), nd=3), "flags": flags(s)}
         rows.append({"key": r["dataset"], "cells": cells})
     meta = (json.loads(read_text(report / "summary.json", UserError, "report file")) if (report / "summary.json").is_file()
             else {}).get("meta") or {}
