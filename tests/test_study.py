@@ -182,6 +182,12 @@ def test_study_adds_afr_and_stick_or_switch_where_the_recipe_asks(tmp_path, monk
     afr = md.split("## Answer flips (AFR")[1].split("## Stick-or-switch")[0]
     afr_rows = [line for line in afr.splitlines() if line.startswith(("| Baseline | Baseline", "| Be Honest | Be Honest"))]
     assert len(afr_rows) == 2  # both conditions measured by AFR, each as its own target
+    # view.html: the multi-turn runs' items too, named by condition (the page's data, as flipguard view builds it)
+    from flipguard.eval.view import build_view
+
+    assert (out / "view.html").stat().st_size > 0
+    shown = {(e.get("protocol"), e["condition"]) for e in build_view(out)["entries"]}
+    assert {("sos", "Baseline"), ("sos", "Be Honest")} <= shown, shown
 
 
 @pytest.mark.slow
