@@ -86,6 +86,14 @@ def _csv(path: Path) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
+def _shown(cell) -> str:
+    """A CSV cell as the page holds it: the file's text (data-value for a number it rounds, checked against it)."""
+    raw = cell.get_attribute("data-value")
+    if raw is not None:
+        assert cell.text_content() == f"{float(raw):.4g}"
+    return cell.text_content() if raw is None else raw
+
+
 def _set_choice(run: Path, edits: dict[tuple[str, str], str]) -> None:
     """Give some judgments of a tiny-model run the other label (its P("1")/P("2") swapped with it): the
     tiny model says "1" to every claim, so a run of it has no flip of its own."""
@@ -128,6 +136,10 @@ def test_dds_page_shows_the_summary_and_the_flips_with_both_prompts(browser, dds
             cell = page.cell("headline", r["dataset"], col)
             assert float(cell.get_attribute("data-value")) == float(r[col])
             assert cell.text_content() == (f"{float(r[col]):+.1f}" if signed else f"{float(r[col]):.1f}")
+    stats = {r["dataset"]: r for r in _csv(dds_run / "report" / "stats.csv") if r["stratum"] == "all"}
+    for dataset, r in stats.items():
+        assert float(page.cell("headline", dataset, "own_dds").get_attribute("data-value")) == float(r["own_dds"])
+        assert page.cell("headline", dataset, "invalid_judgments").text_content() == r["invalid_judgments"]
     assert page.page.locator("#table-provenance tr[data-row='model'] td").text_content() == "flipguard:tiny"
     meta = json.loads((dds_run / "report" / "summary.json").read_text())["meta"]
     for note in (meta.get(k) for k in ("capability_note", "c1_mode_note", "c1_differs_note", "aio_note")):
@@ -271,7 +283,7 @@ def test_afr_page_lists_challenge_transcripts(browser, afr_run):
     table2 = _csv(run / "table2_afr_blind.csv")
     for i, r in enumerate(table2):
         for col, value in r.items():
-            assert page.cell("csv-table2_afr_blind", str(i), col).text_content() == value
+            assert _shown(page.cell("csv-table2_afr_blind", str(i), col)) == value
     challenges = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     challenges = [r for r in challenges if r["case"] == "challenge"]
     page.page.select_option("#filter-type", "")
@@ -294,7 +306,7 @@ def test_sos_page_shows_conversations_turn_by_turn(browser, sos_run):
     assert page.rows().count() == len(chats) >= 7  # 4 baselines + 3 scenarios
     tax = _csv(run / "sos_table_a1_conversation_tax.csv")
     for col, value in tax[0].items():
-        assert page.cell("csv-sos_table_a1_conversation_tax", "0", col).text_content() == value
+        assert _shown(page.cell("csv-sos_table_a1_conversation_tax", "0", col)) == value
     page.page.select_option("#filter-case", "positive")
     page.rows().first.click()
     last = max((r for r in records if r["case"].startswith("positive/")), key=lambda r: r["extra"]["turn"])
@@ -310,7 +322,7 @@ def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, d
     page = Page(browser, out / "view.html")
     for i, r in enumerate(_csv(out / "comparison_protocols.csv")):
         key = "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric"))
-        assert page.cell("protocols", key, "value").text_content() == r["value"]
+        assert _shown(page.cell("protocols", key, "value")) == r["value"]
     records = [json.loads(line) for line in (afr_run / "records.jsonl").read_text().splitlines()]
     page.page.select_option("#filter-protocol", "afr")
     for condition, system in (("Baseline", "a"), ("Be Honest", "b")):

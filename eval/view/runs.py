@@ -50,9 +50,9 @@ def fmt(text: str | float | None, signed: bool = False, nd: int = 1) -> dict[str
     return {"t": f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}", "v": text, "c": "num"}
 
 
-def ci(lo: str | float | None, hi: str | float | None) -> str:
+def ci(lo: str | float | None, hi: str | float | None) -> dict[str, str] | str:
     lo, hi = num(lo), num(hi)
-    return "–" if math.isnan(lo) or math.isnan(hi) else f"[{lo:+.1f}, {hi:+.1f}]"
+    return "–" if math.isnan(lo) or math.isnan(hi) else {"t": f"[{lo:+.1f}, {hi:+.1f}]", "c": "num"}
 
 
 def flags(row: dict[str, str]) -> dict[str, str]:
@@ -93,7 +93,15 @@ def csv_table(path: Path, table_id: str, title: str, key: Callable[[dict[str, st
         note = (note + " " if note else "") + f"First {MAX_TABLE_ROWS} of {len(rows)} rows ({path.name} has all)."
         rows = rows[:MAX_TABLE_ROWS]
     return {"id": table_id, "title": title, "note": note or str(path), "columns": [[c, c] for c in columns],
-            "rows": [{"key": key(r) if key else str(i), "cells": r} for i, r in enumerate(rows)]}
+            "rows": [{"key": key(r) if key else str(i), "cells": {c: csv_cell(v) for c, v in r.items()}} for i, r in enumerate(rows)]}
+
+
+def csv_cell(text: str | None) -> dict[str, str] | str | None:
+    """A CSV value: a number with decimals shown to 4 significant digits (the file's text in data-value)."""
+    x = num(text)
+    if text is None or math.isnan(x) or "." not in text and "e" not in text.lower():
+        return text
+    return {"t": f"{x:.4g}", "v": text, "c": "num"}
 
 
 def plots(folder: Path) -> list[dict[str, str]]:
@@ -149,15 +157,17 @@ def _dds_tables(run_dir: Path) -> list[dict[str, Any]]:
     summary = report / "summary.csv"
     if not summary.is_file():
         raise UserError(f"{summary}: not found; write the run's report first (flipguard report {run_dir})")
-    stats = {(r["dataset"], r.get("stratum") or ""): r for r in read_csv(report / "stats.csv")} \
-        if (report / "stats.csv").is_file() else {}
+    stats: dict[str, dict[str, str]] = {}
+    for r in read_csv(report / "stats.csv") if (report / "stats.csv").is_file() else []:
+        if r.get("stratum") in (None, "", "all"):  # a dataset's own row (r/AIO also has OR/NOR strata)
+            stats.setdefault(r["dataset"], r)
     columns = [["dataset", "dataset"], ["n", "n"], ["c1_true", "C1 true"], ["c1_false", "C1 false"],
                ["c2_correct", "C2 correct"], ["c2_incorrect", "C2 incorrect"], ["delta_correct", "Δ correct"],
                ["delta_incorrect", "Δ incorrect"], ["dds", "DDS"], ["dds_ci", "95% CI"], ["own_dds", "own DDS"],
                ["invalid_judgments", "invalid"], ["median_label_mass", "median label mass"], ["flags", "flags"]]
     rows = []
     for r in read_csv(summary):
-        s = stats.get((r["dataset"], "")) or {}
+        s = stats.get(r["dataset"]) or {}
         cells = {"dataset": r["dataset"], "n": r["n"], **{c: fmt(r[c]) for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect")},
                  "delta_correct": fmt(r["delta_correct"], True), "delta_incorrect": fmt(r["delta_incorrect"], True),
                  "dds": fmt(r["dds"], True), "dds_ci": ci(r["dds_ci_low"], r["dds_ci_high"]),
