@@ -572,7 +572,9 @@ class Study:
             self.state.pop("plan", None)  # the quick-rerun key holds only after a full run (main's record_plan)
             resume = entry.get("status") == "running" and entry.get("fingerprint") == fps[stage.name] and not forced
             status = "resume" if resume else ("redo" if entry else "run")
-            self.step(f"{stage.title}  [{stage.name}: {status}]")
+            # where the study stands, and how long this stage took when it last ran (its ETA on a redo)
+            last = f", {entry['seconds']:.0f}s last time" if entry.get("seconds") else ""
+            self.step(f"{stage.title}  [{stage.name}: {status}, stage {i + 1}/{len(self.stages)}{last}]")
             if not resume:
                 for path in stage.clear:  # recorded in study.json as this study's (check_folders)
                     if path.is_dir():
