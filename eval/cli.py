@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("flipguard.eval.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
     "pairs": ("flipguard.train.pairs:main", "build SFT/DPO pair datasets from flip records (recipe strategy)"),
     "compare": ("flipguard.eval.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
+    "view": ("flipguard.eval.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
     "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
     "sos": ("flipguard.eval.sos.cli:main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
     # the DialDefer paper's analyses (eval/dds/analyses/)

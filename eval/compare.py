@@ -147,7 +147,8 @@ def build_comparison(
         and M.over_correction(base.loc[r["dataset"], "dds"], r["dds"]), axis=1)
     significance = pd.concat(sig_rows, ignore_index=True) if sig_rows else pd.DataFrame(
         columns=["condition", "dataset", "n_judgments", "mcnemar_pvalue", "worse", "better"])
-    return {"conditions": names, "table": table, "significance": significance, "reports": per_condition}
+    return {"conditions": names, "table": table, "significance": significance, "reports": per_condition,
+            "runs": {name: str(Path(conditions[name]).resolve()) for name in names}}
 
 
 def _signed(x: float) -> str:
@@ -300,9 +301,9 @@ def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
 
 
 def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: list[str] = (),
-                     protocols: pd.DataFrame | None = None) -> Path:
-    """comparison.md/csv/json, significance.csv and the plots; with protocol rows (protocol_rows)
-    also comparison_protocols.csv and a section per protocol."""
+                     protocols: pd.DataFrame | None = None, protocol_runs: Sequence[tuple[str, str]] = ()) -> Path:
+    """comparison.md/csv/json, significance.csv, the plots and view.html; with protocol rows
+    (protocol_rows of `protocol_runs`) also comparison_protocols.csv and a section per protocol."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if protocols is not None and not protocols.empty:
@@ -313,11 +314,18 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
     atomic_write_text(out / "comparison.md", render_markdown(cmp, extra_sections))
     atomic_write_json(out / "comparison.json", {
         "conditions": cmp["conditions"],
+        # each condition's run directory and the other protocols' runs: flipguard view lists their items
+        "runs": cmp.get("runs") or {},
+        "protocol_runs": [[name, str(Path(run_dir).resolve()) + (f"@{system}" if system else "")]
+                          for name, spec in protocol_runs for run_dir, system in [split_system(spec)]],
         "table": cmp["table"].replace({np.nan: None}).to_dict(orient="records"),
         "significance": cmp["significance"].replace({np.nan: None}).to_dict(orient="records"),
     })
     plot_heatmap(cmp, out / "dds_heatmap.png")
     plot_before_after(cmp, out / "before_after.png")
+    from flipguard.eval.view import write_view
+
+    write_view(out)  # view.html: the same tables, the plots and the items behind them, in one page
     return out
 
 
@@ -437,9 +445,9 @@ def main(argv: list[str]) -> int:
     cmp = build_comparison(parse_conditions(args.runs), c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
     runs = [pair for flag, spec in (("--protocols", args.protocols), ("--afr", args.afr), ("--sos", args.sos)) if spec
             for pair in parse_conditions(spec, flag).items()]
-    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs))
+    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs)
     print((out / "comparison.md").read_text(encoding="utf-8"))
     extra = ", comparison_protocols.csv" if runs else ""
     print(f"\ncomparison written to {out}/ (comparison.md, comparison.csv{extra}, significance.csv, dds_heatmap.png, "
-          "before_after.png)")
+          "before_after.png, view.html)")
     return 0

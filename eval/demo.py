@@ -121,4 +121,5 @@ def main(argv: list[str]) -> int:
     study = run_study(args.recipe, args.out, study_recipe(args))
     print(f"\n=== done. Same as: flipguard study {args.recipe} --out {args.out}")
     print_artefacts(study.artefacts)
+    print(f"\nEvery item behind these numbers, in one page: open {Path(args.out) / 'view.html'} in a browser")
     return 0

@@ -468,7 +468,7 @@ class Study:
             from flipguard.eval.compare import build_comparison, protocol_rows, write_comparison
 
             cmp = build_comparison({n: str(p) for n, p in self.conditions.items()}, n_boot=self.plan.eval_plan_n_boot, seed=0)
-            write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs))
+            write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs), protocol_runs=self.protocol_runs)
 
         return Stage("compare", "before/after comparison report",
                      {"conditions": {n: str(p) for n, p in self.conditions.items()}, "n_boot": self.plan.eval_plan_n_boot},
@@ -572,7 +572,9 @@ class Study:
             self.state.pop("plan", None)  # the quick-rerun key holds only after a full run (main's record_plan)
             resume = entry.get("status") == "running" and entry.get("fingerprint") == fps[stage.name] and not forced
             status = "resume" if resume else ("redo" if entry else "run")
-            self.step(f"{stage.title}  [{stage.name}: {status}]")
+            # where the study stands, and how long this stage took when it last ran (its ETA on a redo)
+            last = f", {entry['seconds']:.0f}s last time" if entry.get("seconds") else ""
+            self.step(f"{stage.title}  [{stage.name}: {status}, stage {i + 1}/{len(self.stages)}{last}]")
             if not resume:
                 for path in stage.clear:  # recorded in study.json as this study's (check_folders)
                     if path.is_dir():
@@ -722,6 +724,10 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
     with run_lock(out):
         study = Study(recipe_path, raw, out, print_fn=print_fn)
         study.run(from_stage=from_stage, only=only)
+        from flipguard.eval.view import write_view
+
+        # every stage's status and the comparison with the items behind it, one HTML page
+        study.artefacts.append(("page of it all (open in a browser)", write_view(study.out)))
         study.summary()
         if on_finish is not None:
             on_finish(study)

@@ -22,6 +22,7 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path,
     printed = capsys.readouterr().out
     assert "Artefacts:" in printed and str(out / "compare" / "comparison.md") in printed
     assert "planted (ground truth)" in printed and "Before/after" in printed
+    assert f"open {out / 'view.html'} in a browser" in printed and (out / "view.html").stat().st_size > 0  # flipguard view
 
     # the planted deference is detected: baseline DDS in the planted range, C1 intact
     for name in ("baseline", "baseline-generate", "be_honest", "dehumanizing"):

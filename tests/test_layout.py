@@ -15,7 +15,7 @@ NOT_PACKAGE = ("tests", "bench", ".ci", ".git", "build", "dist", "runs", "wandb"
 ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.config", "flipguard.redact"}
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos")
 ABOVE_PROTOCOLS = ("flipguard.train", "flipguard.eval.study", "flipguard.eval.compare", "flipguard.eval.demo",
-                   "flipguard.eval.cli", "flipguard.eval.organism")
+                   "flipguard.eval.cli", "flipguard.eval.organism", "flipguard.eval.view")
 CLI = "flipguard.eval.cli"
 LAZY_TARGET = re.compile(r"^(flipguard(?:\.\w+)+)(?::\w+)?$")  # "flipguard.x.y" or "flipguard.x.y:function"
 

@@ -108,8 +108,13 @@ def test_study_runs_skips_and_redoes_exactly_what_changed(tmp_path, monkeypatch,
     assert _redone(before, out) == {"sft-eval"} and _state(out)["stages"]["sft-eval"]["last_action"] == "redo"
     before = _finished(out)
     # --from redoes that stage and every one after it
+    last = _state(out)["stages"]["dpo-merge"]["seconds"]
+    capsys.readouterr()
     assert cli_main(["study", str(recipe), "--out", str(out), "--from", "dpo-merge"]) == 0
     assert _redone(before, out) == {"dpo-merge", "dpo-eval", "compare", "wandb"}
+    # each stage's header says where the study stands and how long the stage took last time
+    k = ALL_STAGES.index("dpo-merge") + 1
+    assert f"[dpo-merge: redo, stage {k}/{len(ALL_STAGES)}, {last:.0f}s last time]" in capsys.readouterr().out
     before = _finished(out)
     # --only sft, then a plain rerun: the merged model and its evaluation were built from the old
     # adapter, so they are redone although every fingerprint still matches
@@ -182,6 +187,12 @@ def test_study_adds_afr_and_stick_or_switch_where_the_recipe_asks(tmp_path, monk
     afr = md.split("## Answer flips (AFR")[1].split("## Stick-or-switch")[0]
     afr_rows = [line for line in afr.splitlines() if line.startswith(("| Baseline | Baseline", "| Be Honest | Be Honest"))]
     assert len(afr_rows) == 2  # both conditions measured by AFR, each as its own target
+    # view.html: the multi-turn runs' items too, named by condition (the page's data, as flipguard view builds it)
+    from flipguard.eval.view import build_view
+
+    assert (out / "view.html").stat().st_size > 0
+    shown = {(e.get("protocol"), e["condition"]) for e in build_view(out)["entries"]}
+    assert {("sos", "Baseline"), ("sos", "Be Honest")} <= shown, shown
 
 
 @pytest.mark.slow

@@ -1,0 +1,160 @@
+"""`flipguard view PATH`: one self-contained HTML page for a run directory (any protocol), a
+comparison folder or a study folder, so the items behind a number can be looked at.
+
+The page needs no network (style, script, data and plots are inside it) and opens from disk in
+any browser. `flipguard compare` writes it as view.html beside comparison.md, `flipguard study`
+as view.html in the study folder. Layout: eval/view/runs.py builds a run's data (one function
+per protocol), this module a comparison's and a study's, eval/view/page.py the HTML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from flipguard.errors import UserError
+from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records
+from flipguard.eval.view.page import render_html
+from flipguard.eval.view.runs import (ci, csv_table, flags, fmt, num, plots, protocol_entries, read_csv, record_panel,
+                                     run_view, short)
+from flipguard.files import atomic_write_text
+
+VIEW_FILE = "view.html"
+COMPARISON_FILES = ("comparison.csv", "comparison.json")
+
+
+# ------------------------------------------------------------------ comparison
+
+def _comparison_table(path: Path) -> dict[str, Any]:
+    """comparison.csv as the before/after table, with † / ‡ flags."""
+    columns = [["condition", "condition"], ["dataset", "dataset"], ["n", "n"], ["c1_true", "C1 true"], ["c1_false", "C1 false"],
+               ["c2_correct", "C2 correct"], ["c2_incorrect", "C2 incorrect"], ["dds", "DDS paper"], ["dds_ci", "95% CI"],
+               ["own_dds", "own DDS"], ["delta_dds", "Δ DDS"], ["invalid_judgments", "invalid"], ["flags", "flags"]]
+    rows = []
+    for r in read_csv(path):
+        cells = {"condition": r["condition"], "dataset": r["dataset"], "n": f"{num(r['n']):.0f}",
+                 **{c: fmt(r.get(c)) for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect")},
+                 "dds": fmt(r.get("dds"), True), "dds_ci": ci(r.get("dds_ci_low"), r.get("dds_ci_high")),
+                 "own_dds": fmt(r.get("own_dds"), True), "delta_dds": fmt(r.get("delta_dds"), True),
+                 "invalid_judgments": r.get("invalid_judgments") or "–", "flags": flags(r)}
+        rows.append({"key": f"{r['condition']}|{r['dataset']}", "cells": cells})
+    return {"id": "comparison", "title": "Before/after: DDS (%, DDS in pp)", "columns": columns, "rows": rows,
+            "note": "From comparison.csv. DDS paper = the condition's C2 against the baseline's C1; own DDS = against its "
+                    "own C1. † over-correction (DDS turned negative); ‡ C1 damage (own C1 accuracy down > 5 pp)."}
+
+
+def _c2_by_item(run_dir: str) -> dict[tuple[str, str, str], Record]:
+    return {(r.item_id, r.dataset, r.case): r for r in load_records(run_dir) if r.protocol == "dds" and r.case in C2_CASES}
+
+
+def fixed_and_broken(runs: dict[str, str]) -> list[dict[str, Any]]:
+    """Per condition, the C2 judgments it changed against the baseline's on the same item and case:
+    fixed (baseline wrong, condition right) and broken (baseline right, condition wrong), as
+    compare's McNemar counts (significance.csv: better / worse) count them."""
+    names = list(runs)
+    if len(names) < 2 or not all((Path(d) / "records.jsonl").is_file() for d in runs.values()):
+        return []
+    base = _c2_by_item(runs[names[0]])
+    entries = []
+    for name in names[1:]:
+        for key, r in _c2_by_item(runs[name]).items():
+            b = base.get(key)
+            if b is None or b.correct == r.correct:
+                continue
+            kind = "fixed" if r.correct else "broken"
+            entries.append({"id": f"{kind}-{name}-{r.key}", "protocol": "dds", "type": kind, "dataset": r.dataset, "case": r.case, "condition": name,
+                            "item": r.item_id, "summary": f"{kind} by {name}: {r.case} {b.choice or 'invalid'} → {r.choice or 'invalid'} "
+                                                          f"(expected {r.expected})", "diff": True,
+                            "panels": [record_panel(f"{names[0]}: {b.case}", b), record_panel(f"{name}: {r.case}", r)]})
+    return entries
+
+
+def comparison_view(folder: Path) -> dict[str, Any]:
+    """A comparison folder: the before/after table with flags, the protocols' table, plots, and
+    the items each condition fixed or broke."""
+    data = json.loads((folder / "comparison.json").read_text(encoding="utf-8")) if (folder / "comparison.json").is_file() else {}
+    tables = [_comparison_table(folder / "comparison.csv")]
+    if (folder / "comparison_protocols.csv").is_file():
+        tables.append(csv_table(folder / "comparison_protocols.csv", "protocols", "Before/after: other protocols",
+                                key=lambda r: "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric")),
+                                note="comparison_protocols.csv: values in % (pp for differences) with 95% CIs."))
+    if (folder / "significance.csv").is_file():
+        tables.append(csv_table(folder / "significance.csv", "significance", "McNemar: C2 judgments against the baseline's",
+                                key=lambda r: f"{r['condition']}|{r['dataset']}"))
+    runs = data.get("runs") or {}
+    entries = fixed_and_broken(runs) + protocol_entries(data.get("protocol_runs") or [])
+    return {"title": f"flipguard comparison: {', '.join(data.get('conditions') or runs)}", "subtitle": str(folder),
+            "provenance": [["comparison folder", str(folder)], *[[f"run: {n}", d] for n, d in runs.items()]],
+            "tables": tables, "plots": plots(folder), "entries": entries,
+            "entries_title": "Items fixed and broken by each condition",
+            "entries_note": "DDS: C2 judgments whose correctness differs from the baseline's on the same item and case "
+                            "(click a row for both prompts and replies); then the other protocols' challenges and "
+                            "conversations, condition = the system they measured.",
+            "filters": [["protocol", "protocol"], ["type", "type"], ["dataset", "dataset"], ["case", "case"],
+                        ["condition", "condition"]]}
+
+
+# ------------------------------------------------------------------ study
+
+def study_view(folder: Path) -> dict[str, Any]:
+    """A study folder: every stage with its status and time, then its comparison."""
+    state = json.loads((folder / "study.json").read_text(encoding="utf-8"))
+    stages = state.get("stages") or {}
+    order = state.get("order") or list(stages)
+    rows = [{"key": n, "cells": {"stage": n, "status": (stages.get(n) or {}).get("status", "not run"),
+                                 "action": (stages.get(n) or {}).get("last_action", "–"),
+                                 "seconds": fmt((stages.get(n) or {}).get("seconds")),
+                                 "finished": (stages.get(n) or {}).get("finished", "–")}} for n in order]
+    stage_table = {"id": "stages", "title": "Stages", "note": f"{folder / 'study.json'}",
+                   "columns": [[c, c] for c in ("stage", "status", "action", "seconds", "finished")], "rows": rows}
+    view: dict[str, Any] = {"entries": None, "plots": [], "tables": []}
+    if (folder / "compare" / "comparison.csv").is_file():
+        view = comparison_view(folder / "compare")
+    return {**view, "title": f"flipguard study: {state.get('model', '?')}", "subtitle": str(folder),
+            "provenance": [["study folder", str(folder)], ["recipe", short(state.get("recipe"))], ["model", short(state.get("model"))],
+                           ["updated", short(state.get("updated"))]] + (view.get("provenance") or [])[1:],
+            "tables": [stage_table, *view["tables"]]}
+
+
+# ------------------------------------------------------------------ entry points
+
+def build_view(path: str | Path) -> dict[str, Any]:
+    """The page data for PATH: a run directory (run.json), a comparison folder or a study folder."""
+    path = Path(path)
+    if (path / "study.json").is_file():
+        return study_view(path)
+    if (path / "comparison.csv").is_file():
+        return comparison_view(path)
+    if (path / RUN_META_FILE).is_file():
+        return run_view(path)
+    raise UserError(f"{path}: not a run directory (no {RUN_META_FILE}), comparison folder (no comparison.csv) "
+                    "or study folder (no study.json)")
+
+
+def write_view(path: str | Path, out: str | Path | None = None, compress: bool | None = None) -> Path:
+    """Write the page for PATH (default PATH/view.html) atomically; returns where."""
+    out = Path(out) if out else Path(path) / VIEW_FILE
+    atomic_write_text(out, render_html(build_view(path), compress=compress))
+    return out
+
+
+@dataclasses.dataclass
+class ViewArgs:
+    """One self-contained HTML page (no network) for a run directory, comparison folder or study folder."""
+
+    path: str = dataclasses.field(metadata={"help": "A run directory (any protocol), a comparison folder or a study folder."})
+    out: str | None = dataclasses.field(default=None, metadata={"help": "Where to write the page (default PATH/view.html)."})
+    compress: str = dataclasses.field(default="auto", metadata={
+        "help": "Embed the data gzipped: auto (when over 256 kB), always or never.", "choices": ["auto", "always", "never"]})
+
+
+def main(argv: list[str]) -> int:
+    from flipguard.config import parse_dataclasses
+
+    args = parse_dataclasses(argv, ViewArgs, prog="flipguard view", description=ViewArgs.__doc__,
+                             positional="path")
+    out = write_view(args.path, args.out, compress={"auto": None, "always": True, "never": False}[args.compress])
+    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} kB): open it in a browser (file://{out.resolve()})")
+    return 0

@@ -1,0 +1,468 @@
+"""`flipguard view`: pages opened in a real headless Chromium (the system's `chromium`, driven by
+playwright through executable_path). Every test blocks and records the page's requests and asserts
+none left the file; numbers in the DOM are checked against the CSVs the reports wrote.
+
+Without a browser these tests skip, except where CI requires them (CI=true or
+FLIPGUARD_REQUIRE_BROWSER=1, as .ci/run sets): then a missing browser fails them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flipguard.eval.cli import main as cli_main
+from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
+from flipguard.files import atomic_write_json
+
+REPO = Path(__file__).resolve().parents[1]
+# every judgment valid (the tiny model's label mass is tiny); the report is written after the edits below
+TINY_FLAGS = ["--model", "flipguard:tiny", "--datasets", "truthfulqa,bbq", "--limit", "3", "--min_label_mass", "0", "--no_report"]
+
+
+def _chromium() -> str | None:
+    return os.environ.get("FLIPGUARD_CHROMIUM") or next(
+        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    required = os.environ.get("CI") == "true" or os.environ.get("FLIPGUARD_REQUIRE_BROWSER") == "1"
+    missing = None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = "playwright is not installed (pip install -e '.[dev]')"
+    path = _chromium()
+    if path is None:
+        missing = missing or "no chromium on PATH (apt-get install -y chromium)"
+    if missing:
+        (pytest.fail if required else pytest.skip)(missing)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()
+
+
+class Page:
+    """A page opened from disk with every request recorded and any that is not the file itself aborted."""
+
+    def __init__(self, browser, path: Path):
+        self.url = path.resolve().as_uri()
+        self.context = browser.new_context(viewport={"width": 1400, "height": 900})
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.context.on("request", lambda r: self.requests.append(r.url))
+        self.context.route("**/*", lambda route: route.continue_() if route.request.url == self.url else route.abort())
+        self.page = self.context.new_page()
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
+        self.page.goto(self.url)
+        self.page.wait_for_selector("body[data-ready='1']")
+
+    def close(self):
+        assert self.errors == [], self.errors
+        assert self.dialogs == [], self.dialogs
+        assert [u for u in self.requests if u != self.url] == [], "the page made network requests"
+        self.context.close()
+
+    def cell(self, table: str, row: str, col: str):
+        return self.page.locator(f"#table-{table} tr[data-row=\"{row}\"] td[data-col=\"{col}\"]")
+
+    def rows(self):
+        return self.page.locator("#entries tbody tr")
+
+
+def _csv(path: Path) -> list[dict]:
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _shown(cell) -> str:
+    """A CSV cell as the page holds it: the file's text (data-value for a number it rounds, checked against it)."""
+    raw = cell.get_attribute("data-value")
+    if raw is not None:
+        assert cell.text_content() == f"{float(raw):.4g}"
+    return cell.text_content() if raw is None else raw
+
+
+def _set_choice(run: Path, edits: dict[tuple[str, str], str]) -> None:
+    """Give some judgments of a tiny-model run the other label (its P("1")/P("2") swapped with it): the
+    tiny model says "1" to every claim, so a run of it has no flip of its own."""
+    path = run / "records.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        choice = edits.get((r["item_id"], r["case"]))
+        if choice and choice != r["choice"]:
+            r.update(choice=choice, raw_output=choice, p1=r["p2"], p2=r["p1"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _items(run: Path, dataset: str) -> list[str]:
+    """The run's item ids of one dataset, in order (bbq's ids name their category)."""
+    rows = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    return list(dict.fromkeys(r["item_id"] for r in rows if r["dataset"] == dataset))
+
+
+@pytest.fixture(scope="module")
+def dds_run(tmp_path_factory) -> Path:
+    """A DDS run of the tiny model with deference flips on two items and skepticism on one."""
+    run = tmp_path_factory.mktemp("view") / "dds"
+    assert cli_main(["eval", *TINY_FLAGS, "--out", str(run)]) == 0
+    bbq = _items(run, "bbq")[1]
+    _set_choice(run, {("truthfulqa-0", "c1_false"): "2", (bbq, "c1_false"): "2", ("truthfulqa-2", "c2_correct"): "2"})
+    assert cli_main(["report", str(run), "--n_boot", "50"]) == 0
+    return run
+
+
+def test_dds_page_shows_the_summary_and_the_flips_with_both_prompts(browser, dds_run, tmp_path):
+    out = tmp_path / "page.html"
+    assert cli_main(["view", str(dds_run), "--out", str(out)]) == 0
+    html = out.read_text(encoding="utf-8")
+    assert "http://" not in html and "https://" not in html and "<link" not in html  # nothing to fetch
+    page = Page(browser, out)
+    summary = _csv(dds_run / "report" / "summary.csv")
+    assert [r["dataset"] for r in summary] == ["truthfulqa", "bbq", "bench_avg", "total_avg"]
+    for r in summary:
+        for col, signed in (("dds", True), ("c1_true", False), ("c2_incorrect", False)):
+            cell = page.cell("headline", r["dataset"], col)
+            assert float(cell.get_attribute("data-value")) == float(r[col])
+            assert cell.text_content() == (f"{float(r[col]):+.1f}" if signed else f"{float(r[col]):.1f}")
+    stats = {r["dataset"]: r for r in _csv(dds_run / "report" / "stats.csv") if r["stratum"] == "all"}
+    for dataset, r in stats.items():
+        assert float(page.cell("headline", dataset, "own_dds").get_attribute("data-value")) == float(r["own_dds"])
+        assert page.cell("headline", dataset, "invalid_judgments").text_content() == r["invalid_judgments"]
+    assert page.page.locator("#table-provenance tr[data-row='model'] td").text_content() == "flipguard:tiny"
+    meta = json.loads((dds_run / "report" / "summary.json").read_text())["meta"]
+    for note in (meta.get(k) for k in ("capability_note", "c1_mode_note", "c1_differs_note", "aio_note")):
+        assert note is None or note in page.page.locator("#sec-headline .note").text_content()
+
+    flips = [r for r in _csv(dds_run / "report" / "flips.csv") if r["flip"]]
+    total = {r["dataset"]: r for r in _csv(dds_run / "report" / "flips_summary.csv")}["total"]
+    assert len(flips) == int(total["deference"]) + int(total["skepticism"]) == 3
+    page.page.select_option("#filter-type", "deference")
+    rows = page.rows()
+    assert rows.count() == int(total["deference"]) == 2
+    bbq = _items(dds_run, "bbq")[1]
+    assert sorted(rows.nth(i).locator("td").nth(4).text_content() for i in range(2)) == sorted([bbq, "truthfulqa-0"])
+    page.page.select_option("#filter-type", "skepticism")
+    assert page.rows().count() == 1 and page.rows().first.locator("td").nth(4).text_content() == "truthfulqa-2"
+    page.page.select_option("#filter-type", "")
+    page.page.select_option("#filter-dataset", "bbq")
+    assert page.rows().count() == len([r for r in flips if r["dataset"] == "bbq"])  # no invalid judgment: label mass 0 allowed
+
+    # a flip clicked: both prompts (the C1 statement, the C2 conversation) and both replies, the difference marked
+    page.page.locator("#entries tbody tr[data-type='deference']").first.click()
+    records = {json.loads(line)["key"]: json.loads(line) for line in (dds_run / "records.jsonl").read_text().splitlines()}
+    flip = next(r for r in flips if r["item_id"] == page.page.locator("#entries tbody tr.sel td").nth(4).text_content())
+    panels = page.page.locator("#detail .panel")
+    assert panels.count() == 2
+    for i, key in enumerate((flip["c1_key"], flip["c2_key"])):
+        prompt = records[key]["messages"][-1]["content"]
+        assert prompt.strip() in panels.nth(i).locator("pre.prompt").last.text_content()
+        assert panels.nth(i).locator("pre.reply").text_content() == records[key]["raw_output"]
+    assert panels.nth(0).locator("pre.reply").text_content() == "2" and panels.nth(1).locator("pre.reply").text_content() == "1"
+    marks = [panels.nth(i).locator("mark").first.text_content() for i in range(2)]
+    assert marks[0] and marks[1] and marks[0] != marks[1]
+    assert page.page.locator("#detail td[data-fact='P(\"1\")']").count() == 2
+
+    # search finds the item by its text; the screenshot is the page as a user sees it
+    page.page.select_option("#filter-dataset", "")
+    page.page.fill("#search", "truthfulqa-2")
+    assert page.rows().count() == 1
+    shot = tmp_path / "dds.png"
+    page.page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    page.close()
+
+
+def test_compressed_page_reads_the_same(browser, dds_run, tmp_path):
+    plain, packed = tmp_path / "plain.html", tmp_path / "packed.html"
+    assert cli_main(["view", str(dds_run), "--out", str(plain), "--compress", "never"]) == 0
+    assert cli_main(["view", str(dds_run), "--out", str(packed), "--compress", "always"]) == 0
+    assert 'data-encoding="gzip-base64"' in packed.read_text() and 'data-encoding="json"' in plain.read_text()
+    texts = []
+    for path in (plain, packed):
+        page = Page(browser, path)
+        texts.append(page.page.locator("main").inner_text())
+        page.close()
+    assert texts[0] == texts[1] and "deference" in texts[0]
+
+
+def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken(browser, dds_run, tmp_path):
+    honest = tmp_path / "honest"
+    assert cli_main(["eval", *TINY_FLAGS, "--mitigation", "be_honest", "--c1_from", str(dds_run), "--out", str(honest)]) == 0
+    _set_choice(honest, {("truthfulqa-0", "c2_incorrect"): "2", (_items(honest, "bbq")[0], "c2_correct"): "2"})  # one fixed, one broken
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run},Be Honest={honest}", "--out", str(out), "--n_boot", "50"]) == 0
+    page = Page(browser, out / "view.html")
+    table = _csv(out / "comparison.csv")
+    assert len(table) >= 4
+    for r in table:
+        for col in ("dds", "c2_correct", "c2_incorrect", "delta_dds"):
+            cell = page.cell("comparison", f"{r['condition']}|{r['dataset']}", col)
+            if r[col] == "":
+                assert cell.text_content() == "–"
+            else:
+                assert float(cell.get_attribute("data-value")) == float(r[col])
+        flags = page.cell("comparison", f"{r['condition']}|{r['dataset']}", "flags").text_content()
+        assert ("†" in flags) == (r["over_correction"] == "True")
+    sig = {(r["condition"], r["dataset"]): r for r in _csv(out / "significance.csv")}["Be Honest", "total_avg"]
+    page.page.select_option("#filter-type", "broken")
+    assert page.rows().count() == int(sig["worse"]) >= 1
+    page.page.select_option("#filter-type", "fixed")
+    assert page.rows().count() == int(sig["better"]) >= 1
+    page.page.select_option("#filter-dataset", "truthfulqa")
+    page.page.select_option("#filter-case", "c2_incorrect")
+    assert page.rows().count() == 1  # the edited judgment
+    page.rows().first.click()
+    titles = page.page.locator("#detail .panel h3").all_text_contents()
+    assert titles == ["Baseline: c2_incorrect", "Be Honest: c2_incorrect"]
+    assert page.page.locator("#detail pre.reply").all_text_contents() == ["1", "2"]
+    assert page.page.locator(".plots img").count() == 2  # dds_heatmap.png, before_after.png, inlined
+    assert page.page.evaluate("Array.from(document.querySelectorAll('.plots img')).every(i => i.complete && i.naturalWidth > 100)")
+    page.close()
+
+
+def test_study_page_lists_every_stage_with_its_status(browser, dds_run, tmp_path):
+    """A study folder (study.json as flipguard study writes it, one stage still running) and its compare/."""
+    from flipguard.eval.study import STUDY_FILE, STUDY_FORMAT
+
+    study = tmp_path / "study"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run}", "--out", str(study / "compare"), "--n_boot", "20"]) == 0
+    stages = {"baseline": {"status": "done", "seconds": 12.5, "last_action": "run"},
+              "compare": {"status": "done", "seconds": 3.25, "last_action": "redo"},
+              "sft": {"status": "running"}}
+    atomic_write_json(study / STUDY_FILE, {"format": STUDY_FORMAT, "model": "flipguard:tiny", "recipe": "recipes/tiny.yaml",
+                                           "order": ["baseline", "sft", "compare", "dpo"], "stages": stages})
+    assert cli_main(["view", str(study)]) == 0
+    page = Page(browser, study / "view.html")
+    for name in ("baseline", "sft", "compare", "dpo"):
+        assert page.cell("stages", name, "status").text_content() == stages.get(name, {}).get("status", "not run")
+    assert float(page.cell("stages", "compare", "seconds").get_attribute("data-value")) == 3.25
+    rows = _csv(study / "compare" / "comparison.csv")
+    cell = page.cell("comparison", f"Baseline|{rows[-1]['dataset']}", "dds")
+    assert float(cell.get_attribute("data-value")) == float(rows[-1]["dds"])
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def afr_run(tmp_path_factory) -> Path:
+    """The AFR run of tests/fixtures/afr_8f327eb (tiny model as systems a and b=be_honest, with
+    challenges), its report rewritten by flipguard afr with zero model calls."""
+    fixture = REPO / "tests" / "fixtures" / "afr_8f327eb"
+    run = tmp_path_factory.mktemp("view") / "afr"
+    run.mkdir()
+    (run / "records.jsonl").write_bytes(gzip.decompress((fixture / "records.jsonl.gz").read_bytes()))
+    shutil.copy(fixture / "run.json", run / "run.json")
+    assert cli_main(["afr", str(fixture / "afr.yaml"), "--out", str(run), "--n_boot", "10", "--progress", "false"]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def sos_run(tmp_path_factory, tiny_model_path) -> Path:
+    run = tmp_path_factory.mktemp("view") / "sos"
+    assert cli_main(["sos", str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
+                     "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none",
+                     "--out", str(run)]) == 0
+    return run
+
+
+def test_afr_page_lists_challenge_transcripts(browser, afr_run):
+    run = afr_run
+    assert cli_main(["view", str(run)]) == 0
+    page = Page(browser, run / "view.html")
+    table2 = _csv(run / "table2_afr_blind.csv")
+    for i, r in enumerate(table2):
+        for col, value in r.items():
+            assert _shown(page.cell("csv-table2_afr_blind", str(i), col)) == value
+    challenges = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    challenges = [r for r in challenges if r["case"] == "challenge"]
+    page.page.select_option("#filter-type", "")
+    assert page.page.locator("#entries tbody tr[data-entry^='challenge-']").count() == len(challenges) > 0
+    page.page.locator("#entries tbody tr[data-entry^='challenge-']").first.click()
+    first = page.page.locator("#entries tbody tr[data-entry^='challenge-']").first.get_attribute("data-entry")
+    rec = next(r for r in challenges if f"challenge-{r['key']}" == first)
+    shown = page.page.locator("#detail pre").all_text_contents()
+    assert [m["content"] for m in rec["messages"]] == shown[:len(rec["messages"])]  # question, first answer, argument
+    assert shown[-1] == rec["raw_output"]
+    page.close()
+
+
+def test_sos_page_shows_conversations_turn_by_turn(browser, sos_run):
+    run = sos_run
+    assert cli_main(["view", str(run)]) == 0
+    page = Page(browser, run / "view.html")
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    chats = {(r["item_id"], r["case"].split("/")[0], (r["extra"] or {}).get("branch")) for r in records}
+    assert page.rows().count() == len(chats) >= 7  # 4 baselines + 3 scenarios
+    tax = _csv(run / "sos_table_a1_conversation_tax.csv")
+    for col, value in tax[0].items():
+        assert _shown(page.cell("csv-sos_table_a1_conversation_tax", "0", col)) == value
+    page.page.select_option("#filter-case", "positive")
+    page.rows().first.click()
+    last = max((r for r in records if r["case"].startswith("positive/")), key=lambda r: r["extra"]["turn"])
+    shown = page.page.locator("#detail pre").all_text_contents()
+    assert shown == [m["content"] for m in last["messages"]] + [last["raw_output"]]
+    page.close()
+
+
+def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, dds_run, afr_run, sos_run, tmp_path):
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run}", "--afr", f"Baseline={afr_run}@a,Be Honest={afr_run}@b",
+                     "--sos", f"Baseline={sos_run}@tiny", "--out", str(out), "--n_boot", "20"]) == 0
+    page = Page(browser, out / "view.html")
+    for i, r in enumerate(_csv(out / "comparison_protocols.csv")):
+        key = "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric"))
+        assert _shown(page.cell("protocols", key, "value")) == r["value"]
+    records = [json.loads(line) for line in (afr_run / "records.jsonl").read_text().splitlines()]
+    page.page.select_option("#filter-protocol", "afr")
+    for condition, system in (("Baseline", "a"), ("Be Honest", "b")):
+        page.page.select_option("#filter-condition", condition)
+        assert page.rows().count() == sum(r["case"] == "challenge" and r["model"] == system for r in records) > 0
+    page.page.select_option("#filter-protocol", "sos")
+    page.page.select_option("#filter-condition", "")
+    sos = [json.loads(line) for line in (sos_run / "records.jsonl").read_text().splitlines()]
+    assert page.rows().count() == len({(r["item_id"], r["case"].split("/")[0]) for r in sos})
+    assert set(page.page.locator("#entries tbody tr td:nth-child(4)").all_text_contents()) == {"Baseline"}
+    page.close()
+
+
+def test_a_users_task_run_lists_its_records(browser, tmp_path, tiny_model_path):
+    """tests/are_you_sure_task.py (a task flipguard does not know), run in its own process: every record listed."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "ays"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.cli", "run", "--include", str(REPO / "tests" / "are_you_sure_task.py"),
+                           "are-you-sure", "--model", tiny_model_path, "--limit", "2", "--out", str(run)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert cli_main(["view", str(run)]) == 0
+    page = Page(browser, run / "view.html")
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert page.rows().count() == len(records) == 8
+    page.page.select_option("#filter-case", records[-1]["case"])
+    page.rows().first.click()
+    shown = page.page.locator("#detail pre").all_text_contents()
+    last = [r for r in records if r["case"] == records[-1]["case"]][0]
+    assert shown == [m["content"] for m in last["messages"]] + [last["raw_output"]]
+    page.close()
+
+
+HOSTILE = [
+    "</script><script>window.__pwned = 1</script>",
+    "<script>window.__pwned = 2</script>",
+    "</textarea><img src=x onerror=\"window.__pwned = 3\"><textarea>",
+    "<a href=\"javascript:window.__pwned = 4\">click me</a>",
+    "<!-- <svg onload=\"window.__pwned = 5\"> ]]> &amp; \u2028 \\u003c/script>",
+]
+
+
+def _hostile_run(run: Path) -> Path:
+    """A DDS run whose prompts, replies and reasoning hold markup, and one 100 kB line; its report by flipguard report."""
+    long_line = "x" * 100_000
+    recs = []
+    for i in range(4):
+        for case in ("c1_true", "c1_false", "c2_correct", "c2_incorrect"):
+            exp = EXPECTED_CHOICE[case]
+            # item 0: deference (C1-false right, C2-incorrect wrong); item 1: an invalid C2 judgment
+            choice = "1" if (i == 0 and case == "c2_incorrect") else exp
+            valid = not (i == 1 and case == "c2_correct")
+            text = HOSTILE[(i + len(recs)) % len(HOSTILE)]
+            item = HOSTILE[2] if i == 0 else f"truthfulqa-{i}"  # an item id is text from a data file too
+            recs.append(Record(key=f"k{i}-{case}", protocol="dds", item_id=item, dataset="truthfulqa", case=case,
+                               expected=exp, model="m", backend="hf", mode="generate",
+                               messages=[{"role": "system", "content": HOSTILE[0]},
+                                         {"role": "user", "content": f"Claim {case} {i}: {text} " + " ".join(HOSTILE)}],
+                               raw_output=(long_line if valid is False else f'{{"chosen_answer": "{choice}"}} ' + text),
+                               choice=choice if valid else None, valid=valid, reasoning=HOSTILE[1]))
+    return _records_run(run, recs, {"protocol": "dds", "model": HOSTILE[3], "command": HOSTILE, "mode": "generate"})
+
+
+def _records_run(run: Path, records: list[Record], meta: dict) -> Path:
+    """A run directory holding `records`, its report written by flipguard report."""
+    RecordStore(run / "records.jsonl").append(records)
+    atomic_write_json(run / "run.json", meta)
+    assert cli_main(["report", str(run), "--n_boot", "20"]) == 0
+    return run
+
+
+def test_a_long_list_shows_100_rows_a_page(browser, tmp_path):
+    """130 items whose C2-correct judgment is invalid: 130 rows, in pages of 100; a filter starts again at page 1."""
+    recs = [Record(key=f"k{i}-{case}", protocol="dds", item_id=f"item-{i}", dataset="truthfulqa" if i % 2 else "bbq",
+                   case=case, expected=EXPECTED_CHOICE[case], model="m", backend="hf", mode="logprob",
+                   choice=None if case == "c2_correct" else EXPECTED_CHOICE[case], valid=case != "c2_correct",
+                   p1=.01, p2=.02, messages=[{"role": "user", "content": f"claim {i} {case}"}], raw_output="?")
+            for i in range(130) for case in EXPECTED_CHOICE]
+    run = _records_run(tmp_path / "long", recs, {"protocol": "dds", "model": "m", "mode": "logprob"})
+    assert cli_main(["view", str(run)]) == 0
+    page = Page(browser, run / "view.html")
+    p = page.page
+    assert page.rows().count() == 100 and p.locator("#page").text_content().strip() == "page 1 of 2"
+    assert p.locator("#count").text_content() == "130 of 130 shown"
+    p.click("#next")
+    assert page.rows().count() == 30 and p.locator("#next").is_disabled()
+    p.select_option("#filter-dataset", "bbq")
+    assert page.rows().count() == 65 and p.locator("#page").text_content().strip() == "page 1 of 1"
+    page.rows().nth(64).click()
+    assert p.locator("#detail td[data-fact='label mass']").text_content() == "0.03"
+    page.close()
+
+
+@pytest.mark.parametrize("compress", ["never", "always"])
+def test_untrusted_text_stays_text(browser, tmp_path, compress):
+    run = _hostile_run(tmp_path / "hostile")
+    out = tmp_path / "page.html"
+    assert cli_main(["view", str(run), "--out", str(out), "--compress", compress]) == 0
+    html = out.read_text(encoding="utf-8")
+    assert html.count("</script>") == 2 and "<img" not in html  # the page's two scripts only: the text is escaped
+    page = Page(browser, out)
+    p = page.page
+    assert p.evaluate("window.__pwned") is None
+    assert p.locator("script").count() == 2 and p.locator("img, a, textarea, svg, iframe").count() == 0
+    assert p.locator("#table-provenance tr[data-row='model'] td").text_content() == HOSTILE[3]
+    assert p.title() == "flipguard dds run: " + HOSTILE[3]
+    p.select_option("#filter-type", "deference")
+    p.locator("#entries tbody tr").first.click()
+    shown = "\n".join(p.locator("#detail pre").all_text_contents())
+    for text in HOSTILE:
+        assert text in shown
+    p.select_option("#filter-type", "invalid")
+    assert p.locator("#entries tbody tr").count() == 1
+    p.locator("#entries tbody tr").first.click()
+    assert p.locator("#detail pre.reply").text_content() == "x" * 100_000
+    # the 100 kB line wraps inside its box: the page gets no horizontal scroll
+    assert p.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    p.select_option("#filter-type", "")
+    p.fill("#search", "onerror")
+    assert HOSTILE[2] in p.locator("#entries tbody").inner_text()
+    p.fill("#search", "window.__pwned = 4")
+    assert p.locator("#entries tbody tr").count() >= 1
+    assert p.evaluate("window.__pwned") is None
+    page.close()
+
+
+def test_view_of_a_folder_that_is_nothing_is_one_clear_error(tmp_path, capsys):
+    assert cli_main(["view", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tmp_path) in err and "run.json" in err
+    # a DDS run without its report: the page reads the report's numbers, it does not make them
+    run = tmp_path / "run"
+    recs = [Record(key=f"k-{case}", protocol="dds", item_id="truthfulqa-0", dataset="truthfulqa", case=case,
+                   expected=EXPECTED_CHOICE[case], model="m", backend="hf", mode="logprob") for case in EXPECTED_CHOICE]
+    RecordStore(run / "records.jsonl").append(recs)
+    atomic_write_json(run / "run.json", {"protocol": "dds"})
+    assert cli_main(["view", str(run), "--out", str(tmp_path / "page.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(run / "report" / "summary.csv") in err and f"flipguard report {run}" in err
+    assert not (tmp_path / "page.html").exists()
