@@ -411,7 +411,9 @@ def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rat
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == steps - 1:
-            log(f"  step {step + 1:4d}/{steps}  loss {loss.item():.4f}  ({time.time() - t0:.0f}s)")
+            elapsed = time.time() - t0
+            log(f"  step {step + 1:4d}/{steps}  loss {loss.item():.4f}  ({elapsed:.0f}s, "
+                f"about {elapsed / (step + 1) * (steps - step - 1):.0f}s to go)")
     model.eval()
 
 
