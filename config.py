@@ -17,14 +17,15 @@ A recipe is data (alignment-handbook style). Its layout::
     load_in_4bit: true                             # (model, quantization, LoRA) and any
     lora_r: 64                                     # field SFTConfig and DPOConfig share
     seed: 42                                       # (seed, report_to, use_cpu, ...)
-    sft: {learning_rate: 2.0e-4, ...}              # trl.SFTConfig (+ ModelConfig overrides)
-    dpo: {beta: 0.1, dtype: float16, ...}          # trl.DPOConfig (+ ModelConfig overrides)
+    sft: {learning_rate: 2.0e-4, ...}              # a registered trainer (TRAINERS): its TRL
+    dpo: {beta: 0.1, dtype: float16, ...}          # config (+ ModelConfig overrides)
     pairs: {strategy: all, dir: ..., ...}          # PairsArguments   (flag prefix pairs_)
     eval: {datasets: bench, mode: logprob, ...}    # EvalPlanArguments (flag prefix eval_plan_)
     tracking: {project: flipguard, ...}            # TrackingArguments (flag prefix tracking_)
 
-`train/sft.py` reads the top level plus `sft:`, `train/dpo.py` the top level plus
-`dpo:`; every section is checked by every script, so a typo anywhere is an error that
+`train/<name>.py` reads the top level plus its trainer's section (`train/dpo.py`: `dpo:`);
+the top level takes the fields that every trainer the recipe has a section for shares.
+Every section is checked by every script, so a typo anywhere is an error that
 names the key. Precedence: dataclass defaults < top level < trainer section < command
 line. Section keys become flags with the section's prefix (`pairs: {strategy: flips}`
 is `--pairs_strategy flips`); trainer and model keys keep their TRL names
@@ -44,7 +45,52 @@ from typing import Any, Callable, Iterable
 
 from flipguard.errors import UserError
 
-TRAINER_SECTIONS = ("sft", "dpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """One registered trainer: everything the recipe parser, the study and the CLI need to know.
+    By convention its name is also its recipe section, its script `train/<name>.py` (a
+    `main(argv, prog)`), its command `flipguard <name>` and its study stages (<name>,
+    <name>-merge, <name>-eval); adding a trainer is that script plus one `register_trainer`."""
+
+    name: str
+    config: str  # "module:Class" of its TRL config (the section's fields), imported on use
+    pairs: str   # the pair dataset it reads from pairs.dir: "sft" (prompt/completion) or "dpo" (prompt/chosen/rejected)
+    label: str   # its condition in the comparison
+    help: str    # one line for `flipguard --help`
+
+    def config_class(self):
+        import importlib
+
+        module, _, name = self.config.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+TRAINERS: dict[str, Trainer] = {}
+
+
+def register_trainer(trainer: Trainer) -> Trainer:
+    TRAINERS[trainer.name] = trainer
+    return trainer
+
+
+register_trainer(Trainer("sft", "trl:SFTConfig", "sft", "SFT", "LoRA SFT from a recipe"))
+register_trainer(Trainer("dpo", "trl:DPOConfig", "dpo", "DPO", "LoRA DPO from a recipe"))
+
+
+def trainer_entry(name: str, where: str) -> Trainer:
+    """The registered trainer `name`; anything else is one error listing the registered ones."""
+    if name not in TRAINERS:
+        raise RecipeError(f"{where}: unknown trainer {name!r} (registered trainers: {', '.join(TRAINERS)})")
+    return TRAINERS[name]
+
+
+def is_section(key: str) -> bool:
+    """A recipe section (a trainer's, pairs/eval/tracking or env), not a top-level field."""
+    return key in TRAINERS or key in ARG_SECTIONS or key == "env"
+
+
 # section -> flag prefix of its dataclass fields
 ARG_SECTIONS = {"pairs": "pairs_", "eval": "eval_plan_", "tracking": "tracking_"}
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -143,7 +189,8 @@ class EvalPlanArguments:
         metadata={"help": "Prompting mitigations run on the base model (the baseline, 'none', always runs)."},
     )
     eval_plan_trainers: list[str] | None = dataclasses.field(
-        default=None, metadata={"help": "Trainers whose merged models are measured (sft, dpo; default: every trainer section of the recipe; [] = none)."}
+        default=None, metadata={"help": "Trainers whose merged models are measured (registered: config.TRAINERS; "
+                                        "default: every trainer section of the recipe; [] = none)."}
     )
     eval_plan_mode: str = dataclasses.field(
         default="logprob", metadata={"help": "logprob (one-token P('1')/P('2')) or generate (paper JSON).", "choices": ["logprob", "generate"]}
@@ -191,7 +238,7 @@ class TrackingArguments:
     tracking_project: str = dataclasses.field(default="flipguard", metadata={"help": "wandb project."})
     tracking_entity: str | None = dataclasses.field(default=None, metadata={"help": "wandb entity (team/user)."})
     tracking_run_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "Base run name; scripts append -sft / -dpo unless --run_name is given."}
+        default=None, metadata={"help": "Base run name; scripts append -<trainer> (-sft, -dpo, ...) unless --run_name is given."}
     )
     tracking_group: str | None = dataclasses.field(
         default=None, metadata={"help": "wandb group of the training and study runs (default: run_name)."}
@@ -207,9 +254,16 @@ def _fields(cls) -> set[str]:
 
 
 def _trainer_classes():
-    from trl import DPOConfig, ModelConfig, SFTConfig
+    from trl import ModelConfig
 
-    return {"sft": SFTConfig, "dpo": DPOConfig}, ModelConfig
+    return {name: t.config_class() for name, t in TRAINERS.items()}, ModelConfig
+
+
+def _top_level_classes(raw: dict[str, Any], trainers: dict[str, Any]) -> list[Any]:
+    """The trainer configs the top level applies to: those the recipe has a section for (every
+    registered one when it has none), so registering a trainer changes no existing recipe."""
+    present = [cls for name, cls in trainers.items() if name in raw]
+    return present or list(trainers.values())
 
 
 def _unknown(path: str, where: str, key: str, valid: Iterable[str]) -> RecipeError:
@@ -242,10 +296,10 @@ def check_recipe_types(raw: dict[str, Any], path: str = "<recipe>", lines: dict[
     from flipguard.files import check_types, field_types
 
     trainers, model_cls = _trainer_classes()
-    top = field_types(model_cls, *trainers.values())
-    plain = {k: v for k, v in raw.items() if k not in TRAINER_SECTIONS and k not in ARG_SECTIONS and k != "env"}
+    top = field_types(model_cls, *_top_level_classes(raw, trainers))
+    plain = {k: v for k, v in raw.items() if not is_section(k)}
     check_types(plain, top, path, RecipeError, lines)
-    for section in TRAINER_SECTIONS:
+    for section in TRAINERS:
         values = raw.get(section) or {}
         check_types(values, field_types(trainers[section], model_cls), path, RecipeError, lines,
                     {k: f"{section}.{k}" for k in values})
@@ -304,9 +358,8 @@ def check_values(values: dict[str, Any], where: str, shown: dict[str, str] | Non
 
 
 def check_recipe_values(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
-    check_values({k: v for k, v in raw.items() if k not in TRAINER_SECTIONS and k not in ARG_SECTIONS},
-                 path, lines=lines)
-    for section in TRAINER_SECTIONS:
+    check_values({k: v for k, v in raw.items() if not is_section(k)}, path, lines=lines)
+    for section in TRAINERS:
         values = raw.get(section) or {}
         check_values(values, path, {k: f"{section}.{k}" for k in values}, lines)
     for section, prefix in ARG_SECTIONS.items():
@@ -326,17 +379,21 @@ def check_parsed_values(objs: Iterable[Any], where: str) -> None:
 def _check_keys(raw: dict[str, Any], path: str) -> None:
     trainers, model_cls = _trainer_classes()
     model_keys = _fields(model_cls)
-    shared = set.intersection(*(_fields(c) for c in trainers.values()))
-    top_valid = model_keys | shared | set(TRAINER_SECTIONS) | set(ARG_SECTIONS) | {"env"}
+    shared = set.intersection(*(_fields(c) for c in _top_level_classes(raw, trainers)))
+    top_valid = model_keys | shared | set(TRAINERS) | set(ARG_SECTIONS) | {"env"}
     for key, value in raw.items():
         if key not in top_valid:
-            raise _unknown(path, "the top level", key, top_valid)
-        if key in TRAINER_SECTIONS or key in ARG_SECTIONS:
+            error = _unknown(path, "the top level", key, top_valid)
+            if isinstance(value, dict):  # a section: most likely a trainer that is not registered
+                error = RecipeError(f"{error}; a section is a registered trainer ({', '.join(TRAINERS)}) "
+                                    f"or {', '.join([*ARG_SECTIONS, 'env'])}")
+            raise error
+        if key in TRAINERS or key in ARG_SECTIONS:
             if value is None:
                 continue
             if not isinstance(value, dict):
                 raise RecipeError(f"{path}: section {key!r} must be a mapping, got {type(value).__name__}")
-            if key in TRAINER_SECTIONS:
+            if key in TRAINERS:
                 valid = _fields(trainers[key]) | model_keys
                 label = f"section {key!r} ({trainers[key].__name__} or ModelConfig fields)"
                 for sub in value:
@@ -367,7 +424,7 @@ def flatten_recipe(raw: dict[str, Any], trainer: str | None) -> dict[str, Any]:
     argument sections under their prefixes."""
     flat: dict[str, Any] = {}
     for key, value in raw.items():
-        if key not in TRAINER_SECTIONS and key not in ARG_SECTIONS and key != "env":
+        if not is_section(key):
             flat[key] = value
     if trainer is not None:
         flat.update(raw.get(trainer) or {})
@@ -413,8 +470,8 @@ def _trl_parser_class():
         """TrlParser that reads flipguard's sectioned recipe (positional path or --config)."""
 
         def __init__(self, dataclass_types, trainer: str | None = None, **kwargs):
-            if trainer is not None and trainer not in TRAINER_SECTIONS:
-                raise ValueError(f"trainer must be one of {TRAINER_SECTIONS}, got {trainer!r}")
+            if trainer is not None:
+                trainer_entry(trainer, "RecipeParser")
             self.trainer = trainer
             self.recipe_path: str | None = None
             self.recipe: dict[str, Any] = {}

@@ -13,6 +13,7 @@ import importlib
 import inspect
 import sys
 
+from flipguard.config import TRAINERS
 from flipguard.errors import FlipguardError
 
 # name -> ("module:function", one-line help)
@@ -25,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "organism": ("flipguard.eval.organism:main", "build (once, cached) the planted-bias judge organism the demo measures"),
     "convert": ("flipguard.eval.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),
     "tiny-model": ("flipguard.eval.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
-    "pairs": ("flipguard.train.pairs:main", "build SFT/DPO pair datasets from flip records (recipe strategy)"),
+    "pairs": ("flipguard.train.pairs:main", "build the trainers' pair datasets from flip records (recipe strategy)"),
     "compare": ("flipguard.eval.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
     "view": ("flipguard.eval.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
     "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
@@ -37,10 +38,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cross-model": ("flipguard.eval.dds.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
     "run": ("flipguard.eval.task:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
     "study": ("flipguard.eval.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
-    "sft": ("flipguard.train.sft:main", "LoRA SFT from a recipe (same as python train/sft.py RECIPE)"),
-    "dpo": ("flipguard.train.dpo:main", "LoRA DPO from a recipe (same as python train/dpo.py RECIPE)"),
     "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
 }
+# one command per registered trainer (config.TRAINERS): `flipguard dpo` = python train/dpo.py
+COMMANDS.update({t.name: (f"flipguard.train.{t.name}:main", f"{t.help} (same as python train/{t.name}.py RECIPE)")
+                 for t in TRAINERS.values()})
 
 
 def _usage() -> str:
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    # the train/ scripts' main also serves `flipguard sft|dpo|merge`: their usage line names the subcommand
+    # the train/ scripts' main also serves `flipguard <trainer>|merge`: their usage line names the subcommand
     kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
     try:
         return int(func(rest, **kwargs) or 0)

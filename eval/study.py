@@ -7,7 +7,7 @@
 Stages, in order (the recipe decides which exist): `baseline` (DDS, test split, all four
 cases) and `baseline-<mode>` for eval.extra_modes; one per prompting mitigation (fixed C1
 from the baseline); `base-train` (the base model on the train split: the flip records);
-`pairs`; per trainer `sft`/`dpo` (accelerate launch on a GPU, in process on CPU),
+`pairs`; per trainer section (config.TRAINERS: `sft`, `dpo`, ...) the trainer (accelerate launch on a GPU, in process on CPU),
 `<trainer>-merge` and `<trainer>-eval` (the merged model, same eval as the baseline);
 `afr`/`sos` where eval.protocols asks; `compare` (comparison report with plots); `wandb`
 when report_to names wandb.
@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import yaml
 
+from flipguard.config import TRAINERS, is_section, trainer_entry
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.records import now_iso
 from flipguard.eval.task import run_task
@@ -53,7 +54,6 @@ STUDY_FILE = "study.json"
 STUDY_FORMAT = "flipguard-study/1"
 # prompting mitigation -> condition name in the comparison
 CONDITION_NAMES = {"be_honest": "Be Honest", "dehumanizing": "Dehumanizing"}
-TRAINERS = ("sft", "dpo")
 PROTOCOLS = ("afr", "sos")
 
 
@@ -72,10 +72,11 @@ def written_by_flipguard(path: Path) -> bool:
 @dataclasses.dataclass
 class StudyArguments:
     """Run a recipe's whole before/after plan (recipe `eval:` section): baseline and prompting
-    mitigations, flip records -> pairs -> SFT/DPO -> merge -> re-measure, AFR/stick-or-switch where
+    mitigations, flip records -> pairs -> each trainer -> merge -> re-measure, AFR/stick-or-switch where
     asked, comparison report with plots; finished stages are skipped on a rerun (DIR/study.json).
-    Stages: baseline, baseline-<extra mode>, <mitigation>..., base-train, pairs, sft, sft-merge, sft-eval,
-    dpo, dpo-merge, dpo-eval, afr, sos, compare, wandb (those the recipe asks for). Flags override the
+    Stages: baseline, baseline-<extra mode>, <mitigation>..., base-train, pairs, then per trainer section
+    (sft, dpo, ...) <trainer>, <trainer>-merge, <trainer>-eval, then afr, sos, compare, wandb (those the
+    recipe asks for). Flags override the
     recipe's eval_plan_/pairs_/tracking_ values (pairs records and dir are the study's own)."""
 
     out: str | None = dataclasses.field(default=None, metadata={"help": "Study folder (default runs/<recipe name>-study)."})
@@ -184,8 +185,7 @@ class Study:
             if mode not in MODES or mode == self.plan.eval_plan_mode:
                 raise StudyError(f"{where}.extra_modes: {mode!r} is not another decision mode (one of {list(MODES)})")
         for t in self.trainers:
-            if t not in TRAINERS:
-                raise StudyError(f"{where}.trainers: unknown trainer {t!r} (one of {list(TRAINERS)})")
+            trainer_entry(t, f"{where}.trainers")
             if t not in self.raw:
                 raise StudyError(f"{where}.trainers: {t!r} is listed but the recipe has no {t}: section")
         for p in self.plan.eval_plan_protocols:
@@ -293,16 +293,15 @@ class Study:
             out_dir, counts = build(pairs, self.recipe_path, records_given=True)
             print_counts(counts, out_dir)
 
-        title = "flip records -> SFT and DPO pairs (recipe strategy)" + (
+        title = "flip records -> pair datasets (recipe strategy)" + (
             f" + multi-turn pairs from {', '.join(trained_on)}" if trained_on else "")
+        read = dict.fromkeys(TRAINERS[t].pairs for t in self.trainers)  # the pair sets the trainers read
         return Stage("pairs", title, {"pairs": self.raw["pairs"], "conversations": pairs.pairs_conversations},
-                     ("base-train", *trained_on), (pairs_dir / "counts.json", pairs_dir / "sft.jsonl", pairs_dir / "dpo.jsonl"),
+                     ("base-train", *trained_on), (pairs_dir / "counts.json", *(pairs_dir / f"{k}.jsonl" for k in read)),
                      (pairs_dir,), run)
 
     def top_level(self) -> dict[str, Any]:
-        from flipguard.config import ARG_SECTIONS, TRAINER_SECTIONS
-
-        return {k: v for k, v in self.raw.items() if k not in TRAINER_SECTIONS and k not in ARG_SECTIONS and k != "env"}
+        return {k: v for k, v in self.raw.items() if not is_section(k)}
 
     def on_gpu(self) -> bool:
         if self.raw.get("use_cpu"):
@@ -317,7 +316,7 @@ class Study:
 
         adapter = self.out / "train" / trainer
         merged = self.out / "models" / f"{trainer}-merged"
-        name = trainer.upper()
+        name = TRAINERS[trainer].label
         self.models[name] = merged
         self.conditions[name] = self.out / "dds" / f"{trainer}-eval"
         self.artefacts.append((f"{name} merged model", merged))

@@ -81,3 +81,39 @@ def test_unknown_key_from_the_real_cli_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "train/sft.py", path], capture_output=True, text=True, timeout=BOUND)
     assert proc.returncode == 2
     assert "unknown key 'lr'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_unknown_trainer_is_one_error_listing_the_registered_ones(tmp_path, capsys):
+    from flipguard.config import TRAINERS
+    from flipguard.eval.cli import main as cli_main
+
+    registered = ", ".join(TRAINERS)
+    path = _write(tmp_path, "model_name_or_path: x\nnot_a_trainer:\n  beta: 0.1\n")
+    with pytest.raises(RecipeError, match="unknown key 'not_a_trainer'") as exc:
+        parse_recipe([path], SFT_TYPES, trainer="sft")
+    assert f"a section is a registered trainer ({registered})" in str(exc.value)
+    # the study's list of trainers to run: one line, naming the recipe key and the registered trainers
+    raw = "model_name_or_path: x\neval:\n  trainers: [not_a_trainer]\n"
+    assert cli_main(["study", _write(tmp_path, raw), "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.endswith(f"eval.trainers: unknown trainer 'not_a_trainer' (registered trainers: {registered})")
+    assert not (tmp_path / "s").exists()
+
+
+def test_every_registered_trainer_is_a_script_a_command_and_a_recipe_section():
+    """One registration (config.TRAINERS) reaches the recipe parser, `flipguard <name>` and train/<name>.py."""
+    import dataclasses
+    import importlib
+    from pathlib import Path
+
+    from flipguard.config import TRAINERS, read_recipe
+    from flipguard.eval.cli import COMMANDS
+    from flipguard.train.utils import REQUIRED_COLUMNS
+
+    root = Path(__file__).resolve().parent.parent
+    for name, trainer in TRAINERS.items():
+        assert (root / "train" / f"{name}.py").is_file() and callable(importlib.import_module(f"flipguard.train.{name}").main)
+        assert COMMANDS[name][0] == f"flipguard.train.{name}:main"
+        assert trainer.pairs in REQUIRED_COLUMNS and dataclasses.is_dataclass(trainer.config_class())
+        assert name in read_recipe(root / "recipes" / "tiny.yaml")  # the tests' recipe trains every one

@@ -9,6 +9,7 @@ checkpoint resumption and model cards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +35,77 @@ def run_main(main: Callable[[list[str]], int], prog: str) -> None:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         code = 2
     sys.exit(code)
+
+
+@dataclasses.dataclass
+class Job:
+    """What a train/<name>.py script hands its TRL trainer: the parsed recipe, the checked model,
+    tokenizer and pair dataset, the provenance and the tracking run."""
+
+    pairs_args: Any
+    training_args: Any
+    model_args: Any
+    tracking_args: Any
+    model_path: str
+    tokenizer: Any
+    dataset: Any
+    config: dict[str, Any]
+    run: Any
+    checkpoint: str | bool | None
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every TRL trainer takes alike (the adapter's LoRA and the 4-bit base)."""
+        from trl import get_peft_config, get_quantization_config
+
+        return dict(model=self.model_path, args=self.training_args, train_dataset=self.dataset,
+                    processing_class=self.tokenizer, peft_config=get_peft_config_checked(self.model_args, get_peft_config),
+                    quantization_config=get_quantization_config(self.model_args))
+
+
+def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] | None = None) -> Job:
+    """Everything before a registered trainer (config.TRAINERS) trains: its recipe section parsed
+    into its TRL config, threads, seed, logging, the checkpoint to resume, the model, the pair set
+    it reads (built when missing, validated, length-checked), provenance and tracking. `check`
+    refuses training arguments the trainer cannot honour, before anything is recorded."""
+    from transformers import set_seed
+    from trl import ModelConfig
+
+    from flipguard.config import PairsArguments, TrackingArguments, parse_recipe, trainer_entry
+    from flipguard.eval.threads import configure_threads
+
+    entry = trainer_entry(name, prog)
+    parsed, recipe_path, recipe = parse_recipe(
+        argv, (PairsArguments, entry.config_class(), ModelConfig, TrackingArguments), trainer=name, prog=prog
+    )
+    pairs_args, training_args, model_args, tracking_args = parsed
+    configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.eval.threads)
+    set_seed(training_args.seed)
+    setup_logging(training_args)
+    checkpoint = resume_checkpoint(training_args)
+
+    check_quantization_available(model_args)
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    check_model_loadable(model_path, recipe_path)
+    tokenizer = load_tokenizer(model_path, training_args.trust_remote_code)
+
+    ensure_pairs(pairs_args, recipe_path, model_path)
+    dataset = load_pair_dataset(pairs_args.pairs_dir, entry.pairs)
+    check_pair_lengths(dataset, tokenizer, training_args.max_length, entry.pairs)
+    if check is not None:
+        check(training_args)
+
+    config = run_config(recipe_path, recipe, parsed, dataset,
+                        {"trainer": name, "base_model": model_path, "lm_head_scores": score_labelled_positions_only()})
+    run = init_tracking(training_args, tracking_args, config, name)
+    training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
+    return Job(pairs_args, training_args, model_args, tracking_args, model_path, tokenizer, dataset, config, run,
+               checkpoint)
+
+
+def train_and_save(trainer, job: Job) -> int:
+    trainer.train(resume_from_checkpoint=job.checkpoint)
+    save_adapter(trainer, job.tokenizer, job.training_args, job.config, job.pairs_args.pairs_dir, job.run)
+    return 0
 
 
 def setup_logging(training_args) -> None:
@@ -128,7 +200,12 @@ def score_labelled_positions_only() -> str:
 
 # ---------------------------------------------------------------- pair datasets
 
+# the pair builder's datasets (a trainer's registration names the one it reads): prompt, then its replies
 REQUIRED_COLUMNS = {"sft": ("prompt", "completion"), "dpo": ("prompt", "chosen", "rejected")}
+
+
+def reply_columns(kind: str) -> tuple[str, ...]:
+    return REQUIRED_COLUMNS[kind][1:]
 
 
 def ensure_pairs(pairs_args, recipe_path: str | None, model: str | None = None) -> None:
@@ -162,7 +239,7 @@ def check_quantization_available(model_args) -> None:
 
 
 def load_pair_dataset(pairs_dir: str, kind: str):
-    """The `kind` ("sft"/"dpo") pair dataset written by `flipguard pairs`, validated."""
+    """The `kind` pair dataset (a key of REQUIRED_COLUMNS) written by `flipguard pairs`, validated."""
     from datasets import load_from_disk
 
     path = Path(pairs_dir) / kind
@@ -177,7 +254,7 @@ def load_pair_dataset(pairs_dir: str, kind: str):
         raise TrainError(f"{path}: missing column(s) {missing}; expected TRL {kind} format {REQUIRED_COLUMNS[kind]}")
     from flipguard.train.conversation_pairs import MULTI_TURN_CASES
 
-    completion_cols = ("completion",) if kind == "sft" else ("chosen", "rejected")
+    completion_cols = reply_columns(kind)
     meta_cols = [c for c in ("item_id", "case") if c in dataset.column_names]
     for i, row in enumerate(dataset.select_columns(list(completion_cols) + meta_cols)):
         multi_turn = row.get("case") in MULTI_TURN_CASES  # a letter or "Answer: X" reply, not a 1/2 judgment
@@ -191,7 +268,7 @@ def load_pair_dataset(pairs_dir: str, kind: str):
                     f"{path}: row {i} (item {row.get('item_id', '?')}): {col} must be one assistant message "
                     f"{want}, got {msgs!r} (refused)"
                 )
-        if multi_turn and kind == "dpo" and row["chosen"] == row["rejected"]:
+        if multi_turn and "rejected" in completion_cols and row["chosen"] == row["rejected"]:
             raise TrainError(f"{path}: row {i} (item {row.get('item_id', '?')}): chosen equals rejected (refused)")
     if len(dataset) == 0:
         raise TrainError(f"{path}: the pair dataset is empty")
@@ -213,7 +290,7 @@ def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) ->
         return {}
     from flipguard.train.pairs import chat_token_ids
 
-    completion_cols = ("completion",) if kind == "sft" else ("chosen", "rejected")
+    completion_cols = reply_columns(kind)
     too_long: list[str] = []
     answer_lost = 0
     longest = {"prompt": 0, "sequence": 0}
