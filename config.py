@@ -77,6 +77,7 @@ def register_trainer(trainer: Trainer) -> Trainer:
 
 register_trainer(Trainer("sft", "trl:SFTConfig", "sft", "SFT", "LoRA SFT from a recipe"))
 register_trainer(Trainer("dpo", "trl:DPOConfig", "dpo", "DPO", "LoRA DPO from a recipe"))
+register_trainer(Trainer("kto", "trl:KTOConfig", "dpo", "KTO", "LoRA KTO from a recipe, on the DPO pairs unpaired"))
 
 
 def trainer_entry(name: str, where: str) -> Trainer:

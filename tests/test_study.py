@@ -25,6 +25,7 @@ def _recipe(tmp_path: Path, **dpo) -> Path:
     raw["report_to"] = ["wandb"]
     raw["eval"].update(limit=2, n_boot=50)
     raw["pairs"]["datasets"] = "bbq"
+    raw.pop("kto")  # sft and dpo here; a study of the third trainer: test_a_kto_section_...
     for trainer in ("sft", "dpo"):
         raw[trainer]["max_steps"] = 2
     raw["dpo"].update(dpo)
@@ -134,6 +135,32 @@ def test_study_runs_skips_and_redoes_exactly_what_changed(tmp_path, monkeypatch,
     # and a changed report setting redoes the test-split evaluations and what reads them, not training
     assert cli_main(["study", str(changed), "--out", str(out), "--eval_plan_n_boot", "40"]) == 0
     assert _redone(before, out) == {"baseline", "be_honest", "dehumanizing", "sft-eval", "dpo-eval", "compare", "wandb"}
+
+
+@pytest.mark.slow
+def test_a_kto_section_makes_the_study_train_merge_and_measure_kto(tmp_path, monkeypatch):
+    """The third registered trainer needs nothing in the study: a recipe with its section gets its
+    stages (from the pair builder's pairs), its merged model measured and its row in the comparison."""
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    for other in ("sft", "dpo"):
+        raw.pop(other)
+    raw["report_to"] = "none"
+    raw["eval"].update(limit=2, n_boot=50, mitigations=[])
+    raw["pairs"]["datasets"] = "bbq"
+    raw["kto"]["max_steps"] = 2
+    recipe, out = tmp_path / "kto.yaml", tmp_path / "study"
+    recipe.write_text(yaml.safe_dump(raw))
+
+    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    state = _state(out)
+    assert state["order"] == ["baseline", "base-train", "pairs", "kto", "kto-merge", "kto-eval", "compare"]
+    assert {s["status"] for s in state["stages"].values()} == {"done"}
+    provenance = json.loads((out / "train" / "kto" / "flipguard_training.json").read_text())
+    assert provenance["trainer"] == "kto" and provenance["pairs_rows"] >= 1
+    assert json.loads((out / "dds" / "kto-eval" / "run.json").read_text())["model"] == str(out / "models" / "kto-merged")
+    table = pd.read_csv(out / "compare" / "comparison.csv")
+    assert list(dict.fromkeys(table["condition"])) == ["Baseline", "KTO"]
 
 
 def test_study_refuses_an_unknown_stage_and_a_none_mitigation(tmp_path, capsys):

@@ -288,3 +288,26 @@ def test_merge_without_pair_set_records_no_gap(tiny_model_path, tmp_path, capsys
     assert gap["max_abs_delta_p1"] is None and "no pair set" in gap["skipped"]
     out = capsys.readouterr()
     assert "Merge gap: not measured (no pair set" in out.out and "WARNING" not in out.err
+
+
+def test_kto_cli_moves_the_margin_on_the_unpaired_dpo_pairs(tiny_model_path, ones_dir, tmp_path):
+    """The third registered trainer through its own script, as sft/dpo: the pair builder's DPO set,
+    unpaired by KTOTrainer (chosen desirable, rejected undesirable), moves the preference."""
+    import json
+
+    out = tmp_path / "kto"
+    cmd = [sys.executable, "train/kto.py", "recipes/tiny.yaml", "--model_name_or_path", tiny_model_path,
+           "--pairs_dir", str(ones_dir), "--output_dir", str(out), "--max_steps", "6", "--per_device_train_batch_size", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(tmp_path), timeout=BOUND)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    provenance = json.loads((out / utils.PROVENANCE_FILE).read_text())
+    assert provenance["trainer"] == "kto" and provenance["resolved"]["KTOConfig"]["beta"] == 0.1
+    msgs = build_messages(ITEMS[1], "c2_correct", fmt="one_token")
+    before = answer_logprobs(tiny_model_path, None, msgs)
+    after = answer_logprobs(tiny_model_path, str(out), msgs)
+    assert after["1"] - after["2"] > before["1"] - before["2"] + 0.5
+    # one row per batch leaves KTO no KL estimate: refused in one line before training
+    cmd[cmd.index("--per_device_train_batch_size") + 1] = "1"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(tmp_path), timeout=BOUND)
+    assert proc.returncode == 2 and "kto.per_device_train_batch_size: 1 must be >= 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
