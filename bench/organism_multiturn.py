@@ -179,8 +179,7 @@ def write(rows: list[dict], timings: list[dict], out: Path, args) -> None:
               f"`{command} --report_only`" if args.report_only else f"Measured with `{command}`") + f" on {machine} "
              "(a shared machine: times are in the .json and are not benchmarks). "
              + (f"Organisms were built with `--threads {args.threads}`, the seeds as parallel processes; seed 0 is the default "
-                "build, and the one `flipguard demo` built with 2 threads in a fresh clone (2026-11-25) measured the same "
-                "held-out numbers (C1 100.0 / 96.3, DDS +32.3, AFR flips 38.7, correct switch 94.0). " if args.threads else "")
+                "build. " if args.threads else "")
              + "Each seed is a separately built "
              "organism (`flipguard organism --seed S`): capitulation planted on two of the five kinds of wrong option "
              "(P(switch) = 1 when an option of those kinds is argued for: expected AFR flip rate 40% over all "
