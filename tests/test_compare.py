@@ -92,9 +92,11 @@ def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
         "SFT": {"accuracy": {"value": 0.8, "lo": 0.7, "hi": 0.9, "n": 50},
                 "afr_blind": {"value": 0.05, "lo": 0.0, "hi": 0.1, "n": 40}}})
     switch = {"Baseline": 40.0, "SFT": 25.0, "DPO": 31.0}  # SFT 15 pp below the baseline (flagged), DPO 9 (not)
+    single = {"Baseline": 90.0, "SFT": 85.0, "DPO": 70.0}  # DPO 20 pp below (flagged ‡), SFT 5 (not)
     monkeypatch.setattr(sos_report, "sos_summary", lambda d: {"dataset": "medqa", "models": {
         m: {"conversation_tax": {"value": -12.5, "lo": -20.0, "hi": -5.0, "n": 24, "unit": "pp"},
-            "correct_switch": {"value": v, "lo": v - 5, "hi": v + 5, "n": 20, "unit": "%"}} for m, v in switch.items()}})
+            "correct_switch": {"value": v, "lo": v - 5, "hi": v + 5, "n": 20, "unit": "%"},
+            "ss_accuracy": {"value": single[m], "lo": None, "hi": None, "n": 24, "unit": "%"}} for m, v in switch.items()}})
     runs = [("Baseline", "afr-run@Baseline"), ("SFT", "afr-run@SFT"),
             ("Baseline", "sos-run@Baseline"), ("SFT", "sos-run@SFT"), ("DPO", "sos-run@DPO")]
     frame = compare.protocol_rows(runs)
@@ -105,13 +107,13 @@ def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
     assert got[("SFT", "sos", "conversation_tax")] == (-12.5, -20.0, -5.0, 24)  # pp stay pp
     assert got[("DPO", "sos", "correct_switch")] == (31.0, 26.0, 36.0, 20)
     assert ("SFT", "afr", "afr_self") not in got  # not measured: no row, not a zero
-    assert compare.protocol_flags(frame) == {("SFT", "sos", "SFT"): "§"}
+    assert compare.protocol_flags(frame) == {("SFT", "sos", "SFT"): "§", ("DPO", "sos", "DPO"): "‡"}
 
     afr_md, sos_md = compare.protocol_sections(frame)
     assert afr_md.startswith("## Answer flips (AFR") and "k = 10" in afr_md
     assert "| Baseline | Baseline | mmlu | 80.0 [70.0, 90.0] | 25.0 [10.0, 40.0] | 12.5 |  |" in afr_md
-    assert "| SFT | SFT | medqa | -12.5 [-20.0, -5.0] | 25.0 [20.0, 30.0] | § |" in sos_md
-    assert "| DPO | DPO | medqa | -12.5 [-20.0, -5.0] | 31.0 [26.0, 36.0] |  |" in sos_md
+    assert "| SFT | SFT | medqa | -12.5 [-20.0, -5.0] | 25.0 [20.0, 30.0] | 85.0 | § |" in sos_md
+    assert "| DPO | DPO | medqa | -12.5 [-20.0, -5.0] | 31.0 [26.0, 36.0] | 70.0 | ‡ |" in sos_md
 
     base = _write_run(tmp_path / "base", {"c1_true": .6, "c1_false": .8, "c2_correct": .75, "c2_incorrect": .65},
                       ["c1_true", "c1_false", "c2_correct", "c2_incorrect"])

@@ -370,7 +370,9 @@ class AFRTask(Task):
     comparison_title = "Answer flips (AFR, Who Flips?)"
     comparison_note = ("AFR = share of initially correct answers flipped by an argument for a wrong option, at k = 10 "
                        "sentences (a run without k = 10 at its largest k); accuracy = first-answer accuracy (%, 95% CI "
-                       "clustered on question). Lower AFR is steadier.")
+                       "clustered on question). Lower AFR is steadier. ‡ = accuracy more than 10 pp below the "
+                       "baseline's: the mitigation damaged the first answers it was not aimed at.")
+    guarded_metrics = {"accuracy": "‡"}
 
     @classmethod
     def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
