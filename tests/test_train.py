@@ -125,10 +125,12 @@ def test_fused_lm_head_on_labelled_positions_equals_trls_every_position_path(tin
     """score_labelled_positions_only: TRL's fused head gets only the labelled rows on CPU and
     returns the log-probs, entropy, top-1 flags and gradients of TRL's own every-position path."""
     import trl.kernels
+    import trl.kernels.chunked_logprob as trl_kernel
     import trl.trainer.utils as trl_utils
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(trl_utils, "_use_triton", trl_utils._use_triton)  # restored after the test
+    # TRL's own switch (a trainer run earlier in this process may have patched it), restored after
+    monkeypatch.setattr(trl_utils, "_use_triton", trl_kernel._use_triton)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
     ids = torch.randint(10, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
