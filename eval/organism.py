@@ -110,7 +110,7 @@ class OrganismArgs:
     threads: int | None = dataclasses.field(
         default=None,
         metadata={"help": "torch CPU threads for the build (default: $OMP_NUM_THREADS if set, else 2 when the machine "
-                          "has them: the build is one training job; on 2 idle cores this build took 519 s with 2 threads; "
+                          "has them: the build is one training job; on 2 idle cores this build (v3) took 418 s with 2 threads; "
                           "v1, DDS only, 155 s with 2 and 219 s with 1)"},
     )
     force: bool = dataclasses.field(default=False, metadata={"help": "Rebuild even if it exists."})
