@@ -127,6 +127,12 @@ class PairsArguments:
                           "many times (>= 1). A stick-or-switch run yields several hold pairs per accept pair, and a model "
                           "trained mostly on holds can learn never to change its mind."},
     )
+    pairs_keep_first_answers: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Multi-turn pairs: also replay the turn-1 answers the model got right in those runs (AFR's "
+                          "baseline, stick-or-switch's single-shot prompts) as keep pairs, so training on the conversations "
+                          "does not teach a letter prior (every stick-or-switch hold replies A or B, every accept C)."},
+    )
     pairs_balance: bool = dataclasses.field(
         default=True, metadata={"help": "Down-sample the majority target so '1' and '2' are 50/50."}
     )

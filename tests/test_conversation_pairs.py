@@ -61,6 +61,25 @@ def test_afr_challenges_become_hold_pairs_on_the_exact_chat(afr_train_run):
         assert row["prompt"][-1]["content"].startswith("However, this reasoning supports another choice as correct: ")
 
 
+def test_right_first_answers_are_kept_only_when_asked(afr_train_run):
+    """keep_first_answers: each baseline turn the model answered right becomes a keep row on its
+    exact chat, rejected = the option its challenge argued for; wrong or invalid ones give none."""
+    records = _records(afr_train_run)
+    right = {json.dumps(r["messages"]): r for r in records
+             if r["case"] == "baseline" and r["valid"] and r["choice"] == r["expected"]}
+    argued = {}
+    for r in records:
+        if r["case"] == "challenge":
+            argued.setdefault(r["item_id"], r["extra"]["target_option"])
+    assert right, "the tiny model answered no train question right: nothing to keep"
+    assert [r for r in conversation_rows(afr_train_run) if r["kind"] == "keep"] == []
+    kept = [r for r in conversation_rows(afr_train_run, keep_first_answers=True) if r["kind"] == "keep"]
+    assert len(kept) == len(right)
+    for row in kept:
+        rec = right[json.dumps(row["prompt"])]
+        assert (row["chosen"], row["rejected"], row["case"]) == (rec["expected"], argued[rec["item_id"]], "baseline")
+
+
 def test_trainer_tokens_of_a_conversation_pair_are_the_evaluation_tokens(afr_train_run, tiny_model_path, tmp_path):
     """SFT: the collated sequence starts with exactly the ids the hf backend scores (its
     chat-template text, no extra specials) and only the chosen letter and end of turn are
@@ -95,7 +114,8 @@ def test_trainer_tokens_of_a_conversation_pair_are_the_evaluation_tokens(afr_tra
 
 def _sos_run(tmp_path: Path, split: str = "train") -> Path:
     """Stick-or-switch records built by the protocol's own conversation code, answered by a
-    fixed policy (hold the target; in the flexibility scenario's correct branch, switch)."""
+    fixed policy (hold the target; in the flexibility scenario's correct branch, switch; the
+    single-shot prompts: right on the four-option ones, A on the two-option ones)."""
     items = [SP.sos_item(m, "organism_mc") for m in domain.all_mc_items()[split][:4]]
     settings = SP.SosSettings(n_shots=0)
     common = dict(model="m", backend="hf", settings=settings, split=split, gen_config=None)
@@ -103,6 +123,10 @@ def _sos_run(tmp_path: Path, split: str = "train") -> Path:
     run.mkdir()
     (run / "run.json").write_text(json.dumps({"protocol": "sos", "split": split}))
     store = RecordStore(run / "records.jsonl")
+    for rec in SP.baseline_records(items, items, **common, repeat=0):
+        rec.choice = rec.expected if rec.case.endswith("_full") else "A"
+        rec.raw_output, rec.valid = answer_reply(rec.choice), True
+        store.append([rec])
     for item in items:
         for scenario in SP.MULTI_TURN:
             conv = SP.start_conversation(item, scenario, items, settings, 0)
@@ -123,6 +147,17 @@ def test_sos_turns_become_hold_and_accept_pairs(tmp_path):
     later = [r for r in records if r["extra"]["turn"] >= 2]
     rows = conversation_rows(run)
     assert len(rows) == len(later) > 0
+    # keep_first_answers adds the right single-shot answers (letters spread over the options), nothing else
+    right = {json.dumps(r["messages"]): r for r in records
+             if r["extra"]["scenario"] == "baseline" and r["choice"] == r["expected"]}
+    with_kept = conversation_rows(run, keep_first_answers=True)
+    kept = [r for r in with_kept if r["kind"] == "keep"]
+    assert [r for r in with_kept if r["kind"] != "keep"] == rows and len(kept) == len(right) > 4
+    for row in kept:
+        rec = right[json.dumps(row["prompt"])]
+        assert row["chosen"] == f"Answer: {rec['expected']}" != row["rejected"]
+        assert row["rejected"][len("Answer: "):] in rec["extra"]["options_shown"]
+    assert len({r["chosen"] for r in kept}) > 2
     for row in rows:
         rec = next(r for r in later if r["messages"] == row["prompt"])
         offered = next(iter(rec["extra"]["offered"]))

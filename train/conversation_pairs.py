@@ -12,7 +12,14 @@ reads (the letter in logprob mode, "Answer: X" in generate mode):
 - accept (stick-or-switch flexibility, correct branch: the model abstained on turn 1 and
           the right option is offered): chosen = switch to it, rejected = stay. These keep
           a mitigation from learning "never change your mind", which the report's
-          correct-switch column (§) would show as damage.
+          correct-switch column (§) would show as damage;
+- keep   (`pairs.keep_first_answers`; AFR's baseline turn, stick-or-switch's single-shot
+          prompts): the turn-1 answers the model got right, replayed: chosen = its answer,
+          rejected = a wrong option (AFR: the one its challenges argued for; stick-or-switch: a
+          seeded other shown letter). Without them the pairs teach a letter prior: stick-or-switch
+          letters options in the order shown, so every hold replies A or B and every accept C,
+          and on the organism SFT took single-shot accuracy from 87 to 43 (its wrong answers A
+          and B) while the right letters are spread over A-D (bench/organism_multiturn.md).
 
 Every conversation of the run's train-split records counts, whether or not the model
 capitulated in it (held conversations are the majority of the target behaviour), so the
@@ -24,14 +31,15 @@ measure memory, not mitigation.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 from flipguard.errors import UserError
 
-KINDS = ("hold", "accept")
+KINDS = ("hold", "accept", "keep")
 # a pair row's case: "<protocol>/<kind>" (train/utils.py accepts letter replies only on these)
-MULTI_TURN_CASES = ("afr/hold", "sos/hold", "sos/accept")
+MULTI_TURN_CASES = ("afr/hold", "sos/hold", "sos/accept", "afr/keep", "sos/keep")
 RUN_FILE = "run.json"
 
 
@@ -74,9 +82,24 @@ def _sos_pair(record) -> tuple[str, str, str] | None:
 PAIR_OF = {"afr": _afr_pair, "sos": _sos_pair}
 
 
-def conversation_rows(run_dir: str | Path, model: str | None = None) -> list[dict[str, Any]]:
+def _kept_first_answer(record, argued: dict[tuple, str]) -> tuple[str, str, str] | None:
+    """A turn-1 answer the model got right, as a keep pair (None for any other record)."""
+    extra = record.extra or {}
+    first = record.case == "baseline" if record.protocol == "afr" else extra.get("scenario") == "baseline"
+    if not first or not record.valid or record.choice != record.expected:
+        return None
+    if record.protocol == "afr":
+        rejected = argued.get((record.model, record.item_id, record.mitigation))
+    else:
+        others = sorted(set(extra.get("options_shown") or ()) - {record.expected})
+        rejected = random.Random(record.key).choice(others) if others else None
+    return ("keep", record.expected, rejected) if rejected else None
+
+
+def conversation_rows(run_dir: str | Path, model: str | None = None, keep_first_answers: bool = False) -> list[dict[str, Any]]:
     """Rows {prompt, chosen, rejected, kind, item_id, dataset, protocol, case, mitigation}
-    from one AFR or stick-or-switch run directory (its train-split records of one model)."""
+    from one AFR or stick-or-switch run directory (its train-split records of one model);
+    with keep_first_answers, also its right turn-1 answers as keep rows."""
     from flipguard.eval.records import load_records
 
     run_dir = Path(run_dir)
@@ -97,11 +120,15 @@ def conversation_rows(run_dir: str | Path, model: str | None = None) -> list[dic
                             "name one with pairs.conversation_model")
     elif model not in models:
         raise UserError(f"{run_dir}: no records of model {model!r} (it holds {', '.join(models) or 'none'})")
+    argued: dict[tuple, str] = {}  # (model, item, mitigation) -> the option its first challenge argued for
+    for r in records:
+        if r.case == "challenge" and (r.extra or {}).get("target_option"):
+            argued.setdefault((r.model, r.item_id, r.mitigation), r.extra["target_option"])
     rows = []
     for r in records:
         if model is not None and r.model != model:
             continue
-        pair = PAIR_OF[protocol](r)
+        pair = PAIR_OF[protocol](r) or (_kept_first_answer(r, argued) if keep_first_answers else None)
         if pair is None:
             continue
         kind, chosen, rejected = pair

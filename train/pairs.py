@@ -600,7 +600,8 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
     )
     if counts.get("conversations"):
         console.print("multi-turn pairs: " + ", ".join(f"{k} {v}" for k, v in counts["conversations"].items())
-                      + " (hold = keep the answer against push-back; accept = take the right option after an abstention"
+                      + " (hold = keep the answer against push-back; accept = take the right option after an abstention; "
+                      "keep = a right turn-1 answer replayed"
                       + (f"; each accept pair {counts['accept_weight']} times" if counts.get("accept_weight", 1) > 1 else "")
                       + ")")
     length = counts.get("prompt_length") or {}
@@ -678,7 +679,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         from flipguard.train.conversation_pairs import conversation_rows
 
         conversations = [row for run_dir in args.pairs_conversations
-                         for row in conversation_rows(run_dir, args.pairs_conversation_model)]
+                         for row in conversation_rows(run_dir, args.pairs_conversation_model, args.pairs_keep_first_answers)]
     if args.pairs_strategy == "afr":
         afr_rows = load_afr_rows(args.pairs_afr_run)
     elif args.pairs_strategy == "conversation":
