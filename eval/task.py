@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generator, Iterable, Sequence
 
 from flipguard.errors import UserError
-from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef
+from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
 from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, Record, RecordStore, RunDir, now_iso, open_run_dir
 from flipguard.eval.runner import Parser, check_context, run_records
 
@@ -268,7 +268,8 @@ class BackendPool:
 
     def __init__(self, models: Iterable[ModelRef], injected: dict[str, Backend] | None = None, max_loaded: int = 1):
         self.models = {m.label: m for m in models}
-        self.injected = dict(injected or {})
+        self.injected = {label: check_backend(b, f"the backend given for model {label!r}")
+                         for label, b in (injected or {}).items()}
         self.max_loaded = max_loaded
         self.loaded: dict[str, Backend] = {}
         # label -> what its backend actually computed with (dtype, label tokens): `computed`
@@ -286,7 +287,7 @@ class BackendPool:
         while len(self.loaded) >= self.max_loaded:
             self.loaded.pop(next(iter(self.loaded)))
         self.loaded[label] = self.models[label].load()
-        if isinstance(getattr(self.loaded[label], "computed", None), dict):
+        if self.loaded[label].computed is not None:
             self.computed[label] = self.loaded[label].computed
         return self.loaded[label]
 

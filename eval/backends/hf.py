@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from flipguard.eval.backends.base import (
-    raw_prompt,
-    BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, context_limit,
+    Backend, BackendError, raw_prompt, Conversation, GenerationConfig, backend_label_ids, check_chat_template, context_limit,
     register_backend,
 )
 
@@ -24,7 +23,7 @@ def _progress(total: int, desc: str):
 
 
 @register_backend("hf")
-class HFBackend:
+class HFBackend(Backend):
     name = "hf"
 
     def __init__(

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.backends.base import (
-    BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, raw_prompt,
+    Backend, BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, raw_prompt,
     register_backend,
 )
 
@@ -192,7 +192,7 @@ def model_dtype(model: str) -> str:
 
 
 @register_backend("vllm")
-class VLLMBackend:
+class VLLMBackend(Backend):
     name = "vllm"
 
     def __init__(
