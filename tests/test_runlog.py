@@ -23,12 +23,12 @@ RUNS = {"dds_logprob": "dds", "dds_generate": "dds", "sos": "sos", "afr": "afr"}
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
-    """A fixture run directory as the release left it (records.jsonl unzipped)."""
+    """A fixture run directory as the release left it (its .jsonl files unzipped)."""
     src, run = FIXTURES / name, tmp_path / name
     run.mkdir()
     for path in src.iterdir():
-        if path.name == "records.jsonl.gz":
-            (run / "records.jsonl").write_bytes(gzip.decompress(path.read_bytes()))
+        if path.suffix == ".gz":
+            (run / path.stem).write_bytes(gzip.decompress(path.read_bytes()))
         else:
             shutil.copy(path, run / path.name)
     return run
