@@ -21,9 +21,10 @@ Subclass `Backend` and register the class under a name::
         def choice_probs(self, conversations, choices=("1", "2")):
             return [{c: 1.0 / len(choices) for c in choices} for _ in conversations]
 
-The constructor is called as `cls(model, **kwargs)` by `get_backend` (`flipguard eval
---model echo:some-model`, `--backend echo`, a task's `echo:` model spec); a run can also
-take an instance directly (`run_task(..., backends={label: instance})`). Required:
+The constructor is called as `cls(model, **kwargs)` by `get_backend` (`--model echo:some-model`
+or `--backend echo` once the class is registered: `flipguard run --include my_backend.py dds
+--model echo:some-model` imports the file first); a run can also take an instance directly
+(`run_task(..., backends={label: instance})`). Required:
 
 - `name` (class attribute): the registered name.
 - `model_id` (set in `__init__`): the model as records and messages name it.
@@ -31,11 +32,14 @@ take an instance directly (`run_task(..., backends={label: instance})`). Require
 - `choice_probs(conversations, choices)`: per conversation, {label: P(label)} for the
   first token of the reply (not renormalised; 0.0 for a label the backend did not see).
 
+A backend that cannot do one of the two (a server without logprobs) still defines it and
+raises BackendError saying which --mode to use instead.
+
 A conversation is a list of {"role", "content"} dicts; one message with role "raw" is a
 plain-text prompt (`raw_prompt`). Optional capabilities have working defaults on
 `Backend`; override one to get what the runner does with it (`Backend`'s attribute
 docstrings say exactly what). `check_backend_class` is the test every registered class
-passes (tests/test_backends.py runs it on all of them).
+passes (tests/test_backend_contract.py runs it on all of them).
 """
 
 from __future__ import annotations
