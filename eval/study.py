@@ -147,14 +147,13 @@ def study_plan_class() -> type:
 def check_task_config_keys(raw: dict[str, Any], recipe_path: str, plan_class: type) -> None:
     """eval.<task>_config naming no registered task (a typo, a user's task not --include'd): one error."""
     from flipguard.config import is_task_config_key
-    from flipguard.eval.task import task_names
 
     fields = {f.name for f in dataclasses.fields(plan_class)}
+    staged = sorted(f[len("eval_plan_"):] for f in fields if is_task_config_key(f[len("eval_plan_"):]))
     for key in raw.get("eval") or {}:
         if is_task_config_key(str(key)) and f"eval_plan_{key}" not in fields:
-            raise StudyError(f"{recipe_path}: eval.{key}: no registered task {key[:-len('_config')]!r} has this run "
-                             f"config key (registered: {', '.join(task_names())}; a user's task: flipguard study "
-                             "--include FILE)")
+            raise StudyError(f"{recipe_path}: eval.{key}: no registered task with a study stage has this run config key "
+                             f"(those that do: {', '.join(staged)}; a user's task: flipguard study --include FILE)")
 
 
 class Study:
