@@ -214,7 +214,11 @@ class Study:
             if t not in self.raw:
                 raise StudyError(f"{where}.trainers: {t!r} is listed but the recipe has no {t}: section")
         for key in ("protocols", "train_protocols"):
-            for name in getattr(self.plan, f"eval_plan_{key}"):
+            names = getattr(self.plan, f"eval_plan_{key}")
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:  # one stage per task
+                raise StudyError(f"{where}.{key}: {', '.join(twice)} listed more than once")
+            for name in names:
                 try:
                     get_task(name)
                 except UserError as exc:  # e.g. a user's task whose file was not --include'd
@@ -788,11 +792,13 @@ def main(argv: list[str]) -> int:
     from flipguard.config import (ARG_SECTIONS, PairsArguments, TrackingArguments,
                                           parse_recipe)
 
-    (args, plan, pairs, tracking), recipe_path, _ = parse_recipe(
-        argv, (StudyArguments, study_plan_class(), PairsArguments, TrackingArguments), prog="flipguard study",
+    plan_class = study_plan_class()
+    (args, plan, pairs, tracking), recipe_path, recipe = parse_recipe(
+        argv, (StudyArguments, plan_class, PairsArguments, TrackingArguments), prog="flipguard study",
         description=StudyArguments.__doc__)
     if recipe_path is None:
         raise StudyError("flipguard study: give a recipe file (flipguard study recipes/tiny.yaml --out DIR)")
+    check_task_config_keys(recipe, recipe_path, plan_class)  # the parser drops a key it has no flag for
     configure_threads(args.threads)
     parsed = {}
     for section, obj in (("eval", plan), ("pairs", pairs), ("tracking", tracking)):

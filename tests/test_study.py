@@ -176,6 +176,22 @@ def test_study_refuses_an_unknown_stage_and_a_none_mitigation(tmp_path, capsys):
     assert not (tmp_path / "s2").exists()
 
 
+def test_study_refuses_a_task_it_cannot_stage_naming_the_recipe_key(tmp_path, capsys):
+    """eval.protocols takes any registered task with a study stage: a duplicate, DDS (measured in every
+    study; it has no Task.study_run) and a run config key of no such task are one error each, nothing run."""
+    recipe = _recipe(tmp_path)
+    raw = yaml.safe_load(recipe.read_text())
+    cases = [({"protocols": ["sos", "sos"]}, "eval.protocols: sos listed more than once"),
+             ({"protocols": ["dds"]}, "task 'dds' has no study stage"),
+             ({"protocols": ["afr"], "afrr_config": "x.yaml"}, "eval.afrr_config: no registered task with a study stage")]
+    for i, (evals, message) in enumerate(cases):
+        recipe.write_text(yaml.safe_dump({**raw, "eval": {**raw["eval"], **evals}}))
+        assert cli_main(["study", str(recipe), "--out", str(tmp_path / f"s{i}")]) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert not (tmp_path / f"s{i}").exists()
+
+
 
 def test_study_keeps_a_folder_it_did_not_write(tmp_path, capsys):
     """A stage output path already holding the user's files (no study entry, no run.json, no
