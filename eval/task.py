@@ -19,6 +19,14 @@ protocol, so a new protocol is a class, not another stack:
 
 Tasks are registered by name (`@register_task("dds")`); `flipguard run NAME` runs any of
 them, including a user's (`--include my_tasks.py`, or a `flipguard.tasks` entry point).
+
+Above the runner, a task brings its own part of the before/after pipeline, so the study
+and compare name no protocol (as an lm-evaluation-harness task brings its metrics and
+aggregation, and an inspect_ai `@task` returns a declarative Task): `study_run` describes
+its stage in `flipguard study` (a `StudyRun` built from the study's `StudyContext`),
+`comparison_rows` its rows in comparison_protocols.csv, `comparison_title`/`_note` its
+section of comparison.md, `guarded_metrics` its flags, `system_of` how the page names
+its records.
 """
 
 from __future__ import annotations
