@@ -347,6 +347,17 @@ def test_a_users_task_takes_part_in_the_study_and_the_comparison(tmp_path):
     from flipguard.eval.view import build_view
 
     assert ("are-you-sure", "Baseline") in {(e.get("protocol"), e["condition"]) for e in build_view(out)["entries"]}
+    # flipguard view of one of its runs takes --include too: the task's own rows head the page
+    page = _cli("view", "--include", str(TASK_FILE), str(run_dir), "--out", str(tmp_path / "ays.html"), cwd=tmp_path)
+    assert page.returncode == 0 and (tmp_path / "ays.html").stat().st_size > 0, page.stderr[-2000:]
+    import subprocess
+    import sys
+
+    code = (f"from flipguard.eval.task import include_tasks; include_tasks({str(TASK_FILE)!r})\n"
+            f"from flipguard.eval.view.runs import run_view; t = run_view(__import__('pathlib').Path({str(run_dir)!r}))"
+            "['tables'][0]\nprint(t['title']); print(sorted(r['cells']['metric'] for r in t['rows']))")
+    head = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert head.stdout.splitlines() == ["Are you sure? (a user's task)", str(sorted(counts))], head.stderr[-2000:]
 
     # flipguard compare: the same rows through --are_you_sure; a run of another task under that flag is refused
     cmp = _cli("compare", "--include", str(TASK_FILE), "--runs", f"Baseline={out / 'dds' / 'baseline'}",
