@@ -19,6 +19,14 @@ protocol, so a new protocol is a class, not another stack:
 
 Tasks are registered by name (`@register_task("dds")`); `flipguard run NAME` runs any of
 them, including a user's (`--include my_tasks.py`, or a `flipguard.tasks` entry point).
+
+Above the runner, a task brings its own part of the before/after pipeline, so the study
+and compare name no protocol (as an lm-evaluation-harness task brings its metrics and
+aggregation, and an inspect_ai `@task` returns a declarative Task): `study_run` describes
+its stage in `flipguard study` (a `StudyRun` built from the study's `StudyContext`),
+`comparison_rows` its rows in comparison_protocols.csv, `comparison_title`/`_note` its
+section of comparison.md, `guarded_metrics` its flags, `system_of` how the page names
+its records.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import dataclasses
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, ClassVar, Generator, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
 
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
@@ -54,8 +62,7 @@ Plan = Generator[Batch, list[Record], None]
 
 
 def _task_file(task: "Task") -> str:
-    module = sys.modules.get(type(task).__module__)
-    return str(getattr(module, "__file__", None) or type(task).__module__)
+    return _class_file(type(task))
 
 
 def _malformed(record: Any) -> str | None:
@@ -172,6 +179,24 @@ class Task:
         estimate (an eval.estimate.Estimate). None by default: the run takes no part."""
         return []
 
+    @staticmethod
+    def system_of(record: Record) -> str:
+        """The system a record belongs to, as comparison_rows names it (`RUN_DIR@system` picks it; the
+        page names a run's items by it): the model's label, with its prompting mitigation."""
+        return record.model if record.mitigation in (None, "", "none") else f"{record.model} +{record.mitigation}"
+
+    @classmethod
+    def has_study_stage(cls) -> bool:
+        return cls.study_run.__func__ is not Task.study_run.__func__
+
+    @classmethod
+    def study_run(cls, ctx: "StudyContext") -> "StudyRun":
+        """The task's stage in `flipguard study` (the recipe's eval.protocols, or eval.train_protocols
+        with ctx.split == "train"): what it reads, how it runs the study's conditions, and which of
+        its runs the comparison reads. A task without one cannot be named in a recipe."""
+        raise UserError(f"{_class_file(cls)}: task {cls.name!r} has no study stage: define the classmethod "
+                        "study_run(ctx) -> flipguard.eval.task.StudyRun to name it in a recipe's eval.protocols")
+
     def write_report(self, run_dir: Path) -> Path:
         """Write the run's report from its records (and print where); returns its folder or file."""
         raise NotImplementedError
@@ -187,6 +212,60 @@ class Task:
         for key in self.accumulate_keys:
             merged[key] = list(dict.fromkeys(list(old.get(key) or []) + list(meta.get(key) or [])))
         return merged
+
+
+# ---------------------------------------------------------------- the study's hook
+
+@dataclasses.dataclass(frozen=True)
+class StudyCondition:
+    """One condition of a study as a protocol measures it: a model, with or without a prompting mitigation."""
+
+    name: str                 # its name in the comparison ("Baseline", "Be Honest", "SFT")
+    model: str                # the base model's name, or a merged model's folder
+    mitigation: str = "none"  # a prompting mitigation (eval.mitigations), applied to the base model
+
+
+@dataclasses.dataclass
+class StudyContext:
+    """What `flipguard study` hands a task's `study_run`: the recipe's eval: settings that every
+    protocol shares, so a task needs nothing of the study's own code."""
+
+    name: str                 # the stage's name: the task's, "-train" added on the train split
+    out: Path                 # the stage's folder (its run directory, or a folder of them)
+    config: str | None        # the recipe's eval.<task>_config, resolved; None: the task's own default
+    conditions: list[StudyCondition]  # in comparison order, the baseline first; the train split: the base model alone
+    split: str                # "test", or "train" (eval.train_protocols: conversations for the pairs)
+    backend: str              # eval.backend
+    limit: int | None         # eval.limit: items per dataset / run
+    device: str | None        # "cpu" where the study runs without a GPU, else None (the backend's choice)
+    recipe_path: str
+
+    @property
+    def train(self) -> bool:
+        return self.split == "train"
+
+
+@dataclasses.dataclass
+class StudyRun:
+    """A task's stage, as its `study_run` describes it; the study adds the base model's identity
+    to `params`, orders it after the fine-tuned models and skips it while its fingerprint holds."""
+
+    title: str
+    params: dict[str, Any]    # exactly what it reads, JSON-able: a change redoes the stage
+    run: Callable[[], None]
+    outputs: tuple[Path, ...]  # all present = the stage finished
+    # (condition, "RUN_DIR[@system]") pairs whose Task.comparison_rows go to the comparison
+    comparison: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    report: Path | None = None  # listed among the study's artefacts
+
+
+# the shipped run configs a task's study stage uses when the recipe names none (eval.<task>_config)
+SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _class_file(cls: type) -> str:
+    module = sys.modules.get(cls.__module__)
+    return str(getattr(module, "__file__", None) or cls.__module__)
 
 
 # ---------------------------------------------------------------- registry
@@ -245,6 +324,34 @@ def include_tasks(path: str | Path) -> None:
     except Exception as exc:  # a user's file: its error, named, without our traceback
         del sys.modules[spec.name]
         raise UserError(f"--include {path}: importing it failed ({type(exc).__name__}: {exc})") from None
+
+
+def split_includes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the files of argv's `--include FILE` options, the other arguments), nothing imported."""
+    files, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--include":
+            if i + 1 >= len(argv):
+                raise UserError("--include needs a Python file (--include my_tasks.py)")
+            files.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--include="):
+            files.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return files, rest
+
+
+def take_includes(argv: list[str]) -> list[str]:
+    """argv without its `--include FILE` options, each file imported (`include_tasks`): how
+    `flipguard study` and `flipguard compare` learn a user's tasks, as `flipguard run` does."""
+    files, rest = split_includes(argv)
+    for path in files:
+        include_tasks(path)
+    return rest
 
 
 def task_names() -> list[str]:
