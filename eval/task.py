@@ -334,6 +334,12 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
     """Run (or resume) `task` into `out_dir`; returns the calls this invocation made."""
     out_dir = Path(out_dir)
     dp = data_parallel()
+    if dp is not None:
+        others = sorted({m.backend for m in task.models if m.backend != "hf"})
+        if others:
+            raise UserError(f"{out_dir}: data-parallel launch (WORLD_SIZE {dp.num_processes}) splits requests for the hf "
+                            f"backend only, not {', '.join(others)}: run one process and let the engine parallelise "
+                            "(vllm: --backend_args '{\"data_parallel_size\": N}'; openai: a pool of servers)")
     if dp is not None and not dp.is_main_process:
         # another data-parallel rank: rank 0 holds the lock and writes; this one answers its
         # slice of every batch and follows the same plan on a mirror of the records

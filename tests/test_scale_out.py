@@ -158,3 +158,97 @@ def test_data_parallel_dds_eval_writes_every_record_once_and_the_same_report(tin
     assert meta["invocations"][-1]["processes"] == 2
     # the first tokens both ranks counted, summed: what the single process counted
     assert meta["computed"] == json.loads((one / "run.json").read_text())["computed"]
+
+
+# ---------------------------------------------------------------- accelerate configs, vLLM pass-through
+
+CONFIGS = ROOT / "recipes" / "accelerate_configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_accelerate_config_loads_with_accelerates_own_loader(name):
+    """Each file parses into accelerate's ClusterConfig as its header says (ddp.yaml is also
+    launched for real above, on CPU, by the training and eval tests); a new file must be added here."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    expected = {"single_gpu.yaml": (DistributedType.NO, 1), "ddp.yaml": (DistributedType.MULTI_GPU, 8),
+                "fsdp_qlora.yaml": (DistributedType.FSDP, 2)}
+    config = load_config_from_file(str(CONFIGS / name))
+    assert (config.distributed_type, config.num_processes) == expected[name]
+    header = (CONFIGS / name).read_text().split("compute_environment")[0]
+    assert "Requires" in header  # what the machine must have, next to the settings
+    if config.distributed_type == DistributedType.FSDP:
+        fsdp = config.fsdp_config
+        # accelerate loads the weights on rank 0 only and broadcasts them: the two go together
+        assert fsdp["fsdp_cpu_ram_efficient_loading"] is True and fsdp["fsdp_sync_module_states"] is True
+        assert "bnb_4bit_quant_storage" in header
+
+
+def test_fsdp_qlora_command_stores_the_4bit_weights_in_the_compute_dtype():
+    """The header's command parses, and its quant storage matches the recipe's compute dtype
+    (FSDP flattens the 4-bit weights with the others only when they share a dtype)."""
+    from trl import ModelConfig, SFTConfig
+
+    from flipguard.config import PairsArguments, TrackingArguments, parse_recipe
+
+    (_, training, model, _), _, _ = parse_recipe(
+        ["recipes/gemma12b.yaml", "--bnb_4bit_quant_storage", "bfloat16", "--bf16", "false", "--use_cpu", "true"],
+        (PairsArguments, SFTConfig, ModelConfig, TrackingArguments), trainer="sft")
+    assert model.load_in_4bit and model.bnb_4bit_quant_storage == model.dtype == "bfloat16"
+
+
+PARALLEL = {"tensor_parallel_size": 4, "data_parallel_size": 2, "pipeline_parallel_size": 1,
+            "distributed_executor_backend": "ray"}
+
+
+def test_vllm_parallelism_passes_from_backend_args_to_the_engine():
+    from flipguard.eval.backends.base import model_kwargs
+    from flipguard.eval.backends.vllm_engine import build_engine_kwargs, parallelism
+
+    kwargs = model_kwargs("vllm", json.dumps({**PARALLEL, "gpu_memory_utilization": 0.8}), batch_size=8)
+    engine = build_engine_kwargs("Qwen/Qwen2.5-7B-Instruct", "bfloat16", 0, False, kwargs)
+    assert {k: engine[k] for k in PARALLEL} == PARALLEL and engine["gpu_memory_utilization"] == 0.8
+    assert engine["model"] == "Qwen/Qwen2.5-7B-Instruct" and engine["dtype"] == "bfloat16"
+    # what run.json records under computed[model]["parallel"]; vLLM's defaults where unset
+    assert parallelism(engine) == PARALLEL
+    assert parallelism({}) == {"tensor_parallel_size": 1, "data_parallel_size": 1, "pipeline_parallel_size": 1,
+                               "distributed_executor_backend": None}
+
+
+@pytest.mark.parametrize("bad, named", [({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+                                         ({"data_parallel_size": "2"}, "data_parallel_size"),
+                                         ({"distributed_executor_backend": "slurm"}, "distributed_executor_backend")])
+def test_bad_vllm_parallel_settings_are_refused_naming_the_key(bad, named):
+    from flipguard.eval.backends.base import BackendError
+    from flipguard.eval.backends.vllm_engine import build_engine_kwargs
+
+    with pytest.raises(BackendError, match=named):
+        build_engine_kwargs("m", "bfloat16", 0, False, bad)
+
+
+def test_a_recipes_eval_backend_args_reach_every_eval_of_the_study(tmp_path):
+    from flipguard.config import read_recipe
+    from flipguard.eval.backends.base import model_kwargs
+    from flipguard.eval.backends.vllm_engine import build_engine_kwargs
+    from flipguard.eval.study import Study
+
+    raw = read_recipe("recipes/tiny.yaml")
+    raw["eval"] = {**raw["eval"], "backend": "vllm", "backend_args": PARALLEL}
+    study = Study("recipes/tiny.yaml", raw, tmp_path / "study")
+    args = study.dds_args("baseline", model="Qwen/Qwen2.5-7B-Instruct", mode="logprob")
+    assert args.backend == "vllm"
+    engine = build_engine_kwargs(args.model, "bfloat16", 0, False, model_kwargs(args.backend, args.backend_args, batch_size=8))
+    assert {k: engine[k] for k in PARALLEL} == PARALLEL
+    assert json.loads(study.backend_args_json()) == PARALLEL  # what the afr and sos stages pass on
+
+
+def test_data_parallel_launch_refuses_a_backend_that_parallelises_itself(tiny_model_path, tmp_path):
+    """Under accelerate launch only the hf backend is split across ranks; vllm gets a one-line
+    error naming the engine's own setting (checked before any engine loads)."""
+    cmd = [*accelerate_launch(2), "-m", "flipguard", "eval", "--model", tiny_model_path, "--backend", "vllm",
+           "--datasets", "truthfulqa", "--limit", "1", "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=BOUND)
+    assert proc.returncode != 0
+    assert "data-parallel launch" in proc.stderr and "data_parallel_size" in proc.stderr
+    assert not (tmp_path / "run").exists()
