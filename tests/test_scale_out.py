@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -252,3 +253,94 @@ def test_data_parallel_launch_refuses_a_backend_that_parallelises_itself(tiny_mo
     assert proc.returncode != 0
     assert "data-parallel launch" in proc.stderr and "data_parallel_size" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_data_parallel_multi_turn_sos_keeps_turn_order_and_report(tiny_model_path, tmp_path):
+    """Stick-or-switch asks its later turns from the earlier answers: every rank must see every
+    answer of a turn before the next one is built. Two ranks write the same conversations
+    (messages include the earlier turns and replies) and the same report as one process."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["-m", "flipguard", "sos", "recipes/sos_tiny.yaml", "--models", tiny_model_path, "--n_items", "4",
+            "--n_boot", "200", "--out"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+             for cmd in ([sys.executable, *args, str(one)], [*accelerate_launch(2), *args, str(two)])]
+    for p in procs:
+        out = p.communicate(timeout=BOUND)[0]
+        assert p.returncode == 0, out[-4000:]
+    ref = {r["key"]: r for r in map(json.loads, (one / "records.jsonl").read_text().splitlines())}
+    got = [json.loads(line) for line in (two / "records.jsonl").read_text().splitlines()]
+    assert len(got) == len({r["key"] for r in got}) == len(ref) > 0
+    for rec in got:
+        assert (rec["messages"], rec["raw_output"], rec["choice"]) == (
+            ref[rec["key"]]["messages"], ref[rec["key"]]["raw_output"], ref[rec["key"]]["choice"])
+    strip = {"one": str(one), "two": str(two)}
+    assert (two / "sos_report.md").read_text().replace(strip["two"], "RUN") == \
+        (one / "sos_report.md").read_text().replace(strip["one"], "RUN")
+
+
+def rank_pids(marker: str) -> dict[int, int]:
+    """rank -> pid of the launched workers whose environment carries `marker` (from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = dict(kv.split("=", 1) for kv in (entry / "environ").read_bytes().decode("utf-8", "replace")
+                           .split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if environ.get("FLIPGUARD_TEST_MARKER") == marker and "RANK" in environ and "flipguard" in \
+                (entry / "cmdline").read_bytes().decode("utf-8", "replace"):
+            found[int(environ["RANK"])] = int(entry.name)
+    return found
+
+
+def test_kill_9_of_a_rank_then_rerun_resumes_every_record_once(tiny_model_path, tmp_path):
+    """A real SIGKILL of rank 1 mid-run: torchrun ends rank 0, the records stored so far stay;
+    the same command again runs only the rest, and the report equals one process's."""
+    import signal
+    import time
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["-m", "flipguard", "eval", "--model", tiny_model_path, "--datasets", "truthfulqa", "--limit", "20",
+            "--min_label_mass", "0", "--batch_size", "2", "--out"]
+    marker = str(tmp_path)
+    run_env = {**env(tmp_path), "FLIPGUARD_TEST_MARKER": marker}
+    first = subprocess.Popen([*accelerate_launch(2), *args, str(two)], cwd=ROOT, env=run_env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    records = two / "records.jsonl"
+    deadline = time.monotonic() + BOUND  # a hang guard, not a synchronisation point
+    while not (records.is_file() and records.read_text().count("\n") >= 1):
+        assert first.poll() is None and time.monotonic() < deadline, "the run ended before its first records"
+        time.sleep(0.05)
+    pids = rank_pids(marker)
+    assert sorted(pids) == [0, 1], pids
+    # freeze rank 1 first: rank 0 then waits for its half of the next chunk and stores nothing more
+    os.kill(pids[1], signal.SIGSTOP)
+    os.kill(pids[1], signal.SIGKILL)
+    out = first.communicate(timeout=BOUND)[0]
+    assert first.returncode != 0, out[-3000:]
+    kept = [json.loads(line)["key"] for line in records.read_text().splitlines()]
+    single = subprocess.run([sys.executable, *args, str(one)], cwd=ROOT, env=env(tmp_path), capture_output=True,
+                            text=True, timeout=BOUND)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ref = {json.loads(line)["key"] for line in (one / "records.jsonl").read_text().splitlines()}
+    total = len(ref)  # 20 truthfulqa items x 4 cases
+    assert 0 < len(kept) < total and len(kept) == len(set(kept))  # interrupted, nothing doubled
+    again = subprocess.run([*accelerate_launch(2), *args, str(two)], cwd=ROOT, env=run_env, capture_output=True,
+                           text=True, timeout=BOUND)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{len(kept)} already recorded, {total - len(kept)} to run" in again.stdout
+    keys = [json.loads(line)["key"] for line in records.read_text().splitlines()]
+    assert len(keys) == len(set(keys)) == total and keys[: len(kept)] == kept
+    assert set(keys) == ref
+    for name in ("summary.csv", "flips.csv", "flip_transitions.csv"):
+        assert (two / "report" / name).read_text() == (one / "report" / name).read_text(), name
+    # summary.md too, but for its "most common first tokens" count: run.json keeps the latest
+    # invocation's counts (the resumed run counted only the judgments it ran), one process or two
+    def without_first_token_counts(path: Path) -> str:
+        return re.sub(r"most common first tokens: [^.]*\.", "", path.read_text())
+
+    assert without_first_token_counts(two / "report" / "summary.md") == \
+        without_first_token_counts(one / "report" / "summary.md")
