@@ -1,13 +1,14 @@
-"""2 processes (1 thread each) vs 1 process (2 threads) on this machine, side by side in one run:
+"""2 processes (1 thread each) vs 1 process (2 threads) on this machine, side by side in one run
+(and 1 process x 1 thread as the control):
 SFT and DPO training throughput and DDS evaluation throughput on the tiny model (recipes/tiny.yaml).
 
-    python bench/scale_out.py [--steps 16] [--limit 20] [--out bench/scale_out.json]
+    python bench/scale_out.py [--steps 16] [--datasets all] [--out bench/scale_out.json]
 
 Training: the same rows, seed and effective batch (4) in both layouts: 1 process with batch 4
 and OMP_NUM_THREADS=2, `accelerate launch --num_processes 2` (recipes/accelerate_configs/ddp.yaml,
 torchrun + gloo) with batch 2 each and OMP_NUM_THREADS=1. Reported: the Trainer's own train_runtime
 (the training loop only) and the command's wall time (imports, model load, process start).
-Evaluation: `flipguard eval` (DDS, logprob, hf backend) on truthfulqa, the same two layouts.
+Evaluation: `flipguard eval` (DDS, logprob, hf backend, batch 8) on the bundled sample datasets, the same layouts.
 The layouts run one after another, never together. Writes the JSON and prints a markdown table.
 """
 
@@ -53,13 +54,14 @@ def run(cmd: list[str], threads: int) -> float:
     return wall
 
 
-LAYOUTS = [("1 process x 2 threads", 1, 2), ("2 processes x 1 thread", 2, 1)]
+# 1 process x 1 thread is the control: it shows what a second thread (or process) adds at all
+LAYOUTS = [("1 process x 2 threads", 1, 2), ("2 processes x 1 thread", 2, 1), ("1 process x 1 thread", 1, 1)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--limit", type=int, default=20, help="truthfulqa items (4 judgments each)")
+    ap.add_argument("--datasets", default="all", help="eval datasets (all: the 10 bundled sample sets, 200 items, 800 judgments)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "scale_out.json"))
     args = ap.parse_args()
 
@@ -76,7 +78,7 @@ def main() -> int:
     rows = []
     for trainer in ("sft", "dpo"):
         for name, processes, threads in LAYOUTS:
-            out = work / f"{trainer}-{processes}"
+            out = work / f"{trainer}-{processes}x{threads}"
             cmd = [*launch(processes), f"train/{trainer}.py", "recipes/tiny.yaml", "--model_name_or_path", model,
                    "--pairs_dir", str(work / "pairs"), "--output_dir", str(out), "--max_steps", str(args.steps),
                    "--per_device_train_batch_size", str(4 // processes)]
@@ -88,9 +90,9 @@ def main() -> int:
                          "layout": name, "num_processes": info["num_processes"], "train_runtime_s": final["train_runtime"],
                          "samples_per_s": samples / final["train_runtime"], "wall_s": wall, "command": " ".join(cmd)})
     for name, processes, threads in LAYOUTS:
-        out = work / f"eval-{processes}"
-        cmd = [*launch(processes), "-m", "flipguard", "eval", "--model", model, "--datasets", "truthfulqa",
-               "--limit", str(args.limit), "--min_label_mass", "0", "--batch_size", "8", "--out", str(out)]
+        out = work / f"eval-{processes}x{threads}"
+        cmd = [*launch(processes), "-m", "flipguard", "eval", "--model", model, "--datasets", args.datasets,
+               "--min_label_mass", "0", "--batch_size", "8", "--out", str(out)]
         wall = run(cmd, threads)
         n = sum(1 for _ in (out / "records.jsonl").open())
         recs = [json.loads(line) for line in (out / "records.jsonl").open()]
