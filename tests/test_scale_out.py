@@ -344,3 +344,23 @@ def test_kill_9_of_a_rank_then_rerun_resumes_every_record_once(tiny_model_path, 
 
     assert without_first_token_counts(two / "report" / "summary.md") == \
         without_first_token_counts(one / "report" / "summary.md")
+
+
+def test_a_cpu_study_launches_its_trainers_when_the_accelerate_config_asks_for_several_processes(tmp_path):
+    """On CPU the study trains in process, unless eval.accelerate_config (read by accelerate's
+    loader) asks for more than one process: then its trainer stages run `accelerate launch`."""
+    import yaml
+
+    from flipguard.config import read_recipe
+    from flipguard.eval.study import Study
+
+    two = tmp_path / "ddp2.yaml"
+    two.write_text(yaml.safe_dump({**yaml.safe_load(DDP_CONFIG.read_text()), "num_processes": 2}))
+    raw = read_recipe("recipes/tiny.yaml")
+    plain = Study("recipes/tiny.yaml", raw, tmp_path / "plain")
+    launched = Study("recipes/tiny.yaml", {**raw, "eval": {**raw["eval"], "accelerate_config": str(two)}},
+                     tmp_path / "launched")
+    assert (plain.accelerate_processes(), launched.accelerate_processes()) == (1, 2)
+    sft = {s.name: s for s in launched.stages}["sft"]
+    assert "accelerate launch" in sft.title and sft.params["accelerate_config"] == str(two)
+    assert "in process on CPU" in {s.name: s for s in plain.stages}["sft"].title
