@@ -207,6 +207,12 @@ class EvalPlanArguments:
     )
     eval_plan_backend: str = dataclasses.field(default="hf", metadata={"help": "Backend for the eval runs (hf, vllm, openai)."})
     eval_plan_batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
+    eval_plan_backend_args: dict | str | None = dataclasses.field(
+        default=None, metadata={"help": "Settings for every eval run's backend, as eval's --backend_args takes them (a "
+                                        "mapping in the recipe, JSON on the command line): for vllm tensor_parallel_size, "
+                                        "data_parallel_size, pipeline_parallel_size, distributed_executor_backend, "
+                                        "gpu_memory_utilization ...; for openai base_url ..."}
+    )
     eval_plan_limit: int | None = dataclasses.field(default=None, metadata={"help": "Items per dataset, test and train split (None: all)."})
     eval_plan_generate_limit: int | None = dataclasses.field(
         default=None, metadata={"help": "generate mode: items per dataset (default: limit)."}

@@ -232,13 +232,17 @@ class RecordStore:
     """Append-only JSONL of records with resume by key (the writer's view: take
     `run_lock` on the run directory first; readers use `read_records`). The file is read
     once: `stored` holds its records by key (the first per key, as `load_records`), and
-    every record appended after."""
+    every record appended after. A `mirror` (a data-parallel rank other than the writer, which
+    holds the lock) reads the file the writer prepared and keeps what it appends in memory only,
+    so every rank sees the same records and one process writes them."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, mirror: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.mirror = mirror
         self.stored: dict[str, Record] = {}
-        self._repair_torn_tail()
+        if not mirror:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._repair_torn_tail()
         for rec in self.iter_records():
             self.stored.setdefault(rec.key, rec)
 
@@ -276,6 +280,12 @@ class RecordStore:
     def append(self, records: Iterable[Record]) -> int:
         """Append records not yet stored; each line goes out in one O_APPEND write."""
         n = 0
+        if self.mirror:
+            for rec in records:
+                if rec.key not in self.stored:
+                    self.stored[rec.key] = rec
+                    n += 1
+            return n
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:

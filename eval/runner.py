@@ -8,8 +8,9 @@ rerunning the same command after a crash continues where it stopped.
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from flipguard.eval.backends.base import Backend, GenerationConfig, check_backend
 from flipguard.eval.records import Record, RecordStore, now_iso
@@ -35,6 +36,41 @@ def label_mass(probs: dict[str, float], choices: Sequence[str] = ("1", "2")) -> 
     """Probability mass the model put on the answer labels (sum over `choices`)."""
     return float(sum(probs[c] for c in choices))
 
+
+
+def data_parallel():
+    """accelerate's PartialState when this process is one of several launched together
+    (`accelerate launch --num_processes N -m flipguard ...`, torchrun: WORLD_SIZE > 1), else
+    None: a single process never starts torch.distributed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    from accelerate import PartialState
+
+    # on a machine without GPUs the ranks join a gloo group (accelerate's MULTI_CPU)
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def is_writer() -> bool:
+    """The process that writes the run directory: the only one, or rank 0 of several."""
+    dp = data_parallel()
+    return dp is None or dp.is_main_process
+
+
+def shard_and_gather(dp, requests: Sequence[Any], answer: Callable[[list[Any]], list[Any]]) -> list[Any]:
+    """Data-parallel evaluation as lm-evaluation-harness does it: rank r answers requests r, r+N,
+    r+2N, ... and every rank receives every answer in the original order (gloo/NCCL all-gather
+    of Python objects), so the plan continues identically on all ranks (multi-turn tasks keep
+    their turn order) and rank 0 alone stores them."""
+    from accelerate.utils import gather_object
+
+    mine = list(requests[dp.process_index :: dp.num_processes])
+    answered = answer(mine) if mine else []
+    per_rank = gather_object([answered])  # [answers of rank 0, of rank 1, ...]
+    out: list[Any] = [None] * len(requests)
+    for rank, answers in enumerate(per_rank):
+        out[rank :: dp.num_processes] = answers
+    return out
 
 
 def check_context(backend: Backend, records: Sequence[Record], gen_config: GenerationConfig | None = None) -> None:
@@ -139,7 +175,8 @@ def run_records(
         else:
             rec.extra = {**rec.extra, "probs": p}
 
-    incremental = backend.supports_on_result
+    dp = data_parallel()  # several ranks: each answers a slice of every chunk, rank 0 stores
+    incremental = backend.supports_on_result and dp is None
     done = 0
     with tqdm(total=len(todo), desc=desc, unit="req", disable=not progress) as bar:
         for start in range(0, len(todo), chunk_size):
@@ -160,10 +197,13 @@ def run_records(
                 bar.update(1)
 
             kwargs = {"on_result": store_one} if incremental else {}
-            if mode == "generate":
-                outputs = backend.generate(convs, gen_config, **kwargs)
-            else:
-                outputs = backend.choice_probs(convs, choices, **kwargs)
+
+            def answer(convs: list, kwargs=kwargs) -> list:
+                if mode == "generate":
+                    return backend.generate(convs, gen_config, **kwargs)
+                return backend.choice_probs(convs, choices, **kwargs)
+
+            outputs = answer(convs) if dp is None else shard_and_gather(dp, convs, answer)
             if incremental:
                 continue
             latency = (time.perf_counter() - t0) / len(chunk)

@@ -246,7 +246,14 @@ class Study:
             data_root=(self.pairs.pairs_data_root if split == "train" else plan.eval_plan_data_root), limit=limit,
             mitigation=mitigation, c1_from=str(c1_from) if c1_from else None, max_new_tokens=plan.eval_plan_max_new_tokens,
             batch_size=plan.eval_plan_batch_size, min_label_mass=self.min_label_mass(), report=False,
+            backend_args=self.backend_args_json(),
         )
+
+    def backend_args_json(self) -> str:
+        """The recipe's eval.backend_args (a mapping, or JSON from the command line) as the JSON
+        that eval/afr/sos take in --backend_args."""
+        value = self.plan.eval_plan_backend_args
+        return value if isinstance(value, str) else json.dumps(value or {}, sort_keys=True)
 
     def dds_stage(self, name: str, title: str, inputs: tuple[str, ...], identity: dict | None, **kw) -> Stage:
         args = self.dds_args(name, **kw)
@@ -337,6 +344,18 @@ class Study:
 
         return torch.cuda.is_available()
 
+    def accelerate_processes(self) -> int:
+        """num_processes of the recipe's eval.accelerate_config, read by accelerate's own loader (1 when
+        none is set): more than one makes a CPU study launch its trainers too (gloo)."""
+        config = self.plan.eval_plan_accelerate_config
+        if not config:
+            return 1
+        from accelerate.commands.config.config_args import load_config_from_file
+
+        if not Path(config).is_file():
+            raise StudyError(f"{self.recipe_path}: eval.accelerate_config {config}: no such file")
+        return int(load_config_from_file(config).num_processes or 1)
+
     def trainer_stages(self, trainer: str, base_id: dict) -> list[Stage]:
         from flipguard.train.merge import MERGE_INFO_FILE
         from flipguard.train.utils import PROVENANCE_FILE
@@ -348,9 +367,10 @@ class Study:
         self.conditions[name] = self.out / "dds" / f"{trainer}-eval"
         self.artefacts.append((f"{name} merged model", merged))
         gpu = self.on_gpu()
+        launch = gpu or self.accelerate_processes() > 1  # a CPU recipe whose accelerate config asks for several
 
         def train() -> None:
-            if gpu:
+            if launch:
                 config = self.plan.eval_plan_accelerate_config or str(PACKAGE_ROOT / "recipes" / "accelerate_configs" / "single_gpu.yaml")
                 cmd = ["accelerate", "launch", "--config_file", config, str(TRAIN / f"{trainer}.py"), str(self.recipe_file)]
                 self.print("$ " + " ".join(cmd))
@@ -369,11 +389,11 @@ class Study:
                         "--pairs_dir", str(self.pairs.pairs_dir)])
 
         top = self.top_level()
-        where = "accelerate launch" if gpu else "in process on CPU"
+        where = "accelerate launch" if launch else "in process on CPU"
         return [
             Stage(trainer, f"{name} (LoRA adapter, recipe settings), {where}",
                   {"top": top, trainer: self.raw[trainer], "pairs": self.raw["pairs"], "model": base_id,
-                   "accelerate_config": self.plan.eval_plan_accelerate_config if gpu else None},
+                   "accelerate_config": self.plan.eval_plan_accelerate_config if launch else None},
                   ("pairs",), (adapter / "adapter_config.json", adapter / PROVENANCE_FILE), (adapter,), train),
             Stage(f"{trainer}-merge", f"merge the {name} adapter into the base (merge gap measured on train prompts)",
                   {"top": top, "model": base_id}, (trainer, "pairs"), (merged / MERGE_INFO_FILE,), (merged,), merge),
@@ -408,7 +428,7 @@ class Study:
 
         ctx = StudyContext(stage, self.out / stage, self.task_config(task_config_key(name)), conditions, split,
                            self.plan.eval_plan_backend, self.plan.eval_plan_limit,
-                           None if self.on_gpu() else "cpu", self.recipe_path)
+                           None if self.on_gpu() else "cpu", self.recipe_path, self.backend_args_json())
         where = f"{self.recipe_path}: eval.{'train_protocols' if train else 'protocols'}"
         try:
             described = task.study_run(ctx)

@@ -40,7 +40,7 @@ from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
 from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, Record, RecordStore, RunDir, now_iso, open_run_dir
-from flipguard.eval.runner import Parser, check_context, run_records
+from flipguard.eval.runner import Parser, check_context, data_parallel, is_writer, run_records
 
 
 @dataclasses.dataclass
@@ -143,7 +143,7 @@ class Task:
         task = cls.from_args(args)
         out = Path(args.out) if getattr(args, "out", None) else cls.default_out(args)
         run_task(task, out)
-        if getattr(args, "report", True):
+        if getattr(args, "report", True) and is_writer():  # data-parallel: rank 0 alone reports
             task.write_report(out)  # says what it wrote
         return 0
 
@@ -239,6 +239,7 @@ class StudyContext:
     limit: int | None         # eval.limit: items per dataset / run
     device: str | None        # "cpu" where the study runs without a GPU, else None (the backend's choice)
     recipe_path: str
+    backend_args: str = "{}"  # eval.backend_args as the JSON --backend_args takes (vLLM parallelism, ...)
 
     @property
     def train(self) -> bool:
@@ -441,47 +442,92 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
              progress: bool = True) -> RunResult:
     """Run (or resume) `task` into `out_dir`; returns the calls this invocation made."""
     out_dir = Path(out_dir)
-    meta = task.meta()
+    dp = data_parallel()
+    if dp is not None:
+        others = sorted({m.backend for m in task.models if m.backend != "hf"})
+        if others:
+            raise UserError(f"{out_dir}: data-parallel launch (WORLD_SIZE {dp.num_processes}) splits requests for the hf "
+                            f"backend only, not {', '.join(others)}: run one process and let the engine parallelise "
+                            "(vllm: --backend_args '{\"data_parallel_size\": N}'; openai: a pool of servers)")
+    if dp is not None and not dp.is_main_process:
+        # another data-parallel rank: rank 0 holds the lock and writes; this one answers its
+        # slice of every batch and follows the same plan on a mirror of the records
+        dp.wait_for_everyone()  # rank 0 has opened the run directory and prepared records.jsonl
+        store = RecordStore(out_dir / RECORDS_FILE, mirror=True)
+        return _run_plan(task, None, store, BackendPool(task.models, backends), False, dp)
     with open_run_dir(out_dir, task.name) as run:  # one writer, held until the last record
-        clash = task.condition_clash(run.old, meta)
+        clash = task.condition_clash(run.old, task.meta())
         if clash:  # refused before any model loads
             detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
             raise UserError(f"{out_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); "
                             "use another --out")
         store = RecordStore(out_dir / RECORDS_FILE)
-        pool = BackendPool(task.models, backends)
-        first = check_batches(task, task.first_batches(), "first_batches()")
-        known = [r for b in first for r in b.records]
-        pending_of: dict[str, list[tuple[Batch, list[Record]]]] = {}
-        for b in first:
-            pending = [r for r in b.records if r.key not in store]
-            if pending:
-                pending_of.setdefault(b.model, []).append((b, pending))
-        n_pending = len({r.key for batches in pending_of.values() for _, recs in batches for r in recs})
-        n_known = len({r.key for r in known})
-        print(f"{out_dir}: {n_known} {task.unit}, {n_known - n_pending} already recorded, {n_pending} to run")
-        # an item longer than a model's context: refused (item, token count, limit) before
-        # run.json or any record is written; the first model to run is the one left loaded
-        order = [m.label for m in task.models if m.label in pending_of]
-        for label in reversed(order):
-            for b, pending in pending_of[label]:
-                check_context(pool.get(label), pending, b.gen_config)
-        # the plan's first batch is checked before the task's files and run.json are written
-        plan = task.solve()
-        batch = _next_batch(task, plan, None)
+        if dp is not None:
+            dp.wait_for_everyone()
+        return _run_plan(task, run, store, BackendPool(task.models, backends), progress, dp)
+
+
+def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendPool, progress: bool,
+              dp) -> RunResult:
+    """run_task's work once the records are open; `run` is None on a data-parallel rank other
+    than the writer (it prints nothing and writes nothing)."""
+    out_dir = store.path.parent
+    first = check_batches(task, task.first_batches(), "first_batches()")
+    known = [r for b in first for r in b.records]
+    pending_of: dict[str, list[tuple[Batch, list[Record]]]] = {}
+    for b in first:
+        pending = [r for r in b.records if r.key not in store]
+        if pending:
+            pending_of.setdefault(b.model, []).append((b, pending))
+    n_pending = len({r.key for batches in pending_of.values() for _, recs in batches for r in recs})
+    n_known = len({r.key for r in known})
+    if run is not None:
+        ranks = f" over {dp.num_processes} data-parallel processes" if dp is not None else ""
+        print(f"{out_dir}: {n_known} {task.unit}, {n_known - n_pending} already recorded, {n_pending} to run{ranks}")
+    # an item longer than a model's context: refused (item, token count, limit) before
+    # run.json or any record is written; the first model to run is the one left loaded
+    order = [m.label for m in task.models if m.label in pending_of]
+    for label in reversed(order):
+        for b, pending in pending_of[label]:
+            check_context(pool.get(label), pending, b.gen_config)
+    # the plan's first batch is checked before the task's files and run.json are written
+    plan = task.solve()
+    batch = _next_batch(task, plan, None)
+    if run is not None:
         task.prepare(run)
-        run.write_meta(task.merge_meta(run.old, {**meta, "updated": now_iso()}))
-        answers = _Answers(store, pool, progress)
-        while batch is not None:
-            batch = _next_batch(task, plan, answers(batch))
-        calls = dict(answers.calls)
-        history = list(run.old.get("invocations") or []) + [
-            {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]
-        extra = task.finish(run, list(store.stored.values()))
-        if pool.computed:  # per model: the dtype it ran in, the label tokens counted (latest invocation wins)
-            extra["computed"] = {**(run.old.get("computed") or {}), **pool.computed}
-        run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso()})
+        run.write_meta(task.merge_meta(run.old, {**task.meta(), "updated": now_iso()}))
+    answers = _Answers(store, pool, progress)
+    while batch is not None:
+        batch = _next_batch(task, plan, answers(batch))
+    calls = dict(answers.calls)
+    computed = pool.computed if dp is None else merge_computed(dp, pool.computed)
+    if run is None:
+        return RunResult(out_dir, calls)
+    history = list(run.old.get("invocations") or []) + [
+        {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values()),
+         **({"processes": dp.num_processes} if dp is not None else {})}]
+    extra = task.finish(run, list(store.stored.values()))
+    if computed:  # per model: the dtype it ran in, the label tokens counted (latest invocation wins)
+        extra["computed"] = {**(run.old.get("computed") or {}), **computed}
+    run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso()})
     return RunResult(out_dir, calls)
+
+
+def merge_computed(dp, computed: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's `computed` (one per model label) as one: the first tokens each rank counted
+    on its slice are summed, so run.json says what a single process would have."""
+    from accelerate.utils import gather_object
+
+    merged: dict[str, dict] = {}
+    for per_rank in gather_object([computed]):
+        for label, info in per_rank.items():
+            into = merged.setdefault(label, {**info, "first_tokens": {}})
+            for tok, k in (info.get("first_tokens") or {}).items():
+                into["first_tokens"][tok] = into["first_tokens"].get(tok, 0) + k
+    for info in merged.values():
+        if not info["first_tokens"]:
+            del info["first_tokens"]
+    return merged
 
 
 def command_line(*names: str) -> list[str] | None:

@@ -404,7 +404,8 @@ class AFRTask(Task):
         config, _ = load_yaml(source, UserError, "afr run config")
         if config.get("scripted_arguments"):  # a relative file is read beside the config that names it
             config["scripted_arguments"] = str(beside(config["scripted_arguments"], source))
-        kwargs = model_kwargs(ctx.backend, {}, batch_size=16, device=ctx.device)
+        kwargs = model_kwargs(ctx.backend, ctx.backend_args, batch_size=16, device=ctx.device,
+                              where=f"{ctx.recipe_path}: eval.backend_args")
         entries = [{"name": c.name, "backend": ctx.backend, "model": c.model,
                     **({"mitigation": c.mitigation} if c.mitigation != "none" else {})} for c in ctx.conditions]
         # the comparison reads AFR at k = 10 (comparison_rows)

@@ -471,7 +471,8 @@ class SosTask(Task):
         base = [c for c in ctx.conditions if c.model == ctx.conditions[0].model]  # the base model (+ mitigations)
         tuned = [c for c in ctx.conditions if c.model != ctx.conditions[0].model]
         mitigations = [c.mitigation for c in base if c.mitigation != "none"]
-        overrides = {"backend": ctx.backend, **({"n_items": ctx.limit} if ctx.limit is not None else {}),
+        overrides = {"backend": ctx.backend, **({"backend_args": ctx.backend_args} if ctx.backend_args != "{}" else {}),
+                     **({"n_items": ctx.limit} if ctx.limit is not None else {}),
                      **({"split": "train"} if ctx.train else {})}
 
         def go() -> None:
