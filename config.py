@@ -41,7 +41,7 @@ import dataclasses
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from flipguard.errors import UserError
 
@@ -207,6 +207,12 @@ class EvalPlanArguments:
     )
     eval_plan_backend: str = dataclasses.field(default="hf", metadata={"help": "Backend for the eval runs (hf, vllm, openai)."})
     eval_plan_batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
+    eval_plan_backend_args: dict | str | None = dataclasses.field(
+        default=None, metadata={"help": "Settings for every eval run's backend, as eval's --backend_args takes them (a "
+                                        "mapping in the recipe, JSON on the command line): for vllm tensor_parallel_size, "
+                                        "data_parallel_size, pipeline_parallel_size, distributed_executor_backend, "
+                                        "gpu_memory_utilization ...; for openai base_url ..."}
+    )
     eval_plan_limit: int | None = dataclasses.field(default=None, metadata={"help": "Items per dataset, test and train split (None: all)."})
     eval_plan_generate_limit: int | None = dataclasses.field(
         default=None, metadata={"help": "generate mode: items per dataset (default: limit)."}
@@ -216,18 +222,14 @@ class EvalPlanArguments:
         default=None, metadata={"help": "logprob mode label-mass threshold (default: eval's; 0 for the random-init flipguard:tiny)."}
     )
     eval_plan_protocols: list[str] = dataclasses.field(
-        default_factory=list, metadata={"help": "Also run these before and after (afr, sos) and add them to the comparison."}
-    )
-    eval_plan_afr_config: str | None = dataclasses.field(
-        default=None, metadata={"help": "afr: run config whose settings are used (models are the study's; default recipes/afr_tiny.yaml)."}
-    )
-    eval_plan_sos_config: str | None = dataclasses.field(
-        default=None, metadata={"help": "sos: run config whose settings are used (models are the study's; default recipes/sos_tiny.yaml)."}
+        default_factory=list, metadata={"help": "Registered tasks also run before and after and added to the comparison "
+                                                "(built in or a user's: --include FILE, a flipguard.tasks entry point); "
+                                                "a task's run config is eval.<task>_config (--eval_plan_<task>_config)."}
     )
     eval_plan_train_protocols: list[str] = dataclasses.field(
-        default_factory=list, metadata={"help": "Multi-turn pairs (afr, sos): the base model's conversations on the TRAIN split "
-                                                "(stages afr-train / sos-train, the protocol's config above) are added to the "
-                                                "pairs (pairs.conversations)."}
+        default_factory=list, metadata={"help": "Multi-turn pairs: these tasks' runs of the base model on the TRAIN split "
+                                                "(stages <task>-train, the task's config above) are added to the pairs "
+                                                "(pairs.conversations)."}
     )
     eval_plan_n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates in reports."})
     eval_plan_accelerate_config: str | None = dataclasses.field(
@@ -254,6 +256,29 @@ class TrackingArguments:
 
 
 SECTION_CLASSES = {"pairs": PairsArguments, "eval": EvalPlanArguments, "tracking": TrackingArguments}
+
+# eval.<task>_config (flag --eval_plan_<task>_config): the run config of that task's study stage.
+# One key per task, whichever tasks are registered, so config names none of them.
+TASK_CONFIG_SUFFIX = "_config"
+
+
+def task_config_key(task: str) -> str:
+    """The eval: key of a task's run config ('-' in a task's name becomes '_')."""
+    return task.replace("-", "_") + TASK_CONFIG_SUFFIX
+
+
+def is_task_config_key(key: str) -> bool:
+    return key.endswith(TASK_CONFIG_SUFFIX) and "eval_plan_" + key not in _fields(EvalPlanArguments)
+
+
+def eval_plan_arguments(tasks: Iterable[str]) -> type:
+    """EvalPlanArguments with an `eval_plan_<task>_config` field per task: the study's parser and plan."""
+    have = _fields(EvalPlanArguments)
+    extra = [(name, Optional[str], dataclasses.field(default=None, metadata={
+                 "help": f"{task}: run config whose settings the study's {task} stage uses (models are the study's; "
+                         "default: the task's own)."}))
+             for task in tasks if (name := "eval_plan_" + task_config_key(task)) not in have]
+    return dataclasses.make_dataclass("EvalPlanArguments", extra, bases=(EvalPlanArguments,)) if extra else EvalPlanArguments
 
 
 def _fields(cls) -> set[str]:
@@ -312,8 +337,10 @@ def check_recipe_types(raw: dict[str, Any], path: str = "<recipe>", lines: dict[
                     {k: f"{section}.{k}" for k in values})
     for section, prefix in ARG_SECTIONS.items():
         values = {prefix + k: v for k, v in (raw.get(section) or {}).items()}
-        check_types(values, field_types(SECTION_CLASSES[section]), path, RecipeError, lines,
-                    {prefix + k: f"{section}.{k}" for k in (raw.get(section) or {})})
+        types = field_types(SECTION_CLASSES[section])
+        if section == "eval":  # a task's run config: a path
+            types |= {prefix + k: Optional[str] for k in raw.get(section) or {} if is_task_config_key(str(k))}
+        check_types(values, types, path, RecipeError, lines, {prefix + k: f"{section}.{k}" for k in (raw.get(section) or {})})
 
 
 def validate_recipe(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
@@ -410,7 +437,7 @@ def _check_keys(raw: dict[str, Any], path: str) -> None:
                 prefix = ARG_SECTIONS[key]
                 valid = {n[len(prefix):] for n in _fields(SECTION_CLASSES[key])}
                 for sub in value:
-                    if sub not in valid:
+                    if sub not in valid and not (key == "eval" and is_task_config_key(str(sub))):
                         raise _unknown(path, f"section {key!r}", sub, valid)
         if key == "env" and not isinstance(value, dict):
             raise RecipeError(f"{path}: 'env' must be a mapping of environment variables")

@@ -10,7 +10,10 @@ mitigation study needs beyond one run's summary: deltas against the baseline, Mc
 tests of each condition's C2 judgments against the baseline's on the same items, † where
 DDS turned from deference into skepticism (over-correction), invalid judgments and the
 median label mass per run, a per-domain DDS heatmap (Figure 4) and before/after bars with
-95% CIs; plus AFR and stick-or-switch sections when those runs are given.
+95% CIs; plus a section per other protocol whose runs are given (`--protocols`, or `--<task>`
+for any registered task: the task's `comparison_rows`, `comparison_title`/`_note` and
+`guarded_metrics` make its rows in comparison_protocols.csv and its section; compare names
+no protocol, and `--include my_tasks.py` adds a user's tasks).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -424,27 +427,59 @@ class CompareArgs:
     out: str = dataclasses.field(default="runs/compare", metadata={"help": "Output folder for the report."})
     c1_from: str | None = dataclasses.field(default=None, metadata={"help": "C1 baseline run (default: the first condition)."})
     protocols: str | None = dataclasses.field(
-        default=None, metadata={"help": "Runs of any other protocol (AFR, stick-or-switch, a user's task) per condition, "
+        default=None, metadata={"help": "Runs of any other registered task per condition (a user's: --include FILE), "
                                         "'Name=RUN_DIR[@system],...' (@ picks one system of a run holding several); "
-                                        "their numbers go to comparison_protocols.csv and a section each."}
-    )
-    afr: str | None = dataclasses.field(
-        default=None, metadata={"help": "AFR runs per condition, 'Name=AFR_RUN_DIR[@target],...' (same as --protocols)."}
-    )
-    sos: str | None = dataclasses.field(
-        default=None, metadata={"help": "Stick-or-switch runs per condition, 'Name=SOS_RUN_DIR[@system],...' (same as --protocols)."}
+                                        "their numbers go to comparison_protocols.csv and a section each. "
+                                        "--<task> SPEC is the same for runs of that task only."}
     )
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Bootstrap seed."})
 
 
+def task_flag(task: str) -> str:
+    """The CompareArgs field of a task's runs: `--afr`, `--are_you_sure`."""
+    return task.replace("-", "_")
+
+
+def compare_arguments(tasks: Sequence[str]) -> type:
+    """CompareArgs with a `--<task> SPEC` option per registered task (one that would shadow an option is left out)."""
+    have = {f.name for f in dataclasses.fields(CompareArgs)}
+    extra = [(task_flag(t), Optional[str], dataclasses.field(default=None, metadata={
+                 "help": f"{t} runs per condition, 'Name=RUN_DIR[@system],...' (as --protocols; each a {t} run)."}))
+             for t in tasks if task_flag(t) not in have]
+    return dataclasses.make_dataclass("CompareArgs", extra, bases=(CompareArgs,)) if extra else CompareArgs
+
+
+def protocol_runs_of(args: Any, tasks: Sequence[str]) -> list[tuple[str, str]]:
+    """(condition, RUN_DIR[@system]) of --protocols and of every --<task> option, in that order; a
+    --<task> run of another protocol is refused, naming it."""
+    from flipguard.errors import UserError
+
+    runs = list(parse_conditions(args.protocols, "--protocols").items()) if args.protocols else []
+    for task in tasks:
+        spec = getattr(args, task_flag(task), None)
+        if not spec or task_flag(task) in {f.name for f in dataclasses.fields(CompareArgs)}:
+            continue
+        flag = f"--{task_flag(task)}"
+        for name, run in parse_conditions(spec, flag).items():
+            run_dir, _ = split_system(run)
+            protocol = load_run_meta(run_dir).get("protocol")
+            if protocol != task:
+                raise UserError(f"{flag} {name}={run}: {Path(run_dir) / 'run.json'} is a {protocol!r} run, not {task!r} "
+                                "(--protocols takes a run of any task)")
+            runs.append((name, run))
+    return runs
+
+
 def main(argv: list[str]) -> int:
     from flipguard.config import parse_dataclasses
+    from flipguard.eval.task import take_includes, task_names
 
-    args = parse_dataclasses(argv, CompareArgs, prog="flipguard compare", description=CompareArgs.__doc__)
+    argv = take_includes(argv)  # a user's tasks: --include my_tasks.py
+    tasks = task_names()
+    args = parse_dataclasses(argv, compare_arguments(tasks), prog="flipguard compare", description=CompareArgs.__doc__)
     cmp = build_comparison(parse_conditions(args.runs), c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
-    runs = [pair for flag, spec in (("--protocols", args.protocols), ("--afr", args.afr), ("--sos", args.sos)) if spec
-            for pair in parse_conditions(spec, flag).items()]
+    runs = protocol_runs_of(args, tasks)
     out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs)
     print((out / "comparison.md").read_text(encoding="utf-8"))
     extra = ", comparison_protocols.csv" if runs else ""

@@ -10,8 +10,9 @@ Writers and readers:
 - one writer per run directory: `run_lock(RUN_DIR)` (fcntl.flock on RUN_DIR/.lock, held
   for the whole run, the file naming the holder) is taken by eval, afr, sos and
   import-records, all through `open_run_dir` (which also refuses another protocol's run
-  and writes run.json under one header: protocol, flipguard_version, created, updated); a
-  second writer is refused with a message naming the holder.
+  and writes run.json as a `RunLog`: one typed header - protocol, format_version,
+  flipguard_version, created, updated, invocations, computed - and the protocol's own
+  keys); a second writer is refused with a message naming the holder.
 - readers (`read_records`, `load_records`, reports, compare) never modify a file: a last
   line without its newline that does not parse is a write in progress (or torn by a
   crash) and is skipped, never cut; `load_records` keeps one record per key.
@@ -36,7 +37,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
 from flipguard.errors import RecordError
 # the atomic writers live with the other file helpers; re-exported for callers of this module
@@ -54,9 +55,42 @@ C1_CASES = ("c1_true", "c1_false")
 C2_CASES = ("c2_correct", "c2_incorrect")
 
 
+@dataclasses.dataclass(frozen=True)
+class ProtocolFields:
+    """What one protocol's records carry beyond the fields every record has: the Record
+    fields it owns (of OWNED_FIELDS) and the keys it puts in `extra`."""
+
+    fields: frozenset[str] = frozenset()
+    extra: frozenset[str] = frozenset()
+
+
+# Record fields that belong to some protocols only. A record of a protocol that does not own
+# one leaves it out of records.jsonl while it holds its default (`Record.from_dict` fills the
+# default back in, so every line written before reads the same); a value it does set is kept.
+OWNED_FIELDS = ("speakers", "template", "p1", "p2")
+# `extra` keys the runner (eval/runner.py) adds to any protocol's records
+RUNNER_EXTRA = frozenset({"min_label_mass", "probs", "no_label_in_top_logprobs"})
+# The built-in protocols' own fields and extra keys (a user's task declares none: its records
+# keep whatever it sets).
+PROTOCOL_FIELDS: dict[str, ProtocolFields] = {
+    # speakers/template: the prompt's labels and version; p1/p2: P("1"), P("2") in logprob mode;
+    # extra: r/AIO's stratum, and what import-records keeps of the source line
+    "dds": ProtocolFields(frozenset({"speakers", "template", "p1", "p2"}),
+                          frozenset({"stratum", "source_file", "source_line", "recovered", "effective_ground_truth",
+                                     "answer_json_type"})),
+    "afr": ProtocolFields(extra=frozenset({"subject", "category", "model_ref", "condition", "k", "source_model",
+                                           "target_option"})),
+    "sos": ProtocolFields(frozenset({"template"}),
+                          frozenset({"scenario", "turn", "repeat", "seed", "branch", "n_turns", "target",
+                                     "options_shown", "roles", "offered"})),
+}
+
+
 @dataclasses.dataclass
 class Record:
-    """One judgment. Protocol-specific fields (AFR's k, a stick-or-switch turn) go in `extra`."""
+    """One judgment: the fields every protocol's records have, the fields some protocols own
+    (OWNED_FIELDS, declared per protocol in PROTOCOL_FIELDS), and the protocol's own keys in
+    `extra` (AFR's k, a stick-or-switch turn; declared there too)."""
 
     key: str
     protocol: str
@@ -97,7 +131,14 @@ class Record:
         return float(sum(probs.values())) if isinstance(probs, dict) and probs else None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The records.jsonl line: every field, less the OWNED_FIELDS this record's protocol
+        does not own and that hold their default."""
+        row = dataclasses.asdict(self)
+        owned = PROTOCOL_FIELDS.get(self.protocol, ProtocolFields()).fields
+        for name in OWNED_FIELDS:
+            if name not in owned and row[name] == _FIELD_DEFAULTS[name]:
+                del row[name]
+        return row
 
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> "Record":
@@ -106,6 +147,10 @@ class Record:
         if unknown:
             raise RecordError(f"unknown record fields: {sorted(unknown)}")
         return cls(**row)
+
+
+_FIELD_DEFAULTS = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                   for f in dataclasses.fields(Record) if f.name in OWNED_FIELDS}
 
 
 def now_iso() -> str:
@@ -187,13 +232,17 @@ class RecordStore:
     """Append-only JSONL of records with resume by key (the writer's view: take
     `run_lock` on the run directory first; readers use `read_records`). The file is read
     once: `stored` holds its records by key (the first per key, as `load_records`), and
-    every record appended after."""
+    every record appended after. A `mirror` (a data-parallel rank other than the writer, which
+    holds the lock) reads the file the writer prepared and keeps what it appends in memory only,
+    so every rank sees the same records and one process writes them."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, mirror: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.mirror = mirror
         self.stored: dict[str, Record] = {}
-        self._repair_torn_tail()
+        if not mirror:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._repair_torn_tail()
         for rec in self.iter_records():
             self.stored.setdefault(rec.key, rec)
 
@@ -231,6 +280,12 @@ class RecordStore:
     def append(self, records: Iterable[Record]) -> int:
         """Append records not yet stored; each line goes out in one O_APPEND write."""
         n = 0
+        if self.mirror:
+            for rec in records:
+                if rec.key not in self.stored:
+                    self.stored[rec.key] = rec
+                    n += 1
+            return n
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -334,25 +389,108 @@ def refuse_other_protocol(run_dir: str | os.PathLike, protocol: str) -> None:
         )
 
 
+# run.json's format: RunLog.format_version. 0 = a file written before the field existed
+# (read as it is; the next write of that run directory stamps the current version).
+RUN_LOG_VERSION = 1
+
+
+@dataclasses.dataclass
+class RunLog:
+    """run.json, typed: one versioned log per run directory, for every protocol (the header of
+    inspect_ai's EvalLog, in one JSON file). The header fields are typed; the protocol's own
+    keys (`Task.meta()`, `Task.finish()`: model, mode, settings ...) are `task_meta` and sit
+    flat beside the header in the file, as they always have, so every run.json written before
+    this class existed reads unchanged. Written only by `RunDir.write_meta`, read only by
+    `read_run_log` / `load_run_meta`."""
+
+    protocol: str | None = None  # None: a run.json from before the header (hand-made, or very old)
+    flipguard_version: str | None = None
+    created: str | None = None
+    updated: str | None = None
+    format_version: int = RUN_LOG_VERSION
+    # each invocation of the run: {"time", "calls" (requests sent per batch), "calls_total"}
+    invocations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # model label -> what its backend computed with (Backend.computed: dtype, label tokens)
+    computed: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    task_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # header key -> the types its value may have in the file
+    HEADER_TYPES: ClassVar[dict[str, tuple[type, ...]]] = {
+        "protocol": (str, type(None)), "flipguard_version": (str, type(None)), "created": (str, type(None)),
+        "updated": (str, type(None)), "format_version": (int,), "invocations": (list,), "computed": (dict,),
+    }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's JSON object: the protocol's keys, then the header (header wins on a clash).
+        A header field that is unset (None, or an empty `invocations` / `computed`: a
+        hand-made or very old run.json) is left out, so a file reads back as it was."""
+        header = {"protocol": self.protocol, "format_version": self.format_version,
+                  "flipguard_version": self.flipguard_version, "created": self.created, "updated": self.updated,
+                  "invocations": self.invocations, "computed": self.computed}
+        return {**self.task_meta, **{k: v for k, v in header.items() if v is not None and v != [] and v != {}}}
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str | os.PathLike = RUN_META_FILE) -> "RunLog":
+        """Parse a run.json object; a RecordError names `where` and the key that is wrong, or
+        says that a newer flipguard wrote it."""
+        if not isinstance(doc, dict):
+            raise RecordError(f"{where}: not a run log (a JSON {type(doc).__name__}, expected an object)")
+        doc = {"format_version": 0, **doc}
+        for key, types in cls.HEADER_TYPES.items():
+            if key in doc and (not isinstance(doc[key], types) or isinstance(doc[key], bool)):
+                raise RecordError(f"{where}: {key!r} is a {type(doc[key]).__name__}, expected "
+                                  f"{' or '.join(t.__name__ for t in types if t is not type(None))}")
+        if doc["format_version"] > RUN_LOG_VERSION:
+            raise RecordError(f"{where}: format_version {doc['format_version']} was written by a newer flipguard "
+                              f"(this one, {_version()}, reads up to {RUN_LOG_VERSION}); upgrade flipguard")
+        header = {k: doc.pop(k) for k in list(cls.HEADER_TYPES) if k in doc}
+        return cls(**header, task_meta=doc)
+
+    def write(self, run_dir: str | os.PathLike) -> None:
+        """run_dir/run.json, atomically (temp file + rename)."""
+        atomic_write_json(Path(run_dir) / RUN_META_FILE, self.to_dict())
+
+
+def _version() -> str:
+    from flipguard import __version__
+
+    return __version__
+
+
+def read_run_log(run_dir: str | os.PathLike) -> RunLog | None:
+    """The run directory's run.json as a RunLog; None when it has none."""
+    path = Path(run_dir) / RUN_META_FILE
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise RecordError(f"{path}: not valid JSON ({exc.msg})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecordError(f"{path}: cannot be read ({exc})") from None
+    return RunLog.from_dict(doc, path)
+
+
 class RunDir:
-    """A run directory opened for writing by `open_run_dir`: `old` is its run.json as found."""
+    """A run directory opened for writing by `open_run_dir`: `old` is its run.json as found
+    (RunLog.to_dict, the flat mapping every protocol merges its keys into)."""
 
     def __init__(self, path: Path, protocol: str, old: dict[str, Any]):
         self.path, self.protocol, self.old = path, protocol, old
 
     def write_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """Write run.json atomically: `meta` (the protocol's own settings, already merged
-        with `old` where the protocol accumulates) under the common header (protocol,
-        flipguard_version, created, updated)."""
-        from flipguard import __version__
-
+        """Write run.json atomically through RunLog: `meta` (the protocol's own settings,
+        already merged with `old` where the protocol accumulates, plus invocations and
+        computed) under the common header (protocol, format_version, flipguard_version,
+        created, updated)."""
         now = now_iso()
-        doc = {**meta, "protocol": self.protocol, "flipguard_version": __version__,
-               "created": self.old.get("created") or meta.get("created") or meta.get("updated") or now,
-               "updated": meta.get("updated") or now}
-        atomic_write_json(self.path / RUN_META_FILE, doc)
-        self.old = doc
-        return doc
+        log = RunLog.from_dict({k: v for k, v in meta.items() if k != "format_version"}, self.path / RUN_META_FILE)
+        log.protocol, log.flipguard_version, log.format_version = self.protocol, _version(), RUN_LOG_VERSION
+        log.created = self.old.get("created") or meta.get("created") or meta.get("updated") or now
+        log.updated = meta.get("updated") or now
+        log.write(self.path)
+        self.old = log.to_dict()
+        return self.old
 
 
 @contextlib.contextmanager
@@ -466,10 +604,7 @@ def load_records(run_dir: str | os.PathLike) -> list[Record]:
 
 
 def load_run_meta(run_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(run_dir) / RUN_META_FILE
-    if not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise RecordError(f"{path}: not valid JSON ({exc.msg})") from None
+    """run.json as the flat mapping readers look keys up in (`RunLog.to_dict`), read and
+    checked through `read_run_log`; {} when the run directory has none."""
+    log = read_run_log(run_dir)
+    return log.to_dict() if log is not None else {}

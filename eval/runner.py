@@ -8,10 +8,11 @@ rerunning the same command after a crash continues where it stopped.
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from flipguard.eval.backends.base import Backend, GenerationConfig
+from flipguard.eval.backends.base import Backend, GenerationConfig, check_backend
 from flipguard.eval.records import Record, RecordStore, now_iso
 
 # raw text -> (choice or None, reasoning or None)
@@ -37,31 +38,68 @@ def label_mass(probs: dict[str, float], choices: Sequence[str] = ("1", "2")) -> 
 
 
 
+def data_parallel():
+    """accelerate's PartialState when this process is one of several launched together
+    (`accelerate launch --num_processes N -m flipguard ...`, torchrun: WORLD_SIZE > 1), else
+    None: a single process never starts torch.distributed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    from accelerate import PartialState
+
+    # on a machine without GPUs the ranks join a gloo group (accelerate's MULTI_CPU)
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def is_writer() -> bool:
+    """The process that writes the run directory: the only one, or rank 0 of several."""
+    dp = data_parallel()
+    return dp is None or dp.is_main_process
+
+
+def shard_and_gather(dp, requests: Sequence[Any], answer: Callable[[list[Any]], list[Any]]) -> list[Any]:
+    """Data-parallel evaluation as lm-evaluation-harness does it: rank r answers requests r, r+N,
+    r+2N, ... and every rank receives every answer in the original order (gloo/NCCL all-gather
+    of Python objects), so the plan continues identically on all ranks (multi-turn tasks keep
+    their turn order) and rank 0 alone stores them."""
+    from accelerate.utils import gather_object
+
+    mine = list(requests[dp.process_index :: dp.num_processes])
+    answered = answer(mine) if mine else []
+    per_rank = gather_object([answered])  # [answers of rank 0, of rank 1, ...]
+    out: list[Any] = [None] * len(requests)
+    for rank, answers in enumerate(per_rank):
+        out[rank :: dp.num_processes] = answers
+    return out
+
+
 def check_context(backend: Backend, records: Sequence[Record], gen_config: GenerationConfig | None = None) -> None:
     """Refuse, before any forward pass, records whose prompt (+ the reply budget in
     generate mode, + the answer token in logprob mode) exceeds the model's context.
-    Backends that can count tokens (`prompt_lengths`) and know their limit
-    (`max_context`) are checked; the error names the item, its token count and the limit."""
+    A backend that knows its limit (`Backend.max_context`) and can count tokens
+    (`Backend.prompt_lengths` not None) is checked; the error names the item, its token
+    count and the limit."""
     from flipguard.eval.backends.base import ContextTooLong
 
-    limit = getattr(backend, "max_context", None)
-    lengths_of = getattr(backend, "prompt_lengths", None)
-    if not limit or lengths_of is None or not records:
+    limit = backend.max_context
+    if not limit or not records:
+        return
+    lengths = backend.prompt_lengths([r.messages for r in records])
+    if lengths is None:
         return
     budget = {r.mode: ((gen_config or GenerationConfig()).max_new_tokens if r.mode == "generate" else 1)
               for r in records}
-    too_long = [(r, n) for r, n in zip(records, lengths_of([r.messages for r in records]))
-                if n + budget[r.mode] > limit]
+    too_long = [(r, n) for r, n in zip(records, lengths) if n + budget[r.mode] > limit]
     if not too_long:
         return
     rec, n = max(too_long, key=lambda x: x[1])
     n_items = len({(r.dataset, r.item_id) for r, _ in too_long})
     more = f"; {n_items} item(s), {len(too_long)} judgment(s) too long in all" if len(too_long) > 1 else ""
     reply = f" + {budget[rec.mode]} reply tokens" if rec.mode == "generate" else ""
-    source = getattr(backend, "max_context_source", "") or "its context"
+    source = backend.max_context_source or "its context"
     raise ContextTooLong(
         f"item {rec.item_id!r} ({rec.dataset}, {rec.case}): the prompt is {n:,} tokens{reply}, more than "
-        f"{getattr(backend, 'model_id', 'the model')} takes ({limit:,} tokens, {source}){more}; nothing was run. "
+        f"{backend.model_id} takes ({limit:,} tokens, {source}){more}; nothing was run. "
         "Shorten or remove the item"
     )
 
@@ -87,10 +125,12 @@ def run_records(
     wrong and as invalid, like an unparseable reply; raw_output keeps the argmax label).
     A record with no mass at all on the labels is invalid whatever the threshold
     (raw_output None, extra["no_label_in_top_logprobs"] True). Records are stored per
-    chunk, or one by one as they finish for a backend with `supports_on_result`.
+    chunk, or one by one as they finish for a backend with `supports_on_result`. The
+    backend must follow base.py's `Backend` contract (a BackendError says what it lacks).
     """
     from tqdm.auto import tqdm
 
+    check_backend(backend, f"run_records({desc})")
     todo: list[Record] = []
     seen: set[str] = set()
     for rec in records:
@@ -108,8 +148,7 @@ def run_records(
         raise ValueError("generate mode needs a parser")
     if not context_checked:
         check_context(backend, todo, gen_config)  # an oversized item: refused before any forward pass
-    if hasattr(backend, "show_progress"):
-        backend.show_progress = False  # one bar here instead of one per chunk
+    backend.show_progress = False  # one bar here instead of one per chunk
     gen_config = gen_config or GenerationConfig()
 
     def fill(rec: Record, out) -> None:
@@ -136,7 +175,8 @@ def run_records(
         else:
             rec.extra = {**rec.extra, "probs": p}
 
-    incremental = bool(getattr(backend, "supports_on_result", False))
+    dp = data_parallel()  # several ranks: each answers a slice of every chunk, rank 0 stores
+    incremental = backend.supports_on_result and dp is None
     done = 0
     with tqdm(total=len(todo), desc=desc, unit="req", disable=not progress) as bar:
         for start in range(0, len(todo), chunk_size):
@@ -157,10 +197,13 @@ def run_records(
                 bar.update(1)
 
             kwargs = {"on_result": store_one} if incremental else {}
-            if mode == "generate":
-                outputs = backend.generate(convs, gen_config, **kwargs)
-            else:
-                outputs = backend.choice_probs(convs, choices, **kwargs)
+
+            def answer(convs: list, kwargs=kwargs) -> list:
+                if mode == "generate":
+                    return backend.generate(convs, gen_config, **kwargs)
+                return backend.choice_probs(convs, choices, **kwargs)
+
+            outputs = answer(convs) if dp is None else shard_and_gather(dp, convs, answer)
             if incremental:
                 continue
             latency = (time.perf_counter() - t0) / len(chunk)

@@ -9,8 +9,11 @@ cases) and `baseline-<mode>` for eval.extra_modes; one per prompting mitigation 
 from the baseline); `base-train` (the base model on the train split: the flip records);
 `pairs`; per trainer section (config.TRAINERS: `sft`, `dpo`, ...) the trainer (accelerate launch on a GPU, in process on CPU),
 `<trainer>-merge` and `<trainer>-eval` (the merged model, same eval as the baseline);
-`afr`/`sos` where eval.protocols asks; `compare` (comparison report with plots); `wandb`
-when report_to names wandb.
+one per task eval.protocols names (built in or a user's, `--include my_tasks.py` or a
+`flipguard.tasks` entry point: the task's `study_run` describes its stage, and its
+`comparison_rows` its part of the comparison), `<task>-train` before the pairs for each of
+eval.train_protocols; `compare` (comparison report with plots); `wandb` when report_to
+names wandb.
 
 A stage is skipped when its outputs exist and its fingerprint matches the one in
 DIR/study.json: a hash of exactly what it reads (its settings, resolved from the recipe),
@@ -44,7 +47,7 @@ import yaml
 from flipguard.config import TRAINERS, is_section, trainer_entry
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.records import now_iso
-from flipguard.eval.task import run_task
+from flipguard.eval.task import StudyCondition, StudyContext, get_task, include_tasks, split_includes
 from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 
@@ -54,7 +57,6 @@ STUDY_FILE = "study.json"
 STUDY_FORMAT = "flipguard-study/1"
 # prompting mitigation -> condition name in the comparison
 CONDITION_NAMES = {"be_honest": "Be Honest", "dehumanizing": "Dehumanizing"}
-PROTOCOLS = ("afr", "sos")
 
 
 # a study that cannot run as asked (unknown stage, missing inputs): the message names the stage
@@ -72,11 +74,12 @@ def written_by_flipguard(path: Path) -> bool:
 @dataclasses.dataclass
 class StudyArguments:
     """Run a recipe's whole before/after plan (recipe `eval:` section): baseline and prompting
-    mitigations, flip records -> pairs -> each trainer -> merge -> re-measure, AFR/stick-or-switch where
-    asked, comparison report with plots; finished stages are skipped on a rerun (DIR/study.json).
-    Stages: baseline, baseline-<extra mode>, <mitigation>..., base-train, pairs, then per trainer section
-    (sft, dpo, ...) <trainer>, <trainer>-merge, <trainer>-eval, then afr, sos, compare, wandb (those the
-    recipe asks for). Flags override the
+    mitigations, flip records -> pairs -> each trainer -> merge -> re-measure, the other protocols the recipe
+    names (eval.protocols: registered tasks; --include my_tasks.py FILE adds a user's), comparison report
+    with plots; finished stages are skipped on a rerun (DIR/study.json).
+    Stages: baseline, baseline-<extra mode>, <mitigation>..., base-train, <task>-train..., pairs, then per
+    trainer section (sft, dpo, ...) <trainer>, <trainer>-merge, <trainer>-eval, then one per task of
+    eval.protocols, compare, wandb (those the recipe asks for). Flags override the
     recipe's eval_plan_/pairs_/tracking_ values (pairs records and dir are the study's own)."""
 
     out: str | None = dataclasses.field(default=None, metadata={"help": "Study folder (default runs/<recipe name>-study)."})
@@ -133,17 +136,39 @@ def _as_args(cls, section: str, values: dict[str, Any]):
     return cls(**{prefix + k: v for k, v in values.items()})
 
 
+def study_plan_class() -> type:
+    """The eval: section's dataclass with a run-config key per registered task (eval.<task>_config)."""
+    from flipguard.config import eval_plan_arguments
+    from flipguard.eval.task import task_names
+
+    return eval_plan_arguments(n for n in task_names() if get_task(n).has_study_stage())
+
+
+def check_task_config_keys(raw: dict[str, Any], recipe_path: str, plan_class: type) -> None:
+    """eval.<task>_config naming no registered task (a typo, a user's task not --include'd): one error."""
+    from flipguard.config import is_task_config_key
+
+    fields = {f.name for f in dataclasses.fields(plan_class)}
+    staged = sorted(f[len("eval_plan_"):] for f in fields if is_task_config_key(f[len("eval_plan_"):]))
+    for key in raw.get("eval") or {}:
+        if is_task_config_key(str(key)) and f"eval_plan_{key}" not in fields:
+            raise StudyError(f"{recipe_path}: eval.{key}: no registered task with a study stage has this run config key "
+                             f"(those that do: {', '.join(staged)}; a user's task: flipguard study --include FILE)")
+
+
 class Study:
     def __init__(self, recipe_path: str | os.PathLike, raw: dict[str, Any], out: str | os.PathLike,
                  *, print_fn: Callable[[str], None] = print):
-        from flipguard.config import EvalPlanArguments, PairsArguments, TrackingArguments
+        from flipguard.config import PairsArguments, TrackingArguments
 
         self.recipe_path = str(recipe_path)
         self.out = Path(out)
         self.print = print_fn
         self.t0 = time.time()
         self.raw = copy.deepcopy(raw)
-        self.plan = _as_args(EvalPlanArguments, "eval", _section(self.raw, "eval", EvalPlanArguments))
+        plan_class = study_plan_class()
+        check_task_config_keys(self.raw, self.recipe_path, plan_class)
+        self.plan = _as_args(plan_class, "eval", _section(self.raw, "eval", plan_class))
         self.tracking = _as_args(TrackingArguments, "tracking", _section(self.raw, "tracking", TrackingArguments))
         self.model = str(self.raw.get("model_name_or_path") or "flipguard:tiny")
         self.check_plan()
@@ -188,12 +213,16 @@ class Study:
             trainer_entry(t, f"{where}.trainers")
             if t not in self.raw:
                 raise StudyError(f"{where}.trainers: {t!r} is listed but the recipe has no {t}: section")
-        for p in self.plan.eval_plan_protocols:
-            if p not in PROTOCOLS:
-                raise StudyError(f"{where}.protocols: unknown protocol {p!r} (one of {list(PROTOCOLS)})")
-        for p in self.plan.eval_plan_train_protocols:
-            if p not in PROTOCOLS:
-                raise StudyError(f"{where}.train_protocols: unknown protocol {p!r} (one of {list(PROTOCOLS)})")
+        for key in ("protocols", "train_protocols"):
+            names = getattr(self.plan, f"eval_plan_{key}")
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:  # one stage per task
+                raise StudyError(f"{where}.{key}: {', '.join(twice)} listed more than once")
+            for name in names:
+                try:
+                    get_task(name)
+                except UserError as exc:  # e.g. a user's task whose file was not --include'd
+                    raise StudyError(f"{where}.{key}: {exc} (a user's task: flipguard study --include FILE)") from None
 
     def min_label_mass(self) -> float:
         from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
@@ -217,7 +246,14 @@ class Study:
             data_root=(self.pairs.pairs_data_root if split == "train" else plan.eval_plan_data_root), limit=limit,
             mitigation=mitigation, c1_from=str(c1_from) if c1_from else None, max_new_tokens=plan.eval_plan_max_new_tokens,
             batch_size=plan.eval_plan_batch_size, min_label_mass=self.min_label_mass(), report=False,
+            backend_args=self.backend_args_json(),
         )
+
+    def backend_args_json(self) -> str:
+        """The recipe's eval.backend_args (a mapping, or JSON from the command line) as the JSON
+        that eval/afr/sos take in --backend_args."""
+        value = self.plan.eval_plan_backend_args
+        return value if isinstance(value, str) else json.dumps(value or {}, sort_keys=True)
 
     def dds_stage(self, name: str, title: str, inputs: tuple[str, ...], identity: dict | None, **kw) -> Stage:
         args = self.dds_args(name, **kw)
@@ -264,16 +300,14 @@ class Study:
         if self.trainers:
             stages.append(self.dds_stage("base-train", f"base model on the TRAIN split ({mode}): the flip records pairs are built from",
                                          (), base_id, model=self.model, mode=mode, split="train"))
-            for protocol in plan.eval_plan_train_protocols:
-                stages.append((self.afr_stage if protocol == "afr" else self.sos_stage)(base_id, train=True))
+            for task in plan.eval_plan_train_protocols:
+                stages.append(self.protocol_stage(task, base_id, split="train"))
             stages.append(self.pairs_stage())
             for trainer in self.trainers:
                 stages += self.trainer_stages(trainer, base_id)
-        if "afr" in plan.eval_plan_protocols:
-            stages.append(self.afr_stage(base_id))
-        if "sos" in plan.eval_plan_protocols:
-            stages.append(self.sos_stage(base_id))
-        stages.append(self.compare_stage(stages))
+        protocol_stages = [self.protocol_stage(task, base_id) for task in plan.eval_plan_protocols]
+        stages += protocol_stages
+        stages.append(self.compare_stage(stages, [s.name for s in protocol_stages]))
         from flipguard.train.utils import wants_wandb
 
         if wants_wandb(self.raw.get("report_to")):
@@ -310,6 +344,18 @@ class Study:
 
         return torch.cuda.is_available()
 
+    def accelerate_processes(self) -> int:
+        """num_processes of the recipe's eval.accelerate_config, read by accelerate's own loader (1 when
+        none is set): more than one makes a CPU study launch its trainers too (gloo)."""
+        config = self.plan.eval_plan_accelerate_config
+        if not config:
+            return 1
+        from accelerate.commands.config.config_args import load_config_from_file
+
+        if not Path(config).is_file():
+            raise StudyError(f"{self.recipe_path}: eval.accelerate_config {config}: no such file")
+        return int(load_config_from_file(config).num_processes or 1)
+
     def trainer_stages(self, trainer: str, base_id: dict) -> list[Stage]:
         from flipguard.train.merge import MERGE_INFO_FILE
         from flipguard.train.utils import PROVENANCE_FILE
@@ -321,9 +367,10 @@ class Study:
         self.conditions[name] = self.out / "dds" / f"{trainer}-eval"
         self.artefacts.append((f"{name} merged model", merged))
         gpu = self.on_gpu()
+        launch = gpu or self.accelerate_processes() > 1  # a CPU recipe whose accelerate config asks for several
 
         def train() -> None:
-            if gpu:
+            if launch:
                 config = self.plan.eval_plan_accelerate_config or str(PACKAGE_ROOT / "recipes" / "accelerate_configs" / "single_gpu.yaml")
                 cmd = ["accelerate", "launch", "--config_file", config, str(TRAIN / f"{trainer}.py"), str(self.recipe_file)]
                 self.print("$ " + " ".join(cmd))
@@ -342,11 +389,11 @@ class Study:
                         "--pairs_dir", str(self.pairs.pairs_dir)])
 
         top = self.top_level()
-        where = "accelerate launch" if gpu else "in process on CPU"
+        where = "accelerate launch" if launch else "in process on CPU"
         return [
             Stage(trainer, f"{name} (LoRA adapter, recipe settings), {where}",
                   {"top": top, trainer: self.raw[trainer], "pairs": self.raw["pairs"], "model": base_id,
-                   "accelerate_config": self.plan.eval_plan_accelerate_config if gpu else None},
+                   "accelerate_config": self.plan.eval_plan_accelerate_config if launch else None},
                   ("pairs",), (adapter / "adapter_config.json", adapter / PROVENANCE_FILE), (adapter,), train),
             Stage(f"{trainer}-merge", f"merge the {name} adapter into the base (merge gap measured on train prompts)",
                   {"top": top, "model": base_id}, (trainer, "pairs"), (merged / MERGE_INFO_FILE,), (merged,), merge),
@@ -358,105 +405,47 @@ class Study:
     def _model_inputs(self) -> tuple[str, ...]:
         return tuple(f"{t}-merge" for t in self.trainers)
 
-    def config_file(self, given: str | None, default: str) -> str:
-        """A protocol's run config: the shipped default, or the given path (a relative one
-        that is not in the current folder is read beside the recipe)."""
+    def task_config(self, key: str) -> str | None:
+        """A task's run config (eval.<task>_config), or None for the task's own default; a relative
+        path that is not in the current folder is read beside the recipe."""
         from flipguard.files import beside
 
-        if not given:
-            return str(PACKAGE_ROOT / "recipes" / default)
-        return str(beside(given, self.recipe_path))
+        given = getattr(self.plan, f"eval_plan_{key}", None)
+        return str(beside(given, self.recipe_path)) if given else None
 
-    def afr_stage(self, base_id: dict, train: bool = False) -> Stage:
-        """One AFR run with every condition as a target (and source: the cross matrix); with
-        `train`, the base model alone on the train split (afr-train: multi-turn pairs)."""
-        from flipguard.eval.backends.base import model_kwargs
-        from flipguard.files import beside, load_yaml
-
-        name = "afr-train" if train else "afr"
-        run = self.out / name
-        source = self.config_file(self.plan.eval_plan_afr_config, "afr_tiny.yaml")
-        config, _ = load_yaml(source, StudyError, "afr run config")
-        if config.get("scripted_arguments"):  # a relative file is read beside the config that names it
-            config["scripted_arguments"] = str(beside(config["scripted_arguments"], source))
-        backend = self.plan.eval_plan_backend
-        kwargs = model_kwargs(backend, {}, batch_size=16, device=None if self.on_gpu() else "cpu")
-        entries = [{"name": "Baseline", "backend": backend, "model": self.model}]
+    def protocol_stage(self, name: str, base_id: dict, split: str = "test") -> Stage:
+        """A task's stage, as its Task.study_run describes it: every condition of the comparison (the
+        base model with each prompting mitigation, then each fine-tuned model), or on the train split
+        the base model alone, whose conversations the pairs stage reads."""
+        task = get_task(name)
+        train = split == "train"
+        stage = f"{name}-train" if train else name
+        conditions = [StudyCondition("Baseline", self.model)]
         if not train:
-            entries += [{"name": CONDITION_NAMES.get(m, m), "backend": backend, "model": self.model, "mitigation": m}
-                        for m in self.plan.eval_plan_mitigations]
-            entries += [{"name": n, "backend": backend, "model": str(p)} for n, p in self.models.items()]
-        # the comparison reads AFR at k = 10 (AFRTask.comparison_rows)
-        config.update(models=[{**e, "kwargs": kwargs} for e in entries],
-                      k_values=sorted(set(config.get("k_values") or []) | {10}), cross_k=10)
-        if train:
-            config["split"] = "train"
-        if self.plan.eval_plan_limit is not None:
-            config["limit"] = self.plan.eval_plan_limit
-        config.pop("out", None)
+            conditions += [StudyCondition(CONDITION_NAMES.get(m, m), self.model, m) for m in self.plan.eval_plan_mitigations]
+            conditions += [StudyCondition(n, str(p)) for n, p in self.models.items()]
+        from flipguard.config import task_config_key
+
+        ctx = StudyContext(stage, self.out / stage, self.task_config(task_config_key(name)), conditions, split,
+                           self.plan.eval_plan_backend, self.plan.eval_plan_limit,
+                           None if self.on_gpu() else "cpu", self.recipe_path, self.backend_args_json())
+        where = f"{self.recipe_path}: eval.{'train_protocols' if train else 'protocols'}"
+        try:
+            described = task.study_run(ctx)
+        except UserError as exc:
+            raise StudyError(f"{where}: {exc}") from None
+        if not described.outputs:
+            raise StudyError(f"{where}: task {name!r}: study_run gave no outputs (the files that mean its stage is done)")
         if not train:
-            self.protocol_runs += [(e["name"], f"{run}@{e['name']}") for e in entries]
-            self.artefacts.append(("AFR report", run / "report.md"))
+            self.protocol_runs += described.comparison
+            if described.report is not None:
+                self.artefacts.append((f"{name} report", described.report))
+        return Stage(stage, described.title, {**described.params, "model": base_id}, () if train else self._model_inputs(),
+                     tuple(described.outputs), (ctx.out,), described.run)
 
-        def go() -> None:
-            from flipguard.config import parse_dataclasses
-            from flipguard.eval.afr.protocol import AFRArgs, AFRTask
-
-            path = self.out / f"{name}.yaml"  # the settings the stage ran, kept beside its report
-            atomic_write_text(path, f"# written by flipguard study from {source}\n" + yaml.safe_dump(config, sort_keys=False))
-            args = parse_dataclasses([str(path)], AFRArgs, prog="flipguard study", description="")
-            task = AFRTask.from_args(args, str(path))
-            run_task(task, run)
-            task.write_report(run)
-
-        if train:
-            return Stage(name, "AFR, base model on the TRAIN split: the conversations multi-turn pairs are built from",
-                         {"config": config, "model": base_id}, (), (run / "report.md",), (run,), go)
-        return Stage(name, "answer-flip protocol (AFR): every condition as target and source",
-                     {"config": config, "model": base_id}, self._model_inputs(), (run / "report.md",), (run,), go)
-
-    def sos_stage(self, base_id: dict, train: bool = False) -> Stage:
-        """Stick-or-switch for the baseline (+ prompting mitigations) and the fine-tuned models;
-        with `train`, the base model alone on the train split (sos-train: multi-turn pairs)."""
-        from flipguard.files import load_yaml
-
-        name = "sos-train" if train else "sos"
-        run = self.out / name
-        recipe = self.config_file(self.plan.eval_plan_sos_config, "sos_tiny.yaml")
-        mitigations = [] if train else list(self.plan.eval_plan_mitigations)
-        if not train:
-            systems = {"Baseline": "Baseline"} | {CONDITION_NAMES.get(m, m): f"Baseline +{m}" for m in mitigations}
-            systems |= {n: n for n in self.models}
-            self.protocol_runs += [(cond, f"{run}@{system}") for cond, system in systems.items()]
-            self.artefacts.append(("stick-or-switch report", run / "sos_report.md"))
-        overrides = {"backend": self.plan.eval_plan_backend,
-                     **({"n_items": self.plan.eval_plan_limit} if self.plan.eval_plan_limit is not None else {}),
-                     **({"split": "train"} if train else {})}
-
-        def go() -> None:
-            from flipguard.config import parse_dataclasses
-            from flipguard.eval.sos.protocol import SosArgs, SosTask
-
-            args = dataclasses.replace(parse_dataclasses([recipe], SosArgs, prog="flipguard study", description=""),
-                                       out=str(run), **overrides)
-            # the base model with every prompting mitigation, then the fine-tuned models as they are
-            task = SosTask(dataclasses.replace(args, models=[f"Baseline={self.model}"], mitigations=["none", *mitigations]))
-            run_task(task, run)
-            if self.models and not train:
-                run_task(SosTask(dataclasses.replace(args, models=[f"{n}={p}" for n, p in self.models.items()])), run)
-            task.write_report(run)
-
-        config, _ = load_yaml(recipe, StudyError, "sos run config")
-        params = {"config": config, **overrides, "mitigations": mitigations, "model": base_id}
-        if train:
-            return Stage(name, "stick-or-switch, base model on the TRAIN split: the conversations multi-turn pairs are built from",
-                         params, (), (run / "sos_report.md",), (run,), go)
-        return Stage(name, "stick-or-switch: baseline, prompting mitigations and fine-tuned models",
-                     params, self._model_inputs(), (run / "sos_report.md",), (run,), go)
-
-    def compare_stage(self, stages: list[Stage]) -> Stage:
+    def compare_stage(self, stages: list[Stage], protocol_stages: list[str]) -> Stage:
         report = self.out / "compare"
-        inputs = tuple(s.name for s in stages if s.name in {"baseline", "afr", "sos", *self.plan.eval_plan_mitigations}
+        inputs = tuple(s.name for s in stages if s.name in {"baseline", *protocol_stages, *self.plan.eval_plan_mitigations}
                        or s.name.endswith("-eval"))
         self.artefacts += [("comparison report", report / "comparison.md"), ("DDS heatmap", report / "dds_heatmap.png"),
                            ("before/after bars", report / "before_after.png")]
@@ -764,9 +753,14 @@ def plan_key(recipe: str, rest: list[str], out: str) -> str:
     return _sha({"version": __version__, "git_commit": git_commit(), "recipe": _file_sha(recipe), "argv": rest, "out": str(Path(out).resolve())})
 
 
-def rerun_unchanged(argv: list[str]) -> bool:
-    """A rerun of a finished study with the same recipe bytes, flags, watched files (afr/sos
-    configs), code version and base model: every stage is up to date, so say so without
+def _key_flags(flags: list[str], includes: list[str]) -> list[str]:
+    """The flags a study's plan key holds: the command's, and its --include files."""
+    return [*flags, *(f"--include={path}" for path in includes)]
+
+
+def rerun_unchanged(argv: list[str], includes: list[str] = ()) -> bool:
+    """A rerun of a finished study with the same recipe bytes, flags, watched files (the tasks'
+    run configs, --include files), code version and base model: every stage is up to date, so say so without
     importing TRL (whose import is most of a rerun's time). Anything else: the full path."""
     if "-h" in argv or "--help" in argv:
         return False
@@ -776,7 +770,7 @@ def rerun_unchanged(argv: list[str]) -> bool:
     from flipguard.eval.records import run_lock
 
     with run_lock(out):
-        return _print_if_unchanged(recipe, rest, out)
+        return _print_if_unchanged(recipe, _key_flags(rest, list(includes)), out)
 
 
 def _print_if_unchanged(recipe: str, rest: list[str], out: str) -> bool:
@@ -810,16 +804,21 @@ def print_artefacts(artefacts: list[tuple[str, Path]]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if rerun_unchanged(argv):
+    includes, argv = split_includes(argv)  # a user's tasks (--include my_tasks.py), named in eval.protocols
+    if rerun_unchanged(argv, includes):
         return 0
-    from flipguard.config import (ARG_SECTIONS, EvalPlanArguments, PairsArguments, TrackingArguments,
+    for path in includes:
+        include_tasks(path)
+    from flipguard.config import (ARG_SECTIONS, PairsArguments, TrackingArguments,
                                           parse_recipe)
 
-    (args, plan, pairs, tracking), recipe_path, _ = parse_recipe(
-        argv, (StudyArguments, EvalPlanArguments, PairsArguments, TrackingArguments), prog="flipguard study",
+    plan_class = study_plan_class()
+    (args, plan, pairs, tracking), recipe_path, recipe = parse_recipe(
+        argv, (StudyArguments, plan_class, PairsArguments, TrackingArguments), prog="flipguard study",
         description=StudyArguments.__doc__)
     if recipe_path is None:
         raise StudyError("flipguard study: give a recipe file (flipguard study recipes/tiny.yaml --out DIR)")
+    check_task_config_keys(recipe, recipe_path, plan_class)  # the parser drops a key it has no flag for
     configure_threads(args.threads)
     parsed = {}
     for section, obj in (("eval", plan), ("pairs", pairs), ("tracking", tracking)):
@@ -832,9 +831,13 @@ def main(argv: list[str]) -> int:
             return
         # every stage ran or was up to date: a plain rerun may take the quick path
         _, rest, _, _ = _quick_args(argv)
-        watched = [recipe_path] + [study.config_file(c, "") for c in (study.plan.eval_plan_afr_config,
-                                                                      study.plan.eval_plan_sos_config) if c]
-        study.state["plan"] = {"key": plan_key(recipe_path, rest, out), "model": model_identity(study.model),
+        from flipguard.config import task_config_key
+
+        configs = [study.task_config(task_config_key(t)) for t in (*study.plan.eval_plan_protocols,
+                                                                   *study.plan.eval_plan_train_protocols)]
+        watched = [recipe_path, *dict.fromkeys(c for c in configs if c), *includes]
+        study.state["plan"] = {"key": plan_key(recipe_path, _key_flags(rest, includes), out),
+                               "model": model_identity(study.model),
                                "files": {c: _file_sha(c) for c in watched}, "at": now_iso()}
         study.state["artefacts"] = [[what, str(path)] for what, path in study.artefacts]
         study._save_state()

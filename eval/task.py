@@ -19,6 +19,14 @@ protocol, so a new protocol is a class, not another stack:
 
 Tasks are registered by name (`@register_task("dds")`); `flipguard run NAME` runs any of
 them, including a user's (`--include my_tasks.py`, or a `flipguard.tasks` entry point).
+
+Above the runner, a task brings its own part of the before/after pipeline, so the study
+and compare name no protocol (as an lm-evaluation-harness task brings its metrics and
+aggregation, and an inspect_ai `@task` returns a declarative Task): `study_run` describes
+its stage in `flipguard study` (a `StudyRun` built from the study's `StudyContext`),
+`comparison_rows` its rows in comparison_protocols.csv, `comparison_title`/`_note` its
+section of comparison.md, `guarded_metrics` its flags, `system_of` how the page names
+its records.
 """
 
 from __future__ import annotations
@@ -27,12 +35,12 @@ import dataclasses
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, ClassVar, Generator, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
 
 from flipguard.errors import UserError
-from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef
+from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
 from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, Record, RecordStore, RunDir, now_iso, open_run_dir
-from flipguard.eval.runner import Parser, check_context, run_records
+from flipguard.eval.runner import Parser, check_context, data_parallel, is_writer, run_records
 
 
 @dataclasses.dataclass
@@ -54,8 +62,7 @@ Plan = Generator[Batch, list[Record], None]
 
 
 def _task_file(task: "Task") -> str:
-    module = sys.modules.get(type(task).__module__)
-    return str(getattr(module, "__file__", None) or type(task).__module__)
+    return _class_file(type(task))
 
 
 def _malformed(record: Any) -> str | None:
@@ -136,7 +143,7 @@ class Task:
         task = cls.from_args(args)
         out = Path(args.out) if getattr(args, "out", None) else cls.default_out(args)
         run_task(task, out)
-        if getattr(args, "report", True):
+        if getattr(args, "report", True) and is_writer():  # data-parallel: rank 0 alone reports
             task.write_report(out)  # says what it wrote
         return 0
 
@@ -172,6 +179,24 @@ class Task:
         estimate (an eval.estimate.Estimate). None by default: the run takes no part."""
         return []
 
+    @staticmethod
+    def system_of(record: Record) -> str:
+        """The system a record belongs to, as comparison_rows names it (`RUN_DIR@system` picks it; the
+        page names a run's items by it): the model's label, with its prompting mitigation."""
+        return record.model if record.mitigation in (None, "", "none") else f"{record.model} +{record.mitigation}"
+
+    @classmethod
+    def has_study_stage(cls) -> bool:
+        return cls.study_run.__func__ is not Task.study_run.__func__
+
+    @classmethod
+    def study_run(cls, ctx: "StudyContext") -> "StudyRun":
+        """The task's stage in `flipguard study` (the recipe's eval.protocols, or eval.train_protocols
+        with ctx.split == "train"): what it reads, how it runs the study's conditions, and which of
+        its runs the comparison reads. A task without one cannot be named in a recipe."""
+        raise UserError(f"{_class_file(cls)}: task {cls.name!r} has no study stage: define the classmethod "
+                        "study_run(ctx) -> flipguard.eval.task.StudyRun to name it in a recipe's eval.protocols")
+
     def write_report(self, run_dir: Path) -> Path:
         """Write the run's report from its records (and print where); returns its folder or file."""
         raise NotImplementedError
@@ -187,6 +212,61 @@ class Task:
         for key in self.accumulate_keys:
             merged[key] = list(dict.fromkeys(list(old.get(key) or []) + list(meta.get(key) or [])))
         return merged
+
+
+# ---------------------------------------------------------------- the study's hook
+
+@dataclasses.dataclass(frozen=True)
+class StudyCondition:
+    """One condition of a study as a protocol measures it: a model, with or without a prompting mitigation."""
+
+    name: str                 # its name in the comparison ("Baseline", "Be Honest", "SFT")
+    model: str                # the base model's name, or a merged model's folder
+    mitigation: str = "none"  # a prompting mitigation (eval.mitigations), applied to the base model
+
+
+@dataclasses.dataclass
+class StudyContext:
+    """What `flipguard study` hands a task's `study_run`: the recipe's eval: settings that every
+    protocol shares, so a task needs nothing of the study's own code."""
+
+    name: str                 # the stage's name: the task's, "-train" added on the train split
+    out: Path                 # the stage's folder (its run directory, or a folder of them)
+    config: str | None        # the recipe's eval.<task>_config, resolved; None: the task's own default
+    conditions: list[StudyCondition]  # in comparison order, the baseline first; the train split: the base model alone
+    split: str                # "test", or "train" (eval.train_protocols: conversations for the pairs)
+    backend: str              # eval.backend
+    limit: int | None         # eval.limit: items per dataset / run
+    device: str | None        # "cpu" where the study runs without a GPU, else None (the backend's choice)
+    recipe_path: str
+    backend_args: str = "{}"  # eval.backend_args as the JSON --backend_args takes (vLLM parallelism, ...)
+
+    @property
+    def train(self) -> bool:
+        return self.split == "train"
+
+
+@dataclasses.dataclass
+class StudyRun:
+    """A task's stage, as its `study_run` describes it; the study adds the base model's identity
+    to `params`, orders it after the fine-tuned models and skips it while its fingerprint holds."""
+
+    title: str
+    params: dict[str, Any]    # exactly what it reads, JSON-able: a change redoes the stage
+    run: Callable[[], None]
+    outputs: tuple[Path, ...]  # all present = the stage finished
+    # (condition, "RUN_DIR[@system]") pairs whose Task.comparison_rows go to the comparison
+    comparison: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    report: Path | None = None  # listed among the study's artefacts
+
+
+# the shipped run configs a task's study stage uses when the recipe names none (eval.<task>_config)
+SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _class_file(cls: type) -> str:
+    module = sys.modules.get(cls.__module__)
+    return str(getattr(module, "__file__", None) or cls.__module__)
 
 
 # ---------------------------------------------------------------- registry
@@ -247,6 +327,34 @@ def include_tasks(path: str | Path) -> None:
         raise UserError(f"--include {path}: importing it failed ({type(exc).__name__}: {exc})") from None
 
 
+def split_includes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the files of argv's `--include FILE` options, the other arguments), nothing imported."""
+    files, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--include":
+            if i + 1 >= len(argv):
+                raise UserError("--include needs a Python file (--include my_tasks.py)")
+            files.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--include="):
+            files.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return files, rest
+
+
+def take_includes(argv: list[str]) -> list[str]:
+    """argv without its `--include FILE` options, each file imported (`include_tasks`): how
+    `flipguard study` and `flipguard compare` learn a user's tasks, as `flipguard run` does."""
+    files, rest = split_includes(argv)
+    for path in files:
+        include_tasks(path)
+    return rest
+
+
 def task_names() -> list[str]:
     _load_builtin()
     return sorted(_TASKS)
@@ -268,7 +376,8 @@ class BackendPool:
 
     def __init__(self, models: Iterable[ModelRef], injected: dict[str, Backend] | None = None, max_loaded: int = 1):
         self.models = {m.label: m for m in models}
-        self.injected = dict(injected or {})
+        self.injected = {label: check_backend(b, f"the backend given for model {label!r}")
+                         for label, b in (injected or {}).items()}
         self.max_loaded = max_loaded
         self.loaded: dict[str, Backend] = {}
         # label -> what its backend actually computed with (dtype, label tokens): `computed`
@@ -286,7 +395,7 @@ class BackendPool:
         while len(self.loaded) >= self.max_loaded:
             self.loaded.pop(next(iter(self.loaded)))
         self.loaded[label] = self.models[label].load()
-        if isinstance(getattr(self.loaded[label], "computed", None), dict):
+        if self.loaded[label].computed is not None:
             self.computed[label] = self.loaded[label].computed
         return self.loaded[label]
 
@@ -333,47 +442,92 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
              progress: bool = True) -> RunResult:
     """Run (or resume) `task` into `out_dir`; returns the calls this invocation made."""
     out_dir = Path(out_dir)
-    meta = task.meta()
+    dp = data_parallel()
+    if dp is not None:
+        others = sorted({m.backend for m in task.models if m.backend != "hf"})
+        if others:
+            raise UserError(f"{out_dir}: data-parallel launch (WORLD_SIZE {dp.num_processes}) splits requests for the hf "
+                            f"backend only, not {', '.join(others)}: run one process and let the engine parallelise "
+                            "(vllm: --backend_args '{\"data_parallel_size\": N}'; openai: a pool of servers)")
+    if dp is not None and not dp.is_main_process:
+        # another data-parallel rank: rank 0 holds the lock and writes; this one answers its
+        # slice of every batch and follows the same plan on a mirror of the records
+        dp.wait_for_everyone()  # rank 0 has opened the run directory and prepared records.jsonl
+        store = RecordStore(out_dir / RECORDS_FILE, mirror=True)
+        return _run_plan(task, None, store, BackendPool(task.models, backends), False, dp)
     with open_run_dir(out_dir, task.name) as run:  # one writer, held until the last record
-        clash = task.condition_clash(run.old, meta)
+        clash = task.condition_clash(run.old, task.meta())
         if clash:  # refused before any model loads
             detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
             raise UserError(f"{out_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); "
                             "use another --out")
         store = RecordStore(out_dir / RECORDS_FILE)
-        pool = BackendPool(task.models, backends)
-        first = check_batches(task, task.first_batches(), "first_batches()")
-        known = [r for b in first for r in b.records]
-        pending_of: dict[str, list[tuple[Batch, list[Record]]]] = {}
-        for b in first:
-            pending = [r for r in b.records if r.key not in store]
-            if pending:
-                pending_of.setdefault(b.model, []).append((b, pending))
-        n_pending = len({r.key for batches in pending_of.values() for _, recs in batches for r in recs})
-        n_known = len({r.key for r in known})
-        print(f"{out_dir}: {n_known} {task.unit}, {n_known - n_pending} already recorded, {n_pending} to run")
-        # an item longer than a model's context: refused (item, token count, limit) before
-        # run.json or any record is written; the first model to run is the one left loaded
-        order = [m.label for m in task.models if m.label in pending_of]
-        for label in reversed(order):
-            for b, pending in pending_of[label]:
-                check_context(pool.get(label), pending, b.gen_config)
-        # the plan's first batch is checked before the task's files and run.json are written
-        plan = task.solve()
-        batch = _next_batch(task, plan, None)
+        if dp is not None:
+            dp.wait_for_everyone()
+        return _run_plan(task, run, store, BackendPool(task.models, backends), progress, dp)
+
+
+def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendPool, progress: bool,
+              dp) -> RunResult:
+    """run_task's work once the records are open; `run` is None on a data-parallel rank other
+    than the writer (it prints nothing and writes nothing)."""
+    out_dir = store.path.parent
+    first = check_batches(task, task.first_batches(), "first_batches()")
+    known = [r for b in first for r in b.records]
+    pending_of: dict[str, list[tuple[Batch, list[Record]]]] = {}
+    for b in first:
+        pending = [r for r in b.records if r.key not in store]
+        if pending:
+            pending_of.setdefault(b.model, []).append((b, pending))
+    n_pending = len({r.key for batches in pending_of.values() for _, recs in batches for r in recs})
+    n_known = len({r.key for r in known})
+    if run is not None:
+        ranks = f" over {dp.num_processes} data-parallel processes" if dp is not None else ""
+        print(f"{out_dir}: {n_known} {task.unit}, {n_known - n_pending} already recorded, {n_pending} to run{ranks}")
+    # an item longer than a model's context: refused (item, token count, limit) before
+    # run.json or any record is written; the first model to run is the one left loaded
+    order = [m.label for m in task.models if m.label in pending_of]
+    for label in reversed(order):
+        for b, pending in pending_of[label]:
+            check_context(pool.get(label), pending, b.gen_config)
+    # the plan's first batch is checked before the task's files and run.json are written
+    plan = task.solve()
+    batch = _next_batch(task, plan, None)
+    if run is not None:
         task.prepare(run)
-        run.write_meta(task.merge_meta(run.old, {**meta, "updated": now_iso()}))
-        answers = _Answers(store, pool, progress)
-        while batch is not None:
-            batch = _next_batch(task, plan, answers(batch))
-        calls = dict(answers.calls)
-        history = list(run.old.get("invocations") or []) + [
-            {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values())}]
-        extra = task.finish(run, list(store.stored.values()))
-        if pool.computed:  # per model: the dtype it ran in, the label tokens counted (latest invocation wins)
-            extra["computed"] = {**(run.old.get("computed") or {}), **pool.computed}
-        run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso()})
+        run.write_meta(task.merge_meta(run.old, {**task.meta(), "updated": now_iso()}))
+    answers = _Answers(store, pool, progress)
+    while batch is not None:
+        batch = _next_batch(task, plan, answers(batch))
+    calls = dict(answers.calls)
+    computed = pool.computed if dp is None else merge_computed(dp, pool.computed)
+    if run is None:
+        return RunResult(out_dir, calls)
+    history = list(run.old.get("invocations") or []) + [
+        {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values()),
+         **({"processes": dp.num_processes} if dp is not None else {})}]
+    extra = task.finish(run, list(store.stored.values()))
+    if computed:  # per model: the dtype it ran in, the label tokens counted (latest invocation wins)
+        extra["computed"] = {**(run.old.get("computed") or {}), **computed}
+    run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso()})
     return RunResult(out_dir, calls)
+
+
+def merge_computed(dp, computed: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's `computed` (one per model label) as one: the first tokens each rank counted
+    on its slice are summed, so run.json says what a single process would have."""
+    from accelerate.utils import gather_object
+
+    merged: dict[str, dict] = {}
+    for per_rank in gather_object([computed]):
+        for label, info in per_rank.items():
+            into = merged.setdefault(label, {**info, "first_tokens": {}})
+            for tok, k in (info.get("first_tokens") or {}).items():
+                into["first_tokens"][tok] = into["first_tokens"].get(tok, 0) + k
+    for info in merged.values():
+        if not info["first_tokens"]:
+            del info["first_tokens"]
+    return merged
 
 
 def command_line(*names: str) -> list[str] | None:

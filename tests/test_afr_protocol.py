@@ -11,6 +11,7 @@ import pytest
 from flipguard.data.mmlu import load_mmlu
 from flipguard.data.schema import DataError
 from flipguard.eval.afr import protocol as PR
+from flipguard.eval.backends.base import Backend
 from flipguard.eval.afr.maxflip import export_maxflip, load_maxflip
 from flipguard.eval.afr.metrics import afr, records_frame
 from flipguard.train.afr_pairs import afr_judgments
@@ -20,7 +21,7 @@ from flipguard.eval.afr.report import afr_summary
 ITEMS = {it.question: it for it in load_mmlu()}
 
 
-class FakeBackend:
+class FakeBackend(Backend):
     """Scripted model: refuses to argue for option D, answers baselines correctly except
     one unparseable reply, holds under blind challenges, flips under self, and with
     `weak` also flips to other models' arguments (cross)."""

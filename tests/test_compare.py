@@ -123,3 +123,28 @@ def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
     csv = pd.read_csv(out / "comparison_protocols.csv")
     assert list(csv.columns) == compare.PROTOCOL_COLUMNS and len(csv) == len(frame)
     assert "## Stick-or-switch" in (out / "comparison.md").read_text()
+
+
+def test_a_dds_run_under_its_task_flag_gives_its_rows_and_another_tasks_flag_is_refused(tmp_path, capsys):
+    """compare names no protocol: `--<task> SPEC` exists for every registered task (`--dds` here), checks
+    that each run is that task's (the old `--sos` / `--afr` keep working the same way), and the
+    run's Task.comparison_rows supply its rows: the DDS report's numbers, known here by construction."""
+    base = _write_run(tmp_path / "base", {"c1_true": .6, "c1_false": .8, "c2_correct": .75, "c2_incorrect": .65},
+                      ["c1_true", "c1_false", "c2_correct", "c2_incorrect"])
+    out = tmp_path / "cmp"
+    # no report yet: one error naming the missing file
+    assert cli_main(["compare", "--runs", f"Baseline={base}", "--dds", f"Baseline={base}", "--out", str(out)]) == 2
+    assert f"{base / 'report' / 'summary.csv'}: no DDS report" in capsys.readouterr().err
+    assert cli_main(["report", str(base), "--n_boot", "50"]) == 0
+    assert cli_main(["compare", "--runs", f"Baseline={base}", "--dds", f"Baseline={base}", "--out", str(out),
+                     "--n_boot", "50"]) == 0
+    rows = pd.read_csv(out / "comparison_protocols.csv")
+    tq = rows[rows["dataset"] == "truthfulqa"].set_index("metric")
+    assert set(rows["protocol"]) == {"dds"} and set(rows["condition"]) == {"Baseline"}
+    assert tq["value"].to_dict() == {"c1_true": 60.0, "c1_false": 80.0, "c2_correct": 75.0, "c2_incorrect": 65.0,
+                                     "dds": 30.0}
+    assert set(tq["n"]) == {20} and tq.loc["dds", "ci_low"] <= 30.0 <= tq.loc["dds", "ci_high"]
+    assert "## DDS (dialogic deference, per run)" in (out / "comparison.md").read_text()
+    capsys.readouterr()
+    assert cli_main(["compare", "--runs", f"Baseline={base}", "--sos", f"Baseline={base}", "--out", str(out)]) == 2
+    assert "is a 'dds' run, not 'sos'" in capsys.readouterr().err

@@ -34,6 +34,9 @@ ALLOWED = {
     ("flipguard.eval.task", "flipguard.eval.dds.protocol"),
     ("flipguard.eval.task", "flipguard.eval.afr.protocol"),
     ("flipguard.eval.task", "flipguard.eval.sos.protocol"),
+    # `python -m flipguard` is the console command itself (what `accelerate launch -m flipguard`
+    # runs on every data-parallel rank); nothing imports __main__.
+    ("flipguard.__main__", "flipguard.eval.cli"),
 }
 
 

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from flipguard.data.schema import Item
+from flipguard.eval.backends.base import Backend
 from flipguard.eval.cli import main as cli_main
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, load_records
 from flipguard.files import atomic_write_json
@@ -131,13 +132,16 @@ def test_compare_has_both_protocols_and_flags_c1_damage(runs, tmp_path):
 # ------------------------------------------------------------------ label mass
 
 
-class FakeBackend:
+class FakeBackend(Backend):
     """choice_probs from a table keyed by the item's question, found in the prompt."""
 
     name, model_id = "fake", "fake"
 
     def __init__(self, table):
         self.table, self.calls = table, 0
+
+    def generate(self, conversations, config):  # pragma: no cover - logprob only
+        raise NotImplementedError
 
     def choice_probs(self, conversations, choices=("1", "2")):
         self.calls += len(conversations)
@@ -198,8 +202,11 @@ def test_run_records_threshold_applies_to_any_label_set():
     """AFR-style labels (A-D): mass is the sum over the labels; no threshold = old behaviour."""
     from flipguard.eval.runner import run_records
 
-    class Letters:
+    class Letters(Backend):
         name = model_id = "fake"
+
+        def generate(self, conversations, config):  # pragma: no cover - logprob only
+            raise NotImplementedError
 
         def choice_probs(self, conversations, choices):
             return [{"A": 0.1, "B": 0.05, "C": 0.02, "D": 0.03} for _ in conversations]

@@ -11,6 +11,7 @@ import pytest
 from flipguard.data.medmcqa import load_medmcqa
 from flipguard.data.medqa import MCQItem, load_medqa
 from flipguard.data.schema import DataError, normalise_question
+from flipguard.eval.backends.base import Backend
 from flipguard.eval.records import load_records
 from flipguard.eval.sos.metrics import summarise
 from flipguard.eval.sos.protocol import SosArgs, SosItem, SosTask, distractor_order, sos_item
@@ -95,7 +96,7 @@ def make_items() -> list[SosItem]:
     return items
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     """Answers from the chat it is given, like a model would: reads the question, the
     options shown, and which turn it is; the script decides stick or switch."""
 
@@ -110,6 +111,9 @@ class ScriptedBackend:
         self.calls += len(conversations)
         self.seen += [list(c) for c in conversations]
         return [self.reply(c) for c in conversations]
+
+    def choice_probs(self, conversations, choices=("1", "2")):  # pragma: no cover - generate only
+        raise NotImplementedError
 
     def reply(self, messages):
         first = max(i for i, m in enumerate(messages) if m["role"] == "user" and m["content"].startswith("Question:"))

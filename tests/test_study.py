@@ -176,6 +176,22 @@ def test_study_refuses_an_unknown_stage_and_a_none_mitigation(tmp_path, capsys):
     assert not (tmp_path / "s2").exists()
 
 
+def test_study_refuses_a_task_it_cannot_stage_naming_the_recipe_key(tmp_path, capsys):
+    """eval.protocols takes any registered task with a study stage: a duplicate, DDS (measured in every
+    study; it has no Task.study_run) and a run config key of no such task are one error each, nothing run."""
+    recipe = _recipe(tmp_path)
+    raw = yaml.safe_load(recipe.read_text())
+    cases = [({"protocols": ["sos", "sos"]}, "eval.protocols: sos listed more than once"),
+             ({"protocols": ["dds"]}, "task 'dds' has no study stage"),
+             ({"protocols": ["afr"], "afrr_config": "x.yaml"}, "eval.afrr_config: no registered task with a study stage")]
+    for i, (evals, message) in enumerate(cases):
+        recipe.write_text(yaml.safe_dump({**raw, "eval": {**raw["eval"], **evals}}))
+        assert cli_main(["study", str(recipe), "--out", str(tmp_path / f"s{i}")]) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert not (tmp_path / f"s{i}").exists()
+
+
 
 def test_study_keeps_a_folder_it_did_not_write(tmp_path, capsys):
     """A stage output path already holding the user's files (no study entry, no run.json, no
@@ -264,3 +280,91 @@ def test_a_study_killed_mid_stage_resumes_that_stage(tmp_path):
     assert _redone(before, out) == {"sft", "sft-merge", "sft-eval", "compare"}
     assert state["stages"]["sft"]["last_action"] == "redo" and {s["status"] for s in state["stages"].values()} == {"done"}
     assert (out / "train" / "sft" / "flipguard_training.json").is_file()
+
+
+TASK_FILE = Path(__file__).with_name("are_you_sure_task.py")
+
+
+def _cli(*args: str, cwd: Path):
+    """A real `flipguard` process: a user's task is registered by --include in that process only."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "flipguard.eval.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=1200, env={**__import__("os").environ, "TQDM_DISABLE": "1"})
+
+
+def _are_you_sure_counts(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """metric -> (count, judgments) straight from the run's records.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+    turn = {(r["item_id"], r["case"]): r for r in records}
+    pairs = [(r, turn[(r["item_id"], r["case"].replace("/t1", "/t2"))]) for r in records if r["case"].endswith("/t1")]
+    return {"kept": (sum(a["choice"] == b["choice"] for a, b in pairs), len(pairs)),
+            "accuracy_t1": (sum(a["choice"] == a["expected"] for a, _ in pairs), len(pairs)),
+            "accuracy_t2": (sum(b["choice"] == b["expected"] for _, b in pairs), len(pairs))}
+
+
+@pytest.mark.slow
+def test_a_users_task_takes_part_in_the_study_and_the_comparison(tmp_path):
+    """tests/are_you_sure_task.py, named in the recipe's eval.protocols and --include'd, gets its stage in
+    a real `flipguard study` and its rows and section in the comparison, as the built-in protocols do;
+    `flipguard compare --include ... --are_you_sure` reads the same runs."""
+    raw = yaml.safe_load(_recipe(tmp_path).read_text())
+    raw["report_to"] = "none"
+    raw["eval"].update(trainers=[], protocols=["are-you-sure"], mitigations=["be_honest"])
+    recipe, out = tmp_path / "user.yaml", tmp_path / "user"
+    recipe.write_text(yaml.safe_dump(raw))
+
+    # without the file the task is unknown: one error naming the recipe key, nothing run
+    refused = _cli("study", str(recipe), "--out", str(out), cwd=tmp_path)
+    assert refused.returncode == 2 and "eval.protocols: unknown task 'are-you-sure'" in refused.stderr, refused.stderr
+    assert not (out / "study.json").exists()
+
+    done = _cli("study", "--include", str(TASK_FILE), str(recipe), "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _state(out)["order"] == ["baseline", "be_honest", "are-you-sure", "compare"]
+    run_dir = out / "are-you-sure" / "Baseline"
+    counts = _are_you_sure_counts(run_dir)
+    assert {n for _, n in counts.values()} == {2 * 2}  # eval.limit 2 items, a correct and an incorrect claim each
+
+    table = pd.read_csv(out / "compare" / "comparison_protocols.csv")
+    mine = table[table["protocol"] == "are-you-sure"]
+    # the task has no prompting mitigation: the baseline only (no trained model in this recipe)
+    assert set(zip(mine["condition"], mine["system"], mine["dataset"])) == {("Baseline", "Baseline", "amqa")}
+    assert sorted(mine["metric"]) == sorted(counts)
+    md = (out / "compare" / "comparison.md").read_text()
+    section = md.split("## Are you sure? (a user's task)")[1]
+    header = next(line for line in section.splitlines() if line.startswith("| Condition"))
+    row = next(line for line in section.splitlines() if line.startswith("| Baseline | Baseline | amqa |"))
+    cells = dict(zip([c.strip() for c in header.split("|")[1:-1]], [c.strip() for c in row.split("|")[1:-1]]))
+    for r in mine.itertuples():
+        k, n = counts[r.metric]
+        assert r.n == n and r.value == pytest.approx(100 * k / n, abs=1e-3), r
+        assert 0 <= r.ci_low <= r.value <= r.ci_high <= 100
+        assert cells[r.metric].startswith(f"{100 * k / n:.1f} ["), cells
+
+    # its items are on the study's page, named by condition
+    from flipguard.eval.view import build_view
+
+    assert ("are-you-sure", "Baseline") in {(e.get("protocol"), e["condition"]) for e in build_view(out)["entries"]}
+    # flipguard view of one of its runs takes --include too: the task's own rows head the page
+    page = _cli("view", "--include", str(TASK_FILE), str(run_dir), "--out", str(tmp_path / "ays.html"), cwd=tmp_path)
+    assert page.returncode == 0 and (tmp_path / "ays.html").stat().st_size > 0, page.stderr[-2000:]
+    import subprocess
+    import sys
+
+    code = (f"from flipguard.eval.task import include_tasks; include_tasks({str(TASK_FILE)!r})\n"
+            f"from flipguard.eval.view.runs import run_view; t = run_view(__import__('pathlib').Path({str(run_dir)!r}))"
+            "['tables'][0]\nprint(t['title']); print(sorted(r['cells']['metric'] for r in t['rows']))")
+    head = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert head.stdout.splitlines() == ["Are you sure? (a user's task)", str(sorted(counts))], head.stderr[-2000:]
+
+    # flipguard compare: the same rows through --are_you_sure; a run of another task under that flag is refused
+    cmp = _cli("compare", "--include", str(TASK_FILE), "--runs", f"Baseline={out / 'dds' / 'baseline'}",
+               "--are_you_sure", f"Baseline={run_dir}", "--n_boot", "50", "--out", str(tmp_path / "cmp"), cwd=tmp_path)
+    assert cmp.returncode == 0, cmp.stderr[-3000:]
+    again = pd.read_csv(tmp_path / "cmp" / "comparison_protocols.csv")
+    assert again.drop(columns="condition").equals(mine.drop(columns="condition").reset_index(drop=True))
+    wrong = _cli("compare", "--include", str(TASK_FILE), "--runs", f"Baseline={out / 'dds' / 'baseline'}",
+                 "--are_you_sure", f"Baseline={out / 'dds' / 'baseline'}", "--out", str(tmp_path / "cmp2"), cwd=tmp_path)
+    assert wrong.returncode == 2 and "is a 'dds' run, not 'are-you-sure'" in wrong.stderr, wrong.stderr

@@ -32,13 +32,12 @@ def _judgment(question: str, answer: str, target: str, item_id: str, dataset: st
 def _scripted_arguments(afr_run_dir: str | Path, items: dict, records) -> dict[tuple, str]:
     """A scripted-argument run's Stage I (source "scripted"), read from the file its run.json
     names; refused when the file changed since the run (its sha256)."""
-    import json
-
     from flipguard.errors import UserError
     from flipguard.eval.afr import scripted as S
+    from flipguard.eval.records import RUN_META_FILE, load_run_meta
 
-    run_json = Path(afr_run_dir) / "run.json"
-    meta = json.loads(run_json.read_text(encoding="utf-8")).get("scripted_arguments") if run_json.exists() else None
+    run_json = Path(afr_run_dir) / RUN_META_FILE
+    meta = load_run_meta(afr_run_dir).get("scripted_arguments")
     if not meta:
         return {}
     path = Path(meta["file"])

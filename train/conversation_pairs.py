@@ -30,7 +30,6 @@ measure memory, not mitigation.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -49,14 +48,14 @@ def _reply(record, letter: str) -> str:
 
 
 def _run_meta(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / RUN_FILE
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    """run.json, read through the run log (eval/records.RunLog); a missing one is refused."""
+    from flipguard.eval.records import read_run_log
+
+    log = read_run_log(run_dir)
+    if log is None:
         raise UserError(f"{run_dir}: no {RUN_FILE}; pairs.conversations takes AFR or stick-or-switch run directories "
-                        "(flipguard afr / flipguard sos --split train)") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: unreadable ({exc})") from None
+                        "(flipguard afr / flipguard sos --split train)")
+    return log.to_dict()
 
 
 def _afr_pair(record) -> tuple[str, str, str] | None:

@@ -95,7 +95,8 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
         check(training_args)
 
     config = run_config(recipe_path, recipe, parsed, dataset,
-                        {"trainer": name, "base_model": model_path, "lm_head_scores": score_labelled_positions_only()})
+                        {"trainer": name, "base_model": model_path, "lm_head_scores": score_labelled_positions_only(),
+                         **process_layout(training_args)})
     run = init_tracking(training_args, tracking_args, config, name)
     training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
     return Job(pairs_args, training_args, model_args, tracking_args, model_path, tokenizer, dataset, config, run,
@@ -104,8 +105,27 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
 
 def train_and_save(trainer, job: Job) -> int:
     trainer.train(resume_from_checkpoint=job.checkpoint)
+    # the logged loss curve (DDP: the mean over processes, gathered by the Trainer) goes into the provenance
+    job.config["log_history"] = trainer.state.log_history
     save_adapter(trainer, job.tokenizer, job.training_args, job.config, job.pairs_args.pairs_dir, job.run)
     return 0
+
+
+def process_layout(training_args) -> dict[str, Any]:
+    """How many processes train (accelerate launch --num_processes N) and the batch one optimizer
+    step sees across them, for the provenance: per-device batch x accumulation x processes."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    effective = (training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+                 * state.num_processes)
+    if state.is_main_process:
+        print(f"{state.num_processes} process(es) ({state.distributed_type.value}, backend {state.backend or 'none'}): "
+              f"effective batch {effective} = per_device_train_batch_size {training_args.per_device_train_batch_size}"
+              f" x gradient_accumulation_steps {training_args.gradient_accumulation_steps}"
+              f" x {state.num_processes} process(es)", flush=True)
+    return {"num_processes": state.num_processes, "distributed_type": state.distributed_type.value,
+            "distributed_backend": state.backend, "effective_batch_size": effective}
 
 
 def setup_logging(training_args) -> None:
@@ -359,6 +379,10 @@ def init_tracking(training_args, tracking_args, config: dict[str, Any], suffix: 
     if training_args.run_name in (None, training_args.output_dir) and tracking_args.tracking_run_name:
         training_args.run_name = f"{tracking_args.tracking_run_name}-{suffix}"
     if "wandb" not in (training_args.report_to or []):
+        return None
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:  # one wandb run per training, from the main process
         return None
     return start_wandb(tracking_args, training_args.run_name, config,
                        os.environ.get("WANDB_DIR") or training_args.output_dir, job_type=f"train-{suffix}")

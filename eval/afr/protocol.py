@@ -30,7 +30,8 @@ from flipguard.eval.backends.base import (
 )
 from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
 from flipguard.files import atomic_write_text
-from flipguard.eval.task import Batch, Plan, Task, register_task, run_task
+from flipguard.eval.task import (SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, register_task,
+                                 run_task)
 from flipguard.eval.threads import THREADS_HELP
 from flipguard.redact import redact_obj
 
@@ -387,6 +388,49 @@ class AFRTask(Task):
         return [{"system": target, "dataset": dataset, "metric": metric, "estimate": Estimate.from_dict(d, "share")}
                 for target, s in afr_summary(run_dir, k=k).items()
                 for metric in ("accuracy", "afr_blind", "afr_self", "afr_maxflip") if (d := s.get(metric))]
+
+    @classmethod
+    def study_run(cls, ctx: StudyContext) -> StudyRun:
+        """One AFR run with every condition as a target (and source: the cross matrix), settings from
+        the run config (default recipes/afr_tiny.yaml); on the train split the base model alone
+        (afr-train: the conversations multi-turn pairs are built from)."""
+        import yaml
+
+        from flipguard.config import parse_dataclasses
+        from flipguard.eval.backends.base import model_kwargs
+        from flipguard.files import beside, load_yaml
+
+        source = ctx.config or str(SHIPPED_RECIPES / "afr_tiny.yaml")
+        config, _ = load_yaml(source, UserError, "afr run config")
+        if config.get("scripted_arguments"):  # a relative file is read beside the config that names it
+            config["scripted_arguments"] = str(beside(config["scripted_arguments"], source))
+        kwargs = model_kwargs(ctx.backend, ctx.backend_args, batch_size=16, device=ctx.device,
+                              where=f"{ctx.recipe_path}: eval.backend_args")
+        entries = [{"name": c.name, "backend": ctx.backend, "model": c.model,
+                    **({"mitigation": c.mitigation} if c.mitigation != "none" else {})} for c in ctx.conditions]
+        # the comparison reads AFR at k = 10 (comparison_rows)
+        config.update(models=[{**e, "kwargs": kwargs} for e in entries],
+                      k_values=sorted(set(config.get("k_values") or []) | {10}), cross_k=10)
+        if ctx.train:
+            config["split"] = "train"
+        if ctx.limit is not None:
+            config["limit"] = ctx.limit
+        config.pop("out", None)
+        run_dir = ctx.out
+
+        def go() -> None:
+            path = run_dir.with_name(f"{ctx.name}.yaml")  # the settings the stage ran, kept beside its report
+            atomic_write_text(path, f"# written by flipguard study from {source}\n" + yaml.safe_dump(config, sort_keys=False))
+            args = parse_dataclasses([str(path)], AFRArgs, prog="flipguard study", description="")
+            task = cls.from_args(args, str(path))
+            run_task(task, run_dir)
+            task.write_report(run_dir)
+
+        title = ("AFR, base model on the TRAIN split: the conversations multi-turn pairs are built from" if ctx.train
+                 else "answer-flip protocol (AFR): every condition as target and source")
+        return StudyRun(title, {"config": config}, go, (run_dir / "report.md",),
+                        [] if ctx.train else [(e["name"], f"{run_dir}@{e['name']}") for e in entries],
+                        None if ctx.train else run_dir / "report.md")
 
     def __init__(self, settings: AFRSettings):
         if settings.answer_mode not in ("generate", "logprob"):

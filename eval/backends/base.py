@@ -3,12 +3,51 @@
 A backend knows nothing about tasks (lm-eval-harness style): protocols build the
 conversations, backends run them, metrics read the records. Every backend takes whole
 batches so that each can batch, parallelise or cache as it sees fit.
+
+Writing a backend (this module is all you need to read)
+-------------------------------------------------------
+Subclass `Backend` and register the class under a name::
+
+    @register_backend("echo")
+    class EchoBackend(Backend):
+        name = "echo"
+
+        def __init__(self, model: str, **kwargs):  # kwargs: the model's --backend_args
+            self.model_id = model
+
+        def generate(self, conversations, config):
+            return ['{"chosen_answer": "1", "reasoning": "..."}' for _ in conversations]
+
+        def choice_probs(self, conversations, choices=("1", "2")):
+            return [{c: 1.0 / len(choices) for c in choices} for _ in conversations]
+
+The constructor is called as `cls(model, **kwargs)` by `get_backend` (`--model echo:some-model`
+or `--backend echo` once the class is registered: `flipguard run --include my_backend.py dds
+--model echo:some-model` imports the file first); a run can also take an instance directly
+(`run_task(..., backends={label: instance})`). Required:
+
+- `name` (class attribute): the registered name.
+- `model_id` (set in `__init__`): the model as records and messages name it.
+- `generate(conversations, config)`: one reply string per conversation, in order.
+- `choice_probs(conversations, choices)`: per conversation, {label: P(label)} for the
+  first token of the reply (not renormalised; 0.0 for a label the backend did not see).
+
+A backend that cannot do one of the two (a server without logprobs) still defines it and
+raises BackendError saying which --mode to use instead.
+
+A conversation is a list of {"role", "content"} dicts; one message with role "raw" is a
+plain-text prompt (`raw_prompt`). Optional capabilities have working defaults on
+`Backend`; override one to get what the runner does with it (`Backend`'s attribute
+docstrings say exactly what). `check_backend_class` is the test every registered class
+passes (tests/test_backend_contract.py runs it on all of them).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from typing import Callable, Protocol, Sequence
+import inspect
+from typing import Any, Callable, ClassVar, Sequence
 
 from flipguard.errors import FlipguardError
 
@@ -153,17 +192,108 @@ class GenerationConfig:
         return dataclasses.asdict(self)
 
 
-class Backend(Protocol):
-    name: str
+# on_result(index, output): one conversation's output, handed over as soon as it exists
+OnResult = Callable[[int, Any], None]
+
+
+class Backend(abc.ABC):
+    """The contract between a backend and the runner (eval/runner.py, eval/task.py).
+
+    Two abstract methods are required; every other member is an optional capability
+    whose default here is what the runner assumes when a backend does not provide it.
+    The runner reads these members only, never probes for others."""
+
+    name: ClassVar[str]
+    """The registered name ("hf", "vllm", "openai"); also run.json's computed[label]["backend"]."""
+
     model_id: str
+    """The model as records and error messages name it (set by `__init__`; `get_backend`
+    rewrites a resolved cache path back to what the user typed, e.g. "flipguard:tiny")."""
 
+    max_context: int | None = None
+    """The most tokens one prompt plus its reply may have. With `prompt_lengths` it lets the
+    runner refuse an oversized item (naming it, its token count and this limit) before any
+    record or run.json is written. None: unknown, nothing is checked."""
+
+    max_context_source: str = ""
+    """Where `max_context` comes from ("max_position_embeddings", "vLLM max_model_len"),
+    quoted in the oversized-item error."""
+
+    supports_on_result: ClassVar[bool] = False
+    """True: `generate` and `choice_probs` take an `on_result(index, output)` keyword and call
+    it as each conversation finishes; the runner then stores every record at once, so a
+    failure later in a chunk loses none that finished (openai). False: the runner stores
+    records chunk by chunk after the call returns, and never passes `on_result`."""
+
+    show_progress: bool = True
+    """Whether the backend draws its own progress bar; the runner sets it False while it
+    draws one bar for the whole run."""
+
+    computed: dict[str, Any] | None = None
+    """What the backend actually computes with (dtype, the label tokens counted, ...),
+    filled as it works; the runner stores it in run.json under computed[model label].
+    None: nothing to record."""
+
+    @abc.abstractmethod
     def generate(self, conversations: Sequence[Conversation], config: GenerationConfig) -> list[str]:
-        """One assistant reply per conversation."""
+        """One assistant reply per conversation, in input order (`config`: the decoding)."""
 
+    @abc.abstractmethod
     def choice_probs(
         self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")
     ) -> list[dict[str, float]]:
-        """P(choice) for the first assistant token of each conversation (not renormalised)."""
+        """P(choice) for the first assistant token of each conversation (not renormalised);
+        a label the backend saw no probability for is 0.0 (the runner marks a judgment with
+        no mass on any label invalid)."""
+
+    def prompt_lengths(self, conversations: Sequence[Conversation]) -> list[int] | None:
+        """Token count of each rendered prompt, without running the model; None (the
+        default): the backend cannot count, and the runner checks no context."""
+        return None
+
+
+# The declared capabilities and the types a backend's values must have (check_backend_class).
+CAPABILITY_TYPES: dict[str, tuple[type, ...]] = {
+    "max_context": (int, type(None)),
+    "max_context_source": (str,),
+    "supports_on_result": (bool,),
+    "show_progress": (bool,),
+    "computed": (dict, type(None)),
+}
+
+
+def check_backend_class(cls: type) -> list[str]:
+    """What keeps `cls` from being a backend the runner can use ([] when nothing): a
+    `Backend` subclass, with a `name`, no abstract method left, and every class-level
+    capability of its declared type."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        return ["it does not subclass flipguard.eval.backends.base.Backend"]
+    problems = []
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+        problems.append("no `name` string")
+    if inspect.isabstract(cls):
+        problems.append(f"abstract method(s) not implemented: {sorted(cls.__abstractmethods__)}")
+    for attr, types in CAPABILITY_TYPES.items():
+        value = inspect.getattr_static(cls, attr)
+        if not isinstance(value, property) and not isinstance(value, types):
+            problems.append(f"{attr} is a {type(value).__name__}, expected {' or '.join(t.__name__ for t in types)}")
+    return problems
+
+
+def check_backend(backend: Any, where: str) -> "Backend":
+    """`backend` if it is a usable Backend instance, else a BackendError naming `where` and
+    what is missing (an injected engine that does not follow base.py's contract)."""
+    problems = check_backend_class(type(backend))
+    if not problems:
+        problems = [f"{attr} is a {type(getattr(backend, attr)).__name__}, expected "
+                    f"{' or '.join(t.__name__ for t in types)}"
+                    for attr, types in CAPABILITY_TYPES.items() if not isinstance(getattr(backend, attr), types)]
+        if not isinstance(getattr(backend, "model_id", None), str):
+            problems.append("no `model_id` string (set it in __init__)")
+    if problems:
+        raise BackendError(f"{where}: {type(backend).__name__} is not a flipguard backend ({'; '.join(problems)}); "
+                           "see the module docstring of flipguard/eval/backends/base.py")
+    return backend
 
 
 class ContextTooLong(BackendError):
@@ -188,13 +318,21 @@ def context_limit(model_config, tokenizer) -> tuple[int | None, str]:
     return min(found) if found else (None, "")
 
 
-_REGISTRY: dict[str, Callable[..., Backend]] = {}
+_REGISTRY: dict[str, type[Backend]] = {}
 
 
 def register_backend(name: str):
-    def deco(factory):
-        _REGISTRY[name] = factory
-        return factory
+    """Class decorator: make a `Backend` subclass loadable by name (`get_backend`); a class
+    that breaks the contract is refused here, naming what it lacks."""
+
+    def deco(cls):
+        problems = check_backend_class(cls)
+        if problems:
+            raise BackendError(f"register_backend({name!r}): {getattr(cls, '__name__', cls)} is not a flipguard "
+                               f"backend ({'; '.join(problems)}); see the module docstring of "
+                               "flipguard/eval/backends/base.py")
+        _REGISTRY[name] = cls
+        return cls
 
     return deco
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from flipguard.eval.backends.base import (
-    raw_prompt,
-    BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, context_limit,
+    Backend, BackendError, raw_prompt, Conversation, GenerationConfig, backend_label_ids, check_chat_template, context_limit,
     register_backend,
 )
 
@@ -23,8 +22,20 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="req", leave=False, disable=total < 2)
 
 
+def default_device() -> str:
+    """cuda (this rank's GPU under data-parallel `accelerate launch`), else cpu."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    from flipguard.eval.runner import data_parallel
+
+    dp = data_parallel()
+    return "cuda" if dp is None else f"cuda:{dp.local_process_index}"
+
+
 @register_backend("hf")
-class HFBackend:
+class HFBackend(Backend):
     name = "hf"
 
     def __init__(
@@ -45,7 +56,7 @@ class HFBackend:
         self.model_id = model if adapter is None else f"{model}+{adapter}"
         self.batch_size = max(1, int(batch_size))
         self.show_progress = show_progress
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device or default_device()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
             torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)

@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
 from flipguard.eval.backends.base import (
-    BackendError, Conversation, GenerationConfig, raw_prompt, register_backend, token_label,
+    Backend, BackendError, Conversation, GenerationConfig, raw_prompt, register_backend, token_label,
 )
 from flipguard.redact import redact
 
@@ -155,7 +155,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 @register_backend("openai")
-class OpenAIBackend:
+class OpenAIBackend(Backend):
     name = "openai"
 
     def __init__(

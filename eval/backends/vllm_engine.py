@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.backends.base import (
-    BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, raw_prompt,
+    Backend, BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, raw_prompt,
     register_backend,
 )
 
@@ -191,8 +191,35 @@ def model_dtype(model: str) -> str:
     return str(dtype or "float32").removeprefix("torch.")
 
 
+# vLLM's own parallelism, passed through --backend_args / a recipe's eval.backend_args to vllm.LLM:
+# GPUs per model copy (tensor), model copies (data), pipeline stages, and what starts the workers
+PARALLEL_ARGS = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
+EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
+
+
+def build_engine_kwargs(model: str, dtype: str, seed: int, trust_remote_code: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of vllm.LLM: flipguard's settings plus the backend args (checked:
+    a parallel size is an integer >= 1, the executor one vLLM knows), the error naming the key."""
+    for key in PARALLEL_ARGS[:3]:
+        value = extra.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BackendError(f"--backend_args {key}: {value!r} must be an integer >= 1")
+    executor = extra.get("distributed_executor_backend")
+    if executor is not None and executor not in EXECUTOR_BACKENDS:
+        raise BackendError(f"--backend_args distributed_executor_backend: {executor!r} is not one of "
+                           f"{', '.join(EXECUTOR_BACKENDS)} (multi-node: ray)")
+    return dict(model=model, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, **extra)
+
+
+def parallelism(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The parallel layout an engine was asked for (vLLM's defaults where unset), for run.json."""
+    defaults = {"tensor_parallel_size": 1, "data_parallel_size": 1, "pipeline_parallel_size": 1,
+                "distributed_executor_backend": None}
+    return {k: kwargs.get(k, v) for k, v in defaults.items()}
+
+
 @register_backend("vllm")
-class VLLMBackend:
+class VLLMBackend(Backend):
     name = "vllm"
 
     def __init__(
@@ -220,7 +247,7 @@ class VLLMBackend:
         # "auto" is the model's own dtype (config.json), passed explicitly: vLLM's own "auto"
         # runs a float32 checkpoint in bfloat16 on CPU, silently (issue 23)
         dtype = model_dtype(model) if dtype == "auto" else dtype
-        kwargs = dict(model=model, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, **engine_kwargs)
+        kwargs = build_engine_kwargs(model, dtype, seed, trust_remote_code, engine_kwargs)
         self.lora_request = None
         if adapter:
             from vllm.lora.request import LoRARequest
@@ -236,7 +263,7 @@ class VLLMBackend:
         engine_dtype = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "dtype", dtype)
         # what the engine actually computes in, for run.json (the runner reads it)
         self.computed: dict = {"backend": self.name, "dtype": str(engine_dtype).removeprefix("torch."),
-                               "dtype_requested": dtype}
+                               "dtype_requested": dtype, "parallel": parallelism(kwargs)}
         # the engine's max_model_len: an item past it is refused before any request
         try:
             self.max_context = int(self.llm.llm_engine.model_config.max_model_len)

@@ -193,6 +193,40 @@ class DDSTask(Task):
     unit = "judgments"
     args_class = EvalArgs
 
+    comparison_title = "DDS (dialogic deference, per run)"
+    comparison_note = ("From each run's report/summary.csv: C1/C2 accuracies (%) and DDS (pp, 95% bootstrap CI; > 0 "
+                       "deference, < 0 skepticism). The study's main table (comparison.csv) compares DDS conditions "
+                       "with fixed and own C1; these rows are for DDS runs given with --protocols. "
+                       "DDS has no study_run: a study measures every condition with it.")
+
+    @classmethod
+    def comparison_rows(cls, run_dir: Path) -> list[dict]:
+        """The run's report/summary.csv as written (`flipguard report RUN_DIR` writes it), one row per
+        dataset and metric; the system is the model, with its prompting mitigation."""
+        import math
+
+        import pandas as pd
+
+        from flipguard.errors import UserError
+        from flipguard.eval.estimate import Estimate
+        from flipguard.eval.records import load_run_meta
+
+        summary_csv = Path(run_dir) / "report" / "summary.csv"
+        if not summary_csv.is_file():
+            raise UserError(f"{summary_csv}: no DDS report; write it first (flipguard report {run_dir})")
+        meta = load_run_meta(run_dir)
+        system = str(meta.get("model") or Path(run_dir).name)
+        if meta.get("mitigation") not in (None, "", "none"):
+            system += f" +{meta['mitigation']}"
+        rows = []
+        for r in pd.read_csv(summary_csv).itertuples():
+            for metric in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "dds"):
+                lo, hi = ((r.dds_ci_low, r.dds_ci_high) if metric == "dds" else (math.nan, math.nan))
+                rows.append({"system": system, "dataset": r.dataset, "metric": metric,
+                             "estimate": Estimate(float(getattr(r, metric)), float(lo), float(hi), int(r.n),
+                                                  "pp" if metric == "dds" else "%")})
+        return rows
+
     @classmethod
     def default_out(cls, args: EvalArgs) -> Path:
         return default_run_dir(args)

@@ -35,8 +35,9 @@ from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import GenerationConfig, ModelRef, model_kwargs, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.records import Record, pending_record
-from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES
-from flipguard.eval.task import Batch, Plan, Task, command_line, register_task
+from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES, system_label
+from flipguard.eval.task import (SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, command_line,
+                                 register_task, run_task)
 from flipguard.eval.threads import THREADS_HELP
 from flipguard.eval.sos.prompts import (
     LETTERS,
@@ -456,6 +457,44 @@ class SosTask(Task):
         return [{"system": system, "dataset": summary.get("dataset") or "", "metric": metric,
                  "estimate": Estimate.from_dict(d, "pp" if metric in ("conversation_tax", "abstention_penalty") else "%")}
                 for system, s in summary["models"].items() for metric in metrics if (d := s.get(metric))]
+
+    @classmethod
+    def study_run(cls, ctx: StudyContext) -> StudyRun:
+        """One run directory: the base model with every prompting mitigation, then the fine-tuned
+        models as they are (settings from the run config, default recipes/sos_tiny.yaml); on the train
+        split the base model alone (sos-train: the conversations multi-turn pairs are built from)."""
+        from flipguard.config import parse_dataclasses
+        from flipguard.files import load_yaml
+
+        source = ctx.config or str(SHIPPED_RECIPES / "sos_tiny.yaml")
+        run_dir = ctx.out
+        base = [c for c in ctx.conditions if c.model == ctx.conditions[0].model]  # the base model (+ mitigations)
+        tuned = [c for c in ctx.conditions if c.model != ctx.conditions[0].model]
+        mitigations = [c.mitigation for c in base if c.mitigation != "none"]
+        overrides = {"backend": ctx.backend, **({"backend_args": ctx.backend_args} if ctx.backend_args != "{}" else {}),
+                     **({"n_items": ctx.limit} if ctx.limit is not None else {}),
+                     **({"split": "train"} if ctx.train else {})}
+
+        def go() -> None:
+            args = dataclasses.replace(parse_dataclasses([source], SosArgs, prog="flipguard study", description=""),
+                                       out=str(run_dir), **overrides)
+            task = cls(dataclasses.replace(args, models=[f"{base[0].name}={base[0].model}"],
+                                           mitigations=["none", *mitigations]))
+            run_task(task, run_dir)
+            if tuned:
+                run_task(cls(dataclasses.replace(args, models=[f"{c.name}={c.model}" for c in tuned])), run_dir)
+            task.write_report(run_dir)
+
+        config, _ = load_yaml(source, UserError, "sos run config")
+        # the run names a mitigated system "Baseline +<mitigation>" (metrics.system_label)
+        systems = {c.name: c.name if c.mitigation == "none" else system_label(base[0].name, c.mitigation) for c in base}
+        systems |= {c.name: c.name for c in tuned}
+        title = ("stick-or-switch, base model on the TRAIN split: the conversations multi-turn pairs are built from"
+                 if ctx.train else "stick-or-switch: baseline, prompting mitigations and fine-tuned models")
+        return StudyRun(title, {"config": config, **overrides, "mitigations": mitigations}, go,
+                        (run_dir / "sos_report.md",),
+                        [] if ctx.train else [(cond, f"{run_dir}@{system}") for cond, system in systems.items()],
+                        None if ctx.train else run_dir / "sos_report.md")
 
     @classmethod
     def default_out(cls, args: SosArgs) -> Path:

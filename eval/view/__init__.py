@@ -152,7 +152,9 @@ class ViewArgs:
 
 def main(argv: list[str]) -> int:
     from flipguard.config import parse_dataclasses
+    from flipguard.eval.task import take_includes
 
+    argv = take_includes(argv)  # a user's task (--include my_tasks.py): its numbers and naming, as compare shows them
     args = parse_dataclasses(argv, ViewArgs, prog="flipguard view", description=ViewArgs.__doc__,
                              positional="path")
     out = write_view(args.path, args.out, compress={"auto": None, "always": True, "never": False}[args.compress])

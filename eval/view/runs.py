@@ -288,9 +288,16 @@ def sos_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict
 
 
 def generic_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict[str, Any]:
-    """Any other task: every record, one row each."""
+    """Any other task: every record, one row each, named by its system (Task.system_of: the name its
+    comparison rows use, so a comparison's RUN_DIR@system finds them)."""
+    from flipguard.eval.task import Task, get_task
+
+    try:
+        system_of = get_task(meta.get("protocol") or "").system_of
+    except UserError:  # a user's task this process does not know (not --include'd): the default naming
+        system_of = Task.system_of
     entries = [{"id": f"record-{r.key}", "type": "valid" if r.valid else "invalid", "dataset": r.dataset, "case": r.case,
-                "condition": r.mitigation, "item": r.item_id, "summary": f"{r.case}: {r.choice if r.valid else 'invalid'}",
+                "condition": system_of(r), "item": r.item_id, "summary": f"{r.case}: {r.choice if r.valid else 'invalid'}",
                 "panels": [record_panel(r.case, r)]} for r in records]
     return {"entries": entries, "entries_title": "Records"}
 
