@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from flipguard.data.schema import Item
-from flipguard.train import pairs as P
+from even_items import even_items, write_all_pairs
 from served import free_port
 
 BOUND = 1800
@@ -26,15 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DDP_CONFIG = ROOT / "recipes" / "accelerate_configs" / "ddp.yaml"
 STEPS = 4  # 16 pair rows, a global batch of 4: one epoch, every row seen once by both layouts
 
-ITEMS = [Item(id=f"s-{i}", dataset="amqa", question=f"Is {i} even?", correct_answer="yes" if i % 2 == 0 else "no",
-              incorrect_answer="no" if i % 2 == 0 else "yes", split="train") for i in range(8)]
+ITEMS = even_items(8, "s")
 
 
 @pytest.fixture(scope="module")
 def pairs_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pairs") / "pairs"
-    P.write_pairs(P.build_pairs(ITEMS, "all", seed=0), out)
-    return out
+    return write_all_pairs(ITEMS, tmp_path_factory.mktemp("pairs"))
 
 
 def env(tmp_path: Path) -> dict[str, str]:

@@ -11,24 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from flipguard.data.schema import Item
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.train import pairs as P
 from flipguard.train import utils
+
+from even_items import even_items, write_all_pairs
 
 # Subprocess limits are hang guards only (a loaded 2-core machine must never hit them),
 # never synchronisation points: tests wait on files and events.
 BOUND = 1800
 
-ITEMS = [Item(id=f"t-{i}", dataset="amqa", question=f"Is {i} even?", correct_answer="yes" if i % 2 == 0 else "no",
-              incorrect_answer="no" if i % 2 == 0 else "yes", split="train") for i in range(6)]
+ITEMS = even_items(6, "t")
 
 
 @pytest.fixture(scope="module")
 def pairs_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pairs") / "pairs"
-    P.write_pairs(P.build_pairs(ITEMS, "all", seed=0), out)
-    return out
+    return write_all_pairs(ITEMS, tmp_path_factory.mktemp("pairs"))
 
 
 @pytest.fixture(scope="module")
