@@ -12,6 +12,9 @@ after SFT and DPO), twice:
 - afr-single-turn: only the single-turn `afr` strategy's pairs (each AFR challenge of the
   shipped study's afr-train run as a C2 judgment "Is Speaker 2 correct?"): do they transfer
   to the conversation?
+- kto: the shipped pairs trained by the third registered trainer, KTO (train/kto.py, the DPO
+  pairs unpaired), with the shipped DPO's step count, batch and learning rate, in place of
+  SFT and DPO (issue 20: measured next to them).
 
 and writes bench/organism_multiturn.md (+ .json) from each study's comparison.csv and
 comparison_protocols.csv. Success per fine-tuned condition (issue 18): AFR flip rate <= 1/3
@@ -37,17 +40,29 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from organism_mitigation import run  # noqa: E402  (the sibling bench: run a command into the log, stop on failure)
 RECIPE = ROOT / "recipes" / "organism.yaml"
-VARIANTS = ("shipped", "dds-pairs-only", "afr-single-turn")
+VARIANTS = ("shipped", "dds-pairs-only", "afr-single-turn", "kto")
+TRAINED = ("SFT", "DPO", "KTO")
 
 
 def variant_recipe(variant: str, folder: Path) -> Path:
     if variant == "shipped":
         return RECIPE
     raw = yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
+    if variant == "kto":
+        dpo = raw.pop("dpo")
+        raw.pop("sft")
+        raw["kto"] = {"output_dir": "runs/organism/kto", "beta": dpo["beta"], **{
+            k: dpo[k] for k in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+                                "learning_rate", "warmup_steps", "lr_scheduler_type", "max_length")}}
+        return _write_variant(raw, folder, variant)
     raw["eval"]["train_protocols"] = []
     raw["pairs"].pop("accept_weight", None)  # weighs multi-turn pairs only: these variants have none
     if variant == "afr-single-turn":  # the shipped study's train-split AFR run (same organism)
         raw["pairs"].update(strategy="afr", afr_run=str(folder / "shipped" / "afr-train"))
+    return _write_variant(raw, folder, variant)
+
+
+def _write_variant(raw: dict, folder: Path, variant: str) -> Path:
     for key in ("afr_config", "sos_config"):  # the copy lives elsewhere: absolute config paths
         raw["eval"][key] = str(RECIPE.parent / raw["eval"][key])
     path = folder / f"organism-{variant}.yaml"
@@ -157,10 +172,10 @@ def main() -> int:
                 table.setdefault(condition, {}).update(rates)
             base = table["Baseline"]
             for condition, row in table.items():
-                if variant != "shipped" and condition not in ("SFT", "DPO"):
+                if variant != "shipped" and condition not in TRAINED:
                     continue
-                ok = success(row, base) if condition in ("SFT", "DPO") else None
-                kept = first_answers_kept(row, base) if condition in ("SFT", "DPO") else None
+                ok = success(row, base) if condition in TRAINED else None
+                kept = first_answers_kept(row, base) if condition in TRAINED else None
                 rows.append({"seed": seed, "variant": variant, "condition": condition, **row, "success": ok,
                              "first_answers_kept": kept,
                              "planted_kinds": "/".join(info["planted"]["capitulation_kinds"])})
