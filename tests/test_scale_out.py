@@ -251,13 +251,23 @@ def test_data_parallel_launch_refuses_a_backend_that_parallelises_itself(tiny_mo
     assert not (tmp_path / "run").exists()
 
 
-def test_data_parallel_multi_turn_sos_keeps_turn_order_and_report(tiny_model_path, tmp_path):
-    """Stick-or-switch asks its later turns from the earlier answers: every rank must see every
-    answer of a turn before the next one is built. Two ranks write the same conversations
+MULTI_TURN_RUNS = {  # protocol -> (its command's arguments, the model given as a path; its report)
+    "sos": (["sos", "recipes/sos_tiny.yaml", "--n_items", "4", "--n_boot", "200", "--models"], "sos_report.md"),
+    # AFR's challenge quotes the model's own stored first answer; scripted arguments (no Stage I generation)
+    "afr": (["afr", "--dataset", "organism_mc", "--split", "train", "--scripted_arguments",
+             "data/organism_mc/arguments.jsonl", "--per_subject", "4", "--k_values", "1", "--cross", "false",
+             "--answer_mode", "logprob", "--n_boot", "200", "--progress", "false", "--models"], "report.md"),
+}
+
+
+@pytest.mark.parametrize("protocol", sorted(MULTI_TURN_RUNS))
+def test_data_parallel_multi_turn_keeps_turn_order_and_report(protocol, tiny_model_path, tmp_path):
+    """Stick-or-switch and AFR ask their later turns from the earlier answers: every rank must see
+    every answer of a turn before the next one is built. Two ranks write the same conversations
     (messages include the earlier turns and replies) and the same report as one process."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    args = ["-m", "flipguard", "sos", "recipes/sos_tiny.yaml", "--models", tiny_model_path, "--n_items", "4",
-            "--n_boot", "200", "--out"]
+    one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"  # one name: AFR's report is titled by it
+    command, report = MULTI_TURN_RUNS[protocol]
+    args = ["-m", "flipguard", *command, tiny_model_path, "--out"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
              for cmd in ([sys.executable, *args, str(one)], [*accelerate_launch(2), *args, str(two)])]
@@ -271,8 +281,8 @@ def test_data_parallel_multi_turn_sos_keeps_turn_order_and_report(tiny_model_pat
         assert (rec["messages"], rec["raw_output"], rec["choice"]) == (
             ref[rec["key"]]["messages"], ref[rec["key"]]["raw_output"], ref[rec["key"]]["choice"])
     strip = {"one": str(one), "two": str(two)}
-    assert (two / "sos_report.md").read_text().replace(strip["two"], "RUN") == \
-        (one / "sos_report.md").read_text().replace(strip["one"], "RUN")
+    assert (two / report).read_text().replace(strip["two"], "RUN") == \
+        (one / report).read_text().replace(strip["one"], "RUN")
 
 
 def rank_pids(marker: str) -> dict[int, int]:
@@ -292,9 +302,11 @@ def rank_pids(marker: str) -> dict[int, int]:
     return found
 
 
-def test_kill_9_of_a_rank_then_rerun_resumes_every_record_once(tiny_model_path, tmp_path):
-    """A real SIGKILL of rank 1 mid-run: torchrun ends rank 0, the records stored so far stay;
-    the same command again runs only the rest, and the report equals one process's."""
+@pytest.mark.parametrize("killed", [1, 0])
+def test_kill_9_of_a_rank_then_rerun_resumes_every_record_once(killed, tiny_model_path, tmp_path):
+    """A real SIGKILL of one rank mid-run (rank 0 is the writer holding the run lock): torchrun
+    ends the other, the records stored so far stay; the same command again runs only the rest,
+    and the report equals one process's."""
     import signal
     import time
 
@@ -312,9 +324,9 @@ def test_kill_9_of_a_rank_then_rerun_resumes_every_record_once(tiny_model_path, 
         time.sleep(0.05)
     pids = rank_pids(marker)
     assert sorted(pids) == [0, 1], pids
-    # freeze rank 1 first: rank 0 then waits for its half of the next chunk and stores nothing more
-    os.kill(pids[1], signal.SIGSTOP)
-    os.kill(pids[1], signal.SIGKILL)
+    # freeze the rank first: the other then waits for its half of the next chunk (rank 0 stores nothing more)
+    os.kill(pids[killed], signal.SIGSTOP)
+    os.kill(pids[killed], signal.SIGKILL)
     out = first.communicate(timeout=BOUND)[0]
     assert first.returncode != 0, out[-3000:]
     kept = [json.loads(line)["key"] for line in records.read_text().splitlines()]

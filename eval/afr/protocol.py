@@ -29,6 +29,7 @@ from flipguard.eval.backends.base import (
     Backend, BackendError, GenerationConfig, ModelRef, backend_names, parse_backend_args, parse_model_ref,
 )
 from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
+from flipguard.eval.runner import is_writer
 from flipguard.files import atomic_write_text
 from flipguard.eval.task import (SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, register_task,
                                  run_task)
@@ -638,8 +639,9 @@ class AFRTask(Task):
             return 0
         task = cls.from_args(args, where)
         result = run_task(task, args.out, progress=args.progress)
-        print(f"{len(task.items)} questions, {result.sent} model calls this run ({result.calls or 'all resumed'})")
-        task.write_report(Path(args.out))
+        if is_writer():  # data-parallel: rank 0 alone says it and writes the report
+            print(f"{len(task.items)} questions, {result.sent} model calls this run ({result.calls or 'all resumed'})")
+            task.write_report(Path(args.out))
         return 0
 
 
@@ -648,7 +650,7 @@ def run_afr(settings: AFRSettings, out_dir: str | Path, backends: dict[str, Back
     """Run (or resume) the whole protocol through the runner; returns the calls made by this invocation."""
     task = AFRTask(settings)
     result = run_task(task, out_dir, backends=backends, progress=progress)
-    if write_report:
+    if write_report and is_writer():
         task.write_report(Path(out_dir))
     return AFRResult(Path(out_dir), task.items, result.calls, load_records(out_dir))
 
