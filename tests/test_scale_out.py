@@ -7,6 +7,7 @@ Nothing is simulated: real launches, real gloo all-reduce/all-gather. Limits are
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -372,3 +373,19 @@ def test_a_cpu_study_launches_its_trainers_when_the_accelerate_config_asks_for_s
     sft = {s.name: s for s in launched.stages}["sft"]
     assert "accelerate launch" in sft.title and sft.params["accelerate_config"] == str(two)
     assert "in process on CPU" in {s.name: s for s in plain.stages}["sft"].title
+
+
+def test_kto_trains_on_two_processes_with_its_kl_term_per_process(tiny_model_path, pairs_dir, tmp_path):
+    """The third registered trainer on 2 processes: one adapter from rank 0, the layout in its
+    provenance. Not compared with the 1-process run step for step: KTO estimates its KL term from
+    the other replies of each process's own batch (2 rows here, 4 in one process), so the two
+    layouts optimise different estimates by design (TRL's KTOTrainer does the same on GPUs)."""
+    one, two, log = train_both_layouts("kto", tiny_model_path, pairs_dir, tmp_path)
+    assert (one["num_processes"], two["num_processes"]) == (1, 2)
+    assert two["distributed_backend"] == "gloo" and one["effective_batch_size"] == two["effective_batch_size"] == 4
+    assert two["trainer"] == "kto" and log.count("adapter saved to") == 1
+    a, b = losses(one), losses(two)
+    assert len(a) == len(b) == STEPS and all(math.isfinite(x) for x in a + b)
+    # it trained: LoRA's B matrices start at zero
+    weights = load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
+    assert any(float(w.abs().max()) > 0 for k, w in weights.items() if "lora_B" in k)
