@@ -271,14 +271,21 @@ def is_task_config_key(key: str) -> bool:
     return key.endswith(TASK_CONFIG_SUFFIX) and "eval_plan_" + key not in _fields(EvalPlanArguments)
 
 
+def with_optional_fields(base: type, helps: dict[str, str]) -> type:
+    """`base` with an optional string field (default None) for each name -> help that is not already
+    one of its fields: a per-task option added to a command's arguments (same class name)."""
+    have = _fields(base)
+    extra = [(name, Optional[str], dataclasses.field(default=None, metadata={"help": text}))
+             for name, text in helps.items() if name not in have]
+    return dataclasses.make_dataclass(base.__name__, extra, bases=(base,)) if extra else base
+
+
 def eval_plan_arguments(tasks: Iterable[str]) -> type:
     """EvalPlanArguments with an `eval_plan_<task>_config` field per task: the study's parser and plan."""
-    have = _fields(EvalPlanArguments)
-    extra = [(name, Optional[str], dataclasses.field(default=None, metadata={
-                 "help": f"{task}: run config whose settings the study's {task} stage uses (models are the study's; "
-                         "default: the task's own)."}))
-             for task in tasks if (name := "eval_plan_" + task_config_key(task)) not in have]
-    return dataclasses.make_dataclass("EvalPlanArguments", extra, bases=(EvalPlanArguments,)) if extra else EvalPlanArguments
+    return with_optional_fields(EvalPlanArguments, {
+        "eval_plan_" + task_config_key(task): f"{task}: run config whose settings the study's {task} stage uses "
+                                              "(models are the study's; default: the task's own)."
+        for task in tasks})
 
 
 def _fields(cls) -> set[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -443,11 +443,11 @@ def task_flag(task: str) -> str:
 
 def compare_arguments(tasks: Sequence[str]) -> type:
     """CompareArgs with a `--<task> SPEC` option per registered task (one that would shadow an option is left out)."""
-    have = {f.name for f in dataclasses.fields(CompareArgs)}
-    extra = [(task_flag(t), Optional[str], dataclasses.field(default=None, metadata={
-                 "help": f"{t} runs per condition, 'Name=RUN_DIR[@system],...' (as --protocols; each a {t} run)."}))
-             for t in tasks if task_flag(t) not in have]
-    return dataclasses.make_dataclass("CompareArgs", extra, bases=(CompareArgs,)) if extra else CompareArgs
+    from flipguard.config import with_optional_fields
+
+    return with_optional_fields(CompareArgs, {
+        task_flag(t): f"{t} runs per condition, 'Name=RUN_DIR[@system],...' (as --protocols; each a {t} run)."
+        for t in tasks})
 
 
 def protocol_runs_of(args: Any, tasks: Sequence[str]) -> list[tuple[str, str]]:
@@ -456,9 +456,10 @@ def protocol_runs_of(args: Any, tasks: Sequence[str]) -> list[tuple[str, str]]:
     from flipguard.errors import UserError
 
     runs = list(parse_conditions(args.protocols, "--protocols").items()) if args.protocols else []
+    own_options = {f.name for f in dataclasses.fields(CompareArgs)}  # a task named like one has no --<task>
     for task in tasks:
         spec = getattr(args, task_flag(task), None)
-        if not spec or task_flag(task) in {f.name for f in dataclasses.fields(CompareArgs)}:
+        if not spec or task_flag(task) in own_options:
             continue
         flag = f"--{task_flag(task)}"
         for name, run in parse_conditions(spec, flag).items():

@@ -34,3 +34,9 @@ MITIGATIONS = {
         "dehumanizing", system=DEHUMANIZING_SYSTEM, speakers=("AI Agent 1", "AI Agent 2")
     ),
 }
+
+
+def system_label(model: str, mitigation: str | None) -> str:
+    """How a (model, prompting mitigation) pair is named in tables and comparisons: the model,
+    with " +<mitigation>" when one was applied."""
+    return model if mitigation in ("none", "", None) else f"{model} +{mitigation}"

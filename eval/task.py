@@ -39,6 +39,7 @@ from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
 
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
+from flipguard.eval.mitigations import system_label
 from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, Record, RecordStore, RunDir, now_iso, open_run_dir
 from flipguard.eval.runner import Parser, check_context, data_parallel, is_writer, run_records
 
@@ -183,7 +184,7 @@ class Task:
     def system_of(record: Record) -> str:
         """The system a record belongs to, as comparison_rows names it (`RUN_DIR@system` picks it; the
         page names a run's items by it): the model's label, with its prompting mitigation."""
-        return record.model if record.mitigation in (None, "", "none") else f"{record.model} +{record.mitigation}"
+        return system_label(record.model, record.mitigation)
 
     @classmethod
     def has_study_stage(cls) -> bool:

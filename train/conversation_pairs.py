@@ -120,7 +120,7 @@ def conversation_rows(run_dir: str | Path, model: str | None = None, keep_first_
     elif model not in models:
         raise UserError(f"{run_dir}: no records of model {model!r} (it holds {', '.join(models) or 'none'})")
     argued: dict[tuple, str] = {}  # (model, item, mitigation) -> the option its first challenge argued for
-    for r in records:
+    for r in records if keep_first_answers else ():
         if r.case == "challenge" and (r.extra or {}).get("target_option"):
             argued.setdefault((r.model, r.item_id, r.mitigation), r.extra["target_option"])
     rows = []

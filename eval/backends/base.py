@@ -291,9 +291,14 @@ def check_backend(backend: Any, where: str) -> "Backend":
         if not isinstance(getattr(backend, "model_id", None), str):
             problems.append("no `model_id` string (set it in __init__)")
     if problems:
-        raise BackendError(f"{where}: {type(backend).__name__} is not a flipguard backend ({'; '.join(problems)}); "
-                           "see the module docstring of flipguard/eval/backends/base.py")
+        raise not_a_backend(where, type(backend).__name__, problems)
     return backend
+
+
+def not_a_backend(where: str, what: str, problems: list[str]) -> "BackendError":
+    """The one error for a class or object that breaks the contract: where, what, what it lacks."""
+    return BackendError(f"{where}: {what} is not a flipguard backend ({'; '.join(problems)}); "
+                        "see the module docstring of flipguard/eval/backends/base.py")
 
 
 class ContextTooLong(BackendError):
@@ -328,9 +333,7 @@ def register_backend(name: str):
     def deco(cls):
         problems = check_backend_class(cls)
         if problems:
-            raise BackendError(f"register_backend({name!r}): {getattr(cls, '__name__', cls)} is not a flipguard "
-                               f"backend ({'; '.join(problems)}); see the module docstring of "
-                               "flipguard/eval/backends/base.py")
+            raise not_a_backend(f"register_backend({name!r})", getattr(cls, "__name__", str(cls)), problems)
         _REGISTRY[name] = cls
         return cls
 

@@ -28,6 +28,7 @@ from flipguard.eval.dds.prompts import (
     DEFAULT_TEMPLATE, FT_TEMPLATE, MITIGATIONS, SPEAKER_SETS, TEMPLATE_VERSIONS, build_messages, resolve_speakers,
     shown_speakers,
 )
+from flipguard.eval.mitigations import system_label
 from flipguard.eval.records import (
     CASES,
     EXPECTED_CHOICE,
@@ -215,9 +216,7 @@ class DDSTask(Task):
         if not summary_csv.is_file():
             raise UserError(f"{summary_csv}: no DDS report; write it first (flipguard report {run_dir})")
         meta = load_run_meta(run_dir)
-        system = str(meta.get("model") or Path(run_dir).name)
-        if meta.get("mitigation") not in (None, "", "none"):
-            system += f" +{meta['mitigation']}"
+        system = system_label(str(meta.get("model") or Path(run_dir).name), meta.get("mitigation"))
         rows = []
         for r in pd.read_csv(summary_csv).itertuples():
             for metric in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "dds"):

@@ -28,6 +28,7 @@ import pandas as pd
 
 from flipguard.eval import bootstrap as B
 from flipguard.eval.estimate import NAN, Estimate
+from flipguard.eval.mitigations import system_label
 from flipguard.eval.records import Record
 
 N_BOOT = B.N_BOOT
@@ -38,11 +39,6 @@ PENALTY_KEY = {"ours": ("abstain_full", "abstention_penalty"), "paper": ("ss_ful
 
 
 # --------------------------------------------------------------------------- frames
-
-
-def system_label(model: str, mitigation: str) -> str:
-    """How a (model, prompting mitigation) pair is named in tables."""
-    return model if mitigation in ("none", "", None) else f"{model} +{mitigation}"
 
 
 def baseline_frame(records: Sequence[Record]) -> pd.DataFrame:
