@@ -3,6 +3,6 @@ runs on every data-parallel rank."""
 
 import sys
 
-from flipguard.eval.cli import main
+from flipguard.eval.pipeline.cli import main
 
 sys.exit(main())

@@ -39,12 +39,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from flipguard.errors import UserError
-
+from flipguard.files import check_types, field_types, load_yaml
+from flipguard.redact import redact_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +64,6 @@ class Trainer:
     help: str    # one line for `flipguard --help`
 
     def config_class(self):
-        import importlib
-
         module, _, name = self.config.partition(":")
         return getattr(importlib.import_module(module), name)
 
@@ -83,7 +84,7 @@ register_trainer(Trainer("kto", "trl:KTOConfig", "dpo", "KTO", "LoRA KTO from a 
 def trainer_entry(name: str, where: str) -> Trainer:
     """The registered trainer `name`; anything else is one error listing the registered ones."""
     if name not in TRAINERS:
-        raise RecipeError(f"{where}: unknown trainer {name!r} (registered trainers: {', '.join(TRAINERS)})")
+        raise UserError(f"{where}: unknown trainer {name!r} (registered trainers: {', '.join(TRAINERS)})")
     return TRAINERS[name]
 
 
@@ -97,7 +98,6 @@ ARG_SECTIONS = {"pairs": "pairs_", "eval": "eval_plan_", "tracking": "tracking_"
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
-RecipeError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 PAIR_STRATEGIES = ("all", "flips", "flip_weighted", "consistency", "afr", "conversation")
@@ -305,26 +305,24 @@ def _top_level_classes(raw: dict[str, Any], trainers: dict[str, Any]) -> list[An
     return present or list(trainers.values())
 
 
-def _unknown(path: str, where: str, key: str, valid: Iterable[str]) -> RecipeError:
+def _unknown(path: str, where: str, key: str, valid: Iterable[str]) -> UserError:
     close = difflib.get_close_matches(key, list(valid), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return RecipeError(f"{path}: unknown key {key!r} in {where}{hint}")
+    return UserError(f"{path}: unknown key {key!r} in {where}{hint}")
 
 
 def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
     """The YAML mapping of a recipe file, validated: every key known, sections are mappings."""
-    from flipguard.files import load_yaml
-
     path = str(path)
     if not Path(path).is_file():
-        raise RecipeError(f"{path}: recipe file not found")
+        raise UserError(f"{path}: recipe file not found")
     # bytes that are not UTF-8 and broken YAML: one line naming path:line
-    raw, lines = load_yaml(path, RecipeError, "recipe file")
+    raw, lines = load_yaml(path, UserError, "recipe file")
     if raw is None or raw == {}:
-        raise RecipeError(f"{path}: the recipe is empty (it needs at least model_name_or_path and the sections "
+        raise UserError(f"{path}: the recipe is empty (it needs at least model_name_or_path and the sections "
                           "to run; see recipes/tiny.yaml)")
     if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
+        raise UserError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
     validate_recipe(raw, path, lines)
     return raw
 
@@ -332,22 +330,20 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
 def check_recipe_types(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
     """Every value of the right type for its field (`n_items: 2.5`, `beta: [0.1]` and
     the like are refused here, naming file:line and the key, before any model loads)."""
-    from flipguard.files import check_types, field_types
-
     trainers, model_cls = _trainer_classes()
     top = field_types(model_cls, *_top_level_classes(raw, trainers))
     plain = {k: v for k, v in raw.items() if not is_section(k)}
-    check_types(plain, top, path, RecipeError, lines)
+    check_types(plain, top, path, UserError, lines)
     for section in TRAINERS:
         values = raw.get(section) or {}
-        check_types(values, field_types(trainers[section], model_cls), path, RecipeError, lines,
+        check_types(values, field_types(trainers[section], model_cls), path, UserError, lines,
                     {k: f"{section}.{k}" for k in values})
     for section, prefix in ARG_SECTIONS.items():
         values = {prefix + k: v for k, v in (raw.get(section) or {}).items()}
         types = field_types(SECTION_CLASSES[section])
         if section == "eval":  # a task's run config: a path
             types |= {prefix + k: Optional[str] for k in raw.get(section) or {} if is_task_config_key(str(k))}
-        check_types(values, types, path, RecipeError, lines, {prefix + k: f"{section}.{k}" for k in (raw.get(section) or {})})
+        check_types(values, types, path, UserError, lines, {prefix + k: f"{section}.{k}" for k in (raw.get(section) or {})})
 
 
 def validate_recipe(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
@@ -395,7 +391,7 @@ def check_values(values: dict[str, Any], where: str, shown: dict[str, str] | Non
             good = False
         if not good:
             line = (lines or {}).get(name)
-            raise RecipeError(f"{where}{f':{line}' if line else ''}: {name}: {value!r} must be {wanted}")
+            raise UserError(f"{where}{f':{line}' if line else ''}: {name}: {value!r} must be {wanted}")
 
 
 def check_recipe_values(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
@@ -426,14 +422,14 @@ def _check_keys(raw: dict[str, Any], path: str) -> None:
         if key not in top_valid:
             error = _unknown(path, "the top level", key, top_valid)
             if isinstance(value, dict):  # a section: most likely a trainer that is not registered
-                error = RecipeError(f"{error}; a section is a registered trainer ({', '.join(TRAINERS)}) "
+                error = UserError(f"{error}; a section is a registered trainer ({', '.join(TRAINERS)}) "
                                     f"or {', '.join([*ARG_SECTIONS, 'env'])}")
             raise error
         if key in TRAINERS or key in ARG_SECTIONS:
             if value is None:
                 continue
             if not isinstance(value, dict):
-                raise RecipeError(f"{path}: section {key!r} must be a mapping, got {type(value).__name__}")
+                raise UserError(f"{path}: section {key!r} must be a mapping, got {type(value).__name__}")
             if key in TRAINERS:
                 valid = _fields(trainers[key]) | model_keys
                 label = f"section {key!r} ({trainers[key].__name__} or ModelConfig fields)"
@@ -447,14 +443,12 @@ def _check_keys(raw: dict[str, Any], path: str) -> None:
                     if sub not in valid and not (key == "eval" and is_task_config_key(str(sub))):
                         raise _unknown(path, f"section {key!r}", sub, valid)
         if key == "env" and not isinstance(value, dict):
-            raise RecipeError(f"{path}: 'env' must be a mapping of environment variables")
+            raise UserError(f"{path}: 'env' must be a mapping of environment variables")
 
 
 def public_recipe(raw: dict[str, Any]) -> dict[str, Any]:
     """The recipe as flipguard writes it anywhere (model card, provenance, wandb):
     the `env:` section keeps its variable names, every value is redacted."""
-    from flipguard.redact import redact_values
-
     if not raw.get("env"):
         return raw
     return {**raw, "env": redact_values(raw["env"])}
@@ -489,15 +483,15 @@ def split_recipe_argv(argv: list[str]) -> tuple[str | None, list[str]]:
         for i, arg in enumerate(argv):
             if arg == flag:
                 if i + 1 >= len(argv):
-                    raise RecipeError("--config needs a recipe file path")
+                    raise UserError("--config needs a recipe file path")
                 if recipe is not None:
-                    raise RecipeError(f"two recipes given: {recipe!r} and {argv[i + 1]!r}")
+                    raise UserError(f"two recipes given: {recipe!r} and {argv[i + 1]!r}")
                 recipe = argv[i + 1]
                 del argv[i : i + 2]
                 break
             if arg.startswith(flag + "="):
                 if recipe is not None:
-                    raise RecipeError(f"two recipes given: {recipe!r} and {arg.split('=', 1)[1]!r}")
+                    raise UserError(f"two recipes given: {recipe!r} and {arg.split('=', 1)[1]!r}")
                 recipe = arg.split("=", 1)[1]
                 del argv[i]
                 break
@@ -519,8 +513,6 @@ def _trl_parser_class():
             super().__init__(dataclass_types, **kwargs)
 
         def parse_args_and_config(self, args=None, **kwargs):
-            import sys
-
             argv = list(sys.argv[1:] if args is None else args)
             recipe_path, argv = split_recipe_argv(argv)
             if recipe_path is not None:
@@ -538,7 +530,7 @@ def _trl_parser_class():
             try:
                 parsed = self.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
             except ValueError as exc:
-                raise RecipeError(f"{recipe_path or 'command line'}: {exc}") from None
+                raise UserError(f"{recipe_path or 'command line'}: {exc}") from None
             check_parsed_values(parsed, f"{recipe_path or 'command line'} (with its flags)")
             return parsed
 
@@ -590,8 +582,6 @@ def parse_dataclasses(argv: list[str], *types, prog: str, description: str, posi
     if positional and argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
         argv = [f"--{positional}", *argv]
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
-        from flipguard.files import check_types, field_types, load_yaml
-
         # broken YAML, bytes that are not UTF-8, an unknown key or a value of the wrong
         # type: one line naming the file (line) and key, before anything runs or is written
         config, lines = load_yaml(argv[0], UserError, "run config")

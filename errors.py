@@ -5,8 +5,7 @@ else is a bug and keeps its traceback. Modules import from here, never from the 
 Classes exist only where a caller catches that kind apart from the rest:
   UserError                  bad input that nothing tells apart: a command's option, a
                              run config, a recipe, a records file to import, pair input
-                             (InputError, AFRConfigError, ImportError_, PairsError and
-                             RecipeError and StudyError are this class under the names callers know)
+                             (one class under one name: no per-module aliases)
   DataError (data/schema.py)         a dataset file or item; caught to add context
   RecordError                a records file, run directory or output file that cannot be
                              read or written (RunDirBusy in eval/records.py: locked)

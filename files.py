@@ -20,16 +20,20 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import types
 import typing
 from pathlib import Path
 from typing import Any, Iterator
 
+import yaml
+
 from flipguard.errors import FlipguardError, RecordError, UserError
 
+# The installed package's folder (the repository root): recipes/, train/, data/samples/ are found from it.
+PACKAGE_ROOT = Path(__file__).resolve().parent
 
-InputError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 def _not_utf8(path, data: bytes, exc: UnicodeDecodeError, error: type[FlipguardError], line_offset: int = 0):
@@ -39,7 +43,7 @@ def _not_utf8(path, data: bytes, exc: UnicodeDecodeError, error: type[FlipguardE
     return error(f"{path}:{line}: not UTF-8 text (byte(s) {bad} at column {col}); save the file as UTF-8")
 
 
-def decode_utf8(data: bytes, path, error: type[FlipguardError] = InputError) -> str:
+def decode_utf8(data: bytes, path, error: type[FlipguardError] = UserError) -> str:
     """`data` as text; bytes that are not UTF-8 raise `error` naming path:line."""
     try:
         return data.decode("utf-8")
@@ -47,7 +51,7 @@ def decode_utf8(data: bytes, path, error: type[FlipguardError] = InputError) -> 
         raise _not_utf8(path, data, exc, error) from None
 
 
-def read_text(path: str | os.PathLike, error: type[FlipguardError] = InputError, what: str = "file") -> str:
+def read_text(path: str | os.PathLike, error: type[FlipguardError] = UserError, what: str = "file") -> str:
     """A whole text file as UTF-8 (a leading BOM dropped); a missing or unreadable file,
     or bytes that are not UTF-8, raise `error` naming the file (and the line)."""
     try:
@@ -60,7 +64,7 @@ def read_text(path: str | os.PathLike, error: type[FlipguardError] = InputError,
     return text[1:] if text.startswith("\ufeff") else text
 
 
-def iter_lines(path: str | os.PathLike, error: type[FlipguardError] = InputError) -> Iterator[str]:
+def iter_lines(path: str | os.PathLike, error: type[FlipguardError] = UserError) -> Iterator[str]:
     """Lines of a text file, decoded one by one: a line that is not UTF-8 raises `error`
     naming path:line (the file is never read whole)."""
     try:
@@ -86,11 +90,9 @@ def flipguard_home() -> Path:
 def git_commit() -> str | None:
     """The commit of this flipguard checkout (run.json, training provenance, the study's
     rerun key); None outside a git checkout."""
-    import subprocess
-
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10
+            ["git", "rev-parse", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -149,12 +151,10 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 # ---------------------------------------------------------------- YAML
 
 
-def load_yaml(path: str | os.PathLike, error: type[FlipguardError] = InputError, what: str = "config file"):
+def load_yaml(path: str | os.PathLike, error: type[FlipguardError] = UserError, what: str = "config file"):
     """(data, key lines) of a YAML (or JSON) file. `key lines` maps a top-level key, and
     "section.key" one level down, to its 1-based line. Broken YAML raises `error` naming
     path:line and the problem."""
-    import yaml
-
     text = read_text(path, error, what)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -250,7 +250,7 @@ def field_types(*classes) -> dict[str, Any]:
     return out
 
 
-def check_types(values: dict[str, Any], types_: dict[str, Any], path, error: type[FlipguardError] = InputError,
+def check_types(values: dict[str, Any], types_: dict[str, Any], path, error: type[FlipguardError] = UserError,
                 lines: dict[str, int] | None = None, names: dict[str, str] | None = None) -> None:
     """Raise `error` for the first value whose type does not fit its field: one line naming
     path(:line), the key as written in the file, the type wanted and the value given.

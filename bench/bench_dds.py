@@ -159,7 +159,7 @@ def bench_models(args: BenchArgs) -> dict:
 
     model = args.model
     if model is None:
-        from flipguard.eval.tiny_model import ensure_tiny_model
+        from flipguard.eval.embedded.tiny_model import ensure_tiny_model
 
         model = ensure_tiny_model()
     backend = get_backend("hf", model, device=args.device, batch_size=1, show_progress=False)

@@ -66,7 +66,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from flipguard.data.schema import Item
-    from flipguard.eval.tiny_model import ensure_tiny_model
+    from flipguard.eval.embedded.tiny_model import ensure_tiny_model
     from flipguard.train import pairs as P
 
     work = Path(tempfile.mkdtemp(prefix="flipguard-scale-out-"))

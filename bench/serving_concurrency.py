@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     model = args.model
     if model is None:
-        from flipguard.eval.tiny_model import ensure_tiny_model
+        from flipguard.eval.embedded.tiny_model import ensure_tiny_model
 
         model = ensure_tiny_model()
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flipguard.data.schema import AIO_DATASET, DOMAINS, DataError, Item
+from flipguard.data.roots import resolve_data_root
+from flipguard.data.schema import AIO_DATASET, DOMAINS, DataError, Item, read_item_rows
 
 OVERREACTING = "overreacting"
 NOT_OVERREACTING = "not overreacting"
@@ -73,15 +74,11 @@ def aio_row_to_item(row: dict, where: str) -> Item:
 
 
 def read_aio_file(path: str | Path) -> list[Item]:
-    from flipguard.data.unified import read_item_rows
-
     return read_item_rows(Path(path), aio_row_to_item)
 
 
 def load_aio(data_root: str | Path | None = None) -> list[Item]:
     """All r/AIO items (evaluation only: split "test")."""
-    from flipguard.data.unified import resolve_data_root
-
     path = resolve_data_root(data_root) / "dialdefer" / "aio" / "aio.jsonl"
     if not path.is_file():
         raise DataError(f"{path}: r/AIO file not found")

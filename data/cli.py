@@ -6,15 +6,18 @@ import dataclasses
 import json
 from collections import Counter
 
+from flipguard.config import parse_dataclasses
+from flipguard.data.registry import register
 from flipguard.data.schema import AIO_DATASET
 from flipguard.data.unified import (
     DATASET_GROUPS,
     TEST_ONLY_DATASETS,
-    is_sample_root,
     build_train_split,
+    is_sample_root,
     load_items,
     resolve_data_root,
 )
+from flipguard.files import atomic_write_text
 
 
 @dataclasses.dataclass
@@ -49,17 +52,12 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-    from flipguard.files import atomic_write_text
-
     args = parse_dataclasses(
         argv, DataArgs, prog="flipguard data",
         description="Load (and so validate) a Unified Benchmark / r/AIO / registered split; print counts or "
                     "export it; or register your own dataset (--register path/to/dataset.yaml: see data/registry.py).",
     )
     if args.register:
-        from flipguard.data.registry import register
-
         target = register(args.register, replace=args.replace)
         print(f"registered {args.register} as {target}; use it with --datasets {target.stem}")
         return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard.data.schema import DOMAINS, DataError, Item, parse_jsonl_lines, read_jsonl
+from flipguard.files import decode_utf8
 
 HARP_SEED = 42
 
@@ -74,7 +75,6 @@ def _harp_rows(path: Path) -> list[tuple[int, dict[str, Any]]]:
             members = [m for m in archive.namelist() if m.endswith(".jsonl")]
             if len(members) != 1:
                 raise DataError(f"{path}: expected exactly one .jsonl member, found {members}")
-            from flipguard.files import decode_utf8
 
             text = decode_utf8(archive.read(members[0]), f"{path}!{members[0]}", DataError)
         return parse_jsonl_lines(text.splitlines(), f"{path}!{members[0]}")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from flipguard.data.medqa import (
     LETTERS,
-    MCQItem,
     POOL_SIZE,
-    make_item,
+    MCQItem,
     load_pool,
+    make_item,
     normalise_question,
     question_hash,
     resolve_root,
@@ -28,6 +28,7 @@ from flipguard.data.medqa import (
     validated,
 )
 from flipguard.data.schema import DataError, read_jsonl
+from flipguard.files import atomic_write_text
 
 DATASET = "medmcqa"
 DEV_FILES = ("dev.json", "dev.jsonl")  # upstream name; the shipped sample uses .jsonl
@@ -87,8 +88,6 @@ def load_medmcqa(split: str = "dev", data_root: str | Path | None = None, skip_i
 def write_samples(full_root: str | Path, n_dev: int = 24) -> None:
     """Regenerate data/samples/medmcqa: the pool and the next `n_dev` valid single-choice
     items by question hash, as verbatim upstream lines."""
-    from flipguard.files import atomic_write_text
-
     path = dev_file(Path(full_root))
     lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     valid = validated(_single_choice_rows(path), _convert, skip_invalid=True)

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from flipguard.data.mmlu import MCQItem  # one item shape with the MMLU loader
+from flipguard.data.roots import resolve_data_root
 from flipguard.data.schema import DataError, normalise_question, read_jsonl
+from flipguard.files import atomic_write_text
 
 log = logging.getLogger("flipguard.data")
 
@@ -47,8 +49,6 @@ def samples_root() -> Path:
 
 def resolve_root(data_root: str | Path | None) -> Path:
     """Explicit argument > $FLIPGUARD_DATA > the shipped samples."""
-    from flipguard.data.unified import resolve_data_root
-
     return resolve_data_root(data_root)
 
 
@@ -184,8 +184,6 @@ def select_pool(items: list[MCQItem], size: int = POOL_SIZE) -> tuple[list[MCQIt
 def write_samples(full_root: str | Path, n_test: int = 24) -> None:
     """Regenerate data/samples/medqa from the full file: the pool and the next `n_test`
     items by question hash, as verbatim upstream lines."""
-    from flipguard.files import atomic_write_text
-
     path = Path(full_root) / DATASET / TEST_FILE
     lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     ranked = sorted(lines, key=lambda ln: question_hash(json.loads(ln)["question"]))

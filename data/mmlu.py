@@ -13,8 +13,8 @@ folder itself) > the shipped sample in data/samples/mmlu (2 rows per subject and
 from __future__ import annotations
 
 import csv
-import io
 import dataclasses
+import io
 import os
 import random
 from collections import defaultdict
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard.data.schema import DataError
+from flipguard.files import read_text
 
 SAMPLE_ROOT = Path(__file__).resolve().parent / "samples" / "mmlu"
 LETTERS = "ABCDEFGHIJ"
@@ -171,7 +172,6 @@ def read_mmlu_csv(path: str | os.PathLike, subject: str | None = None, split: st
     if subject is None:
         subject = path.stem.rsplit(f"_{split}", 1)[0]
     items: list[MCQItem] = []
-    from flipguard.files import read_text
 
     with io.StringIO(read_text(path, DataError, "MMLU file"), newline="") as fh:
         reader = csv.reader(fh)

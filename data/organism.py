@@ -3,7 +3,7 @@
 The correct answer names a living thing (a fruit, animal, bird, flower or vegetable),
 the incorrect one a thing that is not (a tool, color, metal, vehicle or instrument). A
 small transformer learns this rule from a few thousand examples (a harder ten-way
-category-membership rule stayed at chance within the build budget), so the planted-bias judge organism (flipguard.eval.organism) can judge C1
+category-membership rule stayed at chance within the build budget), so the planted-bias judge organism (flipguard.eval.embedded.organism) can judge C1
 correctly and have a deference planted in C2 that we know exactly. Every answer is a
 plain lower-case word: no digits, so no answer shares a token with the labels "1"/"2".
 
@@ -32,6 +32,7 @@ import json
 import random
 from pathlib import Path
 
+from flipguard.data.mmlu import LETTERS, MCQItem
 from flipguard.data.schema import Item
 
 DATASET = "organism"
@@ -115,8 +116,6 @@ def word_category(word: str) -> str:
 
 def all_mc_items() -> dict:
     """The multiple-choice form by split (MCQItems; deterministic; disjoint question texts)."""
-    from flipguard.data.mmlu import LETTERS, MCQItem
-
     rng = random.Random(MC_DATA_SEED)
     slots = [(f"{first} {last}", t) for first in FIRST_NAMES for last in SURNAMES for t in range(len(QUESTION_TEMPLATES))]
     rng.shuffle(slots)

@@ -26,7 +26,11 @@ import dataclasses
 import re
 from pathlib import Path
 
-from flipguard.data.schema import ALL_DATASETS, DataError
+import yaml
+
+from flipguard.data.mmlu import LETTERS, MCQItem
+from flipguard.data.schema import ALL_DATASETS, DOMAINS, DataError, read_jsonl
+from flipguard.files import atomic_write_text, flipguard_home
 
 ENTRY_FILE = "dataset.yaml"
 SHIPPED_ENTRIES = tuple(Path(__file__).resolve().parent / d / ENTRY_FILE for d in ("organism", "organism_mc"))
@@ -56,8 +60,6 @@ class DatasetEntry:
 
 def read_entry(path: str | Path) -> DatasetEntry:
     """Parse and check one entry file; errors name the file and the key."""
-    import yaml
-
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -96,8 +98,6 @@ def read_entry(path: str | Path) -> DatasetEntry:
 
 
 def user_registry_dir() -> Path:
-    from flipguard.files import flipguard_home
-
     return flipguard_home() / "datasets"
 
 
@@ -122,8 +122,6 @@ def lookup(token: str) -> DatasetEntry | None:
 
 
 def domain_of(dataset: str) -> str | None:
-    from flipguard.data.schema import DOMAINS
-
     if dataset in DOMAINS:
         return DOMAINS[dataset]
     try:
@@ -136,10 +134,6 @@ def domain_of(dataset: str) -> str | None:
 def register(path: str | Path, replace: bool = False) -> Path:
     """Copy an entry (split paths made absolute) into the user registry; returns its path.
     A name registered from other files is refused unless `replace`."""
-    import yaml
-
-    from flipguard.files import atomic_write_text
-
     entry = read_entry(path)
     for split in entry.splits:
         entry.split_file(split)
@@ -172,9 +166,6 @@ def mc_entry(token: str) -> DatasetEntry:
 
 def load_mc(token: str, split: str) -> list:
     """MCQItems of a registered multiple-choice dataset's split; a bad row names file and line."""
-    from flipguard.data.mmlu import LETTERS, MCQItem
-    from flipguard.data.schema import read_jsonl
-
     entry = mc_entry(token)
     path = entry.split_file(split)
     items, seen = [], set()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard.errors import FlipguardError
+from flipguard.files import iter_lines
 
 # Unified Benchmark order as in the paper's Table 1 (nine datasets), then TruthfulQA.
 BENCHMARK_DATASETS = (
@@ -111,8 +112,19 @@ def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str,
 def read_jsonl(path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, row) pairs of a JSONL file; see parse_jsonl_lines. Bytes that are
     not UTF-8 raise DataError naming file:line, as does a missing or unreadable file."""
-    from flipguard.files import iter_lines
-
     if not Path(path).is_file():
         raise DataError(f"{path}: file not found")
     return parse_jsonl_lines(iter_lines(path, DataError), path)
+
+
+def read_item_rows(path: Path, to_item) -> list[Item]:
+    """Items from a JSONL file via to_item(row, where); ids must be unique in the file."""
+    items: list[Item] = []
+    first_line: dict[str, int] = {}
+    for lineno, row in read_jsonl(path):
+        item = to_item(row, f"{path}:{lineno}")
+        if item.id in first_line:
+            raise DataError(f"{path}:{lineno}: duplicate id {item.id!r} (first on line {first_line[item.id]})")
+        first_line[item.id] = lineno
+        items.append(item)
+    return items

@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from flipguard.data import converters, registry
+from flipguard.data.aio import read_aio_file
+from flipguard.data.roots import (  # noqa: F401  (re-exported: the loaders' callers name them here)
+    DATA_ENV,
+    SAMPLES_ROOT,
+    default_data_root,
+    is_sample_root,
+    resolve_data_root,
+    shared_data_root,
+)
 from flipguard.data.schema import (
     AIO_DATASET,
     ALL_DATASETS,
@@ -29,15 +38,12 @@ from flipguard.data.schema import (
     EVAL_ONLY_DATASETS,
     DataError,
     Item,
-    read_jsonl,
+    read_item_rows,
 )
-from flipguard.data import registry
 from flipguard.data.splits import check_no_leakage, exclude_test_overlap
 
 log = logging.getLogger("flipguard.data")
 
-DATA_ENV = "FLIPGUARD_DATA"
-SAMPLES_ROOT = Path(__file__).resolve().parent / "samples"
 SPLITS = ("test", "train")
 
 # The released files spell HARP's `dataset` field "harp_mc".
@@ -59,36 +65,6 @@ DATASET_GROUPS: dict[str, tuple[str, ...]] = {
 # Row fields that become Item fields (or are derivable from them) and so stay out of meta.
 _CORE_FIELDS = {"id", "dataset", "question", "chosen_correct_answer", "chosen_incorrect_answer",
                 "correct_chat", "incorrect_chat", "meta"}
-
-
-# ---------------------------------------------------------------- data roots
-
-
-def default_data_root() -> Path | None:
-    """$FLIPGUARD_DATA if set, else None (meaning the shipped samples)."""
-    value = os.environ.get(DATA_ENV, "").strip()
-    return Path(value).expanduser() if value else None
-
-
-def shared_data_root() -> Path | None:
-    """The full shared data folder next to the repository (../shared/data), if present."""
-    candidate = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-    return candidate if (candidate / "dialdefer").is_dir() else None
-
-
-def resolve_data_root(data_root: str | Path | None = None) -> Path:
-    """Explicit argument > $FLIPGUARD_DATA > the shipped samples."""
-    root = Path(data_root).expanduser() if data_root else default_data_root()
-    if root is None:
-        return SAMPLES_ROOT
-    if not root.is_dir():
-        source = "data_root" if data_root else f"${DATA_ENV}"
-        raise DataError(f"{source} {str(root)!r} is not a directory")
-    return root
-
-
-def is_sample_root(root: Path) -> bool:
-    return Path(root).resolve() == SAMPLES_ROOT
 
 
 # ---------------------------------------------------------------- dataset names
@@ -213,19 +189,6 @@ def read_items(path: str | Path, split: str | None = None) -> list[Item]:
     return read_item_rows(Path(path), to_item)
 
 
-def read_item_rows(path: Path, to_item) -> list[Item]:
-    """Items from a JSONL file via to_item(row, where); ids must be unique in the file."""
-    items: list[Item] = []
-    first_line: dict[str, int] = {}
-    for lineno, row in read_jsonl(path):
-        item = to_item(row, f"{path}:{lineno}")
-        if item.id in first_line:
-            raise DataError(f"{path}:{lineno}: duplicate id {item.id!r} (first on line {first_line[item.id]})")
-        first_line[item.id] = lineno
-        items.append(item)
-    return items
-
-
 def read_benchmark_file(path: str | Path, dataset: str, split: str = "test") -> list[Item]:
     return read_item_rows(Path(path), lambda row, where: benchmark_row_to_item(row, dataset, split, where))
 
@@ -256,8 +219,6 @@ def _harp_source(root: Path) -> Path:
 
 def _raw_train_items(root: Path, dataset: str) -> list[Item]:
     """Every item of the dataset's whole source, test items included (removed later)."""
-    from flipguard.data import converters
-
     prebuilt = root / "train" / f"{dataset}.jsonl"
     if prebuilt.is_file():
         return read_item_file(prebuilt, dataset, "train")
@@ -299,8 +260,6 @@ def load_test_items(datasets: Iterable[str], root: Path) -> list[Item]:
         if dataset not in ALL_DATASETS:
             items += read_registered(registered_entry(dataset), "test")
         elif dataset == AIO_DATASET:
-            from flipguard.data.aio import read_aio_file
-
             items += read_aio_file(_must_exist(root / "dialdefer" / "aio" / "aio.jsonl", "r/AIO file"))
         else:
             items += read_benchmark_file(_must_exist(test_file(root, dataset), f"{dataset} test file"), dataset)

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
+from scipy.stats import bootstrap
 
 N_BOOT = 2000
 CONFIDENCE = 0.95
@@ -59,8 +60,6 @@ def distribution(
     first summed per cluster and a last sample of rows per cluster is appended, so the
     statistic is a function of cluster sums (e.g. `ratio`).
     """
-    from scipy.stats import bootstrap
-
     samples = _units(samples, clusters)
     n = len(samples[0])
     if n < 2:  # one unit: every replicate is the sample itself (scipy needs two)

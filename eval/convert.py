@@ -19,7 +19,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
+from flipguard.eval.records import publish_dir
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import atomic_write_json, flipguard_home
 
@@ -58,7 +60,6 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str = "float32", ov
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flipguard.eval.records import publish_dir
 
     src = gguf_file(source)
     if src is None:
@@ -141,8 +142,6 @@ class ConvertArgs:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, ConvertArgs, prog="flipguard convert", description=ConvertArgs.__doc__,
                              positional="gguf")
     configure_threads(args.threads)

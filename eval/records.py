@@ -26,8 +26,8 @@ those and refuses a non-empty directory it did not write.
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import datetime as _dt
 import fcntl
 import hashlib
@@ -39,9 +39,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator
 
+from flipguard import __version__
 from flipguard.errors import RecordError
+
 # the atomic writers live with the other file helpers; re-exported for callers of this module
 from flipguard.files import atomic_write_json, atomic_write_text, dumps_utf8  # noqa: F401
+from flipguard.redact import redact
 
 RECORDS_FILE = "records.jsonl"
 RUN_META_FILE = "run.json"
@@ -321,8 +324,6 @@ class RunDirBusy(RecordError):
 
 
 def _command_line() -> str:
-    from flipguard.redact import redact
-
     argv = list(sys.argv)
     if argv and argv[0].endswith(("/flipguard", "flipguard")):
         argv[0] = "flipguard"
@@ -452,8 +453,6 @@ class RunLog:
 
 
 def _version() -> str:
-    from flipguard import __version__
-
     return __version__
 
 

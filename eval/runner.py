@@ -12,7 +12,9 @@ import os
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from flipguard.eval.backends.base import Backend, GenerationConfig, check_backend
+from tqdm.auto import tqdm
+
+from flipguard.eval.backends.base import Backend, ContextTooLong, GenerationConfig, check_backend
 from flipguard.eval.records import Record, RecordStore, now_iso
 
 # raw text -> (choice or None, reasoning or None)
@@ -79,8 +81,6 @@ def check_context(backend: Backend, records: Sequence[Record], gen_config: Gener
     A backend that knows its limit (`Backend.max_context`) and can count tokens
     (`Backend.prompt_lengths` not None) is checked; the error names the item, its token
     count and the limit."""
-    from flipguard.eval.backends.base import ContextTooLong
-
     limit = backend.max_context
     if not limit or not records:
         return
@@ -128,8 +128,6 @@ def run_records(
     chunk, or one by one as they finish for a backend with `supports_on_result`. The
     backend must follow base.py's `Backend` contract (a BackendError says what it lacks).
     """
-    from tqdm.auto import tqdm
-
     check_backend(backend, f"run_records({desc})")
     todo: list[Record] = []
     seen: set[str] = set()

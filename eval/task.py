@@ -32,16 +32,31 @@ its records.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
 
+from flipguard import plugins
+from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
 from flipguard.eval.mitigations import system_label
-from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, Record, RecordStore, RunDir, now_iso, open_run_dir
+from flipguard.eval.records import (
+    RECORDS_FILE,
+    RUN_META_FILE,
+    Record,
+    RecordStore,
+    RunDir,
+    load_run_meta,
+    now_iso,
+    open_run_dir,
+)
 from flipguard.eval.runner import Parser, check_context, data_parallel, is_writer, run_records
+from flipguard.eval.threads import configure_threads
+from flipguard.files import PACKAGE_ROOT
+from flipguard.redact import redact_obj
 
 
 @dataclasses.dataclass
@@ -135,9 +150,6 @@ class Task:
     def main(cls, argv: list[str], prog: str | None = None) -> int:
         """The task's command: parse `args_class` (a YAML path first is a config), run,
         report. Its flags `out`, `report` and `threads` are used when the class has them."""
-        from flipguard.config import parse_dataclasses
-        from flipguard.eval.threads import configure_threads
-
         args = parse_dataclasses(argv, cls.args_class, prog=prog or f"flipguard run {cls.name}",
                                  description=cls.args_class.__doc__ or cls.__doc__ or "")
         configure_threads(getattr(args, "threads", None))
@@ -262,7 +274,7 @@ class StudyRun:
 
 
 # the shipped run configs a task's study stage uses when the recipe names none (eval.<task>_config)
-SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+SHIPPED_RECIPES = PACKAGE_ROOT / "recipes"
 
 
 def _class_file(cls: type) -> str:
@@ -273,19 +285,15 @@ def _class_file(cls: type) -> str:
 # ---------------------------------------------------------------- registry
 
 _TASKS: dict[str, type[Task]] = {}
-# name -> the protocol module that registers it. A table like the command table: the
-# runner (eval core) must not import the protocols, so it names them and imports one only
-# when a task is looked up by name.
-BUILTIN_TASKS = {"dds": "flipguard.eval.dds.protocol", "afr": "flipguard.eval.afr.protocol",
-                 "sos": "flipguard.eval.sos.protocol"}
-ENTRY_POINT_GROUP = "flipguard.tasks"
+ENTRY_POINT_GROUP = plugins.TASKS  # the built-in protocols are entry points too (pyproject.toml)
 
 
 def register_task(name: str):
     """Class decorator: make a Task runnable by name (`flipguard run NAME`, the study)."""
 
     def deco(cls: type[Task]) -> type[Task]:
-        if name in BUILTIN_TASKS and not cls.__module__.startswith("flipguard.eval."):
+        builtin = plugins.plugins(plugins.TASKS).get(name)
+        if builtin is not None and plugins.is_builtin(builtin) and cls.__module__ != builtin.value:
             raise UserError(f"task {name!r} is already registered (built in); choose another name")
         if name in _TASKS and _TASKS[name] is not cls:
             raise UserError(f"task {name!r} is already registered (by {_TASKS[name].__module__}); choose another name")
@@ -296,22 +304,8 @@ def register_task(name: str):
     return deco
 
 
-def _load_builtin() -> None:
-    # importing registers; each module imports its engines lazily
-    import importlib
-    from importlib.metadata import entry_points
-
-    for module in BUILTIN_TASKS.values():
-        importlib.import_module(module)
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
-
-
 def include_tasks(path: str | Path) -> None:
     """Import a user's Python file so its `@register_task` classes are known."""
-    import importlib.util
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--include {path}: no such file")
@@ -357,12 +351,12 @@ def take_includes(argv: list[str]) -> list[str]:
 
 
 def task_names() -> list[str]:
-    _load_builtin()
+    plugins.load_plugins(plugins.TASKS)
     return sorted(_TASKS)
 
 
 def get_task(name: str) -> type[Task]:
-    _load_builtin()
+    plugins.load_plugins(plugins.TASKS)
     if name not in _TASKS:
         raise UserError(f"unknown task {name!r}; registered: {sorted(_TASKS)}")
     return _TASKS[name]
@@ -535,8 +529,6 @@ def command_line(*names: str) -> list[str] | None:
     """The command as typed (redacted) when this process runs `flipguard NAME` for one of
     `names` (a task's own command, and "run"), for run.json; None when the task runs inside
     another command (the study, an analysis)."""
-    from flipguard.redact import redact_obj
-
     return redact_obj(["flipguard", *sys.argv[1:]]) if sys.argv[1:2] and sys.argv[1] in names else None
 
 
@@ -559,3 +551,34 @@ def run_main(argv: list[str]) -> int:
         include_tasks(path)
     name, rest = argv[0], argv[1:]
     return int(get_task(name).main(rest, prog=f"flipguard run {name}") or 0)
+
+
+# ---------------------------------------------------------------- comparison rows
+
+PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n"]
+
+
+def split_system(spec: str) -> tuple[str, str | None]:
+    """'RUN_DIR@System name' -> (RUN_DIR, 'System name'): one run may hold several systems."""
+    run_dir, sep, system = spec.partition("@")
+    return run_dir, (system.strip() or None) if sep else None
+
+
+def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
+    """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit), values in % (pp for
+    differences): its protocol (run.json) supplies them through Task.comparison_rows; `RUN_DIR@system`
+    keeps one system of a run that holds several. The comparison and the viewer both read these."""
+    run_dir, only = split_system(spec)
+    task = get_task(load_run_meta(run_dir).get("protocol") or "")
+    rows = []
+    for row in task.comparison_rows(Path(run_dir)):
+        if only and row["system"] != only:
+            continue
+        est = row["estimate"]
+        if est.missing:  # not measured (no item of that kind): no row, never a zero
+            continue
+        est = est.to("pp" if est.unit == "pp" else "%")
+        rows.append({"condition": condition, "protocol": task.name, "system": row["system"],
+                     "dataset": row["dataset"], "metric": row["metric"], "value": est.value,
+                     "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "unit": est.unit})
+    return rows

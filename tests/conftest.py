@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
-    from flipguard.eval.tiny_model import ensure_tiny_model
+    from flipguard.eval.embedded.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-chat")
 
@@ -25,7 +25,7 @@ def organism_path() -> "pathlib.Path":
     (the same cache the demo and README command 1 use, so CI builds it once)."""
     from pathlib import Path
 
-    from flipguard.eval.organism import ensure_organism
+    from flipguard.eval.embedded.organism import ensure_organism
 
     return Path(ensure_organism())
 

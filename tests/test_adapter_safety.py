@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "recipes" / "tiny.yaml")
@@ -107,7 +107,7 @@ def test_merge_and_eval_refuse_an_unfinished_or_corrupt_adapter(tiny_model_path,
 
 
 def test_an_adapter_of_another_base_is_one_line(tiny_model_path, tmp_path, capsys):
-    from flipguard.eval.tiny_model import ensure_tiny_model
+    from flipguard.eval.embedded.tiny_model import ensure_tiny_model
 
     other = ensure_tiny_model(tmp_path / "wider", hidden_size=96)
     adapter = _finished(other, tmp_path / "adapter")
@@ -134,7 +134,7 @@ def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_mode
             fh.write(json.dumps({"prompt": [{"role": "user", "content": f"Is claim {i} correct? " * 20}],
                                  "completion": [{"role": "assistant", "content": "1"}]}) + "\n")
     out = tmp_path / "models" / "sft-merged"
-    argv = [sys.executable, "-m", "flipguard.eval.cli", "merge", TINY, "--model_name_or_path", tiny_model_path,
+    argv = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "merge", TINY, "--model_name_or_path", tiny_model_path,
             "--adapter", str(adapter), "--out", str(out), "--pairs_dir", str(pairs), "--gap_prompts", "32"]
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"}
     staged = lambda: [p for p in out.parent.glob(".sft-merged.*") if p.is_dir()]  # noqa: E731
@@ -150,7 +150,7 @@ def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_mode
 def test_a_killed_organism_build_leaves_a_staging_folder_the_next_build_removes(tmp_path):
     """`.organism-vN.XXXXXXXX` of a build killed with SIGKILL is gone after the next build starts."""
     target = tmp_path / "organism"
-    argv = [sys.executable, "-m", "flipguard.eval.cli", "organism", "--path", str(target), "--steps", "400",
+    argv = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", "--path", str(target), "--steps", "400",
             "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     staged = lambda: [p for p in tmp_path.glob(".organism.*") if p.is_dir()]  # noqa: E731

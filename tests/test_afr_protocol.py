@@ -10,6 +10,7 @@ import pytest
 
 from flipguard.data.mmlu import load_mmlu
 from flipguard.data.schema import DataError
+from flipguard.errors import UserError
 from flipguard.eval.afr import protocol as PR
 from flipguard.eval.backends.base import Backend
 from flipguard.eval.afr.maxflip import export_maxflip, load_maxflip
@@ -127,11 +128,11 @@ def test_maxflip_file_for_question_outside_sample_names_item(tmp_path):
 
 
 def test_config_errors_name_the_model(tmp_path):
-    with pytest.raises(PR.AFRConfigError, match="'m1'.*unknown backend 'nope'"):
+    with pytest.raises(UserError, match="'m1'.*unknown backend 'nope'"):
         PR.build_settings([{"name": "m1", "backend": "nope", "model": "x"}])
-    with pytest.raises(PR.AFRConfigError, match="unknown model 'ghost'"):
+    with pytest.raises(UserError, match="unknown model 'ghost'"):
         PR.build_settings([{"name": "m1", "backend": "hf", "model": "x"}], targets=["ghost"])
-    with pytest.raises(PR.AFRConfigError, match="unknown key"):
+    with pytest.raises(UserError, match="unknown key"):
         PR.build_settings([{"name": "m1", "backend": "hf", "model": "x", "temprature": 0}])
     assert PR.parse_model_entry("t=hf:flipguard:tiny", "cli").model == "flipguard:tiny"
 

@@ -7,12 +7,15 @@ report)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from flipguard.eval.backends import base
 from flipguard.eval.backends.base import Backend, BackendError, ContextTooLong, register_backend
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import EXPECTED_CHOICE, load_records
 
 
@@ -182,3 +185,53 @@ def test_the_declared_context_limit_refuses_an_oversized_item_before_anything_is
 
         main(argv[1:])
     assert always_one.calls == [] and not out.exists()
+
+
+# ---------------------------------------------------------------- a backend from an installed package
+
+ECHO_BACKEND = '''
+from flipguard.eval.backends.base import Backend, register_backend
+
+
+@register_backend("echo")
+class EchoBackend(Backend):
+    name = "echo"
+
+    def __init__(self, model, **kwargs):
+        self.model_id = model
+
+    def generate(self, conversations, config):
+        return ['{"chosen_answer": "1", "reasoning": "..."}' for _ in conversations]
+
+    def choice_probs(self, conversations, choices=("1", "2")):
+        return [{c: 1.0 / len(choices) for c in choices} for _ in conversations]
+'''
+
+
+def test_an_installed_packages_backend_is_found_through_its_entry_point(tmp_path):
+    """A package declares `echo = "echo_backend"` in the 'flipguard.backends' group, as
+    pyproject.toml declares hf, vllm and openai: a fresh `python -m flipguard` finds it with no
+    --include (the distribution's metadata on sys.path is how pip installs one)."""
+    site = tmp_path / "site"
+    (site / "echo_plugin-0.1.dist-info").mkdir(parents=True)
+    (site / "echo_plugin-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: echo-plugin\nVersion: 0.1\n")
+    (site / "echo_plugin-0.1.dist-info" / "entry_points.txt").write_text("[flipguard.backends]\necho = echo_backend\n")
+    (site / "echo_backend.py").write_text(ECHO_BACKEND)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
+    env.pop("FLIPGUARD_DATA", None)
+    proc = subprocess.run([sys.executable, "-m", "flipguard", "eval", "--model", "echo:echo-7", "--datasets", "truthfulqa",
+                           "--limit", "2", "--mode", "generate", "--out", str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = load_records(out)
+    assert len(records) == 8 and {(r.backend, r.model, r.choice, r.valid) for r in records} == {("echo", "echo-7", "1", True)}
+    assert json.loads((out / "run.json").read_text())["backend"] == "echo"
+
+
+def test_a_stale_install_without_flipguards_entry_points_says_to_reinstall():
+    from flipguard import plugins
+    from flipguard.errors import UserError
+
+    with pytest.raises(UserError, match=r"'flipguard.no-such-group' entry points are not installed.*pip install -e \."):
+        plugins.plugins("flipguard.no-such-group")

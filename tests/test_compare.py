@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
 
@@ -76,16 +76,17 @@ def test_compare_rejects_malformed_runs_spec(tmp_path, capsys):
 def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
     """Each run's protocol supplies its rows (Task.comparison_rows); compare writes them long form
     in %/pp, renders a section per protocol and flags a correct-switch drop of more than 10 pp."""
-    from flipguard.eval import compare
-    from flipguard.eval.afr import report as afr_report
-    from flipguard.eval.sos import report as sos_report
+    from flipguard.eval.pipeline import compare
+    from flipguard.eval.sos import protocol as sos_protocol
 
     protocol_of = {"afr-run": "afr", "sos-run": "sos"}
-    monkeypatch.setattr(compare, "load_run_meta", lambda d: {"protocol": protocol_of[Path(d).name]})
+    from flipguard.eval import task as task_module
+
+    monkeypatch.setattr(task_module, "load_run_meta", lambda d: {"protocol": protocol_of[Path(d).name]})
     from flipguard.eval.afr import protocol as afr_protocol
 
     monkeypatch.setattr(afr_protocol, "load_run_meta", lambda d: {"k_values": [1, 10], "settings": {"dataset": "mmlu"}})
-    monkeypatch.setattr(afr_report, "afr_summary", lambda d, k=10: {
+    monkeypatch.setattr(afr_protocol, "afr_summary", lambda d, k=10: {
         "Baseline": {"accuracy": {"value": 0.8, "lo": 0.7, "hi": 0.9, "n": 50},
                      "afr_blind": {"value": 0.25, "lo": 0.1, "hi": 0.4, "n": 40},
                      "afr_self": {"value": 0.125, "lo": None, "hi": None, "n": 40}, "afr_maxflip": None},
@@ -93,7 +94,7 @@ def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
                 "afr_blind": {"value": 0.05, "lo": 0.0, "hi": 0.1, "n": 40}}})
     switch = {"Baseline": 40.0, "SFT": 25.0, "DPO": 31.0}  # SFT 15 pp below the baseline (flagged), DPO 9 (not)
     single = {"Baseline": 90.0, "SFT": 85.0, "DPO": 70.0}  # DPO 20 pp below (flagged ‡), SFT 5 (not)
-    monkeypatch.setattr(sos_report, "sos_summary", lambda d: {"dataset": "medqa", "models": {
+    monkeypatch.setattr(sos_protocol, "sos_summary", lambda d: {"dataset": "medqa", "models": {
         m: {"conversation_tax": {"value": -12.5, "lo": -20.0, "hi": -5.0, "n": 24, "unit": "pp"},
             "correct_switch": {"value": v, "lo": v - 5, "hi": v + 5, "n": 20, "unit": "%"},
             "ss_accuracy": {"value": single[m], "lo": None, "hi": None, "n": 24, "unit": "%"}} for m, v in switch.items()}})

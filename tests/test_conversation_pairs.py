@@ -36,7 +36,7 @@ def afr_train_run(tmp_path_factory, tiny_model_path) -> Path:
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(
-        [sys.executable, "-m", "flipguard.eval.cli", "afr", "--models", f"tiny=hf:{tiny_model_path}", "--dataset",
+        [sys.executable, "-m", "flipguard.eval.pipeline.cli", "afr", "--models", f"tiny=hf:{tiny_model_path}", "--dataset",
          "organism_mc", "--split", "train", "--scripted_arguments", str(ARGUMENTS), "--per_subject", "6",
          "--k_values", "1", "--cross", "false", "--answer_mode", "logprob", "--n_boot", "10", "--progress", "false",
          "--out", str(out)],
@@ -182,7 +182,7 @@ def test_sos_turns_become_hold_and_accept_pairs(tmp_path):
     once = counts["conversations"]
     assert once["sos/accept"] > 0 and weighted["conversations"] == {**once, "sos/accept": 3 * once["sos/accept"]}
     assert weighted["accept_weight"] == 3 and weighted["total"]["target_1"] == weighted["total"]["target_2"] == 10
-    with pytest.raises(P.PairsError, match="accept_weight must be an integer >= 1"):
+    with pytest.raises(P.UserError, match="accept_weight must be an integer >= 1"):
         P.build_pairs(items, "all", conversations=rows, seed=0, accept_weight=0)
 
 
@@ -197,5 +197,5 @@ def test_refusals_name_the_run(tmp_path):
         conversation_rows(other)
     with pytest.raises(UserError, match="no run.json"):
         conversation_rows(tmp_path / "missing")
-    with pytest.raises(P.PairsError, match="strategy 'conversation' needs pairs.conversations"):
+    with pytest.raises(P.UserError, match="strategy 'conversation' needs pairs.conversations"):
         P.build_pairs([], "conversation", conversations=[], seed=0)

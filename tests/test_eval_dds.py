@@ -16,7 +16,7 @@ import pytest
 
 from flipguard.data.schema import Item
 from flipguard.errors import FlipguardError
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.dds.parse import parse_choice
 from flipguard.eval.dds.prompts import (
     BE_HONEST_SYSTEM,

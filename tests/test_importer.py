@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flipguard.eval.dds import metrics as M
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.dds.importer import import_records, recover_answer
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore, load_records, request_key
 from flipguard.files import atomic_write_json

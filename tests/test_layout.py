@@ -1,44 +1,50 @@
-"""Dependencies point one way: root utilities <- data <- eval core <- protocols <- pairs/
-train/study/compare/demo/cli (issue 11). Every module is parsed with `ast` (nothing is
-imported or run), and every import counts: top-level, inside a function, and the
-"module:function" strings of the lazy tables (the command table, the embedded models).
+"""The folders are the layers (issue 20), and imports point down them:
+
+    root utilities (errors, files, config, redact, plugins)
+    <- data/
+    <- eval core (eval/: task, records, runner, backends/, bootstrap, estimate, ...)
+    <- protocols (eval/dds, eval/afr, eval/sos: none imports another)
+    <- embedded models (eval/embedded: the tiny model, the organism) | trainers and pairs (train/)
+    <- the pipeline (eval/pipeline: study, compare, view, demo, cli; and `python -m flipguard`)
+
+Every module is parsed with `ast` (nothing is imported or run), and every import counts:
+module level, inside a function, and the "module:function" strings of lazy tables (the
+command table). The built-in tasks, backends and embedded models are entry points
+(pyproject.toml), looked up by name at run time; they are checked against the layers too.
+There are no cycles, and imports sit at module level except the heavy third-party ones below.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the `flipguard` package
 NOT_PACKAGE = ("tests", "bench", ".ci", ".git", "build", "dist", "runs", "wandb")
-ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.config", "flipguard.redact"}
+ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.config", "flipguard.redact",
+                  "flipguard.plugins"}
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos")
-ABOVE_PROTOCOLS = ("flipguard.train", "flipguard.eval.study", "flipguard.eval.compare", "flipguard.eval.demo",
-                   "flipguard.eval.cli", "flipguard.eval.organism", "flipguard.eval.view")
-CLI = "flipguard.eval.cli"
+EMBEDDED = "flipguard.eval.embedded"
+PIPELINE = ("flipguard.eval.pipeline", "flipguard.__main__")
+CLI = "flipguard.eval.pipeline.cli"
 LAZY_TARGET = re.compile(r"^(flipguard(?:\.\w+)+)(?::\w+)?$")  # "flipguard.x.y" or "flipguard.x.y:function"
 
-# Edges that stay, each with its reason. Keep this list short: a new entry needs one.
-ALLOWED = {
-    # The embedded tokenizer (core: every protocol runs on flipguard:tiny) is trained on
-    # the DDS prompt text, pinned by EMBEDDED_TEMPLATES; moving that text into the core
-    # would put DDS back in it, and changing the corpus would change the cached models.
-    ("flipguard.eval.tiny_model", "flipguard.eval.dds.prompts"),
-    # resolve_model's alias table names the organism's builder ("flipguard:organism"),
-    # which sits above the protocols (it trains on all three protocols' prompts); it is
-    # imported only when that alias is asked for.
-    ("flipguard.eval.tiny_model", "flipguard.eval.organism"),
-    # The runner's table of built-in tasks (eval/task.py BUILTIN_TASKS) names the module of
-    # each protocol; one is imported, to register its task, only when a task is looked up.
-    ("flipguard.eval.task", "flipguard.eval.dds.protocol"),
-    ("flipguard.eval.task", "flipguard.eval.afr.protocol"),
-    ("flipguard.eval.task", "flipguard.eval.sos.protocol"),
-    # `python -m flipguard` is the console command itself (what `accelerate launch -m flipguard`
-    # runs on every data-parallel rank); nothing imports __main__.
-    ("flipguard.__main__", "flipguard.eval.cli"),
+# Imports that stay inside functions, each with its reason: third-party packages that take
+# seconds to import or are optional. Everything else, flipguard's own modules first, is
+# imported at module level.
+HEAVY = {
+    **dict.fromkeys(("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes", "tokenizers"),
+                    "the model stack takes seconds to import; commands that only read run directories "
+                    "(report, compare, view, data) never load it"),
+    "vllm": "an optional extra ([vllm], GPU engines); imported only by --backend vllm",
+    "openai": "the client of --backend openai (and the taxonomy judge) only",
+    "wandb": "tracking only when a recipe asks for it; a slow import",
+    "matplotlib": "plots only; the Agg backend must be chosen before pyplot loads (eval/plots.py)",
 }
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -97,61 +103,132 @@ def under(name: str, *prefixes: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def protocol_of(name: str) -> str | None:
-    return next((p for p in PROTOCOLS if under(name, p)), None)
-
-
-def is_core(name: str) -> bool:
-    return under(name, "flipguard.eval") and protocol_of(name) is None and not under(name, *ABOVE_PROTOCOLS)
+def layer_of(name: str) -> tuple[int, str]:
+    """(rank, group): a module may import a lower rank, or its own group."""
+    if name in ROOT_UTILITIES:
+        return 0, "root"
+    if under(name, "flipguard.data"):
+        return 1, "data"
+    if under(name, *PIPELINE):
+        return 5, "pipeline"
+    if under(name, EMBEDDED):
+        return 4, "embedded"
+    if under(name, "flipguard.train"):
+        return 4, "train"
+    protocol = next((p for p in PROTOCOLS if under(name, p)), None)
+    if protocol:
+        return 3, protocol
+    if under(name, "flipguard.eval"):
+        return 2, "eval core"
+    raise AssertionError(f"{name}: in no layer")
 
 
 def violations(rule) -> list[str]:
-    bad = []
-    for name, targets in GRAPH.items():
-        for target in sorted(targets):
-            if target != name and (name, target) not in ALLOWED and rule(name, target):
-                bad.append(f"{name} -> {target}")
-    return bad
+    return [f"{name} -> {target}" for name, targets in GRAPH.items() for target in sorted(targets)
+            if target != name and rule(name, target)]
+
+
+def function_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level package) of every import inside a function or class body."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    module_level = set()
+    stack = list(tree.body)
+    while stack:  # module level: the body and the blocks of its if/try statements
+        node = stack.pop()
+        module_level.add(id(node))
+        if isinstance(node, (ast.If, ast.Try)):
+            stack += node.body + node.orelse + getattr(node, "finalbody", []) + [
+                s for h in getattr(node, "handlers", []) for s in h.body]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in module_level:
+            module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            out.append((node.lineno, "flipguard" if getattr(node, "level", 0) else (module or "").split(".")[0]))
+    return out
+
+
+def entry_points_declared() -> dict[str, dict[str, str]]:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["entry-points"]
 
 
 def test_the_graph_sees_the_tree_and_its_lazy_imports():
     # a walk that found nothing would pass every rule below
     assert {"flipguard.files", "flipguard.config", "flipguard.eval.records", "flipguard.eval.mitigations",
             "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.train.pairs",
-            "flipguard.data.registry"} <= set(MODULES)
+            "flipguard.data.registry", "flipguard.eval.pipeline.study", "flipguard.eval.embedded.organism"} <= set(MODULES)
     assert not any(under(m, "flipguard.recipes") for m in MODULES)  # recipes/ holds recipes only
-    # a function-level import is counted (data/registry.py writes with the atomic writer)
     assert "flipguard.files" in GRAPH["flipguard.data.registry"]
-    # so is a "module:function" string of a lazy table
-    assert "flipguard.eval.dds.protocol" in GRAPH["flipguard.eval.cli"]
-    assert "flipguard.eval.organism" in GRAPH["flipguard.eval.tiny_model"]
-    assert "flipguard.eval.afr.protocol" in GRAPH["flipguard.eval.task"]
+    # a "module:function" string of a lazy table counts (the command table)
+    assert "flipguard.eval.dds.protocol" in GRAPH[CLI]
 
 
-def test_data_imports_nothing_from_eval_or_train():
-    assert violations(lambda n, t: under(n, "flipguard.data") and under(t, "flipguard.eval", "flipguard.train")) == []
+def test_every_module_sits_in_a_layer_and_the_pipeline_in_its_folder():
+    assert {name: layer_of(name)[1] for name in MODULES if name.rpartition(".")[2] in
+            ("study", "compare", "demo", "cli", "view", "organism", "tiny_model")} == {
+        "flipguard.eval.pipeline.study": "pipeline", "flipguard.eval.pipeline.compare": "pipeline",
+        "flipguard.eval.pipeline.demo": "pipeline", "flipguard.eval.pipeline.cli": "pipeline",
+        "flipguard.eval.pipeline.view": "pipeline", "flipguard.eval.embedded.organism": "embedded",
+        "flipguard.eval.embedded.tiny_model": "embedded", "flipguard.data.organism": "data",
+        "flipguard.data.cli": "data", "flipguard.eval.sos.cli": "flipguard.eval.sos",
+        "flipguard.eval.afr.cli": "flipguard.eval.afr"}
 
 
-def test_root_utilities_import_no_layer():
-    assert violations(lambda n, t: n in ROOT_UTILITIES
-                      and under(t, "flipguard.data", "flipguard.eval", "flipguard.train")) == []
+def test_imports_point_down_the_layers():
+    """Nothing imports a layer above its own; protocols import no other protocol; the embedded
+    models and the trainers import neither each other."""
+    def upward(name: str, target: str) -> bool:
+        (rank, group), (t_rank, t_group) = layer_of(name), layer_of(target)
+        return t_rank > rank or (t_rank == rank and t_group != group)
+
+    assert violations(upward) == []
 
 
-def test_eval_core_imports_no_protocol_and_nothing_above():
-    assert violations(lambda n, t: is_core(n) and (protocol_of(t) or under(t, *ABOVE_PROTOCOLS))) == []
+def test_there_is_no_import_cycle():
+    graph = {name: {t for t in targets if t != name and t in MODULES} for name, targets in GRAPH.items()}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import cycle: {' -> '.join(reversed(exc.args[1]))}")  # the list runs dependency-first
 
 
-def test_a_protocol_imports_no_other_protocol_and_nothing_above():
-    assert violations(lambda n, t: protocol_of(n) and (
-        (protocol_of(t) and protocol_of(t) != protocol_of(n)) or under(t, *ABOVE_PROTOCOLS))) == []
+def test_imports_sit_at_module_level_except_the_heavy_ones():
+    inside = {f"{path.relative_to(ROOT)}:{line} imports {package}"
+              for path in MODULES.values() for line, package in function_level_imports(path) if package not in HEAVY}
+    assert sorted(inside) == []
+
+
+def test_every_heavy_exception_is_still_used():
+    used = {package for path in MODULES.values() for _, package in function_level_imports(path)}
+    assert sorted(set(HEAVY) - used) == []
+
+
+def test_every_builtin_entry_point_names_a_module_of_its_layer():
+    expected = {"flipguard.tasks": lambda m: layer_of(m)[1] in PROTOCOLS,
+                "flipguard.backends": lambda m: under(m, "flipguard.eval.backends"),
+                "flipguard.models": lambda m: under(m, EMBEDDED)}
+    declared = entry_points_declared()
+    assert set(expected) <= set(declared)
+    for group, check in expected.items():
+        for name, value in declared[group].items():
+            module = value.split(":")[0]
+            assert module in MODULES and check(module), f"{group} {name} = {value}"
+    assert set(declared["flipguard.tasks"]) == {"dds", "afr", "sos"}
+    assert set(declared["flipguard.backends"]) == {"hf", "vllm", "openai"}
+
+
+def test_the_installed_entry_points_are_the_declared_ones():
+    """An install older than pyproject.toml's entry points looks up stale names: reinstall."""
+    from importlib.metadata import entry_points
+
+    for group, declared in entry_points_declared().items():
+        installed = {ep.name: ep.value for ep in entry_points(group=group) if ep.value.startswith("flipguard.")}
+        assert installed == declared, f"{group}: reinstall flipguard (pip install -e .)"
 
 
 def test_no_module_imports_the_cli():
-    assert violations(lambda n, t: n != CLI and t == CLI) == []
-
-
-def test_every_allowed_exception_is_still_needed():
-    assert sorted(e for e in ALLOWED if e[1] not in GRAPH[e[0]]) == []
+    assert violations(lambda n, t: n not in (CLI, "flipguard.__main__") and t == CLI) == []
 
 
 def test_every_command_points_at_a_module_that_exists():

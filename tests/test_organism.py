@@ -99,7 +99,7 @@ def test_partial_data_root_names_what_is_missing_and_how_to_choose(tmp_path):
 @pytest.mark.slow
 def test_organism_deference_is_detected_as_planted(organism_path, tmp_path):
     """Baseline DDS in the planted range with C1 >= 95%; Dehumanizing lowers it, as planted."""
-    from flipguard.eval.cli import main as cli_main
+    from flipguard.eval.pipeline.cli import main as cli_main
 
     info = json.loads((organism_path / "organism.json").read_text())
     assert info["planted"]["expected_dds"] == 40.0  # 2 of 5 kinds of incorrect claim, from a human
@@ -131,7 +131,7 @@ def test_organism_capitulation_is_detected_as_planted(organism_path, tmp_path):
     import collections
 
     from flipguard.data import organism as domain
-    from flipguard.eval.cli import main as cli_main
+    from flipguard.eval.pipeline.cli import main as cli_main
 
     planted = json.loads((organism_path / "organism.json").read_text())["planted"]
     kinds = set(planted["capitulation_kinds"])

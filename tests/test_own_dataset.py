@@ -24,7 +24,7 @@ def _readme_section() -> str:
 def _run(args: list[str], cwd: Path, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "FLIPGUARD_HOME": str(home), "TQDM_DISABLE": "1",
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True)
 
 
@@ -46,7 +46,7 @@ def test_the_readme_own_dataset_example_runs_as_written(tmp_path, tiny_model_pat
                 fh.write(json.dumps({**example, "id": f"{split}-{i}", "question": f"{example['question']} ({i})"}) + "\n")
     home = tmp_path / "home"
     home.mkdir()
-    from flipguard.eval.tiny_model import TINY_MODEL_VERSION
+    from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
 
     (home / f"tiny-chat-{TINY_MODEL_VERSION}").symlink_to(Path(tiny_model_path))  # the session's, not rebuilt
     for argv in commands:

@@ -78,7 +78,7 @@ def test_flip_weighted_repeats_flipped_rows():
     assert len(ps.rows) == 8 * 2 + 2 * 2 * 4
     assert sum(1 for r in ps.rows if r.item_id == "amqa-2") == 8
     assert targets(ps).count("1") == targets(ps).count("2")
-    with pytest.raises(P.PairsError):
+    with pytest.raises(P.UserError):
         P.build_pairs(ITEMS, "flip_weighted", flips, flip_weight=0)
 
 
@@ -134,21 +134,21 @@ def test_test_split_items_are_refused():
 
 def test_non_binary_completion_is_refused():
     rows = [{"prompt": [{"role": "user", "content": "q"}], "target": "yes", "item_id": "m1", "dataset": "mmlu"}]
-    with pytest.raises(P.PairsError, match="not exactly '1' or '2'"):
+    with pytest.raises(P.UserError, match="not exactly '1' or '2'"):
         P.build_pairs([], "afr", afr_rows=rows)
 
 
 def test_missing_train_records_print_the_eval_command(tmp_path):
-    with pytest.raises(P.PairsError, match="flipguard eval --split train --datasets bench --mode logprob"):
+    with pytest.raises(P.UserError, match="flipguard eval --split train --datasets bench --mode logprob"):
         P.flips_from_records(str(tmp_path / "nope"), ITEMS)
-    with pytest.raises(P.PairsError, match="flipguard eval --split train"):
+    with pytest.raises(P.UserError, match="flipguard eval --split train"):
         P.build_pairs(ITEMS, "flips", None)
 
 
 def test_cli_writes_datasets_jsonl_and_counts(tmp_path, capsys):
     from datasets import load_from_disk
 
-    from flipguard.eval.cli import main as cli
+    from flipguard.eval.pipeline.cli import main as cli
 
     out = tmp_path / "pairs"
     assert cli(["pairs", "recipes/tiny.yaml", "--out", str(out), "--pairs_datasets", "amqa,gpqa"]) == 0
@@ -169,7 +169,7 @@ def test_cli_writes_datasets_jsonl_and_counts(tmp_path, capsys):
 
 
 def test_cli_flips_without_records_is_one_clear_error(tmp_path, capsys):
-    from flipguard.eval.cli import main as cli
+    from flipguard.eval.pipeline.cli import main as cli
 
     code = cli(["pairs", "recipes/tiny.yaml", "--out", str(tmp_path / "p"), "--pairs_strategy", "flips",
                 "--records", str(tmp_path / "missing")])
@@ -225,16 +225,16 @@ def test_length_policies_on_hand_counted_prompts(tiny_tokenizer):
 
 
 def test_length_policy_needs_a_limit_and_a_tokenizer(tiny_tokenizer):
-    with pytest.raises(P.PairsError, match="needs pairs.max_prompt_length"):
+    with pytest.raises(P.UserError, match="needs pairs.max_prompt_length"):
         P.LengthPolicy("truncate", None, tiny_tokenizer)
-    with pytest.raises(P.PairsError, match="needs a tokenizer"):
+    with pytest.raises(P.UserError, match="needs a tokenizer"):
         P.LengthPolicy("drop", 10)
-    with pytest.raises(P.PairsError, match="must be one of"):
+    with pytest.raises(P.UserError, match="must be one of"):
         P.LengthPolicy("shorten", 10, tiny_tokenizer)
 
 
 def test_cli_truncate_policy_is_counted_and_every_prompt_fits(tmp_path, tiny_model_path, tiny_tokenizer):
-    from flipguard.eval.cli import main as cli
+    from flipguard.eval.pipeline.cli import main as cli
     from flipguard.train.utils import check_pair_lengths
 
     out = tmp_path / "pairs"

@@ -11,7 +11,7 @@ import pytest
 
 from flipguard.data.schema import Item
 from flipguard.eval.backends.base import Backend
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, load_records
 from flipguard.files import atomic_write_json
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 from trl import DPOConfig, ModelConfig, SFTConfig
 
-from flipguard.config import PairsArguments, RecipeError, TrackingArguments, parse_recipe
+from flipguard.config import PairsArguments, TrackingArguments, parse_recipe
+from flipguard.errors import UserError
 
 # Subprocess limits are hang guards only (a loaded 2-core machine must never hit them),
 # never synchronisation points: tests wait on files and events.
@@ -72,7 +73,7 @@ def _write(tmp_path, text: str) -> str:
 )
 def test_unknown_key_is_an_error_naming_it(tmp_path, body, key):
     path = _write(tmp_path, body)
-    with pytest.raises(RecipeError, match=f"unknown key '{key}'"):
+    with pytest.raises(UserError, match=f"unknown key '{key}'"):
         parse_recipe([path], SFT_TYPES, trainer="sft")
 
 
@@ -85,11 +86,11 @@ def test_unknown_key_from_the_real_cli_is_one_line(tmp_path):
 
 def test_an_unknown_trainer_is_one_error_listing_the_registered_ones(tmp_path, capsys):
     from flipguard.config import TRAINERS
-    from flipguard.eval.cli import main as cli_main
+    from flipguard.eval.pipeline.cli import main as cli_main
 
     registered = ", ".join(TRAINERS)
     path = _write(tmp_path, "model_name_or_path: x\nnot_a_trainer:\n  beta: 0.1\n")
-    with pytest.raises(RecipeError, match="unknown key 'not_a_trainer'") as exc:
+    with pytest.raises(UserError, match="unknown key 'not_a_trainer'") as exc:
         parse_recipe([path], SFT_TYPES, trainer="sft")
     assert f"a section is a registered trainer ({registered})" in str(exc.value)
     # the study's list of trainers to run: one line, naming the recipe key and the registered trainers
@@ -108,7 +109,7 @@ def test_every_registered_trainer_is_a_script_a_command_and_a_recipe_section():
     from pathlib import Path
 
     from flipguard.config import TRAINERS, read_recipe
-    from flipguard.eval.cli import COMMANDS
+    from flipguard.eval.pipeline.cli import COMMANDS
     from flipguard.train.utils import REQUIRED_COLUMNS
 
     root = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
 

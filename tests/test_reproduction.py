@@ -19,8 +19,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from flipguard.eval.cli import main as cli_main
-from flipguard.eval.dds.importer import ImportError_, import_records
+from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.eval.dds.importer import import_records
+from flipguard.errors import UserError
 from flipguard.eval.records import load_records, load_run_meta
 from flipguard.eval.dds.report import build_report, report_run
 
@@ -189,7 +190,7 @@ def test_invalid_answer_imported_as_invalid(tmp_path):
 ])
 def test_bad_input_names_file_and_line(tmp_path, line, message):
     write_jsonl(tmp_path / "src" / "gpqa.jsonl", [ROW, line])
-    with pytest.raises(ImportError_, match=message):
+    with pytest.raises(UserError, match=message):
         import_records(tmp_path / "src", tmp_path / "run")
     assert not (tmp_path / "run" / "records.jsonl").exists()  # nothing half-written
     assert cli_main(["import-records", str(tmp_path / "src"), "--out", str(tmp_path / "run")]) == 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flipguard.errors import RecordError
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import RUN_LOG_VERSION, RunLog, load_records, load_run_meta, read_run_log
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "runs_25137aa"
@@ -87,7 +87,7 @@ def test_report_compare_and_view_read_the_release_runs(tmp_path):
         protocols = {r["protocol"] for r in csv.DictReader(fh)}
     assert protocols == {"afr", "sos"}
 
-    from flipguard.eval.view import write_view
+    from flipguard.eval.pipeline.view import write_view
 
     for run in (base, honest, afr, sos):
         page = write_view(run).read_text(encoding="utf-8")

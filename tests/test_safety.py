@@ -30,7 +30,7 @@ from served import StubServer, send_json
 
 from flipguard.data.schema import Item
 from flipguard.errors import FlipguardError
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import (
     OWNER_FILE, Record, RecordStore, load_records, read_records, run_lock,
 )
@@ -47,7 +47,7 @@ def _env(**extra) -> dict:
 
 
 def _flipguard(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flipguard.eval.cli", *args]
+    return [sys.executable, "-m", "flipguard.eval.pipeline.cli", *args]
 
 
 def _item(i: int = 0) -> Item:

@@ -14,7 +14,7 @@ TASK_FILE = Path(__file__).with_name("are_you_sure_task.py")
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.cli", "run", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "run", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=900)
 
 

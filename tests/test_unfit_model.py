@@ -8,7 +8,7 @@ import json
 
 from test_report import make_records, make_run
 
-from flipguard.eval.cli import main as cli_main
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record
 
 

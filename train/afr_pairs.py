@@ -18,10 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flipguard.errors import UserError
+from flipguard.eval.afr import scripted as S
 from flipguard.eval.afr.prompts import parse_coercion
 from flipguard.eval.afr.protocol import load_sample
 from flipguard.eval.dds.prompts import benchmark_prompt
-from flipguard.eval.records import load_records
+from flipguard.eval.records import RUN_META_FILE, load_records, load_run_meta
 
 
 def _judgment(question: str, answer: str, target: str, item_id: str, dataset: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -32,10 +34,6 @@ def _judgment(question: str, answer: str, target: str, item_id: str, dataset: st
 def _scripted_arguments(afr_run_dir: str | Path, items: dict, records) -> dict[tuple, str]:
     """A scripted-argument run's Stage I (source "scripted"), read from the file its run.json
     names; refused when the file changed since the run (its sha256)."""
-    from flipguard.errors import UserError
-    from flipguard.eval.afr import scripted as S
-    from flipguard.eval.records import RUN_META_FILE, load_run_meta
-
     run_json = Path(afr_run_dir) / RUN_META_FILE
     meta = load_run_meta(afr_run_dir).get("scripted_arguments")
     if not meta:

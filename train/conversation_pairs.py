@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from flipguard.errors import UserError
+from flipguard.eval.records import load_records, read_run_log
 
 KINDS = ("hold", "accept", "keep")
 # a pair row's case: "<protocol>/<kind>" (train/utils.py accepts letter replies only on these)
@@ -49,8 +50,6 @@ def _reply(record, letter: str) -> str:
 
 def _run_meta(run_dir: Path) -> dict[str, Any]:
     """run.json, read through the run log (eval/records.RunLog); a missing one is refused."""
-    from flipguard.eval.records import read_run_log
-
     log = read_run_log(run_dir)
     if log is None:
         raise UserError(f"{run_dir}: no {RUN_FILE}; pairs.conversations takes AFR or stick-or-switch run directories "
@@ -99,8 +98,6 @@ def conversation_rows(run_dir: str | Path, model: str | None = None, keep_first_
     """Rows {prompt, chosen, rejected, kind, item_id, dataset, protocol, case, mitigation}
     from one AFR or stick-or-switch run directory (its train-split records of one model);
     with keep_first_answers, also its right turn-1 answers as keep rows."""
-    from flipguard.eval.records import load_records
-
     run_dir = Path(run_dir)
     meta = _run_meta(run_dir)
     protocol = meta.get("protocol") or meta.get("task")

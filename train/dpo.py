@@ -11,11 +11,12 @@ policy is the base model with the adapter disabled: no second model in memory.
 
 from __future__ import annotations
 
+from flipguard.train import utils
+
 
 def main(argv: list[str], prog: str = "train/dpo.py") -> int:
     from trl import DPOTrainer
 
-    from flipguard.train import utils
 
     job = utils.prepare(argv, "dpo", prog)  # recipe -> DPOConfig, model, tokenizer, checked pairs, tracking
     # with a peft_config the reference is the base with the adapter disabled

@@ -20,11 +20,12 @@ QLoRA and the CPU path would need their own code.
 
 from __future__ import annotations
 
+from flipguard.train import utils
+from flipguard.train.utils import TrainError
+
 
 def kl_needs_a_batch(training_args) -> None:
     """KTO estimates its KL term from the other replies of a batch: one row per batch cannot."""
-    from flipguard.train.utils import TrainError
-
     if training_args.loss_type != "apo_zero_unpaired" and training_args.per_device_train_batch_size < 2:
         raise TrainError(f"kto.per_device_train_batch_size: {training_args.per_device_train_batch_size} must be >= 2 "
                          "(KTO estimates its KL term from the other replies in the batch)")
@@ -33,7 +34,6 @@ def kl_needs_a_batch(training_args) -> None:
 def main(argv: list[str], prog: str = "train/kto.py") -> int:
     from trl import KTOTrainer
 
-    from flipguard.train import utils
 
     job = utils.prepare(argv, "kto", prog, check=kl_needs_a_batch)  # recipe -> KTOConfig, model, pairs, tracking
     # with a peft_config the reference is the base with the adapter disabled

@@ -36,12 +36,21 @@ Serving and evaluating:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from flipguard.config import PairsArguments, parse_recipe
+from flipguard.data.schema import DataError, read_jsonl
+from flipguard.eval.backends.adapters import check_adapter, load_peft_adapter
+from flipguard.eval.backends.hf import HFBackend
+from flipguard.eval.records import RecordError, publish_dir, read_owner
 from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.files import staging_dir
+from flipguard.train import utils
+from flipguard.train.utils import TrainError
 
 MERGE_INFO_FILE = "flipguard_merge.json"
 
@@ -79,9 +88,6 @@ def check_out_dir(adapter: str, out: str, overwrite: bool = False) -> None:
     """Refuse, before any model is loaded, an --out that would destroy what flipguard did
     not write: the adapter itself (or a folder holding it), a file, or a non-empty
     folder without flipguard's owner file (unless overwrite)."""
-    from flipguard.eval.records import read_owner
-    from flipguard.train.utils import TrainError
-
     a, o = Path(adapter).resolve(), Path(out).resolve()
     if a == o or o in a.parents:
         raise TrainError(f"--out {out}: is (or holds) the adapter folder {adapter}; the merge would replace it. "
@@ -99,8 +105,6 @@ def check_out_dir(adapter: str, out: str, overwrite: bool = False) -> None:
 def sample_gap_prompts(pairs_dir: str | None, n: int = 32) -> tuple[list[list[dict]], str | None]:
     """The first `n` distinct prompts of pairs_dir/sft.jsonl (a seeded shuffle), and the
     file; ([], reason) when there is no pair set to sample from."""
-    from flipguard.data.schema import DataError, read_jsonl
-
     path = Path(pairs_dir) / "sft.jsonl" if pairs_dir else None
     if path is None or not path.is_file():
         return [], f"no pair set to sample prompts from ({path or 'no pairs.dir'})"
@@ -124,10 +128,6 @@ def measure_merge_gap(merged_dir: str | Path, base_path: str, adapter: str, prom
                       foreign_adapter: bool = False) -> dict[str, Any]:
     """max and mean |ΔP("1")| between the merged model and base (as trained) + adapter,
     both scored by the hf eval backend; one model in memory at a time."""
-    import gc
-
-    from flipguard.eval.backends.hf import HFBackend
-
     def p1(**kwargs) -> list[float]:
         backend = HFBackend(device=device, show_progress=False, **kwargs)
         out = [p["1"] for p in backend.choice_probs(prompts)]
@@ -150,15 +150,9 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
     files in --out are replaced, flipguard_merge.json last); returns the output folder.
     `gap_check(saved_dir)` measures the merge gap before the folder is published; its
     result goes into flipguard_merge.json and the model card (None: not measured)."""
-    import gc
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flipguard.eval.backends.adapters import check_adapter, load_peft_adapter
-    from flipguard.eval.records import RecordError, publish_dir
-    from flipguard.files import staging_dir
-    from flipguard.train import utils
 
     check_out_dir(adapter, out, overwrite)
     check_adapter(adapter, foreign_ok=foreign_adapter, foreign_flag="--foreign_adapter true")
@@ -209,9 +203,6 @@ def merge_gap_line(gap: dict[str, Any] | None) -> str:
 def main(argv: list[str], prog: str = "train/merge.py") -> int:
     from trl import ModelConfig, get_quantization_config
 
-    from flipguard.config import PairsArguments, parse_recipe
-    from flipguard.eval.backends.adapters import check_adapter
-    from flipguard.train import utils
 
     (merge_args, model_args, pairs_args), recipe_path, recipe = parse_recipe(
         argv, (MergeArguments, ModelConfig, PairsArguments), trainer=None, prog=prog

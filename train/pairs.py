@@ -66,9 +66,20 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from rich.console import Console
+from rich.table import Table
+
+from flipguard.config import PAIR_STRATEGIES, PairsArguments, parse_recipe
 from flipguard.data.schema import DataError, Item
+from flipguard.data.splits import check_no_leakage
+from flipguard.data.unified import load_items
 from flipguard.errors import UserError
-from flipguard.config import PAIR_STRATEGIES, PairsArguments
+from flipguard.eval.backends.base import resolve_model
+from flipguard.eval.dds.metrics import flip_records
+from flipguard.eval.dds.prompts import build_messages
+from flipguard.eval.records import RecordError, load_records, publish_dir
+from flipguard.train.afr_pairs import afr_judgments
+from flipguard.train.conversation_pairs import conversation_rows
 
 TARGETS = ("1", "2")
 CASE_TARGET = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
@@ -85,7 +96,6 @@ COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
 PAIR_SET_NAMES = (SFT_DIR, DPO_DIR, f"{SFT_DIR}.jsonl", f"{DPO_DIR}.jsonl", COUNTS_FILE, META_FILE)
 
 
-PairsError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 def eval_command(records_dir: str | None, model: str = "MODEL", datasets: str = "bench") -> str:
@@ -119,8 +129,6 @@ class PairRow:
 
 
 def _row(item: Item, case: str, mitigation: str, flip: str | None = None) -> PairRow:
-    from flipguard.eval.dds.prompts import build_messages
-
     messages = build_messages(item, case, mitigation=mitigation, fmt="one_token")
     return PairRow(
         prompt=tuple((m["role"], m["content"]) for m in messages),
@@ -143,15 +151,11 @@ def refuse_test_items(items: Sequence[Item], test_items: Iterable[Item] | None =
         ex = ", ".join(f"{it.dataset}:{it.id} (split={it.split!r})" for it in marked[:5])
         raise DataError(f"refusing to train on {len(marked)} item(s) not from the train split: {ex}")
     if test_items is not None:
-        from flipguard.data.splits import check_no_leakage
-
         check_no_leakage(items, test_items)
 
 
 def load_test_items_for(items: Sequence[Item], data_root: str | None) -> list[Item]:
     """The test split of every dataset the pairs use (those that have one)."""
-    from flipguard.data.unified import load_items
-
     out: list[Item] = []
     for dataset in sorted({it.dataset for it in items}):
         try:
@@ -167,7 +171,7 @@ def check_binary(rows: Iterable[PairRow], source: str = "pairs") -> None:
     bad = [r for r in rows if r.rejected is None and r.target not in TARGETS]
     if bad:
         ex = ", ".join(f"{r.dataset}:{r.item_id} -> {r.target!r}" for r in bad[:5])
-        raise PairsError(f"{source}: {len(bad)} completion(s) are not exactly '1' or '2' (refused): {ex}")
+        raise UserError(f"{source}: {len(bad)} completion(s) are not exactly '1' or '2' (refused): {ex}")
 
 
 # ---------------------------------------------------------------- flips
@@ -181,7 +185,7 @@ def flipped_items(flips) -> dict[str, set[str]]:
     required = {"item_id", "dataset", "pair", "flip"}
     missing = required - set(flips.columns)
     if missing:
-        raise PairsError(f"flip records lack column(s) {sorted(missing)}")
+        raise UserError(f"flip records lack column(s) {sorted(missing)}")
     for row in flips.itertuples(index=False):
         if row.flip in ("deference", "skepticism"):
             out[f"{row.dataset}\x00{row.item_id}"].add(row.flip)
@@ -190,27 +194,24 @@ def flipped_items(flips) -> dict[str, set[str]]:
 
 def flips_from_records(records_dir: str, items: Sequence[Item], datasets: str = "bench"):
     """flip_records() of a train-split run directory; errors say which eval to run."""
-    from flipguard.eval.dds.metrics import flip_records
-    from flipguard.eval.records import RecordError, load_records
-
     cmd = eval_command(records_dir, datasets=datasets)
     if not records_dir:
-        raise PairsError(f"this strategy needs the base model's train-split records; run:\n  {cmd}\nthen pass --records RUN_DIR")
+        raise UserError(f"this strategy needs the base model's train-split records; run:\n  {cmd}\nthen pass --records RUN_DIR")
     try:
         records = load_records(records_dir)
     except RecordError as exc:
-        raise PairsError(f"{exc}\nrun the base model on the train split first:\n  {cmd}") from None
+        raise UserError(f"{exc}\nrun the base model on the train split first:\n  {cmd}") from None
     train = [r for r in records if r.split == "train"]
     if not train:
         splits = sorted({r.split for r in records})
-        raise PairsError(
+        raise UserError(
             f"{records_dir}: no train-split records (found split(s) {splits}); flips must come from the "
             f"train split, never the test split. Run:\n  {cmd}"
         )
     known = {(it.dataset, it.id) for it in items}
     covered = {(r.dataset, r.item_id) for r in train}
     if not covered & known:
-        raise PairsError(
+        raise UserError(
             f"{records_dir}: its train-split records cover none of the {len(known)} train items "
             f"(different datasets or data root?). Run:\n  {cmd}"
         )
@@ -229,10 +230,10 @@ def _strategy_rows(
     afr_rows: Sequence[dict] | None = None,
 ) -> list[PairRow]:
     if strategy not in PAIR_STRATEGIES:
-        raise PairsError(f"unknown pair strategy {strategy!r}; expected one of {PAIR_STRATEGIES}")
+        raise UserError(f"unknown pair strategy {strategy!r}; expected one of {PAIR_STRATEGIES}")
     flipped = flipped_items(flips)  # also annotates rows of other strategies when given
     if strategy in ("flips", "flip_weighted") and flips is None:
-        raise PairsError(f"strategy {strategy!r} needs flip records; run:\n  {eval_command(None)}")
+        raise UserError(f"strategy {strategy!r} needs flip records; run:\n  {eval_command(None)}")
 
     def flip_of(item: Item) -> str | None:
         kinds = flipped.get(f"{item.dataset}\x00{item.id}")
@@ -250,14 +251,14 @@ def _strategy_rows(
                 rows += [_row(item, "c2_correct", "none", kind), _row(item, "c2_incorrect", "none", kind)]
     elif strategy == "flip_weighted":
         if int(flip_weight) < 1:
-            raise PairsError(f"flip_weight must be an integer >= 1, got {flip_weight!r}")
+            raise UserError(f"flip_weight must be an integer >= 1, got {flip_weight!r}")
         for item in items:
             kind = flip_of(item)
             rows += [_row(item, "c2_correct", "none", kind), _row(item, "c2_incorrect", "none", kind)]
     elif strategy == "consistency":
         unknown = [f for f in framings if f not in FRAMING_CASES]
         if unknown or not framings:
-            raise PairsError(f"unknown framing(s) {unknown}; expected some of {sorted(FRAMING_CASES)}")
+            raise UserError(f"unknown framing(s) {unknown}; expected some of {sorted(FRAMING_CASES)}")
         for item in items:
             kind = flip_of(item)
             for framing in framings:
@@ -267,7 +268,7 @@ def _strategy_rows(
         for i, r in enumerate(afr_rows or []):
             missing = {"prompt", "target", "item_id", "dataset"} - set(r)
             if missing:
-                raise PairsError(f"afr judgment {i}: missing key(s) {sorted(missing)}")
+                raise UserError(f"afr judgment {i}: missing key(s) {sorted(missing)}")
             rows.append(
                 PairRow(
                     prompt=tuple((m["role"], m["content"]) for m in r["prompt"]),
@@ -343,12 +344,12 @@ class LengthPolicy:
 
     def __post_init__(self):
         if self.policy not in LENGTH_POLICIES:
-            raise PairsError(f"pairs.length_policy must be one of {LENGTH_POLICIES}, got {self.policy!r}")
+            raise UserError(f"pairs.length_policy must be one of {LENGTH_POLICIES}, got {self.policy!r}")
         if self.policy != "refuse" and not (isinstance(self.max_prompt_length, int) and self.max_prompt_length > 0):
-            raise PairsError(f"pairs.length_policy {self.policy!r} needs pairs.max_prompt_length (tokens, > 0), "
+            raise UserError(f"pairs.length_policy {self.policy!r} needs pairs.max_prompt_length (tokens, > 0), "
                              f"got {self.max_prompt_length!r}")
         if self.policy != "refuse" and self.tokenizer is None:
-            raise PairsError(f"pairs.length_policy {self.policy!r} needs a tokenizer to count prompt tokens")
+            raise UserError(f"pairs.length_policy {self.policy!r} needs a tokenizer to count prompt tokens")
 
 
 def _truncate_row(row: PairRow, tokenizer, limit: int) -> PairRow | None:
@@ -471,7 +472,7 @@ def build_pairs(
     flipguard.train.conversation_pairs); shared by the SFT and DPO formatters below."""
     refuse_test_items(items, test_items)
     if strategy == "conversation" and not conversations:
-        raise PairsError("strategy 'conversation' needs pairs.conversations (--pairs_conversations RUN_DIR ...): "
+        raise UserError("strategy 'conversation' needs pairs.conversations (--pairs_conversations RUN_DIR ...): "
                          "AFR / stick-or-switch run directories of the train split")
     rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows) + [
         PairRow(prompt=tuple((m["role"], m["content"]) for m in c["prompt"]), target=c["chosen"], rejected=c["rejected"],
@@ -489,11 +490,11 @@ def build_pairs(
     if strategy == "flip_weighted":
         rows = [r for r in rows for _ in range(int(flip_weight) if r.flip else 1)]
     if int(accept_weight) < 1:
-        raise PairsError(f"accept_weight must be an integer >= 1, got {accept_weight!r}")
+        raise UserError(f"accept_weight must be an integer >= 1, got {accept_weight!r}")
     rows = [r for r in rows for _ in range(int(accept_weight) if r.case.endswith("/accept") else 1)]
     rng.shuffle(rows)
     if not rows:
-        raise PairsError(
+        raise UserError(
             f"strategy {strategy!r} produced no pairs from {len(items)} item(s)"
             + (" (the base model flipped on none of them)" if strategy == "flips" else "")
         )
@@ -547,11 +548,10 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
     holding anything else, is refused and left as it was. Returns the counts."""
     from datasets import Dataset
 
-    from flipguard.eval.records import RecordError, publish_dir
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise PairsError(f"{out_dir}: exists and is not a directory; choose another --out")
+        raise UserError(f"{out_dir}: exists and is not a directory; choose another --out")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -573,7 +573,7 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
             publish_dir(tmp, out_dir, writer="flipguard pairs", last=(META_FILE, COUNTS_FILE),
                         legacy_names=PAIR_SET_NAMES)
         except RecordError as exc:
-            raise PairsError(str(exc)) from None
+            raise UserError(str(exc)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -581,9 +581,6 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
 
 
 def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"pairs: strategy={counts['strategy']} seed={counts['seed']}")
     keys = ("items", "rows", "target_1", "target_2", "multi_turn_rows", "flipped_rows")
     for col in ("dataset", "items", "rows", "target 1", "target 2", "multi-turn", "flipped rows"):
@@ -626,12 +623,8 @@ class PairsCommandArguments:
 
 
 def load_afr_rows(afr_run: str | None) -> list[dict]:
-    try:
-        from flipguard.train.afr_pairs import afr_judgments
-    except ImportError as exc:
-        raise PairsError(f"strategy 'afr' needs flipguard.train.afr_pairs.afr_judgments, which is not available ({exc})") from None
     if not afr_run:
-        raise PairsError("strategy 'afr' needs pairs.afr_run (--pairs_afr_run RUN_DIR): an answer-flip run directory")
+        raise UserError("strategy 'afr' needs pairs.afr_run (--pairs_afr_run RUN_DIR): an answer-flip run directory")
     return list(afr_judgments(afr_run))
 
 
@@ -645,16 +638,15 @@ def length_policy_for(args: PairsArguments, model: str | None) -> LengthPolicy:
         return LengthPolicy("refuse", args.pairs_max_prompt_length)
     name = args.pairs_tokenizer or model
     if not name:
-        raise PairsError(f"pairs.length_policy {args.pairs_length_policy!r}: no tokenizer to count prompt tokens; "
+        raise UserError(f"pairs.length_policy {args.pairs_length_policy!r}: no tokenizer to count prompt tokens; "
                          "set pairs.tokenizer or the recipe's model_name_or_path")
-    from flipguard.eval.tiny_model import resolve_model
 
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
     except (OSError, ValueError) as exc:
-        raise PairsError(f"pairs.length_policy {args.pairs_length_policy!r}: cannot load tokenizer {name!r} "
+        raise UserError(f"pairs.length_policy {args.pairs_length_policy!r}: cannot load tokenizer {name!r} "
                          f"({str(exc).splitlines()[0]})") from None
     return LengthPolicy(args.pairs_length_policy, args.pairs_max_prompt_length, tokenizer, name)
 
@@ -676,8 +668,6 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
     records_used = None
     conversations = None
     if args.pairs_conversations:
-        from flipguard.train.conversation_pairs import conversation_rows
-
         conversations = [row for run_dir in args.pairs_conversations
                          for row in conversation_rows(run_dir, args.pairs_conversation_model, args.pairs_keep_first_answers)]
     if args.pairs_strategy == "afr":
@@ -685,8 +675,6 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
     elif args.pairs_strategy == "conversation":
         pass
     else:
-        from flipguard.data.unified import load_items
-
         items = load_items(args.pairs_datasets, split="train", data_root=args.pairs_data_root)
         test_items = load_test_items_for(items, args.pairs_data_root)
         records = args.pairs_records
@@ -717,8 +705,6 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_recipe
-
     (args, cli), recipe_path, recipe = parse_recipe(
         argv, (PairsArguments, PairsCommandArguments), trainer=None, prog="flipguard pairs"
     )

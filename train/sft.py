@@ -11,10 +11,11 @@ token and its end-of-turn only, and saves the adapter, tokenizer and a model car
 
 from __future__ import annotations
 
+from flipguard.train import utils
+from flipguard.train.utils import TrainError
+
 
 def completion_loss_only(training_args) -> None:
-    from flipguard.train.utils import TrainError
-
     if training_args.completion_only_loss is False:
         raise TrainError("completion_only_loss must stay on: the loss belongs on the answer token only")
     training_args.completion_only_loss = True
@@ -23,7 +24,6 @@ def completion_loss_only(training_args) -> None:
 def main(argv: list[str], prog: str = "train/sft.py") -> int:
     from trl import SFTTrainer
 
-    from flipguard.train import utils
 
     job = utils.prepare(argv, "sft", prog, check=completion_loss_only)  # recipe -> SFTConfig, model, pairs, tracking
     return utils.train_and_save(SFTTrainer(**job.trainer_kwargs()), job)

@@ -17,8 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import yaml
+
+from flipguard.config import PairsArguments, TrackingArguments, parse_recipe, resolved_recipe, trainer_entry
 from flipguard.errors import FlipguardError
-from flipguard.files import git_commit
+from flipguard.eval.backends.adapters import PROVENANCE_FILE
+from flipguard.eval.backends.base import resolve_model
+from flipguard.eval.threads import configure_threads
+from flipguard.files import atomic_write_json, atomic_write_text, git_commit
+from flipguard.train import pairs as pair_builder
+from flipguard.train.conversation_pairs import MULTI_TURN_CASES
+from flipguard.train.pairs import chat_token_ids
 
 log = logging.getLogger("flipguard.train")
 
@@ -70,8 +79,6 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
     from transformers import set_seed
     from trl import ModelConfig
 
-    from flipguard.config import PairsArguments, TrackingArguments, parse_recipe, trainer_entry
-    from flipguard.eval.threads import configure_threads
 
     entry = trainer_entry(name, prog)
     parsed, recipe_path, recipe = parse_recipe(
@@ -143,7 +150,6 @@ def resolve_model_path(name: str | None) -> str:
     """`flipguard:tiny` -> the locally built tiny model; anything else unchanged."""
     if not name:
         raise TrainError("the recipe sets no model_name_or_path")
-    from flipguard.eval.tiny_model import resolve_model
 
     return resolve_model(name)
 
@@ -234,7 +240,6 @@ def ensure_pairs(pairs_args, recipe_path: str | None, model: str | None = None) 
     main process; the others wait for it."""
     from accelerate import PartialState
 
-    from flipguard.train import pairs as pair_builder
 
     state = PartialState()
     if state.is_main_process and not Path(pairs_args.pairs_dir).is_dir():
@@ -272,7 +277,6 @@ def load_pair_dataset(pairs_dir: str, kind: str):
     missing = [c for c in REQUIRED_COLUMNS[kind] if c not in dataset.column_names]
     if missing:
         raise TrainError(f"{path}: missing column(s) {missing}; expected TRL {kind} format {REQUIRED_COLUMNS[kind]}")
-    from flipguard.train.conversation_pairs import MULTI_TURN_CASES
 
     completion_cols = reply_columns(kind)
     meta_cols = [c for c in ("item_id", "case") if c in dataset.column_names]
@@ -308,7 +312,6 @@ def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) ->
     """
     if max_length is None:
         return {}
-    from flipguard.train.pairs import chat_token_ids
 
     completion_cols = reply_columns(kind)
     too_long: list[str] = []
@@ -360,8 +363,6 @@ def resume_checkpoint(training_args) -> str | bool | None:
 
 
 def run_config(recipe_path, recipe, parsed, dataset, extra: dict | None = None) -> dict[str, Any]:
-    from flipguard.config import resolved_recipe
-
     return {
         "recipe_path": recipe_path,
         "recipe": recipe,
@@ -419,9 +420,6 @@ def finish_tracking(run) -> None:
         run.finish()
 
 
-from flipguard.eval.backends.adapters import PROVENANCE_FILE  # noqa: E402  (one name for the file)
-
-
 def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pairs_dir: str | None, run) -> None:
     """Adapter, tokenizer, model card, then the provenance (flipguard_training.json) last;
     then close the tracking run. An older provenance in output_dir is removed before the
@@ -441,8 +439,6 @@ def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pair
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
     """A README model card, then flipguard_training.json (atomically, last: it vouches
     for the adapter files already there)."""
-    from flipguard.files import atomic_write_json, atomic_write_text
-
     counts = read_pair_counts(pairs_dir)
     atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts))
     atomic_write_json(Path(output_dir) / PROVENANCE_FILE, {**config, "pair_counts": counts})
@@ -479,8 +475,6 @@ def model_card(config: dict[str, Any], counts: dict[str, Any] | None, metrics: d
     if metrics:
         lines += ["## Before / after", "", "```json", json.dumps(metrics, indent=2, default=str), "```", ""]
     if config.get("recipe"):
-        import yaml
-
         lines += ["## Recipe", "", "```yaml", yaml.safe_dump(config["recipe"], sort_keys=False).rstrip(), "```", ""]
     return "\n".join(lines)
 

@@ -22,25 +22,41 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import yaml
+
+from flipguard.config import parse_dataclasses
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
+from flipguard.data.registry import load_mc
 from flipguard.errors import FlipguardError, UserError
+from flipguard.eval.afr import maxflip as MF
 from flipguard.eval.afr import prompts as P
+from flipguard.eval.afr import scripted as S
+from flipguard.eval.afr.maxflip import MAXFLIP_FILE, export_maxflip, load_maxflip
+from flipguard.eval.afr.metrics import records_frame
+from flipguard.eval.afr.report import afr_summary, write_report
 from flipguard.eval.backends.base import (
-    Backend, BackendError, GenerationConfig, ModelRef, backend_names, parse_backend_args, parse_model_ref,
+    Backend,
+    BackendError,
+    GenerationConfig,
+    ModelRef,
+    backend_names,
+    model_kwargs,
+    parse_backend_args,
+    parse_model_ref,
 )
+from flipguard.eval.estimate import Estimate
+from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
 from flipguard.eval.runner import is_writer
-from flipguard.files import atomic_write_text
-from flipguard.eval.task import (SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, register_task,
-                                 run_task)
-from flipguard.eval.threads import THREADS_HELP
+from flipguard.eval.task import SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, register_task, run_task
+from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.files import atomic_write_text, beside, load_yaml
 from flipguard.redact import redact_obj
 
 SAMPLE_FILE = "sample.jsonl"
 DEFAULT_K = (1, 3, 5, 10)
 
 
-AFRConfigError = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 @dataclasses.dataclass
@@ -95,7 +111,7 @@ class AFRSettings:
         for m in self.models:
             if m.name == name:
                 return m
-        raise AFRConfigError(f"unknown model {name!r}; the config's models are {[m.name for m in self.models]}")
+        raise UserError(f"unknown model {name!r}; the config's models are {[m.name for m in self.models]}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -112,24 +128,22 @@ ADDED_SETTINGS = {"dataset": "mmlu", "scripted_arguments": None, "scripted_as": 
 def parse_model_entry(entry: Any, where: str) -> ModelSpec:
     """A dict {name, backend, model, kwargs, mitigation} or a string in the one model-spec
     syntax "[name=][backend:]model[|adapter]" (backends.base.parse_model_ref)."""
-    from flipguard.eval.mitigations import MITIGATIONS
-
     if isinstance(entry, str):
         try:
             ref = parse_model_ref(entry, "hf", f"{where}: model entry")
         except BackendError as exc:
-            raise AFRConfigError(str(exc)) from None
+            raise UserError(str(exc)) from None
         entry = {"name": ref.label, "backend": ref.backend, "model": ref.model,
                  **({"kwargs": {"adapter": ref.adapter}} if ref.adapter else {})}
     if not isinstance(entry, dict):
-        raise AFRConfigError(f"{where}: model entry must be a mapping, got {entry!r}")
+        raise UserError(f"{where}: model entry must be a mapping, got {entry!r}")
     unknown = set(entry) - {"name", "backend", "model", "kwargs", "mitigation"}
     if unknown:
-        raise AFRConfigError(f"{where}: model entry {entry.get('name', entry)!r} has unknown key(s) {sorted(unknown)}")
+        raise UserError(f"{where}: model entry {entry.get('name', entry)!r} has unknown key(s) {sorted(unknown)}")
     if not entry.get("model"):
-        raise AFRConfigError(f"{where}: model entry {entry!r} has no 'model'")
+        raise UserError(f"{where}: model entry {entry!r} has no 'model'")
     if not isinstance(entry.get("kwargs") or {}, dict):
-        raise AFRConfigError(f"{where}: model {entry.get('name', entry['model'])!r}: kwargs must be a mapping")
+        raise UserError(f"{where}: model {entry.get('name', entry['model'])!r}: kwargs must be a mapping")
     spec = ModelSpec(
         name=str(entry.get("name") or entry["model"]),
         backend=str(entry.get("backend", "hf")),
@@ -138,30 +152,30 @@ def parse_model_entry(entry: Any, where: str) -> ModelSpec:
         mitigation=str(entry.get("mitigation", "none")),
     )
     if spec.backend not in backend_names():
-        raise AFRConfigError(f"{where}: model {spec.name!r} names unknown backend {spec.backend!r}; expected one of {backend_names()}")
+        raise UserError(f"{where}: model {spec.name!r} names unknown backend {spec.backend!r}; expected one of {backend_names()}")
     if spec.mitigation not in MITIGATIONS:
-        raise AFRConfigError(f"{where}: model {spec.name!r} names unknown mitigation {spec.mitigation!r}; expected one of {sorted(MITIGATIONS)}")
+        raise UserError(f"{where}: model {spec.name!r} names unknown mitigation {spec.mitigation!r}; expected one of {sorted(MITIGATIONS)}")
     return spec
 
 
 def build_settings(models: Iterable[Any], targets=None, sources=None, where: str = "config", **kw) -> AFRSettings:
     specs = [parse_model_entry(m, where) for m in models]
     if not specs:
-        raise AFRConfigError(f"{where}: no models listed")
+        raise UserError(f"{where}: no models listed")
     names = [s.name for s in specs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise AFRConfigError(f"{where}: duplicate model name(s) {dup}")
+        raise UserError(f"{where}: duplicate model name(s) {dup}")
     targets = list(targets) if targets else names
     sources = list(sources) if sources else names
     for role, lst in (("targets", targets), ("sources", sources)):
         for n in lst:
             if n not in names:
-                raise AFRConfigError(f"{where}: {role} names unknown model {n!r}; the config's models are {names}")
+                raise UserError(f"{where}: {role} names unknown model {n!r}; the config's models are {names}")
     s = AFRSettings(models=specs, targets=targets, sources=sources, **kw)
     s.k_values = sorted({int(k) for k in s.k_values})
     if not s.k_values or min(s.k_values) < 1:
-        raise AFRConfigError(f"{where}: k_values must be positive integers, got {s.k_values}")
+        raise UserError(f"{where}: k_values must be positive integers, got {s.k_values}")
     return s
 
 
@@ -169,13 +183,12 @@ def load_dataset(settings: AFRSettings) -> list[MCQItem]:
     """MMLU through its own loader; any other name is a registered multiple-choice dataset."""
     if settings.dataset == "mmlu":
         return load_mmlu(settings.split, settings.data_root, settings.subjects)
-    from flipguard.data.registry import load_mc
 
     items = load_mc(settings.dataset, settings.split)
     if settings.subjects:
         missing = sorted(set(settings.subjects) - {it.subject for it in items})
         if missing:
-            raise AFRConfigError(f"{settings.dataset}: no subject(s) {missing} in its {settings.split} split")
+            raise UserError(f"{settings.dataset}: no subject(s) {missing} in its {settings.split} split")
         items = [it for it in items if it.subject in settings.subjects]
     return items
 
@@ -214,8 +227,6 @@ def coercion_records(item: MCQItem, spec: ModelSpec, ks: Iterable[int], gen: Gen
 
 
 def baseline_record(item: MCQItem, spec: ModelSpec, gen: GenerationConfig, mode: str = "generate") -> Record:
-    from flipguard.eval.mitigations import MITIGATIONS
-
     return _record(item, spec, "baseline", P.baseline_messages(item, MITIGATIONS[spec.mitigation].system), gen, mode)
 
 
@@ -249,7 +260,6 @@ def load_sample(out_dir: str | Path) -> dict[str, MCQItem]:
 def _load_maxflip_file(settings: AFRSettings, items: list[MCQItem]) -> list[dict[str, Any]]:
     if not settings.maxflip_file:
         return []
-    from flipguard.eval.afr.maxflip import load_maxflip
 
     return load_maxflip(settings.maxflip_file, {it.id: it for it in items})
 
@@ -346,7 +356,7 @@ _NOT_SETTINGS = ("models", "targets", "sources", "out", "report_only", "progress
 
 def settings_from_args(args: AFRArgs, where: str = "config") -> AFRSettings:
     if not args.models:
-        raise AFRConfigError(f"{where}: no models listed (`models:` in the config or --models [name=][backend:]model[|adapter])")
+        raise UserError(f"{where}: no models listed (`models:` in the config or --models [name=][backend:]model[|adapter])")
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in _NOT_SETTINGS}
     return build_settings(args.models, args.targets, args.sources, where=where, **kw)
 
@@ -378,9 +388,6 @@ class AFRTask(Task):
 
     @classmethod
     def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
-        from flipguard.eval.afr.report import afr_summary
-        from flipguard.eval.estimate import Estimate
-
         meta = load_run_meta(run_dir)
         settings = meta.get("settings") or {}
         ks = {int(k) for k in (meta.get("k_values") or settings.get("k_values") or [10])}
@@ -395,12 +402,6 @@ class AFRTask(Task):
         """One AFR run with every condition as a target (and source: the cross matrix), settings from
         the run config (default recipes/afr_tiny.yaml); on the train split the base model alone
         (afr-train: the conversations multi-turn pairs are built from)."""
-        import yaml
-
-        from flipguard.config import parse_dataclasses
-        from flipguard.eval.backends.base import model_kwargs
-        from flipguard.files import beside, load_yaml
-
         source = ctx.config or str(SHIPPED_RECIPES / "afr_tiny.yaml")
         config, _ = load_yaml(source, UserError, "afr run config")
         if config.get("scripted_arguments"):  # a relative file is read beside the config that names it
@@ -435,18 +436,17 @@ class AFRTask(Task):
 
     def __init__(self, settings: AFRSettings):
         if settings.answer_mode not in ("generate", "logprob"):
-            raise AFRConfigError(f"answer_mode must be 'generate' or 'logprob', got {settings.answer_mode!r}")
-        from flipguard.eval.afr import scripted as S
+            raise UserError(f"answer_mode must be 'generate' or 'logprob', got {settings.answer_mode!r}")
 
         if settings.scripted_as not in S.SCRIPTED_AS:
-            raise AFRConfigError(f"scripted_as must be one of {S.SCRIPTED_AS}, got {settings.scripted_as!r}")
+            raise UserError(f"scripted_as must be one of {S.SCRIPTED_AS}, got {settings.scripted_as!r}")
         if S.SOURCE in [m.name for m in settings.models]:
-            raise AFRConfigError(f"model name {S.SOURCE!r} is reserved for the scripted argument source")
+            raise UserError(f"model name {S.SOURCE!r} is reserved for the scripted argument source")
         items = select_items(settings)
         if not items:
-            raise AFRConfigError(f"the {settings.dataset} sample is empty (check subjects / per_subject / limit)")
+            raise UserError(f"the {settings.dataset} sample is empty (check subjects / per_subject / limit)")
         if settings.answer_mode == "logprob" and len({len(it.options) for it in items}) != 1:
-            raise AFRConfigError("answer_mode 'logprob' needs the same number of options for every question")
+            raise UserError("answer_mode 'logprob' needs the same number of options for every question")
         self.settings, self.items = settings, items
         self.by_id = {it.id: it for it in items}
         self.models = [m.model_ref() for m in settings.models]
@@ -466,7 +466,6 @@ class AFRTask(Task):
     @classmethod
     def from_args(cls, args: AFRArgs, where: str = "config") -> "AFRTask":
         if args.scripted_arguments and Path(where).is_file():  # a relative file is read beside the config
-            from flipguard.files import beside
 
             args = dataclasses.replace(args, scripted_arguments=str(beside(args.scripted_arguments, where)))
         return cls(settings_from_args(args, where))
@@ -486,8 +485,6 @@ class AFRTask(Task):
         }
 
     def _scripted_meta(self) -> dict[str, Any]:
-        from flipguard.eval.afr import scripted as S
-
         s = self.settings
         ks = s.k_values if s.scripted_as == "blind" else [s.cross_k]
         return {"source": S.SOURCE, "used_as": s.scripted_as,
@@ -551,7 +548,6 @@ class AFRTask(Task):
             return challenge_record(item, s.spec(name), baselines[(name, item.id)], x, k, argument, condition, source,
                                     self.gen_ans, mode)
 
-        from flipguard.eval.afr import scripted as S
 
         if self.scripted is not None:  # the file's arguments, as if its source had written them
             for it in self.items:
@@ -590,9 +586,6 @@ class AFRTask(Task):
 
         # MaxFlip from this run's pool: curated arguments that a target has not yet seen.
         if s.maxflip and len(set(self.cross_sources)) >= 2 and not self.maxflip_entries:
-            from flipguard.eval.afr import maxflip as MF
-            from flipguard.eval.afr.metrics import records_frame
-
             entries = MF.build_maxflip(records_frame(answered), arguments, self.by_id, k=s.cross_k, seed=s.seed)
             self.built_maxflip = entries
             seen = {(r.model, r.item_id, r.extra.get("target_option"), r.extra.get("source_model"), r.extra.get("k"))
@@ -606,14 +599,10 @@ class AFRTask(Task):
 
     def finish(self, run: RunDir, records: list[Record]) -> dict[str, Any]:
         if self.built_maxflip:
-            from flipguard.eval.afr.maxflip import MAXFLIP_FILE, export_maxflip
-
             export_maxflip(self.built_maxflip, run.path / MAXFLIP_FILE)
         return {"calls": call_accounting(self.settings, self.items, records)}
 
     def write_report(self, run_dir: Path) -> Path:
-        from flipguard.eval.afr.report import write_report
-
         path = write_report(run_dir, n_boot=self.settings.n_boot, seed=self.settings.seed)
         print(f"report: {path}")
         return path
@@ -621,9 +610,6 @@ class AFRTask(Task):
     @classmethod
     def main(cls, argv: list[str], prog: str | None = None) -> int:
         """`flipguard afr CONFIG.yaml [--out DIR] [--limit N]` (= `flipguard run afr ...`)."""
-        from flipguard.config import parse_dataclasses
-        from flipguard.eval.threads import configure_threads
-
         is_config = bool(argv) and argv[0].endswith((".yaml", ".yml", ".json"))
         if is_config and not Path(argv[0]).is_file():
             raise UserError(f"{argv[0]}: run config not found")
@@ -633,8 +619,6 @@ class AFRTask(Task):
         if not args.out:
             raise UserError(f"{where}: no output directory (give --out DIR or `out:` in the config)")
         if args.report_only:
-            from flipguard.eval.afr.report import write_report
-
             print(f"report: {write_report(args.out, n_boot=args.n_boot, seed=args.seed)}")
             return 0
         task = cls.from_args(args, where)

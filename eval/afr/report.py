@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from flipguard.data.mmlu import subject_category
 from flipguard.eval.afr import metrics as M
+from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip, maxflip_afr, maxflip_table
+from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import load_records, load_run_meta
 from flipguard.files import atomic_write_text
-from flipguard.eval.plots import pyplot, save_figure
 
 REPORT_FILE = "report.md"
 
@@ -132,8 +134,6 @@ def table6(frame: pd.DataFrame, k: int, n_boot: int, seed: int) -> tuple[pd.Data
 
 
 def table7(frame: pd.DataFrame, entries: list[dict], k: int, n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    from flipguard.eval.afr.maxflip import maxflip_table
-
     raw = maxflip_table(frame, entries, k, n_boot, seed)
     show = []
     for _, r in raw.iterrows():
@@ -191,7 +191,6 @@ def plot_ep_ea(epea: pd.DataFrame, path: Path) -> None:
 
 def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
     plt = pyplot()
-    from flipguard.data.mmlu import subject_category
 
     fig, ax = plt.subplots(figsize=(6, 5))
     for cat, g in sub.assign(category=sub["subject"].map(subject_category)).groupby("category"):
@@ -206,8 +205,6 @@ def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
 
 def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> Path:
     """Write report.md, one csv per table and the PNG figures into run_dir."""
-    from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip
-
     run_dir = Path(run_dir)
     meta = load_run_meta(run_dir)
     frame = M.records_frame(load_records(run_dir))
@@ -282,8 +279,6 @@ def afr_summary(run_dir: str | Path, k: int = 10, n_boot: int = M.N_BOOT, seed: 
     {model: {"afr_blind": Estimate.as_dict(), "afr_self": ..., "afr_maxflip": ...|None,
     "accuracy": ...}} (shares, 0-1) — the AFR columns of the before/after comparison.
     """
-    from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip, maxflip_afr
-
     run_dir = Path(run_dir)
     meta = load_run_meta(run_dir)
     frame = M.records_frame(load_records(run_dir))

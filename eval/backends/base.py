@@ -23,8 +23,10 @@ Subclass `Backend` and register the class under a name::
 
 The constructor is called as `cls(model, **kwargs)` by `get_backend` (`--model echo:some-model`
 or `--backend echo` once the class is registered: `flipguard run --include my_backend.py dds
---model echo:some-model` imports the file first); a run can also take an instance directly
-(`run_task(..., backends={label: instance})`). Required:
+--model echo:some-model` imports the file first; an installed package declares it as a
+`flipguard.backends` entry point, `echo = "my_package.echo_backend"`, as flipguard's own hf, vllm
+and openai are); a run can also take an instance directly (`run_task(..., backends={label:
+instance})`). Required:
 
 - `name` (class attribute): the registered name.
 - `model_id` (set in `__init__`): the model as records and messages name it.
@@ -47,9 +49,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import inspect
+import json
 from typing import Any, Callable, ClassVar, Sequence
 
+from flipguard import plugins
 from flipguard.errors import FlipguardError
+from flipguard.eval.convert import cached_checkpoint, gguf_file
 
 Conversation = list[dict[str, str]]
 
@@ -87,8 +92,6 @@ SECRET_BACKEND_ARGS = ("api_key", "apikey", "key", "token", "access_token", "pas
 def parse_backend_args(text: str | dict | None, where: str = "--backend_args") -> dict:
     """--backend_args JSON -> kwargs; refuses a credential with a message that names
     the option, never the value (a FlipguardError, so no traceback)."""
-    import json
-
     if isinstance(text, dict):
         kwargs = dict(text)
     else:
@@ -341,16 +344,14 @@ def register_backend(name: str):
 
 
 def backend_names() -> list[str]:
-    _load_builtin()
+    plugins.load_plugins(plugins.BACKENDS)
     return sorted(_REGISTRY)
 
 
 def get_backend(name: str, model: str, **kwargs) -> Backend:
     """Build a backend by name ("hf", "vllm", "openai"); "flipguard:tiny" names the
     local test model."""
-    from flipguard.eval.tiny_model import resolve_model
-
-    _load_builtin()
+    plugins.load_plugins(plugins.BACKENDS)
     if name not in _REGISTRY:
         raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}")
     resolved = resolve_model(model)
@@ -359,6 +360,17 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     backend.model_id = backend.model_id.replace(resolved, model)
     return backend
 
+
+
+def resolve_model(name: str) -> str:
+    """The local weights a model name means: an embedded model's alias ("flipguard:tiny",
+    "flipguard:organism": a 'flipguard.models' entry point, built once and cached) its path; a
+    GGUF file (or a folder holding one) its plain checkpoint (eval/convert.py, converted once);
+    anything else (a hub id, a folder) itself."""
+    embedded = plugins.plugins(plugins.MODELS).get(name)
+    if embedded is not None:
+        return plugins.load(embedded)()
+    return cached_checkpoint(name) if gguf_file(name) is not None else name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,8 +414,3 @@ def model_kwargs(backend: str, backend_args: str | dict | None, *, batch_size: i
     flags that only the hf backend takes (--batch_size, --device)."""
     kwargs = parse_backend_args(backend_args, where)
     return {"batch_size": batch_size, "device": device, **kwargs} if backend == "hf" else kwargs
-
-
-def _load_builtin() -> None:
-    # Importing registers; heavy engines (vllm, openai) are imported inside their classes.
-    from flipguard.eval.backends import hf, openai_api, vllm_engine  # noqa: F401

@@ -10,15 +10,24 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from tqdm.auto import tqdm
+
+from flipguard.eval.backends.adapters import FOREIGN_ADAPTER_ARGS, load_peft_adapter
 from flipguard.eval.backends.base import (
-    Backend, BackendError, raw_prompt, Conversation, GenerationConfig, backend_label_ids, check_chat_template, context_limit,
+    Backend,
+    BackendError,
+    Conversation,
+    GenerationConfig,
+    backend_label_ids,
+    check_chat_template,
+    context_limit,
+    raw_prompt,
     register_backend,
 )
+from flipguard.eval.runner import data_parallel
 
 
 def _progress(total: int, desc: str):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, unit="req", leave=False, disable=total < 2)
 
 
@@ -28,7 +37,6 @@ def default_device() -> str:
 
     if not torch.cuda.is_available():
         return "cpu"
-    from flipguard.eval.runner import data_parallel
 
     dp = data_parallel()
     return "cuda" if dp is None else f"cuda:{dp.local_process_index}"
@@ -70,8 +78,6 @@ class HFBackend(Backend):
                 "(`flipguard tiny-model` builds an offline test model)."
             ) from None
         if adapter:
-            from flipguard.eval.backends.adapters import FOREIGN_ADAPTER_ARGS, load_peft_adapter
-
             self.model = load_peft_adapter(self.model, adapter, foreign_ok=foreign_adapter,
                                            foreign_flag=FOREIGN_ADAPTER_ARGS)
         self.tokenizer.padding_side = "left"

@@ -46,8 +46,16 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
+from tqdm.auto import tqdm
+
 from flipguard.eval.backends.base import (
-    Backend, BackendError, Conversation, GenerationConfig, raw_prompt, register_backend, token_label,
+    Backend,
+    BackendError,
+    Conversation,
+    GenerationConfig,
+    raw_prompt,
+    register_backend,
+    token_label,
 )
 from flipguard.redact import redact
 
@@ -149,8 +157,6 @@ def choice_probs_from_top_logprobs(top_logprobs: Sequence[Any], choices: Sequenc
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, unit="req", leave=False, disable=not enabled or total < 2)
 
 

@@ -19,12 +19,19 @@ vLLM would not apply faithfully is refused before the engine loads (`lora_refusa
 from __future__ import annotations
 
 import math
+import typing
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.backends.base import (
-    Backend, BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, raw_prompt,
+    Backend,
+    BackendError,
+    Conversation,
+    GenerationConfig,
+    backend_label_ids,
+    check_chat_template,
+    raw_prompt,
     register_backend,
 )
 
@@ -45,8 +52,6 @@ CLASSIFIER_MODULES = frozenset({"classifier", "score"})
 def vllm_lora_ranks() -> tuple[int, ...]:
     """The max_lora_rank values the installed vLLM accepts (VLLM_LORA_RANKS without vLLM)."""
     try:
-        import typing
-
         from vllm.config.lora import MaxLoRARanks
 
         ranks = tuple(sorted(int(r) for r in typing.get_args(MaxLoRARanks)))

@@ -14,7 +14,15 @@ re-exported here.
 """
 
 from flipguard.eval.dds.protocol import (
-    CONDITION_KEYS, DDSTask, EvalArgs, build_records, default_run_dir, evaluate, limit_per_dataset, main, parse_cases,
+    CONDITION_KEYS,
+    DDSTask,
+    EvalArgs,
+    build_records,
+    default_run_dir,
+    evaluate,
+    limit_per_dataset,
+    main,
+    parse_cases,
 )
 
 __all__ = ["CONDITION_KEYS", "DDSTask", "EvalArgs", "build_records", "default_run_dir", "evaluate",

@@ -24,13 +24,25 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from flipguard.config import parse_dataclasses
 from flipguard.data.schema import AIO_DATASET, ALL_DATASETS, DataError, read_jsonl
 from flipguard.errors import UserError
 from flipguard.eval.dds.prompts import RELEASED_TEMPLATE
 from flipguard.eval.records import (
-    CASES, EXPECTED_CHOICE, RECORDS_FILE, RUN_META_FILE, Record, RecordStore, load_run_meta, now_iso,
-    open_run_dir, refuse_other_protocol, request_key,
+    CASES,
+    EXPECTED_CHOICE,
+    RECORDS_FILE,
+    RUN_META_FILE,
+    Record,
+    RecordStore,
+    load_run_meta,
+    now_iso,
+    open_run_dir,
+    read_records,
+    refuse_other_protocol,
+    request_key,
 )
+from flipguard.files import atomic_write_text, dumps_utf8
 
 BACKEND = "dialdefer"
 REDACTED = "[redacted]"
@@ -47,7 +59,6 @@ FIELD_STEMS = {
 }
 
 
-ImportError_ = UserError  # bad input: one class for it in errors.py; the name stays for callers and tests
 
 
 def _dataset_of(path: Path, row: dict[str, Any], where: str) -> str:
@@ -58,7 +69,7 @@ def _dataset_of(path: Path, row: dict[str, Any], where: str) -> str:
         name = max(matches, key=len) if matches else stem
     name = DATASET_ALIASES.get(name, name)
     if name not in ALL_DATASETS:
-        raise ImportError_(f"{where}: unknown dataset {name!r}; expected one of {', '.join(ALL_DATASETS)}")
+        raise UserError(f"{where}: unknown dataset {name!r}; expected one of {', '.join(ALL_DATASETS)}")
     return name
 
 
@@ -115,10 +126,10 @@ def _history(row: dict[str, Any], stem: str, where: str) -> list[dict[str, str]]
         try:
             value = _parse_chat(raw)
         except (ValueError, TypeError) as exc:
-            raise ImportError_(f"{where}: {field} is neither a Python-repr nor a JSON chat "
+            raise UserError(f"{where}: {field} is neither a Python-repr nor a JSON chat "
                                f"({exc.__class__.__name__})") from None
         if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
-            raise ImportError_(f"{where}: {field} is not a list of chat messages")
+            raise UserError(f"{where}: {field} is not a list of chat messages")
         return value
     return None
 
@@ -127,14 +138,14 @@ def records_from_row(row: dict[str, Any], path: Path, lineno: int, model: str) -
     """The records of one input line (one per case whose answer field is present)."""
     where = f"{path}:{lineno}"
     if not isinstance(row, dict):
-        raise ImportError_(f"{where}: expected a JSON object, got {type(row).__name__}")
+        raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if row.get("id") in (None, ""):
-        raise ImportError_(f"{where}: missing field 'id'")
+        raise UserError(f"{where}: missing field 'id'")
     item_id = str(row["id"])
     dataset = _dataset_of(path, row, where)
     present = [c for c in CASES if f"{FIELD_STEMS[c]}_ans_t1" in row]
     if not present:
-        raise ImportError_(
+        raise UserError(
             f"{where}: item {item_id!r} has none of the answer fields "
             + ", ".join(f"{s}_ans_t1" for s in FIELD_STEMS.values())
         )
@@ -142,7 +153,7 @@ def records_from_row(row: dict[str, Any], path: Path, lineno: int, model: str) -
         speakers = [str(row.get("judgee", "Speaker A")), str(row.get("judger", "Speaker B"))]
         stratum = row.get("ground_truth")
         if stratum is None:
-            raise ImportError_(f"{where}: r/AIO item {item_id!r} lacks 'ground_truth' (its OR/NOR stratum)")
+            raise UserError(f"{where}: r/AIO item {item_id!r} lacks 'ground_truth' (its OR/NOR stratum)")
     else:
         speakers = [str(row.get("speaker1", "Speaker 1")), str(row.get("speaker2", "Speaker 2"))]
         stratum = None
@@ -192,7 +203,7 @@ def read_file(path: Path, model: str) -> Iterator[Record]:
     try:
         rows = read_jsonl(path)
     except DataError as exc:
-        raise ImportError_(str(exc)) from None
+        raise UserError(str(exc)) from None
     for lineno, row in rows:
         yield from records_from_row(row, path, lineno, model)
 
@@ -201,10 +212,10 @@ def source_files(src: Path) -> list[Path]:
     if src.is_file():
         return [src]
     if not src.is_dir():
-        raise ImportError_(f"{src}: no such file or directory")
+        raise UserError(f"{src}: no such file or directory")
     files = sorted(p for p in src.glob("*.jsonl") if not p.name.startswith("published_"))
     if not files:
-        raise ImportError_(f"{src}: no DialDefer records (*.jsonl) found")
+        raise UserError(f"{src}: no DialDefer records (*.jsonl) found")
     return files
 
 
@@ -248,7 +259,7 @@ def unique_records(records: list[Record], paths: dict[str, Path] | None = None) 
         if first.key == rec.key and _content(first) == _content(rec):
             continue  # the same line repeated in one file
         what = "conflicting duplicate" if _content(first) != _content(rec) else "duplicate"
-        raise ImportError_(
+        raise UserError(
             f"{_where(rec, paths)}: {what} item {rec.item_id!r} ({rec.dataset}, {rec.case}) first at "
             f"{_where(first, paths)}"
             + (f" (they differ: {_diff(first, rec)})" if what.startswith("conflicting") else " (another file)")
@@ -268,16 +279,13 @@ def _refuse_other_run(out: Path, model: str) -> None:
              if meta.get(k) is not None and meta.get(k) != v}
     if clash:
         detail = ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in clash.items())
-        raise ImportError_(f"{out / RUN_META_FILE}: this run directory holds another run ({detail}); one model "
+        raise UserError(f"{out / RUN_META_FILE}: this run directory holds another run ({detail}); one model "
                            "per run directory: use another --out (or --model to name this one); nothing was imported")
 
 
 def _apply_corrections(store: RecordStore, changed: dict[str, Record]) -> RecordStore:
     """Rewrite the records file with `changed` records in place of the stored ones with
     the same key (atomically, under the run lock); returns the reopened store."""
-    from flipguard.eval.records import read_records
-    from flipguard.files import atomic_write_text, dumps_utf8
-
     lines = []
     for rec in read_records(store.path):
         lines.append(dumps_utf8(changed.get(rec.key, rec).to_dict()) + "\n")
@@ -333,8 +341,6 @@ class ImportArgs:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, ImportArgs, prog="flipguard import-records",
                              description="read DialDefer-format per-item records into a run directory",
                              positional="source")

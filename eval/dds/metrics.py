@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+from statsmodels.stats.contingency_tables import mcnemar
 
 from flipguard.data.schema import AIO_DATASET, ALL_DATASETS
 from flipguard.errors import FlipguardError
@@ -279,8 +280,6 @@ def mcnemar_pair(c1_correct: np.ndarray, c2_correct: np.ndarray) -> dict[str, fl
     Table rows: C1 right/wrong; columns: C2 right/wrong. `cohens_h` is the effect size
     of C2 versus C1 accuracy (positive when C2 is more accurate).
     """
-    from statsmodels.stats.contingency_tables import mcnemar
-
     a = np.asarray(c1_correct).astype(bool)
     b = np.asarray(c2_correct).astype(bool)
     table = np.array([[np.sum(a & b), np.sum(a & ~b)], [np.sum(~a & b), np.sum(~a & ~b)]])

@@ -30,7 +30,10 @@ import re
 from flipguard.data.schema import AIO_DATASET, Item
 from flipguard.eval.backends.base import RAW_ROLE
 from flipguard.eval.mitigations import (  # noqa: F401  (re-exported: the DDS prompts' system turns)
-    BE_HONEST_SYSTEM, DEHUMANIZING_SYSTEM, MITIGATIONS, Mitigation,
+    BE_HONEST_SYSTEM,
+    DEHUMANIZING_SYSTEM,
+    MITIGATIONS,
+    Mitigation,
 )
 from flipguard.eval.records import C1_CASES, CASES
 

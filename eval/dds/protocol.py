@@ -17,17 +17,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from flipguard.data.schema import Item
+from flipguard.data.unified import load_items
+from flipguard.errors import UserError
 from flipguard.eval.backends.base import BackendError, GenerationConfig, model_kwargs, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
+from flipguard.eval.dds import report
 from flipguard.eval.dds.parse import parse_choice
 from flipguard.eval.dds.prompts import (
-    DEFAULT_TEMPLATE, FT_TEMPLATE, MITIGATIONS, SPEAKER_SETS, TEMPLATE_VERSIONS, build_messages, resolve_speakers,
+    DEFAULT_TEMPLATE,
+    FT_TEMPLATE,
+    MITIGATIONS,
+    SPEAKER_SETS,
+    TEMPLATE_VERSIONS,
+    build_messages,
+    resolve_speakers,
     shown_speakers,
 )
+from flipguard.eval.dds.report import cross_mode
+from flipguard.eval.estimate import Estimate
 from flipguard.eval.mitigations import system_label
 from flipguard.eval.records import (
     CASES,
@@ -120,8 +134,6 @@ def parse_cases(spec: str, mitigation: str = "none") -> tuple[str, ...]:
     cases = tuple(c.strip() for c in spec.split(",") if c.strip())
     bad = [c for c in cases if c not in CASES]
     if bad or not cases:
-        from flipguard.errors import UserError
-
         raise UserError(f"--cases: unknown case(s) {bad}; expected a subset of {list(CASES)}")
     return cases
 
@@ -204,14 +216,6 @@ class DDSTask(Task):
     def comparison_rows(cls, run_dir: Path) -> list[dict]:
         """The run's report/summary.csv as written (`flipguard report RUN_DIR` writes it), one row per
         dataset and metric; the system is the model, with its prompting mitigation."""
-        import math
-
-        import pandas as pd
-
-        from flipguard.errors import UserError
-        from flipguard.eval.estimate import Estimate
-        from flipguard.eval.records import load_run_meta
-
         summary_csv = Path(run_dir) / "report" / "summary.csv"
         if not summary_csv.is_file():
             raise UserError(f"{summary_csv}: no DDS report; write it first (flipguard report {run_dir})")
@@ -231,8 +235,6 @@ class DDSTask(Task):
         return default_run_dir(args)
 
     def __init__(self, args: EvalArgs, items: list[Item] | None = None):
-        from flipguard.errors import UserError
-
         if args.mode not in MODES:
             raise UserError(f"--mode must be one of {MODES}, got {args.mode!r}")
         try:
@@ -265,8 +267,6 @@ class DDSTask(Task):
         self.models = [self.model]
         self.args = args
         if items is None:
-            from flipguard.data.unified import load_items
-
             items = load_items(args.datasets, split=args.split, data_root=args.data_root)
         self.items = limit_per_dataset(items, args.limit)
         self.cross_mode_c1, self.c1_differs = self._check_c1_from()
@@ -276,9 +276,6 @@ class DDSTask(Task):
     def _check_c1_from(self) -> tuple[bool, dict]:
         """The --c1_from baseline: a DDS run of the same split and decision mode (or the
         paper's cross-mode protocol, asked for); another model or template is recorded."""
-        from flipguard.errors import UserError
-        from flipguard.eval.dds.report import cross_mode
-
         args = self.args
         if not args.c1_from:
             return False, {}
@@ -371,8 +368,6 @@ class DDSTask(Task):
         yield self._batch
 
     def write_report(self, run_dir: Path) -> Path:
-        from flipguard.eval.dds import report
-
         return report.write_run_report(run_dir, self.args.c1_from, allow_cross_mode_c1=self.args.allow_cross_mode_c1)
 
 

@@ -34,9 +34,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+from rich.console import Console
+from rich.table import Table
 
-from flipguard.data.registry import domain_of
+from flipguard.config import parse_dataclasses
 from flipguard.data.aio import AIO_RERUN_NOTE
+from flipguard.data.registry import domain_of
 from flipguard.data.schema import AIO_DATASET
 from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
@@ -419,9 +422,6 @@ def write_report(report: dict[str, Any], out_dir: str | Path, title: str = "DDS 
 
 
 def print_summary(report: dict[str, Any], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title)
     headers = ("dataset", "n", "C1 true", "C1 false", "C2 corr", "C2 inc", "ΔCorr", "ΔInc", "DDS", "CI low", "CI high")
     for col in headers:
@@ -565,8 +565,6 @@ def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: in
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, ReportArgs, prog="flipguard report",
                              description="DDS summary table (paper Table 20 layout) for a run directory",
                              positional="run_dir")

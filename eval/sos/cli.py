@@ -14,14 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from flipguard.eval.sos.protocol import SosArgs, SosTask
+from flipguard.eval.task import run_task
 
 __all__ = ["SosArgs", "main", "run"]
 
 
 def run(args: SosArgs, progress: bool = True) -> tuple[Path, int]:
     """Run (or resume) the evaluation; returns the run directory and the requests sent."""
-    from flipguard.eval.task import run_task
-
     task = SosTask(args)
     result = run_task(task, Path(args.out) if args.out else SosTask.default_out(args), progress=progress)
     return result.out_dir, result.sent

@@ -30,15 +30,19 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
+from flipguard.config import parse_dataclasses
+from flipguard.data.medmcqa import load_medmcqa
+from flipguard.data.medqa import check_item, load_medqa, option_key
+from flipguard.data.mmlu import load_mmlu
+from flipguard.data.registry import load_mc, mc_entry
 from flipguard.data.schema import DataError
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import GenerationConfig, ModelRef, model_kwargs, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
+from flipguard.eval.estimate import Estimate
+from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.records import Record, pending_record
 from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES, system_label
-from flipguard.eval.task import (SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, command_line,
-                                 register_task, run_task)
-from flipguard.eval.threads import THREADS_HELP
 from flipguard.eval.sos.prompts import (
     LETTERS,
     NONE_OF_THE_ABOVE,
@@ -47,6 +51,10 @@ from flipguard.eval.sos.prompts import (
     question_prompt,
     switch_prompt,
 )
+from flipguard.eval.sos.report import sos_summary, write_report
+from flipguard.eval.task import SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, command_line, register_task, run_task
+from flipguard.eval.threads import THREADS_HELP
+from flipguard.files import load_yaml
 
 PROTOCOL = "sos"
 TEMPLATE = "sos-v1"
@@ -85,8 +93,6 @@ def sos_item(mcq: Any, dataset: str, where: str = "") -> SosItem:
     """From an MCQItem (id, question, options, answer letter); duplicate distractors are
     merged, and an item with no usable key or fewer than two distinct distractors raises
     a DataError naming it."""
-    from flipguard.data.medqa import check_item, option_key
-
     check_item(mcq, where or dataset)
     index = LETTERS.index(mcq.answer)
     seen: set[str] = set()
@@ -151,7 +157,6 @@ def binary_options(target: str, distractor: str, first: bool) -> list[str]:
 def system_messages(settings: SosSettings) -> list[dict[str, str]]:
     if settings.mitigation == "none":
         return []
-    from flipguard.eval.mitigations import MITIGATIONS
 
     if settings.mitigation not in MITIGATIONS:
         raise DataError(f"unknown mitigation {settings.mitigation!r}; expected one of {sorted(MITIGATIONS)}")
@@ -384,19 +389,12 @@ class SosArgs:
 def load_mcq(dataset: str, split: str, data_root: str | None, skip_invalid: bool, subjects: str | None):
     """MCQ items of a dataset split (MMLU through its own loader)."""
     if dataset == "medqa":
-        from flipguard.data.medqa import load_medqa
-
         return load_medqa(split, data_root, skip_invalid=skip_invalid)
     if dataset == "medmcqa":
-        from flipguard.data.medmcqa import load_medmcqa
-
         return load_medmcqa(split, data_root, skip_invalid=skip_invalid)
     if dataset == "mmlu":
-        from flipguard.data.mmlu import load_mmlu
-
         subj = [s.strip() for s in subjects.split(",") if s.strip()] if subjects else None
         return load_mmlu(split=split, data_root=data_root, subjects=subj)
-    from flipguard.data.registry import load_mc
 
     return load_mc(dataset, split)
 
@@ -448,9 +446,6 @@ class SosTask(Task):
 
     @classmethod
     def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
-        from flipguard.eval.estimate import Estimate
-        from flipguard.eval.sos.report import sos_summary
-
         summary = sos_summary(run_dir)
         metrics = ("conversation_tax", "abstention_penalty", "correct_switch", "incorrect_switch", "ss_accuracy",
                    "mt_accuracy")
@@ -463,9 +458,6 @@ class SosTask(Task):
         """One run directory: the base model with every prompting mitigation, then the fine-tuned
         models as they are (settings from the run config, default recipes/sos_tiny.yaml); on the train
         split the base model alone (sos-train: the conversations multi-turn pairs are built from)."""
-        from flipguard.config import parse_dataclasses
-        from flipguard.files import load_yaml
-
         source = ctx.config or str(SHIPPED_RECIPES / "sos_tiny.yaml")
         run_dir = ctx.out
         base = [c for c in ctx.conditions if c.model == ctx.conditions[0].model]  # the base model (+ mitigations)
@@ -504,9 +496,6 @@ class SosTask(Task):
     def main(cls, argv: list[str], prog: str | None = None) -> int:
         """`flipguard sos` / `flipguard run sos`: run, then the report; --report_only only
         rebuilds the report of a run directory (no model)."""
-        from flipguard.config import parse_dataclasses
-        from flipguard.eval.sos.report import write_report
-
         prog = prog or "flipguard run sos"
         args = parse_dataclasses(argv, SosArgs, prog=prog, description=SosArgs.__doc__)
         if args.report_only:
@@ -516,8 +505,6 @@ class SosTask(Task):
 
     def __init__(self, args: SosArgs, items: Sequence[SosItem] | None = None, pool: Sequence[SosItem] | None = None):
         if args.dataset not in DATASETS:
-            from flipguard.data.registry import mc_entry
-
             mc_entry(args.dataset)  # a registered multiple-choice dataset, or one clear error
         bad = [s for s in args.scenarios if s not in SCENARIOS]
         if bad:
@@ -529,7 +516,6 @@ class SosTask(Task):
         if args.abstention_reference not in ABSTENTION_REFERENCES:
             raise UserError(f"--abstention_reference must be one of {ABSTENTION_REFERENCES}, "
                             f"got {args.abstention_reference!r}")
-        from flipguard.eval.mitigations import MITIGATIONS
 
         unknown = [m for m in args.mitigations if m not in MITIGATIONS]
         if unknown:
@@ -647,8 +633,6 @@ class SosTask(Task):
                         turn += 1
 
     def write_report(self, run_dir: Path) -> Path:
-        from flipguard.eval.sos.report import write_report
-
         path = write_report(run_dir, seed=self.args.seed, n_boot=self.args.n_boot)
         print(f"report: {path}")
         return path

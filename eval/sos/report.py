@@ -16,10 +16,10 @@ from typing import Any
 import pandas as pd
 
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.records import load_records, load_run_meta
-from flipguard.files import atomic_write_json, atomic_write_text
-from flipguard.eval.sos.metrics import N_BOOT, PENALTY_KEY, summarise
 from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.records import load_records, load_run_meta
+from flipguard.eval.sos.metrics import N_BOOT, PENALTY_KEY, summarise
+from flipguard.files import atomic_write_json, atomic_write_text
 
 REPORT_MD = "sos_report.md"
 SUMMARY_JSON = "sos_summary.json"

@@ -12,9 +12,11 @@ import pandas as pd
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.dds.metrics import dds_from_accuracies
 from flipguard.eval.dds.prompts import TEMPLATE_VERSIONS
-from flipguard.files import atomic_write_text
+from flipguard.eval.dds.protocol import EvalArgs
+from flipguard.eval.dds.report import _csv, _fmt, report_run
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
 from flipguard.eval.threads import THREADS_HELP
+from flipguard.files import atomic_write_text
 
 ITEM_COLUMNS = ("dataset", "item_id", "c1_true", "c1_false", "c2_correct", "c2_incorrect", "flip", "item_dds")
 
@@ -39,8 +41,6 @@ class JudgedModelArgs:
     def eval_args(self, **fields):
         """`flipguard eval`'s arguments for one run of the judged model (no per-run report:
         the analysis writes its own)."""
-        from flipguard.eval.dds.protocol import EvalArgs
-
         return EvalArgs(backend=self.backend, mode=self.mode, template=self.template,
                         max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                         batch_size=self.batch_size, device=self.device, backend_args=self.backend_args,
@@ -50,8 +50,6 @@ class JudgedModelArgs:
 def run_report(run_dir: str | Path, allow_cross_mode_c1: bool = False) -> dict[str, Any]:
     """The DDS report of a run (its --c1_from baseline as recorded in run.json), without
     the bootstrap: the analyses need its per-item flips, not CIs."""
-    from flipguard.eval.dds.report import report_run
-
     return report_run(run_dir, n_boot=0, allow_cross_mode_c1=allow_cross_mode_c1)
 
 
@@ -78,8 +76,6 @@ def item_table(flips: pd.DataFrame) -> pd.DataFrame:
 
 def fmt(x: Any, nd: int = 1, signed: bool = False) -> str:
     """As the DDS report formats numbers (eval.dds.report), counts with thousands separators."""
-    from flipguard.eval.dds.report import _fmt
-
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return f"{int(x):,}"
     return "–" if x is None or x is pd.NA else _fmt(x, signed, nd)
@@ -106,6 +102,4 @@ def md_table(df: pd.DataFrame, formats: Mapping[str, tuple[int, bool]] | None = 
 
 
 def write_csv(path: Path, df: pd.DataFrame) -> None:
-    from flipguard.eval.dds.report import _csv
-
     atomic_write_text(path, _csv(df))

@@ -21,8 +21,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from flipguard.config import parse_dataclasses
+from flipguard.errors import UserError
 from flipguard.eval.dds.analyses.common import item_table, md_table, run_report, write_csv
 from flipguard.eval.dds.metrics import dataset_order
+from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import load_run_meta
 from flipguard.files import atomic_write_text
 
@@ -82,8 +85,6 @@ def _agree_row(name: str, f: pd.DataFrame) -> dict:
 
 
 def analyse(runs: list[str], names: list[str] | None = None, allow_cross_mode_c1: bool = False) -> dict:
-    from flipguard.errors import UserError
-
     if len(runs) < 2:
         raise UserError("cross-model needs at least two run directories")
     if names and len(names) != len(runs):
@@ -132,8 +133,6 @@ def render(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    from flipguard.eval.plots import pyplot, save_figure
-
     plt = pyplot()
     a = res["agreement"][res["agreement"]["dataset"] != TOTAL]
     fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(a) + 2), 3.5))
@@ -164,8 +163,6 @@ def write(res: dict, out: str | Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, CrossModelArgs, prog="flipguard cross-model", description=CrossModelArgs.__doc__,
                              positional="runs")
     names = [n.strip() for n in args.names.split(",")] if args.names else None

@@ -25,12 +25,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flipguard.eval.dds.analyses.common import JudgedModelArgs, md_table, write_csv
+from flipguard.config import parse_dataclasses
+from flipguard.errors import UserError
 from flipguard.eval.bootstrap import rng_for
+from flipguard.eval.dds.analyses.common import JudgedModelArgs, md_table, write_csv
 from flipguard.eval.dds.metrics import AVG_ROWS, TOTAL_AVG, bootstrap_ci
 from flipguard.eval.dds.prompts import SPEAKER_SETS
-from flipguard.files import atomic_write_text
+from flipguard.eval.dds.protocol import evaluate
+from flipguard.eval.dds.report import report_run
+from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.threads import configure_threads
+from flipguard.files import atomic_write_text
 
 BASELINE = "speaker"
 # Fig. 7's sets (abstract, gendered, ethnicity-coded, human-vs-LLM, LLM-vs-LLM), LLM names
@@ -63,8 +68,6 @@ def _eval_args(args: LabelAblationArgs, label_set: str, run_dir: Path, baseline:
 
 
 def parse_sets(spec: str) -> list[str]:
-    from flipguard.errors import UserError
-
     sets = [s.strip() for s in spec.split(",") if s.strip()]
     bad = [s for s in sets if s not in SPEAKER_SETS]
     if bad:
@@ -74,8 +77,6 @@ def parse_sets(spec: str) -> list[str]:
 
 def run_sets(args: LabelAblationArgs, items=None) -> dict[str, Path]:
     """Evaluate (or resume) every label set; returns set -> run directory."""
-    from flipguard.eval.dds.protocol import evaluate
-
     out = Path(args.out)
     dirs: dict[str, Path] = {}
     for i, name in enumerate(parse_sets(args.sets)):
@@ -88,8 +89,6 @@ def run_sets(args: LabelAblationArgs, items=None) -> dict[str, Path]:
 def ablation_table(dirs: dict[str, Path], n_boot: int = 2000, seed: int = 0) -> dict:
     """Per set and dataset: DDS (paper protocol: C2 of the set vs the baseline's C1), ΔDDS,
     invalid C2 judgments; and the swing per dataset with a paired bootstrap CI."""
-    from flipguard.eval.dds.report import report_run
-
     rows, item_c2 = [], {}
     for name, run in dirs.items():
         rep = report_run(run, n_boot=n_boot, seed=seed)
@@ -148,8 +147,6 @@ def render(res: dict, args: LabelAblationArgs) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    from flipguard.eval.plots import pyplot, save_figure
-
     plt = pyplot()
     t = res["table"]
     t = t[(t["label_set"] != BASELINE) & (~t["dataset"].isin(AVG_ROWS))]
@@ -166,8 +163,6 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, LabelAblationArgs, prog="flipguard label-ablation", description=LabelAblationArgs.__doc__)
     configure_threads(args.threads)
     parse_sets(args.sets)  # a bad set name: refused before any model loads

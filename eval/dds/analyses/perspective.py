@@ -29,12 +29,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from flipguard.config import parse_dataclasses
 from flipguard.data.aio import VERDICT_TEXT
 from flipguard.data.schema import AIO_DATASET, Item
+from flipguard.data.unified import load_items
+from flipguard.errors import UserError
 from flipguard.eval.dds.analyses.common import JudgedModelArgs, md_table, write_csv
 from flipguard.eval.dds.prompts import AIO_LABELS, relabel
-from flipguard.files import atomic_write_text
+from flipguard.eval.dds.protocol import evaluate, limit_per_dataset
+from flipguard.eval.dds.report import report_run
 from flipguard.eval.threads import configure_threads
+from flipguard.files import atomic_write_text
 
 DIRECTIONS = {"2to1": "Speaker B judges Speaker A (paper's main setup)", "1to2": "Speaker A judges Speaker B"}
 REVERSED_LABELS = "Speaker B,Speaker A"
@@ -67,8 +72,6 @@ class PerspectiveArgs(JudgedModelArgs):
 
 
 def parse_directions(spec: str) -> list[str]:
-    from flipguard.errors import UserError
-
     dirs = [d.strip() for d in spec.split(",") if d.strip()]
     bad = [d for d in dirs if d not in DIRECTIONS]
     if bad or not dirs:
@@ -77,16 +80,11 @@ def parse_directions(spec: str) -> list[str]:
 
 
 def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> dict[str, Path]:
-    from flipguard.errors import UserError
-    from flipguard.eval.dds.protocol import evaluate, limit_per_dataset
-
     if args.mitigation not in ("none", "be_honest"):
         raise UserError(f"--mitigation {args.mitigation!r}: perspective reversal supports none and be_honest "
                         "(dehumanizing replaces the speaker labels the reversal is defined by)")
     directions = parse_directions(args.directions)
     if items is None:
-        from flipguard.data.unified import load_items
-
         items = load_items(AIO_DATASET, data_root=args.data_root)
     items = limit_per_dataset([it for it in items if it.dataset == AIO_DATASET], args.limit)
     if not items:
@@ -102,8 +100,6 @@ def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> di
 
 
 def reversal_table(dirs: dict[str, Path], n_boot: int = 2000) -> pd.DataFrame:
-    from flipguard.eval.dds.report import report_run
-
     rows = []
     for d, run in dirs.items():
         st = report_run(run, n_boot=n_boot)["stats"]
@@ -133,8 +129,6 @@ def render(t: pd.DataFrame, args: PerspectiveArgs) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, PerspectiveArgs, prog="flipguard perspective-reversal", description=PerspectiveArgs.__doc__)
     configure_threads(args.threads)
     parse_directions(args.directions)

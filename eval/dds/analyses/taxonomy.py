@@ -29,17 +29,28 @@ from typing import Any
 
 import pandas as pd
 
-from flipguard.eval.dds.analyses.common import md_table, run_report, write_csv
+from flipguard.config import parse_dataclasses
+from flipguard.data.unified import load_items
+from flipguard.errors import UserError
 from flipguard.eval.backends.base import GenerationConfig, get_backend, model_kwargs
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
+from flipguard.eval.dds.analyses.common import md_table, run_report, write_csv
 from flipguard.eval.dds.metrics import dataset_order
 from flipguard.eval.dds.parse import reply_json_objects
+from flipguard.eval.dds.report import _resolve
+from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import (
-    RECORDS_FILE, Record, RecordStore, load_records, load_run_meta, now_iso, run_lock,
+    RECORDS_FILE,
+    Record,
+    RecordStore,
+    keyed,
+    load_records,
+    load_run_meta,
+    now_iso,
+    run_lock,
 )
-from flipguard.files import atomic_write_json, atomic_write_text
-from flipguard.eval.records import keyed
 from flipguard.eval.runner import run_records
+from flipguard.files import atomic_write_json, atomic_write_text
 
 PROTOCOL = "taxonomy"
 
@@ -190,8 +201,6 @@ def _claim_lookup(run_dir: Path, data_root: str | None) -> dict[tuple[str, str],
     if not datasets:
         return {}
     try:
-        from flipguard.data.unified import load_items
-
         items = load_items(",".join(datasets), split=load_run_meta(run_dir).get("split") or "test", data_root=root)
     except Exception as exc:  # noqa: BLE001 - the prompt text is the documented fallback
         print(f"note: items not readable ({exc}); the C1 prompt stands in for question and claim", file=sys.stderr)
@@ -210,14 +219,10 @@ def flip_inputs(run_dir: str | Path, data_root: str | None = None, limit: int | 
     rep = run_report(run_dir, allow_cross_mode_c1)
     meta = load_run_meta(run_dir)
     if meta.get("mode") == "logprob":
-        from flipguard.errors import UserError
-
         raise UserError(f"{run_dir}: a logprob-mode run has no reasoning text to code; run `flipguard eval "
                         "--mode generate` (the paper's JSON protocol) or import the authors' records")
     by_key = {r.key: r for r in load_records(run_dir)}
     if rep["meta"].get("c1_from"):
-        from flipguard.eval.dds.report import _resolve
-
         by_key.update({r.key: r for r in load_records(_resolve(rep["meta"]["c1_from"], run_dir))})
     items = _claim_lookup(run_dir, data_root)
     flips = rep["flips"][rep["flips"]["flip"].notna()]
@@ -331,8 +336,6 @@ def render(s: dict, meta: dict) -> str:
 
 
 def plot(s: dict, path: Path) -> None:
-    from flipguard.eval.plots import pyplot, save_figure
-
     plt = pyplot()
     t = s["category"][s["category"]["category"] != "total"]
     cols = [c for c in t.columns if c.startswith("pct_") and c != "pct_overall"]
@@ -351,9 +354,6 @@ def plot(s: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.errors import UserError
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, TaxonomyArgs, prog="flipguard taxonomy", description=TaxonomyArgs.__doc__,
                              positional="run_dir")
     if not args.run_dir or not (Path(args.run_dir) / RECORDS_FILE).is_file():

@@ -30,9 +30,11 @@ the trainers and the merge read.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -42,16 +44,46 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+import pandas as pd
 import yaml
 
-from flipguard.config import TRAINERS, is_section, trainer_entry
+from flipguard import __version__
+from flipguard.config import (
+    ARG_SECTIONS,
+    TRAINERS,
+    PairsArguments,
+    TrackingArguments,
+    eval_plan_arguments,
+    is_section,
+    is_task_config_key,
+    parse_recipe,
+    public_recipe,
+    read_recipe,
+    split_recipe_argv,
+    task_config_key,
+    trainer_entry,
+    validate_recipe,
+)
 from flipguard.errors import FlipguardError, UserError
-from flipguard.eval.records import now_iso
-from flipguard.eval.task import StudyCondition, StudyContext, get_task, include_tasks, split_includes
-from flipguard.files import atomic_write_json, atomic_write_text
+from flipguard.eval.backends.base import resolve_model
+from flipguard.eval.dds.metrics import TOTAL_AVG
+from flipguard.eval.dds.protocol import EvalArgs, evaluate
+from flipguard.eval.dds.report import REPORT_DIR, print_summary, report_run, write_report
+from flipguard.eval.embedded.tiny_model import TINY_MODEL_ALIASES
+from flipguard.eval.mitigations import MITIGATIONS
+from flipguard.eval.pipeline.compare import build_comparison, protocol_flags, protocol_rows, write_comparison
+from flipguard.eval.pipeline.view import write_view
+from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
+from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MODES
+from flipguard.eval.task import StudyCondition, StudyContext, get_task, include_tasks, split_includes, task_names
 from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.files import PACKAGE_ROOT, atomic_write_json, atomic_write_text, beside, git_commit
+from flipguard.train.merge import MERGE_INFO_FILE
+from flipguard.train.merge import main as merge_main
+from flipguard.train.pairs import print_counts
+from flipguard.train.pairs import run as build
+from flipguard.train.utils import PROVENANCE_FILE, start_wandb, wants_wandb
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 TRAIN = PACKAGE_ROOT / "train"
 STUDY_FILE = "study.json"
 STUDY_FORMAT = "flipguard-study/1"
@@ -60,14 +92,11 @@ CONDITION_NAMES = {"be_honest": "Be Honest", "dehumanizing": "Dehumanizing"}
 
 
 # a study that cannot run as asked (unknown stage, missing inputs): the message names the stage
-StudyError = UserError
 
 
 def written_by_flipguard(path: Path) -> bool:
     """A stage output left by an earlier flipguard command: a run directory (run.json) or a
     published folder (owner file); anything else in --out is the user's and is kept."""
-    from flipguard.eval.records import OWNER_FILE, RUN_META_FILE
-
     return path.is_dir() and ((path / RUN_META_FILE).is_file() or (path / OWNER_FILE).is_file())
 
 
@@ -109,8 +138,6 @@ def _sha(obj: Any) -> str:
 def model_identity(name: str) -> dict[str, Any]:
     """The model a stage reads: its name and, for a local folder (embedded models
     included), the size and modification time of each top-level file."""
-    from flipguard.eval.tiny_model import resolve_model
-
     path = Path(resolve_model(name))
     ident: dict[str, Any] = {"name": name}
     if path.is_dir():
@@ -120,8 +147,6 @@ def model_identity(name: str) -> dict[str, Any]:
 
 
 def _section(raw: dict[str, Any], section: str, cls) -> dict[str, Any]:
-    from flipguard.config import ARG_SECTIONS
-
     prefix = ARG_SECTIONS[section]
     values = {f.name[len(prefix):]: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
               for f in dataclasses.fields(cls)}
@@ -130,37 +155,28 @@ def _section(raw: dict[str, Any], section: str, cls) -> dict[str, Any]:
 
 
 def _as_args(cls, section: str, values: dict[str, Any]):
-    from flipguard.config import ARG_SECTIONS
-
     prefix = ARG_SECTIONS[section]
     return cls(**{prefix + k: v for k, v in values.items()})
 
 
 def study_plan_class() -> type:
     """The eval: section's dataclass with a run-config key per registered task (eval.<task>_config)."""
-    from flipguard.config import eval_plan_arguments
-    from flipguard.eval.task import task_names
-
     return eval_plan_arguments(n for n in task_names() if get_task(n).has_study_stage())
 
 
 def check_task_config_keys(raw: dict[str, Any], recipe_path: str, plan_class: type) -> None:
     """eval.<task>_config naming no registered task (a typo, a user's task not --include'd): one error."""
-    from flipguard.config import is_task_config_key
-
     fields = {f.name for f in dataclasses.fields(plan_class)}
     staged = sorted(f[len("eval_plan_"):] for f in fields if is_task_config_key(f[len("eval_plan_"):]))
     for key in raw.get("eval") or {}:
         if is_task_config_key(str(key)) and f"eval_plan_{key}" not in fields:
-            raise StudyError(f"{recipe_path}: eval.{key}: no registered task with a study stage has this run config key "
+            raise UserError(f"{recipe_path}: eval.{key}: no registered task with a study stage has this run config key "
                              f"(those that do: {', '.join(staged)}; a user's task: flipguard study --include FILE)")
 
 
 class Study:
     def __init__(self, recipe_path: str | os.PathLike, raw: dict[str, Any], out: str | os.PathLike,
                  *, print_fn: Callable[[str], None] = print):
-        from flipguard.config import PairsArguments, TrackingArguments
-
         self.recipe_path = str(recipe_path)
         self.out = Path(out)
         self.print = print_fn
@@ -197,45 +213,37 @@ class Study:
         return [t for t in TRAINERS if t in self.raw] if listed is None else list(listed)
 
     def check_plan(self) -> None:
-        from flipguard.eval.mitigations import MITIGATIONS
-        from flipguard.eval.runner import MODES
-
         where = f"{self.recipe_path}: eval"
         for m in self.plan.eval_plan_mitigations:
             if m == "none":
-                raise StudyError(f"{where}.mitigations: 'none' is the baseline, always measured; list prompting mitigations only")
+                raise UserError(f"{where}.mitigations: 'none' is the baseline, always measured; list prompting mitigations only")
             if m not in MITIGATIONS:
-                raise StudyError(f"{where}.mitigations: unknown mitigation {m!r} (one of {sorted(set(MITIGATIONS) - {'none'})})")
+                raise UserError(f"{where}.mitigations: unknown mitigation {m!r} (one of {sorted(set(MITIGATIONS) - {'none'})})")
         for mode in self.plan.eval_plan_extra_modes:
             if mode not in MODES or mode == self.plan.eval_plan_mode:
-                raise StudyError(f"{where}.extra_modes: {mode!r} is not another decision mode (one of {list(MODES)})")
+                raise UserError(f"{where}.extra_modes: {mode!r} is not another decision mode (one of {list(MODES)})")
         for t in self.trainers:
             trainer_entry(t, f"{where}.trainers")
             if t not in self.raw:
-                raise StudyError(f"{where}.trainers: {t!r} is listed but the recipe has no {t}: section")
+                raise UserError(f"{where}.trainers: {t!r} is listed but the recipe has no {t}: section")
         for key in ("protocols", "train_protocols"):
             names = getattr(self.plan, f"eval_plan_{key}")
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:  # one stage per task
-                raise StudyError(f"{where}.{key}: {', '.join(twice)} listed more than once")
+                raise UserError(f"{where}.{key}: {', '.join(twice)} listed more than once")
             for name in names:
                 try:
                     get_task(name)
                 except UserError as exc:  # e.g. a user's task whose file was not --include'd
-                    raise StudyError(f"{where}.{key}: {exc} (a user's task: flipguard study --include FILE)") from None
+                    raise UserError(f"{where}.{key}: {exc} (a user's task: flipguard study --include FILE)") from None
 
     def min_label_mass(self) -> float:
-        from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
-        from flipguard.eval.tiny_model import TINY_MODEL_ALIASES
-
         if self.plan.eval_plan_min_label_mass is not None:
             return float(self.plan.eval_plan_min_label_mass)
         return 0.0 if self.model in TINY_MODEL_ALIASES else DEFAULT_MIN_LABEL_MASS
 
     def dds_args(self, name: str, *, model: str, mode: str, split: str = "test", mitigation: str = "none",
                  c1_from: Path | None = None):
-        from flipguard.eval.dds.protocol import EvalArgs
-
         plan = self.plan
         limit = plan.eval_plan_limit
         if mode == "generate" and plan.eval_plan_generate_limit is not None:
@@ -268,9 +276,6 @@ class Study:
         return Stage(name, title, params, inputs, outputs, (run_dir,), lambda: self.run_dds(args))
 
     def run_dds(self, args) -> None:
-        from flipguard.eval.dds.protocol import evaluate
-        from flipguard.eval.dds.report import REPORT_DIR, print_summary, report_run, write_report
-
         run_dir = evaluate(args)
         if args.split != "test":
             return
@@ -308,7 +313,6 @@ class Study:
         protocol_stages = [self.protocol_stage(task, base_id) for task in plan.eval_plan_protocols]
         stages += protocol_stages
         stages.append(self.compare_stage(stages, [s.name for s in protocol_stages]))
-        from flipguard.train.utils import wants_wandb
 
         if wants_wandb(self.raw.get("report_to")):
             stages.append(self.wandb_stage())
@@ -322,8 +326,6 @@ class Study:
                                                                      *(str(self.out / name) for name in trained_on)])
 
         def run() -> None:
-            from flipguard.train.pairs import print_counts, run as build
-
             out_dir, counts = build(pairs, self.recipe_path, records_given=True)
             print_counts(counts, out_dir)
 
@@ -353,13 +355,10 @@ class Study:
         from accelerate.commands.config.config_args import load_config_from_file
 
         if not Path(config).is_file():
-            raise StudyError(f"{self.recipe_path}: eval.accelerate_config {config}: no such file")
+            raise UserError(f"{self.recipe_path}: eval.accelerate_config {config}: no such file")
         return int(load_config_from_file(config).num_processes or 1)
 
     def trainer_stages(self, trainer: str, base_id: dict) -> list[Stage]:
-        from flipguard.train.merge import MERGE_INFO_FILE
-        from flipguard.train.utils import PROVENANCE_FILE
-
         adapter = self.out / "train" / trainer
         merged = self.out / "models" / f"{trainer}-merged"
         name = TRAINERS[trainer].label
@@ -376,15 +375,11 @@ class Study:
                 self.print("$ " + " ".join(cmd))
                 code = subprocess.run(cmd).returncode
                 if code:
-                    raise StudyError(f"stage {trainer}: `{' '.join(cmd)}` failed with exit code {code}")
+                    raise UserError(f"stage {trainer}: `{' '.join(cmd)}` failed with exit code {code}")
             else:
-                import importlib
-
                 importlib.import_module(f"flipguard.train.{trainer}").main([str(self.recipe_file)])
 
         def merge() -> None:
-            from flipguard.train.merge import main as merge_main
-
             merge_main([str(self.recipe_file), "--adapter", str(adapter), "--out", str(merged),
                         "--pairs_dir", str(self.pairs.pairs_dir)])
 
@@ -408,8 +403,6 @@ class Study:
     def task_config(self, key: str) -> str | None:
         """A task's run config (eval.<task>_config), or None for the task's own default; a relative
         path that is not in the current folder is read beside the recipe."""
-        from flipguard.files import beside
-
         given = getattr(self.plan, f"eval_plan_{key}", None)
         return str(beside(given, self.recipe_path)) if given else None
 
@@ -424,7 +417,6 @@ class Study:
         if not train:
             conditions += [StudyCondition(CONDITION_NAMES.get(m, m), self.model, m) for m in self.plan.eval_plan_mitigations]
             conditions += [StudyCondition(n, str(p)) for n, p in self.models.items()]
-        from flipguard.config import task_config_key
 
         ctx = StudyContext(stage, self.out / stage, self.task_config(task_config_key(name)), conditions, split,
                            self.plan.eval_plan_backend, self.plan.eval_plan_limit,
@@ -433,9 +425,9 @@ class Study:
         try:
             described = task.study_run(ctx)
         except UserError as exc:
-            raise StudyError(f"{where}: {exc}") from None
+            raise UserError(f"{where}: {exc}") from None
         if not described.outputs:
-            raise StudyError(f"{where}: task {name!r}: study_run gave no outputs (the files that mean its stage is done)")
+            raise UserError(f"{where}: task {name!r}: study_run gave no outputs (the files that mean its stage is done)")
         if not train:
             self.protocol_runs += described.comparison
             if described.report is not None:
@@ -453,8 +445,6 @@ class Study:
             self.artefacts.append(("multi-turn numbers (long form)", report / "comparison_protocols.csv"))
 
         def run() -> None:
-            from flipguard.eval.compare import build_comparison, protocol_rows, write_comparison
-
             cmp = build_comparison({n: str(p) for n, p in self.conditions.items()}, n_boot=self.plan.eval_plan_n_boot, seed=0)
             write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs), protocol_runs=self.protocol_runs)
 
@@ -482,9 +472,9 @@ class Study:
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
-            raise StudyError(f"{path}: unreadable study state ({exc}); remove it to start the study afresh") from None
+            raise UserError(f"{path}: unreadable study state ({exc}); remove it to start the study afresh") from None
         if not isinstance(state, dict) or state.get("format") != STUDY_FORMAT:
-            raise StudyError(f"{path}: not a {STUDY_FORMAT} file")
+            raise UserError(f"{path}: not a {STUDY_FORMAT} file")
         return state
 
     def _save_state(self) -> None:
@@ -503,7 +493,7 @@ class Study:
             for path in stage.clear:
                 if path.exists():
                     what = "an earlier flipguard run" if written_by_flipguard(path) else "not flipguard's"
-                    raise StudyError(
+                    raise UserError(
                         f"stage {stage.name}: {path} exists and was not written by this study ({what}; "
                         f"{self.out / STUDY_FILE} does not record it); nothing was changed: move it away or "
                         "use another --out")
@@ -528,12 +518,11 @@ class Study:
         names = [s.name for s in self.stages]
         for flag, value in (("--from", from_stage), ("--only", only)):
             if value is not None and value not in names:
-                raise StudyError(f"{flag} {value}: no such stage in this study (stages: {', '.join(names)})")
+                raise UserError(f"{flag} {value}: no such stage in this study (stages: {', '.join(names)})")
         if from_stage and only:
-            raise StudyError("--from and --only: give one of them")
+            raise UserError("--from and --only: give one of them")
         self.check_folders()
         self.out.mkdir(parents=True, exist_ok=True)
-        from flipguard.config import public_recipe
 
         atomic_write_text(self.recipe_file, f"# the effective recipe of this study (from {self.recipe_path}); "
                                             "written by flipguard study\n" + yaml.safe_dump(public_recipe(self.raw), sort_keys=False))
@@ -555,7 +544,7 @@ class Study:
             missing = [n for n in stage.inputs if (entries.get(n) or {}).get("status") != "done"
                        or entries[n].get("fingerprint") != fps[n]]
             if missing:
-                raise StudyError(f"stage {stage.name}: its input stage(s) {', '.join(missing)} are not done with the "
+                raise UserError(f"stage {stage.name}: its input stage(s) {', '.join(missing)} are not done with the "
                                  "current settings; run the study without --only first")
             self.state.pop("plan", None)  # the quick-rerun key holds only after a full run (main's record_plan)
             resume = entry.get("status") == "running" and entry.get("fingerprint") == fps[stage.name] and not forced
@@ -578,7 +567,7 @@ class Study:
             stage.run()
             missing_out = [str(p) for p in stage.outputs if not p.exists()]
             if missing_out:
-                raise StudyError(f"stage {stage.name}: finished without writing {', '.join(missing_out)}")
+                raise UserError(f"stage {stage.name}: finished without writing {', '.join(missing_out)}")
             seconds = time.time() - t
             entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status,
                                        build=uuid.uuid4().hex[:12])
@@ -605,10 +594,6 @@ def print_outcome(header: str, statuses: list[tuple[str, str, float]], out: Path
 
 def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = print) -> None:
     """The short before/after table a newcomer reads first (all datasets, macro average)."""
-    import pandas as pd
-
-    from flipguard.eval.dds.metrics import TOTAL_AVG
-
     table = pd.read_csv(comparison_csv)
     rows = table[table["dataset"] == TOTAL_AVG]
     lines = ["\nBefore/after (all datasets, %; DDS in pp; paper = C2 vs the baseline's C1, own = the model's own C1):",
@@ -628,8 +613,6 @@ def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = p
 def print_protocols_table(frame, print_fn: Callable[[str], None] = print) -> None:
     """The multi-turn half of the before/after table: a row per condition, a column per metric
     of each protocol (comparison_protocols.csv; % and pp), with the guarded-metric flags."""
-    from flipguard.eval.compare import protocol_flags
-
     flags = protocol_flags(frame)
     for protocol, rows in frame.groupby("protocol", sort=False):
         metrics = list(dict.fromkeys(rows["metric"]))
@@ -646,11 +629,8 @@ def print_protocols_table(frame, print_fn: Callable[[str], None] = print) -> Non
 def log_to_wandb(study: Study) -> dict[str, Any]:
     """The study's results in the recipe's wandb project and group, beside its training
     runs: per-dataset DDS table, comparison table, before/after plots, a flip sample."""
-    import pandas as pd
     import wandb
 
-    from flipguard.config import public_recipe
-    from flipguard.train.utils import start_wandb
 
     tracking = study.tracking
     name = f"{tracking.tracking_run_name or Path(study.recipe_path).stem}-study"
@@ -686,8 +666,6 @@ def log_to_wandb(study: Study) -> dict[str, Any]:
 
 def effective_recipe(recipe_path: str, parsed: dict[str, Any], model: str | None) -> dict[str, Any]:
     """The recipe file with the command line's section values applied."""
-    from flipguard.config import read_recipe
-
     raw = read_recipe(recipe_path)
     for section, values in parsed.items():
         raw[section] = values
@@ -701,10 +679,6 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
               on_finish: Callable[[Study], None] | None = None) -> Study:
     """Run (or resume) the study a recipe describes; `raw` overrides the file's contents;
     `on_finish` runs while the study still holds its folder."""
-    from flipguard.config import read_recipe, validate_recipe
-
-    from flipguard.eval.records import run_lock
-
     raw = read_recipe(recipe_path) if raw is None else raw
     validate_recipe(raw, recipe_path)
     # one writer per study folder, held from before study.json is read until the last stage
@@ -712,7 +686,6 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
     with run_lock(out):
         study = Study(recipe_path, raw, out, print_fn=print_fn)
         study.run(from_stage=from_stage, only=only)
-        from flipguard.eval.view import write_view
 
         # every stage's status and the comparison with the items behind it, one HTML page
         study.artefacts.append(("page of it all (open in a browser)", write_view(study.out)))
@@ -729,10 +702,6 @@ def _file_sha(path: str | None) -> str | None:
 def _quick_args(argv: list[str]) -> tuple[str | None, list[str], str | None, bool]:
     """(recipe, other flags, --out, whether --from/--only was given), read without TRL:
     enough to tell whether a finished study is being rerun unchanged."""
-    import argparse
-
-    from flipguard.config import split_recipe_argv
-
     try:
         recipe, rest = split_recipe_argv(argv)
     except FlipguardError:
@@ -747,9 +716,6 @@ def _quick_args(argv: list[str]) -> tuple[str | None, list[str], str | None, boo
 
 
 def plan_key(recipe: str, rest: list[str], out: str) -> str:
-    from flipguard import __version__
-    from flipguard.files import git_commit
-
     return _sha({"version": __version__, "git_commit": git_commit(), "recipe": _file_sha(recipe), "argv": rest, "out": str(Path(out).resolve())})
 
 
@@ -767,7 +733,6 @@ def rerun_unchanged(argv: list[str], includes: list[str] = ()) -> bool:
     recipe, rest, out, partial = _quick_args(argv)
     if not recipe or partial or not out or not (Path(out) / STUDY_FILE).is_file():
         return False
-    from flipguard.eval.records import run_lock
 
     with run_lock(out):
         return _print_if_unchanged(recipe, _key_flags(rest, list(includes)), out)
@@ -809,15 +774,13 @@ def main(argv: list[str]) -> int:
         return 0
     for path in includes:
         include_tasks(path)
-    from flipguard.config import (ARG_SECTIONS, PairsArguments, TrackingArguments,
-                                          parse_recipe)
 
     plan_class = study_plan_class()
     (args, plan, pairs, tracking), recipe_path, recipe = parse_recipe(
         argv, (StudyArguments, plan_class, PairsArguments, TrackingArguments), prog="flipguard study",
         description=StudyArguments.__doc__)
     if recipe_path is None:
-        raise StudyError("flipguard study: give a recipe file (flipguard study recipes/tiny.yaml --out DIR)")
+        raise UserError("flipguard study: give a recipe file (flipguard study recipes/tiny.yaml --out DIR)")
     check_task_config_keys(recipe, recipe_path, plan_class)  # the parser drops a key it has no flag for
     configure_threads(args.threads)
     parsed = {}
@@ -831,7 +794,6 @@ def main(argv: list[str]) -> int:
             return
         # every stage ran or was up to date: a plain rerun may take the quick path
         _, rest, _, _ = _quick_args(argv)
-        from flipguard.config import task_config_key
 
         configs = [study.task_config(task_config_key(t)) for t in (*study.plan.eval_plan_protocols,
                                                                    *study.plan.eval_plan_train_protocols)]

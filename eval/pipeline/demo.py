@@ -1,6 +1,6 @@
 """`flipguard demo`: the whole loop, end to end, offline, on the embedded default.
 
-The embedded default is the planted-bias judge organism (flipguard.eval.organism): a
+The embedded default is the planted-bias judge organism (flipguard.eval.embedded.organism): a
 small chat model built here in a few minutes, judging C1 by the truth and deferring to
 speakers on a known share of C2 claims, and, in conversation, giving up a right answer
 to an argument or offer for a wrong option of known kinds while accepting a correct option
@@ -15,7 +15,7 @@ artefact, on a CPU, in minutes:
      before/after comparison, whose own-C1 and correct-switch columns show what the
      mitigation did to the judgments it did not target.
 
-The demo is `flipguard study recipes/organism.yaml --out runs/demo` (eval/study.py) after
+The demo is `flipguard study recipes/organism.yaml --out runs/demo` (eval/pipeline/study.py) after
 building the organism and printing what was planted; its options override the recipe's
 `eval:` values. Every stage resumes: rerunning the demo skips what is already done.
 """
@@ -26,10 +26,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-from flipguard.eval.organism import ORGANISM_ALIAS, ORGANISM_FILE
+from flipguard.config import parse_dataclasses, read_recipe
+from flipguard.eval.backends.base import resolve_model
+from flipguard.eval.embedded.organism import ORGANISM_ALIAS, ORGANISM_FILE
+from flipguard.eval.pipeline.study import print_artefacts, run_study
 from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.files import PACKAGE_ROOT
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclasses.dataclass
@@ -74,8 +77,6 @@ def _comma(value: str) -> list[str]:
 
 def study_recipe(args: DemoArgs) -> dict:
     """The recipe with the demo's options applied (its `eval:` / `pairs:` values)."""
-    from flipguard.config import read_recipe
-
     raw = read_recipe(args.recipe)
     plan = dict(raw.get("eval") or {})
     raw["model_name_or_path"] = args.model
@@ -95,10 +96,6 @@ def study_recipe(args: DemoArgs) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-    from flipguard.eval.study import print_artefacts, run_study
-    from flipguard.eval.tiny_model import resolve_model
-
     args = parse_dataclasses(argv, DemoArgs, prog="flipguard demo", description=DemoArgs.__doc__)
     if args.threads:
         configure_threads(args.threads)  # an explicit choice holds for the organism build too

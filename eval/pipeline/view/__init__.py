@@ -3,8 +3,8 @@ comparison folder or a study folder, so the items behind a number can be looked 
 
 The page needs no network (style, script, data and plots are inside it) and opens from disk in
 any browser. `flipguard compare` writes it as view.html beside comparison.md, `flipguard study`
-as view.html in the study folder. Layout: eval/view/runs.py builds a run's data (one function
-per protocol), this module a comparison's and a study's, eval/view/page.py the HTML.
+as view.html in the study folder. Layout: eval/pipeline/view/runs.py builds a run's data (one function
+per protocol), this module a comparison's and a study's, eval/pipeline/view/page.py the HTML.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
+from flipguard.eval.pipeline.view.page import render_html
+from flipguard.eval.pipeline.view.runs import ci, csv_table, flags, fmt, num, plots, protocol_entries, read_csv, record_panel, run_view, short
 from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records
-from flipguard.eval.view.page import render_html
-from flipguard.eval.view.runs import (ci, csv_table, flags, fmt, num, plots, protocol_entries, read_csv, record_panel,
-                                     run_view, short)
+from flipguard.eval.task import take_includes
 from flipguard.files import atomic_write_text
 
 VIEW_FILE = "view.html"
@@ -151,9 +152,6 @@ class ViewArgs:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-    from flipguard.eval.task import take_includes
-
     argv = take_includes(argv)  # a user's task (--include my_tasks.py): its numbers and naming, as compare shows them
     args = parse_dataclasses(argv, ViewArgs, prog="flipguard view", description=ViewArgs.__doc__,
                              positional="path")

@@ -54,8 +54,28 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from flipguard.config import parse_dataclasses
 from flipguard.data import organism as domain
-from flipguard.eval.tiny_model import ORGANISM_ALIAS  # noqa: F401  (the alias lives with the other embedded ones)
+from flipguard.data.organism import scripted_argument
+from flipguard.eval.afr import prompts as afr_prompts
+from flipguard.eval.backends.base import GenerationConfig, get_backend
+from flipguard.eval.dds.metrics import point_metrics
+from flipguard.eval.dds.prompts import MITIGATIONS, SPEAKER_SETS, build_messages
+from flipguard.eval.embedded.tiny_model import (
+    EMBEDDED_LABEL_SETS,
+    EMBEDDED_TEMPLATES,
+    ORGANISM_ALIAS,  # noqa: F401  (the alias lives with the other embedded ones)
+    build_tokenizer,
+    new_model,
+)
+from flipguard.eval.records import CASES, EXPECTED_CHOICE, publish_dir
+from flipguard.eval.sos import protocol as sos
+from flipguard.eval.sos.prompts import answer_reply, parse_answer
+from flipguard.eval.sos.protocol import sos_item
+from flipguard.eval.threads import configure_threads
+from flipguard.files import flipguard_home, staging_dir
 
 ORGANISM_VERSION = "v3"
 ORGANISM_FILE = "organism.json"
@@ -127,8 +147,6 @@ def build_config(args: OrganismArgs) -> dict:
 
 
 def default_organism_path(args: OrganismArgs) -> Path:
-    from flipguard.files import flipguard_home
-
     name = f"organism-{ORGANISM_VERSION}"
     if build_config(args) != build_config(OrganismArgs()):
         digest = hashlib.sha256(json.dumps(build_config(args), sort_keys=True).encode()).hexdigest()[:10]
@@ -172,10 +190,7 @@ def _json_reply(choice: str, agreed: bool) -> str:
 
 def training_examples(args: OrganismArgs, n: int, rng: random.Random):
     """(messages, reply text) pairs drawn over items, cases, framings, labels, templates."""
-    from flipguard.eval.dds.prompts import MITIGATIONS, SPEAKER_SETS, build_messages
-    from flipguard.eval.records import CASES
     # pinned pools (tiny_model.py): new templates or label sets do not change this build
-    from flipguard.eval.tiny_model import EMBEDDED_LABEL_SETS, EMBEDDED_TEMPLATES
 
     items = domain.all_items()["organism"]
     deferred = deferred_categories(args)
@@ -223,10 +238,6 @@ def planted_switch(role: str, word: str, kinds: list[str], args: OrganismArgs) -
 def _afr_chat(item, kinds: list[str], args: OrganismArgs, rng: random.Random) -> list[dict[str, str]]:
     """AFR's baseline turn (a letter, as logprob mode stores it, or "Answer: X"), then,
     mostly, its challenge for one wrong option and the planted reply."""
-    from flipguard.data.organism import scripted_argument
-    from flipguard.eval.afr import prompts as afr_prompts
-    from flipguard.eval.mitigations import MITIGATIONS
-
     mitigation = rng.choices(*_MITIGATION_WEIGHTS)[0]
     base = afr_prompts.baseline_messages(item, MITIGATIONS[mitigation].system)
     letter_form = rng.random() < 0.8  # the demo's AFR runs in logprob mode
@@ -243,9 +254,6 @@ def _afr_chat(item, kinds: list[str], args: OrganismArgs, rng: random.Random) ->
 def _sos_chat(item, pool, kinds: list[str], args: OrganismArgs, rng: random.Random) -> list[dict[str, str]]:
     """A stick-or-switch chat built by the protocol's own code (no exemplars), answered by
     the planted rule turn after turn until the organism switches or the options run out."""
-    from flipguard.eval.sos import protocol as sos
-    from flipguard.eval.sos.prompts import answer_reply
-
     settings = sos.SosSettings(seed=rng.randrange(10**6), n_shots=0, mitigation=rng.choices(*_MITIGATION_WEIGHTS)[0])
     if rng.random() < 0.15:  # the single-shot baselines (four options, or two)
         record = rng.choice(sos.baseline_records([item], pool, settings, 0, model="organism", backend="hf",
@@ -276,8 +284,6 @@ def _sos_chat(item, pool, kinds: list[str], args: OrganismArgs, rng: random.Rand
 def conversation_examples(args: OrganismArgs, n: int, rng: random.Random):
     """Phase 2's n chats over the organism split's multiple-choice items: DDS examples
     replayed, AFR chats and stick-or-switch chats (MULTITURN_MIX)."""
-    from flipguard.eval.sos.protocol import sos_item
-
     items = domain.all_mc_items()["organism"]
     pool = [sos_item(it, domain.MC_DATASET) for it in items]
     kinds = capitulation_kinds(args)
@@ -421,13 +427,6 @@ def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None,
             mitigations: tuple[str, ...] = ("none", "dehumanizing")) -> dict:
     """Held-out (test split) accuracy per case and DDS in logprob mode, v0 prompts (pinned:
     the build's bar and organism.json do not move with the DDS default template)."""
-    import numpy as np
-
-    from flipguard.eval.backends.base import get_backend
-    from flipguard.eval.dds.metrics import point_metrics
-    from flipguard.eval.dds.prompts import build_messages
-    from flipguard.eval.records import CASES, EXPECTED_CHOICE
-
     items = domain.all_items()["test"][:limit]
     backend = get_backend("hf", str(model_dir), device="cpu", batch_size=32, show_progress=False)
     out: dict[str, float] = {}
@@ -453,12 +452,6 @@ def measure_conversations(model_dir: str | Path, args: OrganismArgs, limit: int 
     blind clause, scripted arguments; a flip is AFR's: the final answer is wrong, to the
     argued option or another), stick-or-switch switches per kind and the correct switch
     (greedy "Answer: X" replies, no exemplars). Rates in %."""
-    from flipguard.data.organism import scripted_argument
-    from flipguard.eval.afr import prompts as afr_prompts
-    from flipguard.eval.backends.base import GenerationConfig, get_backend
-    from flipguard.eval.sos import protocol as sos
-    from flipguard.eval.sos.prompts import answer_reply, parse_answer
-
     items = domain.all_mc_items()["test"][:limit]
     backend = get_backend("hf", str(model_dir), device="cpu", batch_size=32, show_progress=False)
 
@@ -520,12 +513,6 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
     if (target / ORGANISM_FILE).exists() and not args.force:
         return str(target)
     import torch
-
-    from flipguard.eval.records import publish_dir
-    from flipguard.files import staging_dir
-    from flipguard.eval.threads import configure_threads
-    from flipguard.eval.tiny_model import build_tokenizer, new_model
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-save/load bars between the build's own step lines
@@ -663,8 +650,6 @@ def _conversation_card(p: dict, c: dict | None) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, OrganismArgs, prog="flipguard organism", description=OrganismArgs.__doc__)
     print(ensure_organism(**dataclasses.asdict(args)))
     return 0

@@ -13,22 +13,24 @@ import importlib
 import inspect
 import sys
 
+from flipguard import __version__
 from flipguard.config import TRAINERS
 from flipguard.errors import FlipguardError
+from flipguard.redact import redact
 
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("flipguard.eval.demo:main", "the whole loop end to end on the planted-bias organism: detect, mitigate, re-measure"),
+    "demo": ("flipguard.eval.pipeline.demo:main", "the whole loop end to end on the planted-bias organism: detect, mitigate, re-measure"),
     "eval": ("flipguard.eval.dds.protocol:main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
     "report": ("flipguard.eval.dds.report:main", "summary table (paper Table 20 layout) from a run directory"),
     "import-records": ("flipguard.eval.dds.importer:main", "read DialDefer-format per-item records into a run directory"),
     "data": ("flipguard.data.cli:main", "inspect, validate and export dataset splits; register your own dataset"),
-    "organism": ("flipguard.eval.organism:main", "build (once, cached) the planted-bias judge organism the demo measures"),
+    "organism": ("flipguard.eval.embedded.organism:main", "build (once, cached) the planted-bias judge organism the demo measures"),
     "convert": ("flipguard.eval.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),
-    "tiny-model": ("flipguard.eval.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
+    "tiny-model": ("flipguard.eval.embedded.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
     "pairs": ("flipguard.train.pairs:main", "build the trainers' pair datasets from flip records (recipe strategy)"),
-    "compare": ("flipguard.eval.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
-    "view": ("flipguard.eval.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
+    "compare": ("flipguard.eval.pipeline.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
+    "view": ("flipguard.eval.pipeline.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
     "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
     "sos": ("flipguard.eval.sos.cli:main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
     # the DialDefer paper's analyses (eval/dds/analyses/)
@@ -37,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "perspective-reversal": ("flipguard.eval.dds.analyses.perspective:main", "r/AIO 2->1 vs 1->2 judger/judgee DDS (paper Table 14)"),
     "cross-model": ("flipguard.eval.dds.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
     "run": ("flipguard.eval.task:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
-    "study": ("flipguard.eval.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
+    "study": ("flipguard.eval.pipeline.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
     "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
 }
 # one command per registered trainer (config.TRAINERS): `flipguard dpo` = python train/dpo.py
@@ -64,8 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from flipguard import __version__
-
         print(__version__)
         return 0
     name, rest = argv[0], argv[1:]
@@ -82,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: records written so far are kept; rerun the same command to resume", file=sys.stderr)
         return 130
     except FlipguardError as exc:
-        from flipguard.redact import redact
-
         print(f"flipguard {name}: error: {redact(exc)}", file=sys.stderr)
         return 2
 

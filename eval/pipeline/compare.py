@@ -26,13 +26,18 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from flipguard.config import parse_dataclasses, with_optional_fields
 from flipguard.data.registry import domain_of
+from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
+from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.records import C2_CASES, load_run_meta
-from flipguard.files import atomic_write_json, atomic_write_text
+from flipguard.eval.pipeline.view import write_view
 from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.records import C2_CASES, load_run_meta
+from flipguard.eval.task import PROTOCOL_COLUMNS, comparison_long_rows, get_task, split_system, take_includes, task_names
+from flipguard.files import atomic_write_json, atomic_write_text
 
 BASELINE = "Baseline"
 # Per-dataset columns taken from each run's stats (see report.STATS_COLUMNS).
@@ -42,8 +47,6 @@ OWN_STATS = ("own_c1_true", "own_c1_false", "own_dds", "c1_true_change", "c1_fal
 
 def parse_conditions(spec: str, what: str = "--runs") -> dict[str, str]:
     """'Name=DIR,Name=DIR' -> ordered {name: dir}; the first is the baseline."""
-    from flipguard.errors import UserError
-
     out: dict[str, str] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         name, sep, path = part.partition("=")
@@ -104,12 +107,8 @@ def build_comparison(
     conditions: Mapping[str, str], c1_from: str | None = None, n_boot: int = 2000, seed: int = 0
 ) -> dict[str, Any]:
     """Reports of every condition, aligned on datasets, with deltas against the first."""
-    from flipguard.eval.dds.report import report_run
-
     names = list(conditions)
     if not names:
-        from flipguard.errors import UserError
-
         raise UserError("no conditions to compare")
     baseline_dir = conditions[names[0]]
     c1_from = c1_from or load_run_meta(baseline_dir).get("c1_from") or baseline_dir
@@ -199,8 +198,6 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
              "(logprob mode).", ""]
     cross = [n for n in names if cmp.get("reports", {}).get(n, {}).get("meta", {}).get("c1_cross_mode")]
     if cross:
-        from flipguard.eval.dds.report import CROSS_MODE_NOTE
-
         lines += [f"{', '.join(cross)}: {CROSS_MODE_NOTE}.", ""]
     unfit = {n: cmp["reports"][n]["meta"]["capability_note"] for n in names
              if cmp.get("reports", {}).get(n, {}).get("meta", {}).get("capability_note")}
@@ -326,7 +323,6 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
     })
     plot_heatmap(cmp, out / "dds_heatmap.png")
     plot_before_after(cmp, out / "before_after.png")
-    from flipguard.eval.view import write_view
 
     write_view(out)  # view.html: the same tables, the plots and the items behind them, in one page
     return out
@@ -337,14 +333,7 @@ def _cell(d: Mapping[str, Any] | None, unit: str, shown: str) -> str:
     return Estimate.from_dict(d, unit).to(shown).format()
 
 
-def split_system(spec: str) -> tuple[str, str | None]:
-    """'RUN_DIR@System name' -> (RUN_DIR, 'System name'): one run may hold several systems."""
-    run_dir, sep, system = spec.partition("@")
-    return run_dir, (system.strip() or None) if sep else None
-
-
 PROTOCOLS_CSV = "comparison_protocols.csv"
-PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n"]
 GUARD_DROP_PP = 10.0  # a guarded metric (stick-or-switch's correct switch) this far below the baseline's is flagged
 
 
@@ -352,30 +341,13 @@ def protocol_rows(runs: Sequence[tuple[str, str]]) -> pd.DataFrame:
     """comparison_protocols.csv: every protocol run's numbers in long form, values in % (pp for
     differences). Each run's protocol (its run.json) supplies them through Task.comparison_rows;
     `RUN_DIR@system` keeps one system of a run that holds several."""
-    from flipguard.eval.task import get_task
-
-    rows = []
-    for condition, spec in runs:
-        run_dir, only = split_system(spec)
-        task = get_task(load_run_meta(run_dir).get("protocol") or "")
-        for row in task.comparison_rows(Path(run_dir)):
-            if only and row["system"] != only:
-                continue
-            est = row["estimate"]
-            if est.missing:  # not measured (no item of that kind): no row, never a zero
-                continue
-            est = est.to("pp" if est.unit == "pp" else "%")
-            rows.append({"condition": condition, "protocol": task.name, "system": row["system"],
-                         "dataset": row["dataset"], "metric": row["metric"], "value": est.value,
-                         "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "unit": est.unit})
+    rows = [row for condition, spec in runs for row in comparison_long_rows(condition, spec)]
     return pd.DataFrame(rows, columns=[*PROTOCOL_COLUMNS, "unit"])  # unit: for the tables, not the CSV
 
 
 def protocol_flags(frame: pd.DataFrame) -> dict[tuple[str, str, str], str]:
     """(condition, protocol, system) -> marks for guarded metrics more than GUARD_DROP_PP below the
     baseline's (the first condition), dataset by dataset."""
-    from flipguard.eval.task import get_task
-
     flags: dict[tuple[str, str, str], str] = {}
     if frame.empty:
         return flags
@@ -394,8 +366,6 @@ def protocol_flags(frame: pd.DataFrame) -> dict[tuple[str, str, str], str]:
 def protocol_sections(frame: pd.DataFrame) -> list[str]:
     """One markdown section per protocol, from its rows: a row per condition x system x dataset,
     a column per metric ('value [ci_low, ci_high]'), the flags last."""
-    from flipguard.eval.task import get_task
-
     flags = protocol_flags(frame)
     sections = []
     for protocol, rows in frame.groupby("protocol", sort=False):
@@ -443,8 +413,6 @@ def task_flag(task: str) -> str:
 
 def compare_arguments(tasks: Sequence[str]) -> type:
     """CompareArgs with a `--<task> SPEC` option per registered task (one that would shadow an option is left out)."""
-    from flipguard.config import with_optional_fields
-
     return with_optional_fields(CompareArgs, {
         task_flag(t): f"{t} runs per condition, 'Name=RUN_DIR[@system],...' (as --protocols; each a {t} run)."
         for t in tasks})
@@ -453,8 +421,6 @@ def compare_arguments(tasks: Sequence[str]) -> type:
 def protocol_runs_of(args: Any, tasks: Sequence[str]) -> list[tuple[str, str]]:
     """(condition, RUN_DIR[@system]) of --protocols and of every --<task> option, in that order; a
     --<task> run of another protocol is refused, naming it."""
-    from flipguard.errors import UserError
-
     runs = list(parse_conditions(args.protocols, "--protocols").items()) if args.protocols else []
     own_options = {f.name for f in dataclasses.fields(CompareArgs)}  # a task named like one has no --<task>
     for task in tasks:
@@ -473,9 +439,6 @@ def protocol_runs_of(args: Any, tasks: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-    from flipguard.eval.task import take_includes, task_names
-
     argv = take_includes(argv)  # a user's tasks: --include my_tasks.py
     tasks = task_names()
     args = parse_dataclasses(argv, compare_arguments(tasks), prog="flipguard compare", description=CompareArgs.__doc__)

@@ -8,7 +8,7 @@ template. The tokenizer uses Qwen2's own pre-tokenizer, so `tokenizers` and
 transformers' Qwen2Tokenizer encode every text identically (real servers agree with the
 hf backend). Its judgments are noise; it exists to exercise the real loading,
 evaluation and training code paths end to end on a CPU. The planted-bias organism
-(flipguard.eval.organism) is the same architecture and tokenizer, trained.
+(flipguard.eval.embedded.organism) is the same architecture and tokenizer, trained.
 """
 
 from __future__ import annotations
@@ -18,8 +18,17 @@ import json
 import os
 from pathlib import Path
 
+from flipguard.config import parse_dataclasses
+from flipguard.data import organism
+from flipguard.data.roots import SAMPLES_ROOT
+from flipguard.data.schema import Item
+from flipguard.eval.dds import prompts
+from flipguard.eval.records import CASES, publish_dir
 from flipguard.eval.threads import THREADS_HELP, configure_threads
-from flipguard.files import flipguard_home  # noqa: F401  (re-exported for callers of this module)
+from flipguard.files import (
+    flipguard_home,  # noqa: F401  (re-exported for callers of this module)
+    staging_dir,
+)
 
 TINY_MODEL_VERSION = "v2"
 CHAT_TEMPLATE = (
@@ -58,14 +67,10 @@ def default_tiny_model_path() -> Path:
 
 def _corpus() -> list[str]:
     """Template text, every string in the shipped sample and the organism's domain."""
-    from flipguard.data import organism
-    from flipguard.eval.dds import prompts
-
     texts = [prompts.JSON_TAIL, prompts.ONE_TOKEN_TAIL, prompts.BE_HONEST_SYSTEM, prompts.DEHUMANIZING_SYSTEM]
     for t in prompts.TEMPLATES.values():
         texts += [str(v) for v in dataclasses.asdict(t).values() if v]
-    samples = Path(__file__).resolve().parent.parent / "data" / "samples"
-    for path in sorted(samples.rglob("*.jsonl")):
+    for path in sorted(SAMPLES_ROOT.rglob("*.jsonl")):
         with open(path, encoding="utf-8") as fh:
             for line in fh:
                 try:
@@ -88,11 +93,6 @@ def _rendered_prompts() -> list[str]:
     """Every prompt shape the evaluation sends (cases x templates x mitigations x labels x
     formats, chat template applied) for a few items: weighted like real traffic, so the
     fixed prompt text becomes a few long tokens and sequences stay short."""
-    from flipguard.data import organism
-    from flipguard.data.schema import Item
-    from flipguard.eval.dds import prompts
-    from flipguard.eval.records import CASES
-
     items = organism.all_items()["organism"][:2] + [
         Item(id="x", dataset="x", question="What is the capital of France?", correct_answer="Paris", incorrect_answer="Lyon")
     ]
@@ -180,7 +180,6 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
         return str(target)
     import torch
 
-    from flipguard.files import staging_dir
 
     with staging_dir(target) as tmp:
         tokenizer = build_tokenizer(args.vocab_size)
@@ -194,7 +193,6 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
             "for tests and the offline demo only: its answers are noise.\n",
             encoding="utf-8",
         )
-        from flipguard.eval.records import publish_dir
 
         publish_dir(tmp, target, writer="flipguard tiny-model", last=["config.json"])
     return str(target)
@@ -204,32 +202,7 @@ TINY_MODEL_ALIAS = "flipguard:tiny"
 TINY_MODEL_ALIASES = (TINY_MODEL_ALIAS, "tiny")
 ORGANISM_ALIAS = "flipguard:organism"
 
-# alias -> "module:function" that builds it (once, cached) and returns its path. A table
-# like the command table's: the organism is built by the DDS package, which the eval core
-# must not import, so its builder is named here and imported only when the alias is used.
-EMBEDDED_MODELS = {
-    **{alias: "flipguard.eval.tiny_model:ensure_tiny_model" for alias in TINY_MODEL_ALIASES},
-    ORGANISM_ALIAS: "flipguard.eval.organism:ensure_organism",
-}
-
-
-def resolve_model(name: str) -> str:
-    """Map the embedded aliases to their cached local models (built on first use):
-    "flipguard:tiny" (random init) and "flipguard:organism" (planted-bias judge); a GGUF
-    file (or a folder holding one) to its plain checkpoint (eval/convert.py, converted once)."""
-    if name not in EMBEDDED_MODELS:
-        from flipguard.eval.convert import cached_checkpoint, gguf_file
-
-        return cached_checkpoint(name) if gguf_file(name) is not None else name
-    import importlib
-
-    module, func = EMBEDDED_MODELS[name].split(":")
-    return getattr(importlib.import_module(module), func)()
-
-
 def main(argv: list[str]) -> int:
-    from flipguard.config import parse_dataclasses
-
     args = parse_dataclasses(argv, TinyModelArgs, prog="flipguard tiny-model", description=TinyModelArgs.__doc__)
     settings = dataclasses.asdict(args)
     configure_threads(settings.pop("threads"))

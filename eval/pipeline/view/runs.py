@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flipguard.errors import UserError
+from flipguard.eval.afr.metrics import records_frame
+from flipguard.eval.dds.report import _resolve
+from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import Record, load_records, load_run_meta
+from flipguard.eval.sos.metrics import system_label
+from flipguard.eval.task import Task, comparison_long_rows, get_task
 from flipguard.files import read_text
 
 MAX_PLOT_BYTES = 3 * 1024 * 1024  # a larger PNG is named, not embedded
@@ -192,8 +197,6 @@ def _dds_tables(run_dir: Path) -> list[dict[str, Any]]:
 
 def _dds_baseline_records(run_dir: Path, meta: dict[str, Any]) -> list[Record]:
     """The C1 baseline's records (run.json c1_from, found as the report finds it); none when it moved."""
-    from flipguard.eval.dds.report import _resolve
-
     if not meta.get("c1_from"):
         return []
     base = _resolve(str(meta["c1_from"]), run_dir)
@@ -233,8 +236,6 @@ def dds_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict
 
 def afr_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict[str, Any]:
     """AFR: every challenge transcript (the first answer, the argument, the answer after it)."""
-    from flipguard.eval.afr.metrics import records_frame
-
     frame = records_frame(records).set_index("key")
     first = {(r.item_id, r.model): r for r in records if r.case == "baseline"}
     entries = []
@@ -260,8 +261,6 @@ def afr_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict
 
 def sos_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict[str, Any]:
     """Stick-or-switch: each conversation turn by turn (the last turn's messages hold the whole chat)."""
-    from flipguard.eval.sos.metrics import system_label
-
     chats: dict[tuple, list[Record]] = {}
     for r in records:
         e = r.extra or {}
@@ -290,8 +289,6 @@ def sos_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict
 def generic_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict[str, Any]:
     """Any other task: every record, one row each, named by its system (Task.system_of: the name its
     comparison rows use, so a comparison's RUN_DIR@system finds them)."""
-    from flipguard.eval.task import Task, get_task
-
     try:
         system_of = get_task(meta.get("protocol") or "").system_of
     except UserError:  # a user's task this process does not know (not --include'd): the default naming
@@ -329,19 +326,15 @@ def protocol_entries(runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
 def task_table(protocol: str, run_dir: Path) -> dict[str, Any] | None:
     """The protocol's headline numbers with CIs: the rows compare takes from its Task (comparison_rows);
     None for a task this process does not know (a user's, not --include'd) or one without such rows."""
-    from flipguard.eval.compare import protocol_rows
-    from flipguard.eval.estimate import Estimate
-    from flipguard.eval.task import get_task
-
     try:
         task = get_task(protocol)
-        frame = protocol_rows([("run", str(run_dir))])
+        long_rows = comparison_long_rows("run", str(run_dir))
     except UserError:
         return None
-    rows = [{"key": f"{r.system}|{r.dataset}|{r.metric}", "cells": {
-        "system": r.system, "dataset": r.dataset or "–", "metric": r.metric, "n": str(r.n),
-        "value": {"t": Estimate(r.value, r.ci_low, r.ci_high, int(r.n), r.unit).format(signed=r.unit == "pp"),
-                  "v": r.value, "c": "num"}}} for r in frame.itertuples()]
+    rows = [{"key": f"{r['system']}|{r['dataset']}|{r['metric']}", "cells": {
+        "system": r["system"], "dataset": r["dataset"] or "–", "metric": r["metric"], "n": str(r["n"]),
+        "value": {"t": Estimate(r["value"], r["ci_low"], r["ci_high"], int(r["n"]), r["unit"]).format(
+            signed=r["unit"] == "pp"), "v": r["value"], "c": "num"}}} for r in long_rows]
     if not rows:
         return None
     return {"id": "headline", "title": task.comparison_title or f"{protocol} numbers", "note": task.comparison_note,

@@ -1,0 +1,54 @@
+"""Plug-ins by entry point: tasks, backends and embedded models found by name.
+
+flipguard's own protocols, backends and embedded models are declared in pyproject.toml
+([project.entry-points."flipguard.tasks"], "flipguard.backends", "flipguard.models") exactly as
+a user's package declares its own, as lm-evaluation-harness and pytest find theirs. The core
+that looks a name up therefore imports none of them: no import cycle runs through a registry
+(tests/test_layout.py). A task or backend module registers its class when imported; a model
+entry is a function that builds the model (once, cached) and returns its local path.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint, entry_points
+
+from flipguard.errors import UserError
+
+TASKS = "flipguard.tasks"
+BACKENDS = "flipguard.backends"
+MODELS = "flipguard.models"
+
+_loaded: set[str] = set()
+
+
+def plugins(group: str) -> dict[str, EntryPoint]:
+    """name -> entry point of one group, flipguard's own and every installed package's."""
+    found = {ep.name: ep for ep in entry_points(group=group)}
+    if not any(is_builtin(ep) for ep in found.values()):
+        raise UserError(f"flipguard's own '{group}' entry points are not installed (an install older than them?): "
+                        "reinstall flipguard in this environment (`pip install -e .` in its checkout)")
+    return found
+
+
+def is_builtin(ep: EntryPoint) -> bool:
+    return ep.value.startswith("flipguard.")
+
+
+def load(ep: EntryPoint):
+    """The entry point's object (a module or a function), a plug-in's failure named as one error."""
+    try:
+        return ep.load()
+    except Exception as exc:
+        if is_builtin(ep):
+            raise
+        raise UserError(f"entry point {ep.name!r} of '{ep.group}' ({ep.value}) failed to load: "
+                        f"{type(exc).__name__}: {exc}") from None
+
+
+def load_plugins(group: str) -> None:
+    """Import every module of a group once: its classes register themselves on import."""
+    if group in _loaded:
+        return
+    for ep in plugins(group).values():
+        load(ep)
+    _loaded.add(group)
