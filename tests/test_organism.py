@@ -96,6 +96,42 @@ def test_partial_data_root_names_what_is_missing_and_how_to_choose(tmp_path):
     assert "8 of the 9" in str(err.value) and "--datasets gpqa" in str(err.value)
 
 
+def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatch):
+    """The default folder is named by ORGANISM_VERSION (+ a hash of non-default settings): a
+    cached build there is served only when its recorded settings are today's defaults, so a
+    change of the defaults without a version bump never serves an old build."""
+    import dataclasses
+
+    from flipguard.eval import organism
+
+    monkeypatch.setenv("FLIPGUARD_HOME", str(tmp_path / "home"))
+    args = organism.OrganismArgs()
+    target = organism.default_organism_path(args)
+    assert target.name == f"organism-{organism.ORGANISM_VERSION}"
+    # non-default settings get their own folder
+    assert organism.default_organism_path(dataclasses.replace(args, steps=args.steps - 1)) != target
+    target.mkdir(parents=True)
+
+    def write(build):
+        (target / organism.ORGANISM_FILE).write_text(json.dumps({"version": organism.ORGANISM_VERSION, "build": build}))
+
+    write(organism.build_config(args))
+    assert organism.ensure_organism(log=lambda *_: None) == str(target)  # served: nothing built
+
+    class Built(Exception):
+        pass
+
+    def no_build(*a, **k):
+        raise Built
+
+    monkeypatch.setattr(organism, "train_organism", no_build)
+    write({**organism.build_config(args), "steps": args.steps + 1})  # a build of other (e.g. older) defaults
+    with pytest.raises(Built):
+        organism.ensure_organism(log=lambda *_: None)
+    # an explicit --path is the caller's: served as it is
+    assert organism.ensure_organism(path=target, log=lambda *_: None) == str(target)
+
+
 @pytest.mark.slow
 def test_organism_deference_is_detected_as_planted(organism_path, tmp_path):
     """Baseline DDS in the planted range with C1 >= 95%; Dehumanizing lowers it, as planted."""

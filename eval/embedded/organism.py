@@ -146,6 +146,14 @@ def build_config(args: OrganismArgs) -> dict:
     return {k: getattr(args, k) for k in _BUILD_FIELDS}
 
 
+def cached_build(target: Path) -> dict | None:
+    """The build settings recorded in an organism folder's organism.json (None if unreadable)."""
+    try:
+        return json.loads((target / ORGANISM_FILE).read_text(encoding="utf-8")).get("build")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def default_organism_path(args: OrganismArgs) -> Path:
     name = f"organism-{ORGANISM_VERSION}"
     if build_config(args) != build_config(OrganismArgs()):
@@ -511,7 +519,10 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
     args = OrganismArgs(path=str(path) if path else None, **overrides)
     target = Path(args.path) if args.path else default_organism_path(args)
     if (target / ORGANISM_FILE).exists() and not args.force:
-        return str(target)
+        if args.path or cached_build(target) == build_config(args):
+            return str(target)
+        # the default folder holds another build (defaults changed without a version bump): never serve it
+        log(f"{target} holds a build with other settings than {build_config(args)}: rebuilding it")
     import torch
     from transformers.utils import logging as hf_logging
 
