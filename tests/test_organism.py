@@ -102,7 +102,7 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     change of the defaults without a version bump never serves an old build."""
     import dataclasses
 
-    from flipguard.eval import organism
+    from flipguard.eval.embedded import organism
 
     monkeypatch.setenv("FLIPGUARD_HOME", str(tmp_path / "home"))
     args = organism.OrganismArgs()
