@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 import graphlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,3 +239,15 @@ def test_every_command_points_at_a_module_that_exists():
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "COMMANDS"))
     missing = {name: target for name, (target, _) in commands.items() if target.split(":")[0] not in MODULES}
     assert missing == {}
+
+
+def test_commands_that_read_run_directories_load_no_model_stack():
+    """HEAVY's reason, checked: report, compare, view and data import none of it (one fresh process)."""
+    readers = ["flipguard.eval.dds.report", "flipguard.eval.afr.report", "flipguard.eval.sos.report",
+               "flipguard.eval.pipeline.compare", "flipguard.eval.pipeline.view", "flipguard.data.cli"]
+    code = ("import importlib, sys\n"
+            f"for m in {readers!r}: importlib.import_module(m)\n"
+            f"print(sorted(p for p in {sorted(HEAVY)!r} if p in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
