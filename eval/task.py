@@ -53,7 +53,8 @@ from flipguard.eval.records import (
     now_iso,
     open_run_dir,
 )
-from flipguard.eval.runner import Parser, check_context, data_parallel, is_writer, run_records
+from flipguard.eval.parallel import data_parallel, is_writer
+from flipguard.eval.runner import Parser, check_context, run_records
 from flipguard.eval.threads import configure_threads
 from flipguard.files import PACKAGE_ROOT
 from flipguard.redact import redact_obj

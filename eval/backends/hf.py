@@ -17,7 +17,7 @@ from flipguard.eval.backends.base import (
     Backend, BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template,
     context_limit, raw_prompt, register_backend
 )
-from flipguard.eval.runner import data_parallel
+from flipguard.eval.parallel import data_parallel
 
 
 def _progress(total: int, desc: str):
