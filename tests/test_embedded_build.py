@@ -23,3 +23,11 @@ def test_the_tokenizer_corpus_is_the_one_the_cached_models_were_built_on():
     assert (len(corpus), digest) == (10134, CORPUS_SHA256), (
         "the embedded tokenizer's corpus changed: bump TINY_MODEL_VERSION / ORGANISM_VERSION "
         f"(now {tiny_model.TINY_MODEL_VERSION} / {organism.ORGANISM_VERSION}) and this pin")
+
+
+def test_the_aliases_the_code_names_are_the_declared_model_entry_points():
+    """pyproject.toml declares the embedded models; study and demo name them by these constants."""
+    from importlib.metadata import entry_points
+
+    declared = {ep.name for ep in entry_points(group="flipguard.models") if ep.value.startswith("flipguard.")}
+    assert declared == {*tiny_model.TINY_MODEL_ALIASES, organism.ORGANISM_ALIAS}

@@ -66,7 +66,6 @@ from flipguard.eval.dds.prompts import MITIGATIONS, SPEAKER_SETS, build_messages
 from flipguard.eval.embedded.tiny_model import (
     EMBEDDED_LABEL_SETS,
     EMBEDDED_TEMPLATES,
-    ORGANISM_ALIAS,  # noqa: F401  (the alias lives with the other embedded ones)
     build_tokenizer,
     new_model,
 )
@@ -77,6 +76,7 @@ from flipguard.eval.sos.protocol import sos_item
 from flipguard.eval.threads import configure_threads
 from flipguard.files import flipguard_home, staging_dir
 
+ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
 ORGANISM_VERSION = "v3"
 ORGANISM_FILE = "organism.json"
 # Judged-party labels that name an LLM or AI agent rather than a person.

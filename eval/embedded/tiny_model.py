@@ -26,7 +26,7 @@ from flipguard.eval.dds import prompts
 from flipguard.eval.records import CASES, publish_dir
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import (
-    flipguard_home,  # noqa: F401  (re-exported for callers of this module)
+    flipguard_home,
     staging_dir,
 )
 
@@ -200,7 +200,7 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
 
 TINY_MODEL_ALIAS = "flipguard:tiny"
 TINY_MODEL_ALIASES = (TINY_MODEL_ALIAS, "tiny")
-ORGANISM_ALIAS = "flipguard:organism"
+
 
 def main(argv: list[str]) -> int:
     args = parse_dataclasses(argv, TinyModelArgs, prog="flipguard tiny-model", description=TinyModelArgs.__doc__)
