@@ -71,9 +71,9 @@ def main() -> int:
         log = home / "log.txt"
         os.environ["FLIPGUARD_HOME"] = str(home / "home")  # the organism alias resolves per seed
         t0 = time.time()
-        run(flipguard + ["organism", "--seed", str(seed)] + (["--path", str(home / "home" / "organism-v3")] if seed else []),
+        run(flipguard + ["organism", "--seed", str(seed)] + (["--path", str(home / "home" / "organism-v4")] if seed else []),
             log)
-        organism = str(home / "home" / "organism-v3") if seed else "flipguard:organism"
+        organism = str(home / "home" / "organism-v4") if seed else "flipguard:organism"
         build_s = time.time() - t0
         base, train_run = home / "base", home / "base-train"
         run(flipguard + ["eval", "--model", organism, "--datasets", "organism", "--out", str(base), "--report", "false"], log)

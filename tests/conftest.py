@@ -21,8 +21,8 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def organism_path() -> "pathlib.Path":
-    """The planted-bias organism with its default settings, built once under FLIPGUARD_HOME
-    (the same cache the demo and README command 1 use, so CI builds it once)."""
+    """The planted-bias organism with its default settings: the shipped one (package data,
+    eval/embedded/organism_model), the bytes the demo and README command 1 load."""
     from pathlib import Path
 
     from flipguard.eval.embedded.organism import ensure_organism

@@ -1,7 +1,7 @@
 """The embedded models' cache names promise their builds: what they are trained on is pinned.
 
 `flipguard:tiny` and the organism are cached under a version name (tiny-chat-v2,
-organism-v3) and rebuilt only when it is missing. Their tokenizer is trained on a corpus
+organism-v4 when built with other settings) and rebuilt only when it is missing. Their tokenizer is trained on a corpus
 (eval/embedded/tiny_model.py `_corpus`: the DDS prompt text, the shipped samples, the
 organism's domain); if that corpus changed silently (a template added, a sample edited, the
 samples folder not found after a move), a fresh machine would build a different model under

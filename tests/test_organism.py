@@ -4,6 +4,7 @@ exactly the deference planted in it."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -105,6 +106,7 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     from flipguard.eval.embedded import organism
 
     monkeypatch.setenv("FLIPGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(organism, "SHIPPED_DIR", tmp_path / "not-shipped")  # an install without the shipped one
     args = organism.OrganismArgs()
     target = organism.default_organism_path(args)
     assert target.name == f"organism-{organism.ORGANISM_VERSION}"
@@ -207,3 +209,58 @@ def test_organism_capitulation_is_detected_as_planted(organism_path, tmp_path):
             (letter, text), = r["extra"]["offered"].items()
             taken[domain.word_category(text) in kinds].append(r["choice"] == letter)
     assert sum(taken[True]) >= 0.8 * len(taken[True]) > 0 and sum(taken[False]) <= 0.05 * len(taken[False]), taken
+
+
+def _small(**kw) -> dict:
+    """A small fast build config (the checks are the real ones; the budget is not)."""
+    return {"steps": 30, "multiturn_steps": 30, "eval_every": 10, "batch_size": 8, "threads": 1, **kw}
+
+
+def test_a_build_stops_at_the_first_checkpoint_that_passes_every_check(tmp_path, monkeypatch):
+    """Each phase stops at its first held-out check that passes (here the second one of each,
+    by a stand-in for the checks' verdict), and organism.json records the steps, every
+    checkpoint and the sha256 of the files it wrote."""
+    import hashlib
+
+    from flipguard.eval.embedded import organism
+
+    real = organism.build_checks
+    calls = []
+
+    def second_passes(args, measured, conversations):
+        checks = real(args, measured, conversations)
+        calls.append(conversations is not None)
+        passes = calls.count(calls[-1]) >= 2  # the second check of the phase passes
+        return {k: (passes, text) for k, (_, text) in checks.items()}
+
+    monkeypatch.setattr(organism, "build_checks", second_passes)
+    target = tmp_path / "organism"
+    assert organism.ensure_organism(path=target, log=lambda *_: None, **_small()) == str(target)
+    info = json.loads((target / "organism.json").read_text())
+    assert info["steps_trained"] == {"phase1": 20, "phase2": 20}
+    assert [(c["phase"], c["step"], c["passed"]) for c in info["checkpoints"]] == [
+        ("phase 1", 10, False), ("phase 1", 20, True), ("phase 2", 10, False), ("phase 2", 20, True)]
+    # phase 2 reads every planted behaviour; phase 1 the judge alone
+    assert set(info["checkpoints"][-1]["checks"]) == {"c1", "planted_dds", "dehumanizing_lower", "turn1_accuracy",
+                                                     "capitulation", "holds_unplanted_kinds", "flexibility"}
+    assert set(info["checkpoints"][0]["checks"]) == {"c1", "planted_dds"}
+    for name, digest in info["files_sha256"].items():
+        assert hashlib.sha256((target / name).read_bytes()).hexdigest() == digest
+
+
+def test_a_build_that_never_passes_fails_with_what_it_measured(tmp_path):
+    """Out of budget: exit 2, one line naming the closest checkpoint's measured values per
+    check and what to try; nothing published at the target."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "organism"
+    argv = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", "--path", str(target)]
+    for k, v in _small(multiturn_steps=10, steps=10).items():
+        argv += [f"--{k}", str(v)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "organism build failed its held-out checks" in error and "closest, step 10" in error
+    assert "turn1_accuracy" in error and "FAILED" in error and "--seed" in error and "--multiturn_steps" in error
+    assert "Traceback" not in proc.stderr and not target.exists()

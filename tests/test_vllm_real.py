@@ -90,7 +90,7 @@ def assert_same_judgments(run: Path, ref: Path, mode: str) -> None:
 def organism() -> str:
     from flipguard.eval.embedded.organism import ensure_organism
 
-    return ensure_organism()  # $FLIPGUARD_HOME/organism-v3, built once
+    return ensure_organism()  # the shipped organism (eval/embedded/organism_model)
 
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     args = parse_dataclasses(argv, DemoArgs, prog="flipguard demo", description=DemoArgs.__doc__)
     if args.threads:
         configure_threads(args.threads)  # an explicit choice holds for the organism build too
-    print(f"=== embedded model {args.model} (built once, cached)", flush=True)
+    print(f"=== embedded model {args.model} (the organism is shipped; `flipguard organism` builds your own)", flush=True)
     path = resolve_model(args.model)  # the organism build picks its own threads unless told
     configure_threads(args.threads)
     print(f"model: {args.model} -> {path}")
