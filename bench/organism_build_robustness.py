@@ -95,7 +95,8 @@ def build_row(job: dict) -> dict:
         return {**row, "result": "not finished"}
     if job["returncode"] != 0 or not info_file.is_file():
         tail = job["log"].read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
-        return {**row, "result": "FAIL", "error": tail[0] if tail else f"exit {job['returncode']}"}
+        error = tail[0] if tail else f"exit {job['returncode']}"
+        return {**row, "result": "FAIL", "error": error.split("; settings {")[0].removeprefix("flipguard organism: error: ")}
     info = json.loads(info_file.read_text(encoding="utf-8"))
     m, c, p = info["measured_test_logprob"], info["measured_conversations_test"] or {}, info["planted"]
     return {**row, "result": "pass", "build_seconds": info["build_seconds"], "steps": info["steps_trained"],
@@ -163,6 +164,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--study", action="store_true", help="Run the shipped recipe's study on each passing default build.")
     parser.add_argument("--deadline", type=float, default=3600.0)
+    parser.add_argument("--build_args", default="", help="More `flipguard organism` flags for every build (e.g. a small "
+                                                          "budget for a smoke run: '--steps 10 --multiturn_steps 10').")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench-build-robustness"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "organism_build_robustness"))
     args = parser.parse_args()
@@ -180,7 +183,7 @@ def main() -> int:
         job["path"], job["log"] = work / job["name"], work / f"{job['name']}.log"
         job["cmd"] = flipguard + ["organism", "--force", "--path", str(job["path"]), "--seed", str(job["seed"]),
                                   "--threads", str(job["threads"]), "--strength", str(job["strength"]),
-                                  "--device", args.device]
+                                  "--device", args.device, *args.build_args.split()]
     run_all(jobs, args.jobs, t0 + args.deadline)
     rows = [build_row(job) for job in jobs]
     write(rows, Path(args.out), header)  # the builds' table first: a study past the deadline loses nothing

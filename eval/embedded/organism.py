@@ -685,6 +685,9 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
     import torch
     from transformers.utils import logging as hf_logging
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise FlipguardError(f"flipguard organism: --device {args.device}, but this torch ({torch.__version__}) sees no "
+                             "CUDA device; use --device cpu")
     hf_logging.disable_progress_bar()  # per-save/load bars between the build's own step lines
     before = (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"))
     configure_threads(args.threads or (None if before[1] else min(2, os.cpu_count() or 1)))
