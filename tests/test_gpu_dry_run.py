@@ -119,3 +119,49 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
     assert steps["dds"]["result"]["full_pass"]["judgments"] == 3244 * 4
     assert steps["merge"]["result"]["merge_gap"]["n_prompts"] == 8
     assert (out / "gpu.log").is_file()
+
+
+def test_the_organism_gpu_recipe_is_the_cpu_recipe_with_qlora_on_one_gpu():
+    import yaml
+
+    from flipguard.config import PairsArguments, TrackingArguments, parse_recipe
+    from trl import DPOConfig, ModelConfig, SFTConfig
+
+    cpu = yaml.safe_load((ROOT / "recipes" / "organism.yaml").read_text())
+    gpu = yaml.safe_load((ROOT / "recipes" / "organism_gpu.yaml").read_text())
+    assert gpu["load_in_4bit"] is True and gpu["bnb_4bit_quant_type"] == "nf4" and gpu["use_bnb_nested_quant"] is True
+    assert gpu["dtype"] == "bfloat16" and gpu["bf16"] is True and "use_cpu" not in gpu
+    assert gpu["eval"]["accelerate_config"] == "recipes/accelerate_configs/single_gpu.yaml"
+    assert gpu["pairs"]["strategy"] == cpu["pairs"]["strategy"] and gpu["pairs"]["framings"] == cpu["pairs"]["framings"]
+    for section in ("sft", "dpo"):  # the same steps, batches and learning rates
+        for key in ("max_steps", "per_device_train_batch_size", "learning_rate"):
+            assert gpu[section][key] == cpu[section][key]
+    # it parses into the trainers' configs (on CPU only with the CPU overrides: bf16 needs a GPU)
+    cpu_flags = ["--bf16", "false", "--use_cpu", "true"]
+    for trainer, config in (("sft", SFTConfig), ("dpo", DPOConfig)):
+        (_, args, model, _), _, _ = parse_recipe(["recipes/organism_gpu.yaml", *cpu_flags],
+                                                 (PairsArguments, config, ModelConfig, TrackingArguments), trainer=trainer)
+        assert model.load_in_4bit and model.use_bnb_nested_quant and model.dtype == "bfloat16"
+        assert args.max_steps == cpu[trainer]["max_steps"]
+
+
+def test_the_organism_gpu_study_launches_its_trainers_through_accelerate_on_a_gpu(tmp_path, tiny_model_path, monkeypatch):
+    """The study's plan on a machine with CUDA (torch.cuda.is_available patched: the plan, not a run):
+    every stage of the CPU study, the trainers through `accelerate launch` with the recipe's config."""
+    import torch
+    import yaml
+
+    from flipguard.eval.pipeline.study import Study
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    raw = yaml.safe_load((ROOT / "recipes" / "organism_gpu.yaml").read_text())
+    raw["model_name_or_path"] = tiny_model_path  # the plan only: no organism build
+    study = Study(str(ROOT / "recipes" / "organism_gpu.yaml"), raw, tmp_path / "study")
+    names = [s.name for s in study.stages]
+    for stage in ("baseline", "baseline-generate", "base-train", "pairs", "sft", "sft-merge", "sft-eval", "dpo",
+                  "dpo-merge", "dpo-eval", "compare"):
+        assert stage in names
+    sft = next(s for s in study.stages if s.name == "sft")
+    assert "accelerate launch" in sft.title
+    assert sft.params["accelerate_config"] == "recipes/accelerate_configs/single_gpu.yaml"

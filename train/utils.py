@@ -112,12 +112,39 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
 
 def train_and_save(trainer, job: Job) -> int:
     reset_peak_memory()
+    timer = step_timer()
+    trainer.add_callback(timer)
     trainer.train(resume_from_checkpoint=job.checkpoint)
     # the logged loss curve (DDP: the mean over processes, gathered by the Trainer) goes into the provenance
     job.config["log_history"] = trainer.state.log_history
-    job.config["compute"] = computed(trainer.model, job.training_args)
+    job.config["compute"] = {**computed(trainer.model, job.training_args), "step_seconds": timer.seconds}
     save_adapter(trainer, job.tokenizer, job.training_args, job.config, job.pairs_args.pairs_dir, job.run)
     return 0
+
+
+def step_timer():
+    """A callback recording each optimizer step's wall time (the first holds the warm-up: kernels,
+    autotuning), so that throughput can be read without it."""
+    import time
+
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+            self._start = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():  # the step's kernels, not only their launch
+                torch.cuda.synchronize()
+            if self._start is not None:
+                self.seconds.append(round(time.perf_counter() - self._start, 4))
+
+    return StepTimes()
 
 
 def reset_peak_memory() -> None:

@@ -186,7 +186,13 @@ def cmd_train_stats(args) -> dict:
     mean_prompt = json.loads((Path(args.pairs_json)).read_text())["sampled_prompt_tokens"]["mean"] if args.pairs_json else None
     seqs = 2 if args.kind == "dpo" else 1
     tokens = (mean_prompt + 3) * samples * seqs if mean_prompt else None
-    return {"kind": args.kind, "rows": len(data), "optimizer_steps": steps, "effective_batch": batch,
+    step_s = (info.get("compute") or {}).get("step_seconds") or []
+    steady = statistics.median(step_s[1:]) if len(step_s) > 1 else None
+    return {"kind": args.kind, "rows": len(data),
+            "step_seconds": step_s,
+            "steady_samples_per_s": round(batch / steady, 3) if steady else None,
+            "steady_tokens_per_s": round(tokens / samples * batch / steady, 1) if steady and tokens else None,
+            "steady": "median of the optimizer steps after the first (the first holds the warm-up)", "optimizer_steps": steps, "effective_batch": batch,
             "samples": samples, "train_runtime_s": runtime,
             "samples_per_s": round(samples / runtime, 3) if runtime else None,
             "tokens_per_s": round(tokens / runtime, 1) if runtime and tokens else None,

@@ -43,12 +43,22 @@ export HF_HUB_DISABLE_TELEMETRY=1 ACCELERATE_DISABLE_RICH=1
 # ------------------------------------------------------------------ wheels and flipguard on the path
 SITE="${FG_SITE:-}"
 if [[ -z "$SITE" ]]; then
-  if ((DRY)); then SITE="$(mktemp -d)/site"; else SITE=/tmp/site; fi
+  if ((DRY)); then
+    TMP_SITE="$(mktemp -d)"; SITE="$TMP_SITE/site"; trap 'rm -rf "$TMP_SITE"' EXIT
+  else
+    SITE=/tmp/site
+  fi
 fi
 install_wheels() {
   compgen -G "$ROOT/.whl/*.whl" >/dev/null || { echo "run.sh: no wheels in $ROOT/.whl: run bench/gpu/prepare.sh first" >&2; return 1; }
+  local cross=()
+  # the wheels are the device's (CPython 3.12, x86-64 Linux); another Python (a CI machine's) installs them as
+  # they are, as the device would (multiprocess ships one wheel per Python version)
+  "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' ||
+    cross=(--python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_24_x86_64
+           --platform manylinux_2_17_x86_64 --platform any)
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "$ROOT"/.whl/*.whl
+    "${cross[@]}" --target "$SITE" "$ROOT"/.whl/*.whl
 }
 install_wheels || exit 1
 SRC="$(dirname "$SITE")/src"
@@ -58,7 +68,7 @@ export PYTHONPATH="$SRC:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 if ((DRY)); then
   # every module the GPU steps import, from the carried wheels, and flipguard's entry points from pyproject
-  exec "$PY" - "$SITE" <<'EOF'
+  "$PY" - "$SITE" <<'EOF'
 import importlib, sys, warnings
 site = sys.argv[1]
 warnings.simplefilter("ignore")
@@ -82,6 +92,7 @@ for group in (plugins.TASKS, plugins.BACKENDS, plugins.MODELS):
     print("ok entry points", group, sorted(plugins.plugins(group)))
 print("dry run: all imports ok")
 EOF
+  exit $?
 fi
 
 # ------------------------------------------------------------------ the run
