@@ -113,7 +113,8 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
         r = steps[kind]["result"]
         assert r["optimizer_steps"] == 2 and r["effective_batch"] == 16 and r["samples"] == 32
         assert r["samples_per_s"] > 0 and len(r["losses"]) == 2
-        assert r["compute"]["device"] == "cpu" and r["compute"]["trainable_dtypes"] == ["float32"]
+        # TRL casts a quantized base's LoRA weights to bf16 (QLoRA paper; trl sft_trainer/dpo_trainer)
+        assert r["compute"]["device"] == "cpu" and r["compute"]["trainable_dtypes"] == ["bfloat16"]
         assert r["compute"]["bnb_4bit_compute_dtype"] is not None  # the 4-bit base, as on the GPU
     assert [row["batch_size"] for row in steps["dds"]["result"]["sweep"]] == [8, 32]
     assert steps["dds"]["result"]["full_pass"]["judgments"] == 3244 * 4

@@ -251,7 +251,7 @@ def cmd_dds(args) -> dict:
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
         row = {"batch_size": bs, "seconds": [round(x, 3) for x in times], "median_s": round(t, 3),
-               "judgments_per_s": round(len(conversations) / t, 1), "tflops_achieved": round(flops / t / 1e12, 1),
+               "judgments_per_s": round(len(conversations) / t, 1), "tflops_achieved": round(flops / t / 1e12, 3),
                "projected_full_pass_s": round(FULL_DDS_ITEMS * CASES_PER_ITEM * t / len(conversations), 1),
                **({"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)} if cuda else {})}
         if args.peak_tflops:
@@ -302,7 +302,7 @@ def cmd_matmul(args) -> dict:
             times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     return {"n": n, "dtype": str(dtype), "repeats": args.repeats, "median_s": t,
-            "tflops": round(2 * n**3 / t / 1e12, 1), "tflops_each": [round(2 * n**3 / x / 1e12, 1) for x in times],
+            "tflops": round(2 * n**3 / t / 1e12, 3), "tflops_each": [round(2 * n**3 / x / 1e12, 1) for x in times],
             **device_facts()}
 
 

@@ -181,7 +181,7 @@ step_merge() {
   rm -rf "$WORK/merged"
   local t0=$SECONDS
   "$PY" train/merge.py recipes/qwen7b.yaml --adapter "$WORK/sft" --out "$WORK/merged" --model_name_or_path "$MODEL" \
-    --pairs_dir "$PAIRS" --gap_prompts 8 "${MERGE_ARGS[@]}" || return $?
+    --pairs_dir "$PAIRS" --gap_prompts "$MERGE_GAP_PROMPTS" "${MERGE_ARGS[@]}" || return $?
   "$PY" - "$WORK/merged/flipguard_merge.json" "$R/merge.json" $((SECONDS - t0)) <<'EOF'
 import json, sys
 info = json.load(open(sys.argv[1]))
@@ -190,6 +190,9 @@ json.dump(info, open(sys.argv[2], "w"), indent=2, default=str)
 print(json.dumps(info, indent=2, default=str))
 EOF
 }
+# the merge-gap check loads the merged model and the 4-bit base + adapter again: on the 7B shape about as long
+# as the merge itself, so off there unless asked for (MERGE_GAP_PROMPTS=8)
+if [[ "$SHAPE" == 7b ]]; then MERGE_GAP_PROMPTS="${MERGE_GAP_PROMPTS:-0}"; else MERGE_GAP_PROMPTS="${MERGE_GAP_PROMPTS:-8}"; fi
 MERGE_ARGS=()
 ((QUANT)) || MERGE_ARGS+=(--load_in_4bit false)
 ((HAVE_GPU)) || MERGE_ARGS+=(--dtype float32)
@@ -264,7 +267,7 @@ EOF
   echo "=== step $name rc $rc"
 }
 
-export PY ROOT WORK R MODEL PAIRS OUT SHAPE QUANT HAVE_GPU
+export PY ROOT WORK R MODEL PAIRS OUT SHAPE QUANT HAVE_GPU MERGE_GAP_PROMPTS
 for s in "${STEPS[@]}"; do
   # the later steps need the model and pairs: made first when a rerun names only later steps
   case "$s" in
