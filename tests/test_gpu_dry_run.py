@@ -98,9 +98,9 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--shape", "tiny", "env", "matmul", "model", "pairs", "dds",
-         "sft", "dpo", "merge"], cwd=ROOT, text=True, capture_output=True, timeout=1200,
+         "sft", "dpo", "merge"], cwd=ROOT, text=True, capture_output=True, timeout=1300,
         env=env(OUT=str(out), WORK=str(work), FG_SITE=str(tmp_path / "site"), TRAIN_STEPS="2", DDS_BATCHES="8,32",
-                DDS_JUDGMENTS="32", RUN_BUDGET_S="1100"))
+                DDS_JUDGMENTS="32", RUN_BUDGET_S="1100", BUDGET_SCALE="4"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "gpu.json").read_text())
     steps = res["steps"]

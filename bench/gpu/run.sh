@@ -36,7 +36,9 @@ while (($#)); do
 done
 ((${#STEPS[@]})) || STEPS=(env matmul model pairs dds sft dpo merge organism)
 
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# accelerate (and the study's `accelerate launch`) from the same environment as $PY
+PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
+export PATH OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export HF_HUB_DISABLE_TELEMETRY=1 ACCELERATE_DISABLE_RICH=1
 
@@ -114,7 +116,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && HAVE_GPU=1
 exec > >(tee -a "$LOG") 2>&1
 echo "run.sh: steps ${STEPS[*]} shape $SHAPE 4bit $QUANT work $WORK out $OUT gpu $HAVE_GPU $(date -u +%FT%TZ)"
 
-# per-step budgets in seconds (a step gets at most what is left before RUN_BUDGET_S)
+# per-step budgets in seconds, times BUDGET_SCALE (a loaded CPU); a step gets at most what is left before RUN_BUDGET_S
 declare -A BUDGET=([env]=60 [matmul]=60 [model]=150 [pairs]=60 [dds]=150 [sft]=200 [dpo]=200 [merge]=200 [organism]=300)
 TRAIN=(--model_name_or_path "$MODEL" --pairs_dir "$PAIRS" --report_to none --save_strategy no --logging_steps 1
        --max_steps "${TRAIN_STEPS:-6}" --num_train_epochs 1)
@@ -230,7 +232,7 @@ EOF
 }
 
 run_step() {
-  local name=$1 left=$((DEADLINE - $(date +%s))) budget=${BUDGET[$1]} rc t0 smi_pid=""
+  local name=$1 left=$((DEADLINE - $(date +%s))) budget=$((${BUDGET[$1]} * ${BUDGET_SCALE:-1})) rc t0 smi_pid=""
   ((budget > left - 5)) && budget=$((left - 5))
   if ((budget < 10)); then
     printf '{"rc": null, "skipped": "out of time (RUN_BUDGET_S)"}\n' >"$R/$name.step.json"; aggregate; return
