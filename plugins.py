@@ -15,6 +15,11 @@ from pathlib import Path
 
 from flipguard.errors import UserError
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10: no TOML reader in the standard library (install flipguard there)
+    tomllib = None
+
 TASKS = "flipguard.tasks"
 BACKENDS = "flipguard.backends"
 MODELS = "flipguard.models"
@@ -38,11 +43,7 @@ def source_tree_entry_points(group: str) -> dict[str, EntryPoint]:
     from a checkout that was never installed (its folder on PYTHONPATH under the name flipguard,
     as on a machine without network: bench/gpu/run.sh). An install's metadata, when present, wins."""
     pyproject = Path(__file__).resolve().parent / "pyproject.toml"
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: no TOML reader in the standard library; install flipguard
-        return {}
-    if not pyproject.is_file():
+    if tomllib is None or not pyproject.is_file():
         return {}
     declared = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {}).get("entry-points", {})
     return {name: EntryPoint(name, value, group) for name, value in declared.get(group, {}).items()}

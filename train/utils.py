@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -125,8 +126,6 @@ def train_and_save(trainer, job: Job) -> int:
 def step_timer():
     """A callback recording each optimizer step's wall time (the first holds the warm-up: kernels,
     autotuning), so that throughput can be read without it."""
-    import time
-
     import torch
     from transformers import TrainerCallback
 
