@@ -6,7 +6,8 @@
 #   bench/gpu/run.sh dds sft                    # only these steps (model/pairs are made when missing)
 #   bench/gpu/run.sh --dry-run                  # here, no CUDA: install the wheels into a temp target and
 #                                               # import every module the GPU steps use (tests/test_gpu_dry_run.py)
-#   bench/gpu/run.sh --shape tiny --no-4bit all # here, on CPU: every step at hidden 64, 2 layers, no 4-bit
+#   bench/gpu/run.sh --shape tiny               # here, on CPU: every step at hidden 64, 2 layers (4-bit NF4 too:
+#                                               # bitsandbytes 0.50 has a CPU backend; --no-4bit loads the base in full)
 #
 # Steps (each under its own `timeout`, a failed one recorded and passed): env matmul model pairs dds sft dpo
 # merge organism. Results: $OUT/gpu.json (all steps: rc, seconds, result or the error's last lines, the peak GPU
@@ -27,7 +28,7 @@ while (($#)); do
     --dry-run) DRY=1 ;;
     --shape) SHAPE="$2"; shift ;;
     --no-4bit) QUANT=0 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     all) STEPS+=(env matmul model pairs dds sft dpo merge organism) ;;
     env|matmul|model|pairs|dds|sft|dpo|merge|organism) STEPS+=("$1") ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
