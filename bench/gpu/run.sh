@@ -28,7 +28,7 @@ while (($#)); do
     --dry-run) DRY=1 ;;
     --shape) SHAPE="$2"; shift ;;
     --no-4bit) QUANT=0 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     all) STEPS+=(env matmul model pairs dds sft dpo merge organism) ;;
     env|matmul|model|pairs|dds|sft|dpo|merge|organism) STEPS+=("$1") ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
