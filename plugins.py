@@ -11,8 +11,14 @@ entry is a function that builds the model (once, cached) and returns its local p
 from __future__ import annotations
 
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 
 from flipguard.errors import UserError
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: no TOML reader in the standard library (install flipguard there)
+    tomllib = None
 
 TASKS = "flipguard.tasks"
 BACKENDS = "flipguard.backends"
@@ -25,9 +31,22 @@ def plugins(group: str) -> dict[str, EntryPoint]:
     """name -> entry point of one group, flipguard's own and every installed package's."""
     found = {ep.name: ep for ep in entry_points(group=group)}
     if not any(is_builtin(ep) for ep in found.values()):
+        found = {**source_tree_entry_points(group), **found}
+    if not any(is_builtin(ep) for ep in found.values()):
         raise UserError(f"flipguard's own '{group}' entry points are not installed (an install older than them?): "
                         "reinstall flipguard in this environment (`pip install -e .` in its checkout)")
     return found
+
+
+def source_tree_entry_points(group: str) -> dict[str, EntryPoint]:
+    """flipguard's own entry points read from pyproject.toml beside this file, when flipguard runs
+    from a checkout that was never installed (its folder on PYTHONPATH under the name flipguard,
+    as on a machine without network: bench/gpu/run.sh). An install's metadata, when present, wins."""
+    pyproject = Path(__file__).resolve().parent / "pyproject.toml"
+    if tomllib is None or not pyproject.is_file():
+        return {}
+    declared = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {}).get("entry-points", {})
+    return {name: EntryPoint(name, value, group) for name, value in declared.get(group, {}).items()}
 
 
 def is_builtin(ep: EntryPoint) -> bool:

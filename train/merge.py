@@ -39,6 +39,7 @@ import dataclasses
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -159,7 +160,13 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     utils.check_model_loadable(base_path)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))  # never quantized
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    # never quantized; on the GPU when there is one (a 7B merge on the CPU's bf16 is minutes)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype),
+                                                device_map={"": 0} if cuda else None)
     model = load_peft_adapter(base, adapter, foreign_ok=foreign_adapter)
     merged = model.merge_and_unload()
     tok_src = adapter if (Path(adapter) / "tokenizer_config.json").is_file() else base_path
@@ -169,6 +176,10 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
     with staging_dir(out_path) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)  # also writes generation_config.json
         tokenizer.save_pretrained(tmp)
+        computed = {"device": str(next(merged.parameters()).device), "seconds_load_merge_save": round(time.perf_counter() - started, 2)}
+        if cuda:
+            computed.update(device_name=torch.cuda.get_device_name(),
+                            peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3))
         del merged, model, base
         gc.collect()
         gap = gap_check(tmp) if gap_check else None
@@ -177,7 +188,8 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
         config.update(card_config or {})
         config.update({"base_model": base_path, "adapter": str(adapter), "merge_dtype": dtype})
         counts = utils.read_pair_counts(pairs_dir) or config.get("pair_counts")
-        merge_info = {"base_model": base_path, "adapter": str(adapter), "merge_dtype": dtype, "merge_gap": gap}
+        merge_info = {"base_model": base_path, "adapter": str(adapter), "merge_dtype": dtype, "merge_gap": gap,
+                      "computed": computed}
         (tmp / MERGE_INFO_FILE).write_text(json.dumps(merge_info, indent=2, default=str) + "\n", encoding="utf-8")
         card = utils.model_card(config, counts, metrics, title=f"flipguard merged model ({Path(adapter).name})")
         (tmp / "README.md").write_text(card.rstrip("\n") + "\n\n" + merge_gap_line(gap) + "\n", encoding="utf-8")

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -111,11 +112,72 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
 
 
 def train_and_save(trainer, job: Job) -> int:
+    reset_peak_memory()
+    timer = step_timer()
+    trainer.add_callback(timer)
     trainer.train(resume_from_checkpoint=job.checkpoint)
     # the logged loss curve (DDP: the mean over processes, gathered by the Trainer) goes into the provenance
     job.config["log_history"] = trainer.state.log_history
+    job.config["compute"] = {**computed(trainer.model, job.training_args), "step_seconds": timer.seconds}
     save_adapter(trainer, job.tokenizer, job.training_args, job.config, job.pairs_args.pairs_dir, job.run)
     return 0
+
+
+def step_timer():
+    """A callback recording each optimizer step's wall time (the first holds the warm-up: kernels,
+    autotuning), so that throughput can be read without it."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+            self._start = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():  # the step's kernels, not only their launch
+                torch.cuda.synchronize()
+            if self._start is not None:
+                self.seconds.append(round(time.perf_counter() - self._start, 4))
+
+    return StepTimes()
+
+
+def reset_peak_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def computed(model, training_args) -> dict[str, Any]:
+    """What this process actually trained with, for the provenance: the device, the dtypes of the
+    frozen base weights (uint8 = 4-bit packed) and of the trainable (LoRA) weights, the autocast
+    the Trainer used, the 4-bit compute dtype, and on CUDA the peak memory of this process."""
+    import torch
+
+    frozen, trainable = set(), set()
+    for p in model.parameters():
+        (trainable if p.requires_grad else frozen).add(str(p.dtype).removeprefix("torch."))
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    compute_dtype = getattr(quant, "bnb_4bit_compute_dtype", None) if quant is not None else None
+    if isinstance(quant, dict):
+        compute_dtype = quant.get("bnb_4bit_compute_dtype")
+    info: dict[str, Any] = {
+        "device": str(next(model.parameters()).device),
+        "base_weight_dtypes": sorted(frozen), "trainable_dtypes": sorted(trainable),
+        "autocast": "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "none",
+        "bnb_4bit_compute_dtype": str(compute_dtype).removeprefix("torch.") if compute_dtype is not None else None,
+        "gradient_checkpointing": bool(training_args.gradient_checkpointing),
+    }
+    if torch.cuda.is_available():
+        info.update(device_name=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                    peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                    peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3))
+    return info
 
 
 def process_layout(training_args) -> dict[str, Any]:

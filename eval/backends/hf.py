@@ -61,8 +61,11 @@ class HFBackend(Backend):
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
             torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+            # straight onto the GPU, not read into CPU memory first and then copied (a 7B: 15 GB twice)
+            on_gpu = quantization_config is None and str(self.device).startswith("cuda")
             self.model = AutoModelForCausalLM.from_pretrained(
-                model, dtype=torch_dtype, trust_remote_code=trust_remote_code, quantization_config=quantization_config
+                model, dtype=torch_dtype, trust_remote_code=trust_remote_code, quantization_config=quantization_config,
+                **({"device_map": {"": self.device}} if on_gpu else {})
             )
         except (OSError, ValueError) as exc:
             raise BackendError(
