@@ -9,8 +9,10 @@
 #   bench/gpu/run.sh --shape tiny               # here, on CPU: every step at hidden 64, 2 layers (4-bit NF4 too:
 #                                               # bitsandbytes 0.50 has a CPU backend; --no-4bit loads the base in full)
 #
-# Steps (each under its own `timeout`, a failed one recorded and passed): env matmul model pairs dds sft dpo
-# merge organism. Results: $OUT/gpu.json (all steps: rc, seconds, result or the error's last lines, the peak GPU
+# Steps (each under its own `timeout`, a failed one recorded and passed): env matmul builds model pairs sft dpo dds
+# merge (default), organism_cuda organism (a second call). builds: the organism CPU builds of issue 31 in the
+# background (bench/gpu/organism_builds.sh; their table and the seed-0 builds come back as organism_build_robustness.*
+# and organisms.tar.gz). Results: $OUT/gpu.json (all steps: rc, seconds, result or the error's last lines, the peak GPU
 # memory nvidia-smi saw), $OUT/gpu.log (everything printed), $OUT/organism_comparison.md (the study's table).
 # flipguard runs from this checkout without an install: its folder is linked as `flipguard` on PYTHONPATH and
 # plugins.py reads pyproject.toml's entry points (no pip metadata there).
@@ -29,13 +31,15 @@ while (($#)); do
     --shape) SHAPE="$2"; shift ;;
     --no-4bit) QUANT=0 ;;
     -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
-    all) STEPS+=(env matmul model pairs dds sft dpo merge organism) ;;
-    env|matmul|model|pairs|dds|sft|dpo|merge|organism) STEPS+=("$1") ;;
+    all) STEPS+=(env matmul builds model pairs sft dpo dds merge organism_cuda organism) ;;
+    env|matmul|builds|model|pairs|dds|sft|dpo|merge|organism_cuda|organism) STEPS+=("$1") ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
 done
-((${#STEPS[@]})) || STEPS=(env matmul model pairs dds sft dpo merge organism)
+# one 10-minute device call holds the 7B-shaped steps and the CPU builds; the organism's GPU steps are a second
+# call (`bench/gpu/run.sh organism_cuda organism`)
+((${#STEPS[@]})) || STEPS=(env matmul builds model pairs sft dpo dds merge)
 
 # accelerate (and the study's `accelerate launch`) from the same environment as $PY
 PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
@@ -118,7 +122,8 @@ exec > >(tee -a "$LOG") 2>&1
 echo "run.sh: steps ${STEPS[*]} shape $SHAPE 4bit $QUANT work $WORK out $OUT gpu $HAVE_GPU $(date -u +%FT%TZ)"
 
 # per-step budgets in seconds, times BUDGET_SCALE (a loaded CPU); a step gets at most what is left before RUN_BUDGET_S
-declare -A BUDGET=([env]=60 [matmul]=60 [model]=150 [pairs]=60 [dds]=150 [sft]=200 [dpo]=200 [merge]=200 [organism]=300)
+declare -A BUDGET=([env]=60 [matmul]=60 [builds]=20 [model]=150 [pairs]=60 [dds]=100 [sft]=150 [dpo]=150 [merge]=200
+                   [organism_cuda]=150 [organism]=240)
 TRAIN=(--model_name_or_path "$MODEL" --pairs_dir "$PAIRS" --report_to none --save_strategy no --logging_steps 1
        --max_steps "${TRAIN_STEPS:-6}" --num_train_epochs 1)
 LAUNCH=(accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no)
@@ -199,9 +204,16 @@ if [[ "$SHAPE" == 7b ]]; then MERGE_GAP_PROMPTS="${MERGE_GAP_PROMPTS:-0}"; else 
 MERGE_ARGS=()
 ((QUANT)) || MERGE_ARGS+=(--load_in_4bit false)
 ((HAVE_GPU)) || MERGE_ARGS+=(--dtype float32)
+# the organism CPU builds of issue 31 (bench/organism_build_robustness.py) run in the background on the CPU cores
+# while the GPU steps run; builds_finish waits for them and brings back their table and the seed-0 builds
+step_builds() { bash bench/gpu/organism_builds.sh start; }
+# the organism built on the GPU (--device cuda), its seeds side by side (CUDA_SEEDS)
+step_organism_cuda() { bash bench/gpu/organism_builds.sh cuda; }
 step_organism() {
   rm -rf "$WORK/organism_gpu"
-  "$PY" -m flipguard study recipes/organism_gpu.yaml --out "$WORK/organism_gpu" || return $?
+  local model=()  # the CUDA-built seed 0 when there is one (this checkout may have no shipped organism yet)
+  [[ -f "$WORK/cuda_s0/organism.json" ]] && model=(--model "$WORK/cuda_s0")
+  "$PY" -m flipguard study recipes/organism_gpu.yaml --out "$WORK/organism_gpu" "${model[@]}" || return $?
   cp "$WORK/organism_gpu/comparison.md" "$OUT/organism_comparison.md"
   "$PY" - "$WORK/organism_gpu" "$R/organism.json" <<'EOF'
 import json, pathlib, sys
@@ -281,4 +293,6 @@ for s in "${STEPS[@]}"; do
   esac
   run_step "$s"
 done
+# the CPU builds' table and the seed-0 builds, whatever time is left (their bench stops itself at its deadline)
+[[ -f "$WORK/builds/pid" ]] && bash bench/gpu/organism_builds.sh finish
 echo "run.sh: done $(date -u +%FT%TZ); $OUT/gpu.json"
