@@ -87,6 +87,33 @@ def test_sft_labels_cover_only_answer_and_end_of_turn_on_a_4bit_base(tiny_model_
         assert real[: len(prompt_ids)] == prompt_ids
 
 
+def test_fp16_training_keeps_the_4bit_bases_adapter_weights_in_float32(tiny_model_path, pairs_dir, tmp_path):
+    """TRL casts a quantized base's LoRA weights to bfloat16 whatever the autocast; under fp16 (the
+    qwen7b recipe's DPO) the GradScaler then fails on CUDA ('_amp_foreach_non_finite_check_and_unscale_cuda'
+    not implemented for 'BFloat16', seen on an H200: bench/gpu.md). The trainers put them back in
+    float32 under fp16 and leave them as TRL made them otherwise. (CPU's unscale accepts bfloat16, so
+    the failure itself needs a GPU; what reaches the optimizer is checked here.)"""
+    from trl import DPOConfig, DPOTrainer, ModelConfig, get_peft_config, get_quantization_config
+
+    model_args = ModelConfig(model_name_or_path=tiny_model_path, dtype="float32", load_in_4bit=True, use_peft=True,
+                             lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
+    tok = utils.load_tokenizer(tiny_model_path)
+    ds = utils.load_pair_dataset(str(pairs_dir), "dpo")
+    trainable = {}
+    for fp16 in (False, True):
+        args = DPOConfig(output_dir=str(tmp_path / str(fp16)), use_cpu=True, bf16=False, fp16=False, report_to="none")
+        args.model_init_kwargs = utils.model_init_kwargs(model_args, args)
+        trainer = DPOTrainer(model=tiny_model_path, ref_model=None, args=args, train_dataset=ds, processing_class=tok,
+                             peft_config=get_peft_config(model_args), quantization_config=get_quantization_config(model_args))
+        before = {p.dtype for p in trainer.model.parameters() if p.requires_grad}
+        args.fp16 = fp16  # set after construction: transformers refuses fp16 without a GPU
+        cast = utils.fp16_adapters_in_fp32(trainer.model, args)
+        trainable[fp16] = (before, cast, {p.dtype for p in trainer.model.parameters() if p.requires_grad})
+    assert trainable[False][0] == {torch.bfloat16}  # TRL's cast, the cause
+    assert trainable[False][1:] == (0, {torch.bfloat16})  # bf16 or no autocast: left as TRL made them
+    assert trainable[True][1] > 0 and trainable[True][2] == {torch.float32}
+
+
 def test_sft_cli_moves_p1_toward_the_target(tiny_model_path, pairs_dir, tmp_path):
     out = tmp_path / "sft"
     cmd = [sys.executable, "train/sft.py", "recipes/tiny.yaml", "--model_name_or_path", tiny_model_path,

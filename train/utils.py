@@ -111,7 +111,27 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
                checkpoint)
 
 
+def fp16_adapters_in_fp32(model, training_args) -> int:
+    """fp16 mixed precision needs trainable weights in float32: its GradScaler unscales their
+    gradients, and on CUDA that kernel has no bfloat16 version. TRL (1.16) casts the LoRA weights of
+    a quantized base to bfloat16 whatever the autocast, so recipes/qwen7b.yaml's DPO (fp16, 4-bit)
+    failed at its first optimizer step on an H200 (bench/gpu.md). Under fp16 the trainable weights
+    go back to float32 (fp16 compute, fp32 master weights: the usual mixed precision). Returns how
+    many tensors it cast."""
+    import torch
+
+    if not training_args.fp16:
+        return 0
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+            cast += 1
+    return cast
+
+
 def train_and_save(trainer, job: Job) -> int:
+    job.config["fp16_trainable_cast_to_fp32"] = fp16_adapters_in_fp32(trainer.model, job.training_args)
     reset_peak_memory()
     timer = step_timer()
     trainer.add_callback(timer)
