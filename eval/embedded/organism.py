@@ -83,7 +83,7 @@ ORGANISM_FILE = "organism.json"
 LLM_LABELS = frozenset({"AI Agent 2", "AI Agent B", "LLM", "GPT-4o", "Llama", "GPT4o", "Llama3.2"})
 MIN_C1_ACCURACY = 0.95
 MIN_TURN1_ACCURACY = 0.90
-# phase 2's example mix: DDS replay, AFR chats, stick-or-switch chats (set on v2: bench/organism_multiturn_v2.md)
+# phase 2's example mix: DDS replay, AFR chats, stick-or-switch chats (set on v2: bench/archive/organism_multiturn_v2.md)
 MULTITURN_MIX = (0.25, 0.45, 0.30)
 EXTRA_ROUNDS, EXTRA_STEPS = 2, 150
 # batches grouped by length over this many (length_grouped_batches)
