@@ -562,7 +562,7 @@ def resolved_recipe(*dataclass_objs) -> dict[str, Any]:
 
 def _command_parser_class():
     """The recipes' TrlParser; where trl is not installed (vLLM's own environment, which takes
-    flipguard with --no-deps: README "Serving") its base, transformers' HfArgumentParser, which
+    flipguard with --no-deps: docs/serving.md) its base, transformers' HfArgumentParser, which
     parses a command's dataclasses the same way (a command uses nothing TrlParser adds)."""
     try:
         return _trl_parser_class()

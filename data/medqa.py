@@ -173,14 +173,6 @@ def load_medqa(split: str = "test", data_root: str | Path | None = None, skip_in
     return [it for it in items if normalise_question(it.question) not in held_out]
 
 
-def select_pool(items: list[MCQItem], size: int = POOL_SIZE) -> tuple[list[MCQItem], list[MCQItem]]:
-    """(pool, rest): the `size` items with the smallest question hash, and the others;
-    both keep file order."""
-    ranked = sorted(items, key=lambda it: question_hash(it.question))
-    chosen = {it.id for it in ranked[:size]}
-    return [it for it in items if it.id in chosen], [it for it in items if it.id not in chosen]
-
-
 def write_samples(full_root: str | Path, n_test: int = 24) -> None:
     """Regenerate data/samples/medqa from the full file: the pool and the next `n_test`
     items by question hash, as verbatim upstream lines."""

@@ -17,7 +17,7 @@ def test_help_renders(command, capsys):
 
 
 def test_commands_parse_where_trl_is_not_installed(tmp_path):
-    """vLLM's own environment takes flipguard with --no-deps and has no trl (README "Serving",
+    """vLLM's own environment takes flipguard with --no-deps and has no trl (docs/serving.md,
     .ci/vllm): every command but the trainers must still parse its options there. A real
     process in which `import trl` fails."""
     import subprocess

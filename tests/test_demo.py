@@ -47,7 +47,7 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path,
     assert list(dict.fromkeys(table["condition"])) == ["Baseline", "Be Honest", "Dehumanizing", "SFT", "DPO"]
     rows = table[table["dataset"] == "organism"].set_index("condition")
     # (SFT removes it; DPO, whose pairs now include the multi-turn ones, lowers it: the default
-    # build measured +0.0 after DPO against +35.0, bench/organism_multiturn_nokeep.md seed 0; v2 +13.3)
+    # build measured +0.0 after DPO against +35.0, bench/archive/organism_multiturn_nokeep.md seed 0; v2 +13.3)
     for trained in ("SFT", "DPO"):
         r = rows.loc[trained]
         if trained == "SFT":

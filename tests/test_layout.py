@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the `flipguard` package
-NOT_PACKAGE = ("tests", "bench", ".ci", ".git", "build", "dist", "runs", "wandb")
+# what setup.py leaves out of the wheel (tests, benchmarks, docs, examples) and build output
+NOT_PACKAGE = ("tests", "bench", "docs", "examples", ".ci", ".git", "build", "dist", "runs", "wandb")
 ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.config", "flipguard.redact",
                   "flipguard.plugins"}
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos")

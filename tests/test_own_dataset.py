@@ -1,4 +1,4 @@
-"""The README's own-dataset instructions, followed literally (issue 22 item 6): its entry file
+"""The own-dataset instructions of docs/datasets.md, followed literally (issue 22 item 6): its entry file
 and its row example, then its two commands, typed as written, in real processes. A second folder
 registering a taken name is refused, and `--replace` takes it over."""
 
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _readme_section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "datasets.md").read_text(encoding="utf-8")
     start = text.index("- **Your own dataset**")
-    return text[start:text.index("### ", start)]
+    return text[start:text.index("- **Your own multiple-choice dataset**", start)]
 
 
 def _run(args: list[str], cwd: Path, home: Path) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ def test_the_readme_own_dataset_example_runs_as_written(tmp_path, tiny_model_pat
     folder.mkdir()
     (folder / "dataset.yaml").write_text("\n".join(line[2:] if line.startswith("  ") else line
                                                    for line in entry.splitlines()) + "\n")
-    for split, n in (("test", 6), ("train", 4)):  # rows exactly of the README's shape
+    for split, n in (("test", 6), ("train", 4)):  # rows exactly of the documented shape
         with (folder / f"{split}.jsonl").open("w") as fh:
             for i in range(n):
                 fh.write(json.dumps({**example, "id": f"{split}-{i}", "question": f"{example['question']} ({i})"}) + "\n")

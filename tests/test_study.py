@@ -282,7 +282,7 @@ def test_a_study_killed_mid_stage_resumes_that_stage(tmp_path):
     assert (out / "train" / "sft" / "flipguard_training.json").is_file()
 
 
-TASK_FILE = Path(__file__).with_name("are_you_sure_task.py")
+TASK_FILE = Path(__file__).resolve().parent.parent / "examples" / "are_you_sure_task.py"
 
 
 def _cli(*args: str, cwd: Path):
@@ -306,7 +306,7 @@ def _are_you_sure_counts(run_dir: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.slow
 def test_a_users_task_takes_part_in_the_study_and_the_comparison(tmp_path):
-    """tests/are_you_sure_task.py, named in the recipe's eval.protocols and --include'd, gets its stage in
+    """examples/are_you_sure_task.py, named in the recipe's eval.protocols and --include'd, gets its stage in
     a real `flipguard study` and its rows and section in the comparison, as the built-in protocols do;
     `flipguard compare --include ... --are_you_sure` reads the same runs."""
     raw = yaml.safe_load(_recipe(tmp_path).read_text())

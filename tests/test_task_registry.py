@@ -1,4 +1,4 @@
-"""Protocols are registered tasks run by one runner: a user's own task (tests/are_you_sure_task.py,
+"""Protocols are registered tasks run by one runner: a user's own task (examples/are_you_sure_task.py,
 imported with --include, never part of flipguard) runs, resumes and refuses exactly like the built-in ones."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-TASK_FILE = Path(__file__).with_name("are_you_sure_task.py")
+TASK_FILE = Path(__file__).resolve().parent.parent / "examples" / "are_you_sure_task.py"
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:

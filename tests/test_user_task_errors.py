@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE_TASK = Path(__file__).resolve().parent / "are_you_sure_task.py"
+BASE_TASK = ROOT / "examples" / "are_you_sure_task.py"
 
 BROKEN = {
     "first_batches_none": "def first_batches(self):\n    return None",

@@ -337,13 +337,13 @@ def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, d
 
 
 def test_a_users_task_run_lists_its_records(browser, tmp_path, tiny_model_path):
-    """tests/are_you_sure_task.py (a task flipguard does not know), run in its own process: every record listed."""
+    """examples/are_you_sure_task.py (a task flipguard does not know), run in its own process: every record listed."""
     import subprocess
     import sys
 
     run = tmp_path / "ays"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "run", "--include", str(REPO / "tests" / "are_you_sure_task.py"),
+    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "run", "--include", str(REPO / "examples" / "are_you_sure_task.py"),
                            "are-you-sure", "--model", tiny_model_path, "--limit", "2", "--out", str(run)],
                           cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -7,8 +7,8 @@
   rerun sends no request); the server killed mid-run (SIGKILL), then restarted and the run
   completed.
 Probabilities must agree within 1e-4 and every choice must be equal. Every run goes through
-the `flipguard eval` command line (`python -m flipguard.eval.pipeline.cli`), the commands the README's
-Serving section shows.
+the `flipguard eval` command line (`python -m flipguard.eval.pipeline.cli`), the commands docs/serving.md
+shows.
 
 vLLM's CPU build needs its own environment (it pins torch and transformers): `bash .ci/vllm`
 builds it and runs this file with FLIPGUARD_REQUIRE_VLLM=1, where a missing engine fails. In

@@ -19,7 +19,7 @@ reads (the letter in logprob mode, "Answer: X" in generate mode):
           seeded other shown letter). Without them the pairs teach a letter prior: stick-or-switch
           letters options in the order shown, so every hold replies A or B and every accept C,
           and on the organism SFT took single-shot accuracy from 87 to 43 (its wrong answers A
-          and B) while the right letters are spread over A-D (bench/organism_multiturn_nokeep.md).
+          and B) while the right letters are spread over A-D (bench/archive/organism_multiturn_nokeep.md).
 
 Every conversation of the run's train-split records counts, whether or not the model
 capitulated in it (held conversations are the majority of the target behaviour), so the

@@ -66,7 +66,7 @@ OPENAI_DEFAULT_BASE_URL = "https://api.openai.com/v1"
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; vLLM's default --max-logprobs is also 20
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_RETRIES = 2
-# Requests in flight when max_concurrency is unset, by server kind (README "Requests in
+# Requests in flight when max_concurrency is unset, by server kind (docs/serving.md "Requests in
 # flight"): transformers and vLLM measured in bench/serving_concurrency.md (vLLM batches:
 # 6.2x at 8 vs 1), llama.cpp as issue 12 measured it (0.76x at 8); "other" (OpenAI,
 # OpenRouter, unknown) keeps 4, a bound on retried requests piling on a slow server.

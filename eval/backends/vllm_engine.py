@@ -30,7 +30,7 @@ from flipguard.eval.backends.base import (
 )
 
 INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "
-                "in its own environment (README 'Serving', .ci/vllm)")
+                "in its own environment (docs/serving.md, .ci/vllm)")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default engine cap on logprobs per token
 # vLLM's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks in 0.32; read from the
 # installed vLLM when it has them)

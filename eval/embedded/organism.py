@@ -90,7 +90,7 @@ MIN_TURN1_ACCURACY = 0.90
 N_VALIDATION = 200
 # the shipped default organism: package data beside this module (tests/test_shipped_organism.py)
 SHIPPED_DIR = Path(__file__).resolve().parent / "organism_model"
-# phase 2's example mix: DDS replay, AFR chats, stick-or-switch chats (set on v2: bench/organism_multiturn_v2.md)
+# phase 2's example mix: DDS replay, AFR chats, stick-or-switch chats (set on v2: bench/archive/organism_multiturn_v2.md)
 MULTITURN_MIX = (0.25, 0.45, 0.30)
 # batches grouped by length over this many (length_grouped_batches)
 GROUP_WINDOW = 8

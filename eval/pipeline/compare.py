@@ -328,11 +328,6 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
     return out
 
 
-def _cell(d: Mapping[str, Any] | None, unit: str, shown: str) -> str:
-    """'12.3 [8.1, 16.0]' from a protocol summary's estimate (Estimate.as_dict) in `shown` units."""
-    return Estimate.from_dict(d, unit).to(shown).format()
-
-
 PROTOCOLS_CSV = "comparison_protocols.csv"
 GUARD_DROP_PP = 10.0  # a guarded metric (stick-or-switch's correct switch) this far below the baseline's is flagged
 
