@@ -67,7 +67,9 @@ def _help(argv: list[str]) -> str:
             cli.main(argv)
         except SystemExit:  # argparse's --help exits 0 after printing
             pass
-    return out.getvalue()
+    # a library's own notice on import depends on the environment (WANDB_MODE), not on the parser
+    return "".join(line for line in out.getvalue().splitlines(keepends=True)
+                   if not line.startswith("[INFO] Running in WANDB"))
 
 
 def _placeholders(text: str) -> str:
