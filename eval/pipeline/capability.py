@@ -51,11 +51,14 @@ metadata:
 """
 
 
-def write_task(folder: Path, per_subject: int | None, data_root: str | None, seed: int = 0) -> Path:
-    """The local MMLU task (YAML + JSONL) in folder; returns the folder (TaskManager's include_path)."""
+def write_task(folder: Path, per_subject: int | None, data_root: str | None, seed: int = 0,
+               limit: int | None = None) -> Path:
+    """The local MMLU task (YAML + JSONL) in folder, `per_subject` questions of each subject (seeded; the
+    first `limit` of them); returns the folder (TaskManager's include_path)."""
     items = load_mmlu("test", data_root)
     if per_subject is not None:
         items = sample_uniform(items, per_subject, seed)
+    items = items[:limit]
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / f"{TASK}.jsonl"
     atomic_write_text(data, "".join(json.dumps({"id": it.id, "subject": it.subject, "question": it.question,
@@ -75,7 +78,7 @@ def evaluate_model(model: str, task_dir: Path, *, device: str | None = None, bat
         raise UserError("eval.capability needs lm-evaluation-harness: pip install 'flipguard[capability]'") from None
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task's data are local files
     path = resolve_model(model)
-    args = f"pretrained={path},dtype={dtype}" + (f",device={device}" if device else "")
+    args = f"pretrained={path},dtype={dtype}"
     results = lm_eval.simple_evaluate(model="hf", model_args=args, tasks=[TASK], batch_size=batch_size,
                                       task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
                                       log_samples=True, num_fewshot=0, device=device)
@@ -83,9 +86,9 @@ def evaluate_model(model: str, task_dir: Path, *, device: str | None = None, bat
 
 
 def run_capability(models: Mapping[str, str], out: Path, *, per_subject: int | None = None, data_root: str | None = None,
-                   device: str | None = None, batch_size: int = 8) -> Path:
+                   device: str | None = None, batch_size: int = 8, limit: int | None = None) -> Path:
     """Every condition's per-question accuracy into out/units.csv (condition, key, cluster, value)."""
-    task_dir = write_task(out / "task", per_subject, data_root)
+    task_dir = write_task(out / "task", per_subject, data_root, limit=limit)
     rows = []
     for condition, model in models.items():
         results = evaluate_model(model, task_dir, device=device, batch_size=batch_size)
