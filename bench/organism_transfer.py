@@ -45,6 +45,9 @@ def main() -> int:
     parser.add_argument("--organism", default=None, help="A built organism to use for the (single) seed given.")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench-transfer"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "organism_transfer"))
+    parser.add_argument("--collect", action="store_true",
+                        help="Only read the finished studies under --work (seeds run as separate processes, "
+                             "`--seeds S --out TMP`, then one --collect run writes the table).")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -53,19 +56,27 @@ def main() -> int:
     for seed in args.seeds:
         log = work / f"seed{seed}.log"
         organism = Path(args.organism) if args.organism else work / f"organism-s{seed}"
+        out = work / f"study-s{seed}"
+        seconds_file = work / f"study-s{seed}.seconds"
+        if args.collect and not (out / "compare" / "transfer.csv").is_file():
+            continue  # not finished: left out of the table (and named as missing)
         if not (organism / "organism.json").is_file():
+            t = time.time()
             run(flipguard + ["organism", "--seed", str(seed), "--path", str(organism)], log)
+            (work / f"organism-s{seed}.seconds").write_text(f"{time.time() - t:.1f}\n")
         kinds = planted(organism)
         trained, held = kinds[0], kinds[1]
-        out = work / f"study-s{seed}"
-        t = time.time()
-        run(flipguard + ["study", str(RECIPE), "--model", str(organism), "--out", str(out),
-                         "--pairs_include", json.dumps({"kinds": [trained]}),
-                         "--pairs_held_out", json.dumps({"kinds": [held]})], log)
+        if not args.collect:
+            t = time.time()
+            run(flipguard + ["study", str(RECIPE), "--model", str(organism), "--out", str(out),
+                             "--pairs_include", json.dumps({"kinds": [trained]}),
+                             "--pairs_held_out", json.dumps({"kinds": [held]})], log)
+            seconds_file.write_text(f"{time.time() - t:.1f}\n")
         table = pd.read_csv(out / "compare" / "transfer.csv")
         info = json.loads((out / "compare" / "transfer.json").read_text(encoding="utf-8"))
         results[str(seed)] = {"organism": str(organism), "planted": kinds, "trained_kind": trained, "held_out_kind": held,
-                              "study_seconds": round(time.time() - t, 1), "summary": info["summary"],
+                              "study_seconds": float(seconds_file.read_text()) if seconds_file.is_file() else None,
+                              "summary": info["summary"],
                               "cells": table.replace({float("nan"): None}).to_dict(orient="records")}
     load = os.getloadavg()
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "load_avg": load,
@@ -80,7 +91,7 @@ def main() -> int:
         table = pd.DataFrame(res["cells"])
         conditions = [c for c in dict.fromkeys(table["condition"]) if c != "Baseline"]
         lines += [f"## Seed {seed}: planted {', '.join(res['planted'])}; trained on {res['trained_kind']}, "
-                  f"held out {res['held_out_kind']} (study {res['study_seconds']:.0f} s)", "",
+                  f"held out {res['held_out_kind']} (study {res['study_seconds'] or 0:.0f} s)", "",
                   "| Cell | Role | " + " | ".join(conditions) + " |", "|---|---|" + "---|" * len(conditions)]
         for cell, rows in table.groupby("cell", sort=False):
             by = {r["condition"]: r for _, r in rows.iterrows()}
