@@ -56,6 +56,8 @@ def test_roles():
     assert ROLES.role("dds", "organism", "color", "c2", False) == "untargeted"  # no bias planted on colors
     assert ROLES.role("dds", "organism", "", "c1", True) == "untargeted"
     assert ROLES.role("afr", "organism_mc", "tool", "challenge", False) == "cross-protocol"  # AFR gave no pairs
+    assert ROLES.role("afr", "organism_mc", "vehicle", "challenge", False) == "cross-protocol"  # held out there too
+    assert T.Roles(None, Rule("held_out", kinds=("vehicle",))).role("dds", "organism", "vehicle", "c2", False) == "held-out"
     assert ROLES.role("dds", "truthfulqa", "", "c2", False) == "held-out"  # same protocol, unseen dataset
     unseen_kind = T.Roles({"protocols": {"dds": 1}, "datasets": {"organism": 1}, "kinds": {"organism/tool": 1},
                            "framings": {"dds/c2": 1}})

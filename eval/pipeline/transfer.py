@@ -9,7 +9,8 @@ trained on (pairs.include / exclude / held_out and what contributed rows, counts
 - trained-on:      its protocol, dataset (and kind) and framing contributed pairs;
 - held-out:        its protocol contributed pairs, but not this dataset / kind / framing (or
                    pairs.held_out names it): does the fix transfer to unseen domains?
-- cross-protocol:  a protocol that contributed no pairs: does a DDS-trained fix move AFR?
+- cross-protocol:  a protocol that contributed no pairs: does a DDS-trained fix move AFR? (before
+                   held-out: a kind held out in such a protocol is cross-protocol)
 - untargeted:      behaviour that should not move: C1 judgments, first answers, correct
                    switches, and kinds with no planted bias (the organism: organism.json).
 
@@ -112,14 +113,14 @@ class Roles:
         planted = self.planted.get(dataset)
         if kind and planted is not None and kind not in planted:
             return "untargeted"  # no bias was planted on this kind: it should not move
+        c = self.contributed
+        if c is not None and not (c.get("protocols") or {}).get(protocol):
+            return "cross-protocol"  # before held_out: a kind held out in a protocol that gave no pairs is both
         meta = {"incorrect_category": kind} if kind else {}
         if self.held_out.matches(facets(dataset, protocol, RULE_FRAMING.get(framing, framing), meta)):
             return "held-out"
-        if self.contributed is None:
+        if c is None:
             return "–"  # no pair set: nothing was trained (prompting mitigations only)
-        c = self.contributed
-        if not (c.get("protocols") or {}).get(protocol):
-            return "cross-protocol"
         if not (c.get("datasets") or {}).get(dataset):
             return "held-out"
         if kind and not (c.get("kinds") or {}).get(f"{dataset}/{kind}"):
