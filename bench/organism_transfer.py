@@ -45,6 +45,7 @@ def main() -> int:
     parser.add_argument("--organism", default=None, help="A built organism to use for the (single) seed given.")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench-transfer"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "organism_transfer"))
+    parser.add_argument("--note", default="", help="A paragraph on where the organisms came from (the table's header).")
     parser.add_argument("--collect", action="store_true",
                         help="Only read the finished studies under --work (seeds run as separate processes, "
                              "`--seeds S --out TMP`, then one --collect run writes the table).")
@@ -86,7 +87,15 @@ def main() -> int:
              f"Measured with `{meta['command']}` on {meta['machine']} (load average {load[0]:.1f} / {load[1]:.1f} / "
              f"{load[2]:.1f} at the end). Recipe: recipes/organism_transfer.yaml (SFT and DPO on DDS pairs of the "
              "first planted kind only, the second planted kind held out, no multi-turn pairs). Each cell: baseline → "
-             "after (change, paired 95% CI over items); † over-correction, ‡ damage (docs/transfer.md).", ""]
+             "after (change, paired 95% CI over items); † over-correction, ‡ damage (docs/transfer.md).", "",
+             *([args.note, ""] if args.note else [])]
+    for seed, res in results.items():
+        built = json.loads((Path(res["organism"]) / "organism.json").read_text(encoding="utf-8"))
+        lines.append(f"- seed {seed}: organism {built.get('version')} built in {built.get('build_seconds')} s on "
+                     f"{built.get('built_on') or 'this machine'}; measured at build (test split): DDS "
+                     f"{built['measured_test_logprob']['dds']:+.1f}, AFR flips "
+                     f"{(built.get('measured_conversations_test') or {}).get('afr_flip', float('nan')):.1f}")
+    lines.append("")
     for seed, res in results.items():
         table = pd.DataFrame(res["cells"])
         conditions = [c for c in dict.fromkeys(table["condition"]) if c != "Baseline"]

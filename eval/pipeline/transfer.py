@@ -269,7 +269,14 @@ def transfer_table(units: pd.DataFrame, untargeted: Mapping[str, tuple], roles: 
                          "framing": framing, "metric": metric, "role": role, **s,
                          "flags": "" if condition == baseline else cell_flags(metric, framing, role, s),
                          "note": NOTES.get(dataset, "")})
-    return pd.DataFrame(rows, columns=COLUMNS)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    # within a protocol (in the order measured), cells by role (trained-on, held-out, cross-protocol,
+    # untargeted), then name: a row of the report reads from what was trained to what should not move
+    protocols = {p: i for i, p in enumerate(dict.fromkeys(table["protocol"]))}
+    rank = {r: i for i, r in enumerate(ROLES)}
+    order = table.assign(_p=table["protocol"].map(protocols), _r=table["role"].map(lambda r: rank.get(r, len(ROLES))),
+                         _c=table["condition"].map({c: i for i, c in enumerate(conditions)}))
+    return order.sort_values(["_p", "_r", "cell", "_c"], kind="stable")[COLUMNS].reset_index(drop=True)
 
 
 # ------------------------------------------------------------------ summary
