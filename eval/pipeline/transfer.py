@@ -296,8 +296,8 @@ def _effect(rows: pd.DataFrame) -> str:
     text = f"{bias['change'].mean():+.1f} pp (mean of {len(bias)} cell{'s' * (len(bias) != 1)}"
     planted = bias[bias["baseline"] > 0]
     if len(planted) and planted["baseline"].sum() > 0:
-        removed = 100 * -planted["change"].sum() / planted["baseline"].sum() + 0.0  # + 0.0: no "-0%"
-        text += f"; {removed:.0f}% of the baseline bias removed"
+        removed = int(round(100 * -planted["change"].sum() / planted["baseline"].sum()))  # an int: no "-0%"
+        text += f"; {removed}% of the baseline bias removed"
     return text + ")"
 
 
