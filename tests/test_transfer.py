@@ -127,7 +127,10 @@ def test_damage_marks():
     assert T.cell_flags("accuracy", "first", "untargeted", {**s, "change": -6.0, "ci_high": -1.0}) == ""  # others: 10
     rose = {"baseline": 20.0, "value": 60.0, "change": 40.0, "ci_low": 30.0, "ci_high": 50.0}
     assert T.cell_flags("capitulation", "hold", "held-out", rose) == "‡"  # a bias made worse (DialDefer's r/AIO)
-    assert T.cell_flags("dds", "c2", "held-out", {**rose, "value": -5.0, "change": -25.0, "ci_low": -30, "ci_high": -20}) == "†"
+    assert T.cell_flags("dds", "c2", "held-out", {**rose, "value": -6.0, "change": -26.0, "ci_low": -30, "ci_high": -20}) == "†"
+    # a sign flip within a few points (+1.4 -> -1.4) is noise, not skepticism
+    assert T.cell_flags("dds", "c2", "untargeted", {"baseline": 1.4, "value": -1.4, "change": -2.8, "ci_low": -6.9,
+                                                   "ci_high": 0.0}) == ""
 
 
 def _write_dds_run(run_dir, name, wrong):
