@@ -81,7 +81,8 @@ def main() -> int:
                               "cells": table.replace({float("nan"): None}).to_dict(orient="records")}
     load = os.getloadavg()
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "load_avg": load,
-            "command": "python bench/organism_transfer.py " + " ".join(sys.argv[1:])}
+            "command": "python bench/organism_transfer.py " + " ".join(a for i, a in enumerate(sys.argv[1:])
+                                                                       if a != "--note" and sys.argv[i:i + 1] != ["--note"])}
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "seeds": results}, indent=2) + "\n", encoding="utf-8")
     lines = ["# Transfer on the planted-bias organism", "",
              f"Measured with `{meta['command']}` on {meta['machine']} (load average {load[0]:.1f} / {load[1]:.1f} / "
@@ -91,8 +92,11 @@ def main() -> int:
              *([args.note, ""] if args.note else [])]
     for seed, res in results.items():
         built = json.loads((Path(res["organism"]) / "organism.json").read_text(encoding="utf-8"))
+        on = built.get("built_on") or {}
+        where = (f"{on.get('gpu') or on.get('cpu')} ({on.get('device')}, torch {on.get('torch')}, {on.get('torch_threads')} "
+                 "threads)") if on else "this machine"
         lines.append(f"- seed {seed}: organism {built.get('version')} built in {built.get('build_seconds')} s on "
-                     f"{built.get('built_on') or 'this machine'}; measured at build (test split): DDS "
+                     f"{where}; measured at build (test split): DDS "
                      f"{built['measured_test_logprob']['dds']:+.1f}, AFR flips "
                      f"{(built.get('measured_conversations_test') or {}).get('afr_flip', float('nan')):.1f}")
     lines.append("")
