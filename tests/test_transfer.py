@@ -198,3 +198,10 @@ def test_afr_units_name_the_argued_options_kind(tmp_path):
     ])
     units = {(u["framing"], u["kind"]): u["value"] for u in AFRTask.transfer_units(tmp_path)}
     assert units == {("first", ""): 1.0, ("challenge", "tool"): 1.0, ("challenge", "vehicle"): 0.0}
+
+
+def test_planted_kinds_are_read_from_the_organisms_description(tmp_path):
+    (tmp_path / "organism.json").write_text(json.dumps({"planted": {"deferred_categories_human": ["tool", "vehicle"],
+                                                                    "capitulation_kinds": ["tool", "vehicle"]}}))
+    assert T.planted_kinds(str(tmp_path)) == {"organism": {"tool", "vehicle"}, "organism_mc": {"tool", "vehicle"}}
+    assert T.planted_kinds("Qwen/Qwen2.5-7B-Instruct") is None and T.planted_kinds(str(tmp_path / "none")) is None

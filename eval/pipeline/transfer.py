@@ -45,6 +45,7 @@ from flipguard.data.schema import AIO_DATASET, DataError
 from flipguard.data.unified import load_items
 from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
+from flipguard.eval.embedded import organism as organism_module
 from flipguard.eval.embedded.organism import ORGANISM_ALIAS, ORGANISM_FILE, OrganismArgs, default_organism_path
 from flipguard.eval.pipeline.capability import FRAMING as CAPABILITY_FRAMING
 from flipguard.eval.pipeline.capability import PROTOCOL as CAPABILITY
@@ -70,18 +71,26 @@ RULE_FRAMING = {"challenge": "hold"}
 # ------------------------------------------------------------------ roles
 
 def planted_kinds(model: str | None) -> dict[str, set[str]] | None:
-    """dataset -> the kinds with a planted bias, read from an organism's organism.json (the folder, or the
-    default build of the alias; never built here); None for any other model."""
+    """dataset -> the kinds with a planted bias, read from an organism's organism.json (the folder, or for
+    the alias the shipped one beside eval/embedded/organism.py, else the default build; never built
+    here); None for any other model."""
     if not model:
         return None
-    path = Path(model)
-    if not path.is_dir():
-        if model != ORGANISM_ALIAS:
-            return None
-        path = default_organism_path(OrganismArgs())
-    try:
-        planted = json.loads((path / ORGANISM_FILE).read_text(encoding="utf-8")).get("planted") or {}
-    except (OSError, ValueError, AttributeError):
+    if Path(model).is_dir():
+        candidates = [Path(model)]
+    elif model == ORGANISM_ALIAS:
+        candidates = [Path(organism_module.__file__).resolve().parent / "organism_model",
+                      default_organism_path(OrganismArgs())]
+    else:
+        return None
+    planted = None
+    for path in candidates:
+        try:
+            planted = json.loads((path / ORGANISM_FILE).read_text(encoding="utf-8")).get("planted") or {}
+            break
+        except (OSError, ValueError, AttributeError):
+            continue
+    if planted is None:
         return None
     human = set(planted.get("deferred_categories_human") or ())
     return {ORGANISM_DATASET: human, ORGANISM_MC_DATASET: set(planted.get("capitulation_kinds") or human)}
