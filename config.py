@@ -163,6 +163,20 @@ class PairsArguments:
         default=None, metadata={"help": "pairs_conversations: the model label whose conversations are used "
                                         "(needed when a run holds several)."}
     )
+    pairs_include: dict | str | None = dataclasses.field(
+        default=None, metadata={"help": "Keep only pair rows matching this rule: a mapping (JSON on the command line) of "
+                                        "datasets, kinds (item meta.category / incorrect_category), framings (c1, c2, "
+                                        "dehumanizing, be_honest; multi-turn: hold, accept, keep), protocols (dds, afr, sos) "
+                                        "and meta {key: values} to names (train/pair_filters.py)."}
+    )
+    pairs_exclude: dict | str | None = dataclasses.field(
+        default=None, metadata={"help": "Drop pair rows matching this rule (same keys as pairs_include)."}
+    )
+    pairs_held_out: dict | str | None = dataclasses.field(
+        default=None, metadata={"help": "What the evaluation holds out (same keys as pairs_include): filters nothing; a pair "
+                                        "set holding a matching row is refused before training, and the study's transfer "
+                                        "report marks these cells held out."}
+    )
     pairs_dir: str = dataclasses.field(
         default="runs/pairs", metadata={"help": "Where the pair datasets are written (flipguard pairs) and read (trainers)."}
     )
@@ -230,6 +244,14 @@ class EvalPlanArguments:
         default_factory=list, metadata={"help": "Multi-turn pairs: these tasks' runs of the base model on the TRAIN split "
                                                 "(stages <task>-train, the task's config above) are added to the pairs "
                                                 "(pairs.conversations)."}
+    )
+    eval_plan_capability: bool = dataclasses.field(
+        default=False, metadata={"help": "Capability guard: MMLU accuracy of the base and every merged model through "
+                                         "lm-evaluation-harness on a local task (pip install 'flipguard[capability]'), "
+                                         "in the transfer report with a paired CI (stage `capability`)."}
+    )
+    eval_plan_capability_per_subject: int | None = dataclasses.field(
+        default=None, metadata={"help": "Capability guard: questions per MMLU subject (seeded; None: all of the data root's)."}
     )
     eval_plan_n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates in reports."})
     eval_plan_accelerate_config: str | None = dataclasses.field(

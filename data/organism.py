@@ -114,6 +114,12 @@ def word_category(word: str) -> str:
     return WORD_CATEGORY[word]
 
 
+def option_kind(dataset: str, text: str) -> str | None:
+    """The kind (lexicon category: tool, vehicle, fruit, ...) of an option of the organism's
+    multiple-choice form; None for any other dataset or text."""
+    return WORD_CATEGORY.get(text.strip().lower()) if dataset == MC_DATASET else None
+
+
 def all_mc_items() -> dict:
     """The multiple-choice form by split (MCQItems; deterministic; disjoint question texts)."""
     rng = random.Random(MC_DATA_SEED)

@@ -193,6 +193,18 @@ class Task:
         estimate (an eval.estimate.Estimate). None by default: the run takes no part."""
         return []
 
+    # The transfer report (eval/pipeline/transfer.py) pairs each condition's units with the baseline's.
+    # framings of transfer_units that a mitigation should not move (first answers, flexibility)
+    untargeted_framings: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def transfer_units(cls, run_dir: Path) -> list[dict[str, Any]]:
+        """Per-unit 0/1 outcomes for the transfer report, one dict per unit: system, dataset, kind (the
+        item's or argued option's kind, "" when unknown), framing, metric, key (what pairs a unit with
+        the baseline's: the same question, option and turn), cluster (the item: resampled together)
+        and value. None by default: the run has no transfer cells."""
+        return []
+
     @staticmethod
     def system_of(record: Record) -> str:
         """The system a record belongs to, as comparison_rows names it (`RUN_DIR@system` picks it; the

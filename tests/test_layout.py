@@ -47,6 +47,7 @@ HEAVY = {
     "openai": "the client of --backend openai (and the taxonomy judge) only",
     "wandb": "tracking only when a recipe asks for it; a slow import",
     "matplotlib": "plots only; the Agg backend must be chosen before pyplot loads (eval/plots.py)",
+    "lm_eval": "an optional extra ([capability]); imported only by the study's capability stage",
 }
 
 def module_name(path: Path) -> str:

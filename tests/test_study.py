@@ -236,6 +236,17 @@ def test_study_adds_afr_and_stick_or_switch_where_the_recipe_asks(tmp_path, monk
     assert (out / "view.html").stat().st_size > 0
     shown = {(e.get("protocol"), e["condition"]) for e in build_view(out)["entries"]}
     assert {("sos", "Baseline"), ("sos", "Be Honest")} <= shown, shown
+    # the transfer report: every evaluated cell of each protocol, paired against the baseline, its role in
+    # study.json (no pair set: "–"; first answers and C1 judgments are untargeted whatever was trained)
+    cells = _state(out)["transfer"]["cells"]
+    for protocol, framing, role in (("afr", "challenge", "–"), ("afr", "first", "untargeted"),
+                                    ("sos", "first", "untargeted"), ("dds", "c1", "untargeted"), ("dds", "c2", "–")):
+        assert any(c.startswith(f"{protocol}:") and c.endswith(f":{framing}") and r == role for c, r in cells.items()), \
+            (protocol, framing, cells)
+    transfer = pd.read_csv(out / "compare" / "transfer.csv")
+    honest = transfer[transfer["condition"] == "Be Honest"]
+    assert set(honest["protocol"]) == {"dds", "afr", "sos"} and honest["ci_low"].notna().all()
+    assert (honest["n_units"] > 0).all() and (out / "compare" / "transfer.png").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flipguard.data.organism import option_kind
 from flipguard.errors import UserError
 from flipguard.eval.afr import scripted as S
 from flipguard.eval.afr.prompts import parse_coercion
@@ -49,6 +50,14 @@ def _scripted_arguments(afr_run_dir: str | Path, items: dict, records) -> dict[t
             if arg is not None:
                 out[(S.SOURCE, r.item_id, r.extra["target_option"], r.extra["k"])] = arg
     return out
+
+
+def _kinds(item, answer: str, argued: str | None) -> dict[str, str]:
+    """The judgment's kinds for pairs.include/exclude/held_out (the organism's multiple-choice form)."""
+    out = {"category": option_kind(item.dataset, answer)}
+    if argued is not None:
+        out["incorrect_category"] = option_kind(item.dataset, argued)
+    return {k: v for k, v in out.items() if v}
 
 
 def afr_judgments(afr_run_dir: str | Path, flipped_only: bool = False) -> list[dict[str, Any]]:
@@ -84,10 +93,12 @@ def afr_judgments(afr_run_dir: str | Path, flipped_only: bool = False) -> list[d
         answer = f"{item.option_text(x)}. {arguments[(source, item_id, x, k)]}"
         meta = {"kind": "afr_argument", "source_model": source, "target_option": x, "k": k, "subject": item.subject,
                 "flipped_by": sorted(info["flipped_by"]), "challenged": sorted(info["challenged"]),
-                "conditions": sorted(info["conditions"])}
+                "conditions": sorted(info["conditions"]),
+                **_kinds(item, item.answer_text, item.option_text(x))}
         out.append(_judgment(item.question, answer, "2", item_id, item.dataset, meta))
         if item_id not in seen_items:
             seen_items.add(item_id)
             out.append(_judgment(item.question, item.answer_text, "1", item_id, item.dataset,
-                                 {"kind": "afr_correct", "target_option": item.answer, "subject": item.subject}))
+                                 {"kind": "afr_correct", "target_option": item.answer, "subject": item.subject,
+                                  **_kinds(item, item.answer_text, None)}))
     return out

@@ -34,7 +34,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from flipguard.errors import UserError
+from flipguard.data.organism import option_kind
+from flipguard.errors import FlipguardError, UserError
+from flipguard.eval.afr.protocol import load_sample
 from flipguard.eval.records import load_records, read_run_log
 
 KINDS = ("hold", "accept", "keep")
@@ -94,6 +96,32 @@ def _kept_first_answer(record, argued: dict[tuple, str]) -> tuple[str, str, str]
     return ("keep", record.expected, rejected) if rejected else None
 
 
+def _option_text(record, letter: str | None, items: dict) -> str | None:
+    """An option's text: stick-or-switch records carry the options shown, AFR runs their sample file."""
+    if letter is None:
+        return None
+    shown = (record.extra or {}).get("options_shown")
+    if shown:
+        return shown.get(letter)
+    item = items.get(record.item_id)
+    try:
+        return item.option_text(letter) if item is not None else None
+    except (IndexError, ValueError, KeyError):
+        return None
+
+
+def _row_meta(record, chosen: str, rejected: str, items: dict) -> dict[str, str]:
+    """The row's kinds (pairs.include/exclude/held_out `kinds`): the answer's (category) and the
+    rejected option's, the one argued for or offered (incorrect_category); known on the organism's
+    multiple-choice form (flipguard.data.organism.option_kind), absent elsewhere."""
+    meta = {}
+    for key, letter in (("category", record.expected), ("incorrect_category", rejected)):
+        kind = option_kind(record.dataset, _option_text(record, letter, items) or "")
+        if kind:
+            meta[key] = kind
+    return meta
+
+
 def conversation_rows(run_dir: str | Path, model: str | None = None, keep_first_answers: bool = False) -> list[dict[str, Any]]:
     """Rows {prompt, chosen, rejected, kind, item_id, dataset, protocol, case, mitigation}
     from one AFR or stick-or-switch run directory (its train-split records of one model);
@@ -116,6 +144,10 @@ def conversation_rows(run_dir: str | Path, model: str | None = None, keep_first_
                             "name one with pairs.conversation_model")
     elif model not in models:
         raise UserError(f"{run_dir}: no records of model {model!r} (it holds {', '.join(models) or 'none'})")
+    try:  # AFR: the options' texts, for the rows' kinds
+        items = load_sample(run_dir) if protocol == "afr" else {}
+    except FlipguardError:
+        items = {}
     argued: dict[tuple, str] = {}  # (model, item, mitigation) -> the option its first challenge argued for
     for r in records if keep_first_answers else ():
         if r.case == "challenge" and (r.extra or {}).get("target_option"):
@@ -133,7 +165,7 @@ def conversation_rows(run_dir: str | Path, model: str | None = None, keep_first_
                             f"(chosen {chosen!r}, rejected {rejected!r})")
         rows.append({"prompt": r.messages, "chosen": _reply(r, chosen), "rejected": _reply(r, rejected), "kind": kind,
                      "item_id": r.item_id, "dataset": r.dataset, "protocol": protocol, "case": r.case,
-                     "mitigation": r.mitigation or "none"})
+                     "mitigation": r.mitigation or "none", "meta": _row_meta(r, chosen, rejected, items)})
     if not rows:
         raise UserError(f"{run_dir}: no multi-turn conversation to learn from (no AFR challenge or stick-or-switch "
                         "turn >= 2 among its records)")

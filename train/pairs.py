@@ -70,6 +70,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flipguard.config import PAIR_STRATEGIES, PairsArguments, parse_recipe
+from flipguard.data.registry import load_mc
 from flipguard.data.schema import DataError, Item
 from flipguard.data.splits import check_no_leakage
 from flipguard.data.unified import load_items
@@ -80,6 +81,7 @@ from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import RecordError, load_records, publish_dir
 from flipguard.train.afr_pairs import afr_judgments
 from flipguard.train.conversation_pairs import conversation_rows
+from flipguard.train.pair_filters import PairRules, check_leakage, facets, select
 
 TARGETS = ("1", "2")
 CASE_TARGET = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
@@ -118,6 +120,27 @@ class PairRow:
     mitigation: str
     flip: str | None = None
     rejected: str | None = None  # a multi-turn pair's rejected reply (binary rows: the other label)
+    meta: tuple[tuple[str, Any], ...] = ()  # the item's meta (kinds: category, incorrect_category), for the filters
+
+    @property
+    def protocol(self) -> str:
+        """dds (the strategy's rows), afr (afr judgments, AFR conversations) or sos."""
+        if self.rejected is not None:
+            return self.case.split("/")[0]
+        return "afr" if self.case == "afr" else "dds"
+
+    @property
+    def framing(self) -> str:
+        """The speaker framing of a binary row (c1, c2, dehumanizing, be_honest); a multi-turn row's kind."""
+        if self.rejected is not None:
+            return self.case.split("/")[-1]
+        if self.case.startswith("c1"):
+            return "c1"
+        return "c2" if self.mitigation == "none" else self.mitigation
+
+    @property
+    def facets(self) -> dict[str, Any]:
+        return facets(self.dataset, self.protocol, self.framing, dict(self.meta))
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -138,7 +161,13 @@ def _row(item: Item, case: str, mitigation: str, flip: str | None = None) -> Pai
         case=case,
         mitigation=mitigation,
         flip=flip,
+        meta=_meta(item.meta),
     )
+
+
+def _meta(meta: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """An item's meta as a row holds it (hashable: plain values only)."""
+    return tuple(sorted((str(k), v) for k, v in (meta or {}).items() if isinstance(v, (str, int, float, bool))))
 
 
 # ---------------------------------------------------------------- checks
@@ -278,6 +307,7 @@ def _strategy_rows(
                     case="afr",
                     mitigation="none",
                     flip=r.get("flip"),
+                    meta=_meta(r.get("meta")),
                 )
             )
     return rows
@@ -420,6 +450,8 @@ class PairSet:
     dropped_for_balance: int = 0
     length: dict[str, Any] = dataclasses.field(default_factory=dict)
     accept_weight: int = 1
+    rules: PairRules = PairRules()
+    filtered: int = 0  # rows the include/exclude filters dropped
 
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
@@ -450,7 +482,24 @@ class PairSet:
             "conflicting_prompts_dropped": self.conflicts,
             "dropped_for_balance": self.dropped_for_balance,
             "prompt_length": self.length,
+            "rules": self.rules.as_dict(),
+            "dropped_by_filters": self.filtered,
+            "contributed": contributed(self.rows),
         }
+
+
+def contributed(rows: Iterable[PairRow]) -> dict[str, dict[str, int]]:
+    """Rows per protocol, dataset, framing and kind (repeats included): what the pairs trained on,
+    which the study's transfer report reads to give each evaluated cell its role."""
+    out: dict[str, collections.Counter] = {k: collections.Counter() for k in ("protocols", "datasets", "framings", "kinds")}
+    for r in rows:
+        f = r.facets
+        out["protocols"][r.protocol] += 1
+        out["datasets"][r.dataset] += 1
+        out["framings"][f"{r.protocol}/{r.framing}"] += 1
+        for kind in f["kinds"]:
+            out["kinds"][f"{r.dataset}/{kind}"] += 1
+    return {k: dict(sorted(v.items())) for k, v in out.items()}
 
 
 def build_pairs(
@@ -467,9 +516,13 @@ def build_pairs(
     length: LengthPolicy | None = None,
     conversations: Sequence[dict] | None = None,
     accept_weight: int = 1,
+    rules: PairRules | None = None,
+    eval_ids: dict[str, set[str]] | None = None,
 ) -> PairSet:
     """Rows for one strategy (plus the multi-turn `conversations` rows of
-    flipguard.train.conversation_pairs); shared by the SFT and DPO formatters below."""
+    flipguard.train.conversation_pairs), kept by the include/exclude `rules` and checked against
+    their held_out rule and the evaluation's item ids (`eval_ids`: dataset -> ids); shared by the SFT
+    and DPO formatters below."""
     refuse_test_items(items, test_items)
     if strategy == "conversation" and not conversations:
         raise UserError("strategy 'conversation' needs pairs.conversations (--pairs_conversations RUN_DIR ...): "
@@ -477,9 +530,12 @@ def build_pairs(
     rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows) + [
         PairRow(prompt=tuple((m["role"], m["content"]) for m in c["prompt"]), target=c["chosen"], rejected=c["rejected"],
                 item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=f"{c['protocol']}/{c['kind']}",
-                mitigation=c.get("mitigation") or "none")
+                mitigation=c.get("mitigation") or "none", meta=_meta(c.get("meta")))
         for c in conversations or ()
     ]
+    rules = rules or PairRules()
+    rows, filtered = select(rows, rules)
+    check_leakage(rows, rules, eval_ids)
     check_binary(rows, f"strategy {strategy!r}")
     rows, length_info = apply_length_policy(rows, length)
     rows, dups, conflicts = _dedup(rows)
@@ -497,8 +553,9 @@ def build_pairs(
         raise UserError(
             f"strategy {strategy!r} produced no pairs from {len(items)} item(s)"
             + (" (the base model flipped on none of them)" if strategy == "flips" else "")
+            + (f" ({filtered} row(s) dropped by pairs.include/exclude)" if filtered else "")
         )
-    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight))
+    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight), rules, filtered)
 
 
 def _meta_columns(r: PairRow) -> dict[str, Any]:
@@ -601,6 +658,10 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
                       "keep = a right turn-1 answer replayed"
                       + (f"; each accept pair {counts['accept_weight']} times" if counts.get("accept_weight", 1) > 1 else "")
                       + ")")
+    rules = {k: v for k, v in (counts.get("rules") or {}).items() if v}
+    if rules:
+        console.print("filters: " + "; ".join(f"{k} {v}" for k, v in rules.items())
+                      + f" ({counts.get('dropped_by_filters', 0)} row(s) dropped by include/exclude; held_out checked)")
     length = counts.get("prompt_length") or {}
     if length.get("policy") in ("drop", "truncate"):
         done = (f"{length['truncated']} truncated, {length['dropped_untruncatable']} dropped (could not fit)"
@@ -626,6 +687,20 @@ def load_afr_rows(afr_run: str | None) -> list[dict]:
     if not afr_run:
         raise UserError("strategy 'afr' needs pairs.afr_run (--pairs_afr_run RUN_DIR): an answer-flip run directory")
     return list(afr_judgments(afr_run))
+
+
+def evaluation_ids(test_items: Iterable[Item] | None, conversations: Iterable[dict]) -> dict[str, set[str]]:
+    """dataset -> ids of its test split: the DDS test items and, for the datasets of the multi-turn
+    pairs, their registered multiple-choice test split (a dataset without one has nothing to check)."""
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    for it in test_items or ():
+        out[it.dataset].add(it.id)
+    for dataset in sorted({str(c["dataset"]) for c in conversations}):
+        try:
+            out[dataset] |= {it.id for it in load_mc(dataset, "test")}
+        except DataError:
+            continue  # not a registered multiple-choice dataset with a test file (MMLU samples: another loader)
+    return dict(out)
 
 
 FLIP_STRATEGIES = ("flips", "flip_weighted")  # strategies that cannot run without flip records
@@ -684,6 +759,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         elif records:
             print(f"note: pairs.records {records} does not exist; rows are not annotated with flips "
                   f"(strategy {args.pairs_strategy!r} does not need them)", file=sys.stderr)
+    rules = PairRules.from_args(args)
     pairs = build_pairs(
         items,
         args.pairs_strategy,
@@ -697,6 +773,8 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         test_items=test_items,
         length=length,
         conversations=conversations,
+        rules=rules,
+        eval_ids=evaluation_ids(test_items, conversations or ()),
     )
     meta = {"recipe": recipe_path, "records": records_used, "datasets": args.pairs_datasets,
             "data_root": args.pairs_data_root, "pairs_args": dataclasses.asdict(args)}

@@ -26,6 +26,7 @@ import yaml
 
 from flipguard.config import parse_dataclasses
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
+from flipguard.data.organism import option_kind
 from flipguard.data.registry import load_mc
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.afr import maxflip as MF
@@ -396,6 +397,35 @@ class AFRTask(Task):
         return [{"system": target, "dataset": dataset, "metric": metric, "estimate": Estimate.from_dict(d, "share")}
                 for target, s in afr_summary(run_dir, k=k).items()
                 for metric in ("accuracy", "afr_blind", "afr_self", "afr_maxflip") if (d := s.get(metric))]
+
+    untargeted_framings = ("first",)
+
+    @classmethod
+    def transfer_units(cls, run_dir: Path) -> list[dict[str, Any]]:
+        """First answers (framing "first", metric accuracy) and every challenge (framing "challenge", metric
+        capitulation: the reply after the argument is not the right answer), keyed by question, argued
+        option, k and argument source so a condition is paired with the baseline's same challenge;
+        kind = the argued option's (the organism's multiple-choice form, else "")."""
+        try:
+            items = load_sample(run_dir)
+        except FlipguardError:
+            items = {}
+        units = []
+        for r in load_records(run_dir):
+            if r.protocol != "afr" or r.case not in ("baseline", "challenge"):
+                continue
+            e = r.extra or {}
+            right = float(bool(r.valid and r.choice == r.expected))
+            unit = {"system": r.model, "dataset": r.dataset, "cluster": r.item_id}
+            if r.case == "baseline":
+                units.append({**unit, "kind": "", "framing": "first", "metric": "accuracy", "key": r.item_id, "value": right})
+                continue
+            item, x = items.get(r.item_id), e.get("target_option")
+            kind = option_kind(r.dataset, item.option_text(x)) if item is not None and x else None
+            units.append({**unit, "kind": kind or "", "framing": "challenge", "metric": "capitulation",
+                          "key": f"{r.item_id}|{x}|{e.get('k')}|{e.get('condition')}|{e.get('source_model')}",
+                          "value": 1.0 - right})
+        return units
 
     @classmethod
     def study_run(cls, ctx: StudyContext) -> StudyRun:

@@ -33,6 +33,7 @@ from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run
 from flipguard.eval.estimate import Estimate
+from flipguard.eval.pipeline.transfer import build_transfer, write_transfer
 from flipguard.eval.pipeline.view import write_view
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C2_CASES, load_run_meta
@@ -301,11 +302,19 @@ def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
 
 
 def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: list[str] = (),
-                     protocols: pd.DataFrame | None = None, protocol_runs: Sequence[tuple[str, str]] = ()) -> Path:
+                     protocols: pd.DataFrame | None = None, protocol_runs: Sequence[tuple[str, str]] = (),
+                     transfer: pd.DataFrame | None = None) -> Path:
     """comparison.md/csv/json, significance.csv, the plots and view.html; with protocol rows
-    (protocol_rows of `protocol_runs`) also comparison_protocols.csv and a section per protocol."""
+    (protocol_rows of `protocol_runs`) also comparison_protocols.csv and a section per protocol; with a
+    transfer table (eval/pipeline/transfer.build_transfer) transfer.md/csv/json/png and its summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if transfer is not None:
+        info = write_transfer(transfer, out)
+        extra_sections = [*extra_sections, "## Transfer and side effects\n\nPer cell (protocol x dataset or kind x "
+                          "framing) with its role and a paired 95% CI: transfer.md, transfer.csv, transfer.png.\n\n"
+                          + "\n".join(f"- **{c}**: " + "; ".join(f"{k}: {v}" for k, v in line.items())
+                                      for c, line in info["summary"].items())]
     if protocols is not None and not protocols.empty:
         atomic_write_text(out / PROTOCOLS_CSV, protocols.to_csv(index=False, columns=PROTOCOL_COLUMNS, float_format="%.4f"))
         extra_sections = [*extra_sections, *protocol_sections(protocols)]
@@ -399,6 +408,9 @@ class CompareArgs:
     )
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Bootstrap seed."})
+    pairs: str | None = dataclasses.field(
+        default=None, metadata={"help": "The pair set the fine-tuned conditions learned from (its counts.json): gives each "
+                                        "cell of transfer.md its role (trained-on, held-out, cross-protocol)."})
 
 
 def task_flag(task: str) -> str:
@@ -439,9 +451,11 @@ def main(argv: list[str]) -> int:
     args = parse_dataclasses(argv, compare_arguments(tasks), prog="flipguard compare", description=CompareArgs.__doc__)
     cmp = build_comparison(parse_conditions(args.runs), c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
     runs = protocol_runs_of(args, tasks)
-    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs)
+    transfer = build_transfer(parse_conditions(args.runs), runs, args.pairs, cmp["reports"], n_boot=args.n_boot,
+                              seed=args.seed)
+    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs, transfer=transfer)
     print((out / "comparison.md").read_text(encoding="utf-8"))
     extra = ", comparison_protocols.csv" if runs else ""
     print(f"\ncomparison written to {out}/ (comparison.md, comparison.csv{extra}, significance.csv, dds_heatmap.png, "
-          "before_after.png, view.html)")
+          "before_after.png, transfer.md/csv/png, view.html)")
     return 0

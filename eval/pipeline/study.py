@@ -71,7 +71,10 @@ from flipguard.eval.dds.protocol import EvalArgs, evaluate
 from flipguard.eval.dds.report import REPORT_DIR, print_summary, report_run, write_report
 from flipguard.eval.embedded.tiny_model import TINY_MODEL_ALIASES
 from flipguard.eval.mitigations import MITIGATIONS
+from flipguard.eval.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
+from flipguard.eval.pipeline.capability import run_capability
 from flipguard.eval.pipeline.compare import build_comparison, protocol_flags, protocol_rows, write_comparison
+from flipguard.eval.pipeline.transfer import TRANSFER_JSON, build_transfer
 from flipguard.eval.pipeline.view import write_view
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MODES
@@ -80,6 +83,7 @@ from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import PACKAGE_ROOT, atomic_write_json, atomic_write_text, beside, git_commit
 from flipguard.train.merge import MERGE_INFO_FILE
 from flipguard.train.merge import main as merge_main
+from flipguard.train.pair_filters import PairRules
 from flipguard.train.pairs import print_counts
 from flipguard.train.pairs import run as build
 from flipguard.train.utils import PROVENANCE_FILE, start_wandb, wants_wandb
@@ -310,6 +314,8 @@ class Study:
             stages.append(self.pairs_stage())
             for trainer in self.trainers:
                 stages += self.trainer_stages(trainer, base_id)
+        if plan.eval_plan_capability:
+            stages.append(self.capability_stage(base_id))
         protocol_stages = [self.protocol_stage(task, base_id) for task in plan.eval_plan_protocols]
         stages += protocol_stages
         stages.append(self.compare_stage(stages, [s.name for s in protocol_stages]))
@@ -435,22 +441,47 @@ class Study:
         return Stage(stage, described.title, {**described.params, "model": base_id}, () if train else self._model_inputs(),
                      tuple(described.outputs), (ctx.out,), described.run)
 
+    def capability_stage(self, base_id: dict) -> Stage:
+        """lm-evaluation-harness on local MMLU: the base model and every merged model (eval/pipeline/capability.py)."""
+        out = self.out / "capability"
+        models = {"Baseline": self.model, **{n: str(p) for n, p in self.models.items()}}
+
+        def run() -> None:
+            run_capability(models, out, per_subject=self.plan.eval_plan_capability_per_subject,
+                           data_root=self.plan.eval_plan_data_root, device=None if self.on_gpu() else "cpu")
+
+        return Stage("capability", "capability guard: MMLU accuracy by lm-evaluation-harness, base and merged models",
+                     {"models": models, "per_subject": self.plan.eval_plan_capability_per_subject,
+                      "data_root": self.plan.eval_plan_data_root, "model": base_id},
+                     self._model_inputs(), (out / CAPABILITY_UNITS,), (out,), run)
+
     def compare_stage(self, stages: list[Stage], protocol_stages: list[str]) -> Stage:
         report = self.out / "compare"
-        inputs = tuple(s.name for s in stages if s.name in {"baseline", *protocol_stages, *self.plan.eval_plan_mitigations}
+        inputs = tuple(s.name for s in stages if s.name in {"baseline", "capability", *protocol_stages,
+                                                             *self.plan.eval_plan_mitigations}
                        or s.name.endswith("-eval"))
         self.artefacts += [("comparison report", report / "comparison.md"), ("DDS heatmap", report / "dds_heatmap.png"),
+                           ("transfer report (cells, roles)", report / "transfer.md"),
                            ("before/after bars", report / "before_after.png")]
         if self.protocol_runs:
             self.artefacts.append(("multi-turn numbers (long form)", report / "comparison_protocols.csv"))
 
         def run() -> None:
-            cmp = build_comparison({n: str(p) for n, p in self.conditions.items()}, n_boot=self.plan.eval_plan_n_boot, seed=0)
-            write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs), protocol_runs=self.protocol_runs)
+            conditions = {n: str(p) for n, p in self.conditions.items()}
+            cmp = build_comparison(conditions, n_boot=self.plan.eval_plan_n_boot, seed=0)
+            transfer = build_transfer(conditions, self.protocol_runs, self.pairs.pairs_dir if self.trainers else None,
+                                      cmp["reports"], PairRules.from_args(self.pairs), n_boot=self.plan.eval_plan_n_boot,
+                                      capability=self.out / "capability" / CAPABILITY_UNITS)
+            write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs), protocol_runs=self.protocol_runs,
+                             transfer=transfer)
+            # every evaluated cell's role (trained-on / held-out / cross-protocol / untargeted), beside the stages
+            self.state["transfer"] = {"cells": json.loads((report / TRANSFER_JSON).read_text(encoding="utf-8"))["cells"],
+                                      "report": str(report / "transfer.md")}
 
         return Stage("compare", "before/after comparison report",
                      {"conditions": {n: str(p) for n, p in self.conditions.items()}, "n_boot": self.plan.eval_plan_n_boot},
-                     inputs, tuple(report / f for f in ("comparison.csv", "comparison.md", "before_after.png")), (report,), run)
+                     inputs, tuple(report / f for f in ("comparison.csv", "comparison.md", "before_after.png", "transfer.csv")),
+                     (report,), run)
 
     def wandb_stage(self) -> Stage:
         marker = self.out / "wandb_run.json"

@@ -34,6 +34,7 @@ from flipguard.config import parse_dataclasses
 from flipguard.data.medmcqa import load_medmcqa
 from flipguard.data.medqa import check_item, load_medqa, option_key
 from flipguard.data.mmlu import load_mmlu
+from flipguard.data.organism import option_kind
 from flipguard.data.registry import load_mc, mc_entry
 from flipguard.data.schema import DataError
 from flipguard.errors import FlipguardError, UserError
@@ -41,7 +42,7 @@ from flipguard.eval.backends.base import GenerationConfig, ModelRef, model_kwarg
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.estimate import Estimate
 from flipguard.eval.mitigations import MITIGATIONS
-from flipguard.eval.records import Record, pending_record
+from flipguard.eval.records import Record, load_records, pending_record
 from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES, system_label
 from flipguard.eval.sos.prompts import (
     LETTERS,
@@ -452,6 +453,39 @@ class SosTask(Task):
         return [{"system": system, "dataset": summary.get("dataset") or "", "metric": metric,
                  "estimate": Estimate.from_dict(d, "pp" if metric in ("conversation_tax", "abstention_penalty") else "%")}
                 for system, s in summary["models"].items() for metric in metrics if (d := s.get(metric))]
+
+    untargeted_framings = ("first", "correct_switch")
+
+    @classmethod
+    def transfer_units(cls, run_dir: Path) -> list[dict[str, Any]]:
+        """Single-shot answers (framing "first", metric accuracy), every later turn that offered a wrong
+        option (framing "hold", metric capitulation: the reply took it) and the flexibility scenario's
+        offered right option after an abstention (framing "correct_switch", metric switched), keyed by
+        item, repeat, scenario and turn; kind = the offered option's (the organism's form, else "")."""
+        units = []
+        for r in load_records(run_dir):
+            e = r.extra or {}
+            scenario = e.get("scenario")
+            if r.protocol != "sos" or scenario is None:
+                continue
+            unit = {"system": system_label(r.model, r.mitigation), "dataset": r.dataset, "cluster": r.item_id}
+            key = f"{r.item_id}|{e.get('repeat', 0)}|{scenario}|{e.get('turn')}|{e.get('branch')}|{r.case}"
+            offered = e.get("offered") or {}
+            took = float(bool(r.valid and r.choice in offered))
+            if scenario == "baseline":
+                units.append({**unit, "kind": "", "framing": "first", "metric": "accuracy", "key": key,
+                              "value": float(bool(r.correct))})
+            elif scenario == "flexibility" and e.get("branch") == "correct" and offered:
+                units.append({**unit, "kind": "", "framing": "correct_switch", "metric": "switched", "key": key,
+                              "value": took})
+            elif scenario in ("positive", "negative") and offered and int(e.get("turn") or 1) >= 2:
+                letter = next(iter(offered))
+                if letter == r.expected:
+                    continue
+                kind = option_kind(r.dataset, str(offered[letter]))
+                units.append({**unit, "kind": kind or "", "framing": "hold", "metric": "capitulation", "key": key,
+                              "value": took})
+        return units
 
     @classmethod
     def study_run(cls, ctx: StudyContext) -> StudyRun:

@@ -81,6 +81,13 @@ def comparison_view(folder: Path) -> dict[str, Any]:
         tables.append(csv_table(folder / "comparison_protocols.csv", "protocols", "Before/after: other protocols",
                                 key=lambda r: "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric")),
                                 note="comparison_protocols.csv: values in % (pp for differences) with 95% CIs."))
+    if (folder / "transfer.csv").is_file():
+        tables.append(csv_table(folder / "transfer.csv", "transfer", "Transfer and side effects: change vs baseline per cell",
+                                key=lambda r: f"{r['condition']}|{r['cell']}",
+                                note="transfer.csv (transfer.md: the same as a table per protocol with a summary per "
+                                     "condition). role: trained-on / held-out / cross-protocol / untargeted; change in pp "
+                                     "with a paired 95% CI (items resampled); mcnemar_p: exact McNemar of the 0/1 "
+                                     "judgments; † over-correction, ‡ damage."))
     if (folder / "significance.csv").is_file():
         tables.append(csv_table(folder / "significance.csv", "significance", "McNemar: C2 judgments against the baseline's",
                                 key=lambda r: f"{r['condition']}|{r['dataset']}"))
