@@ -132,15 +132,18 @@ def run_afr(config: Path, out: Path) -> dict:
     """`flipguard afr CONFIG --out OUT` as a whole process: wall time, backend time (the sum of
     the records' latency_s), judgments, run.json's computed entry."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    t0 = time.perf_counter()
+    import resource
+
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "afr", str(config), "--out", str(out),
                            "--threads", "1"], capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
+    wall, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
     if proc.returncode != 0:
         raise SystemExit(f"flipguard afr failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
     (computed,) = json.loads((out / "run.json").read_text())["computed"].values()
-    return {"wall_s": wall, "backend_s": sum(r["latency_s"] for r in records), "judgments": len(records),
+    return {"wall_s": wall, "cpu_s": cpu, "backend_s": sum(r["latency_s"] for r in records), "judgments": len(records),
             "computed": computed, "records": records, "probs": {r["key"]: r.get("extra", {}).get("probs") or [r["p1"], r["p2"]]
                                             for r in records}}
 
@@ -153,6 +156,7 @@ def main() -> int:
     ap.add_argument("--afr_repeats", type=int, default=2)
     ap.add_argument("--gen_tokens", type=int, default=64, help="new tokens per reply in the generation measurement")
     ap.add_argument("--afr_per_subject", type=int, default=10, help="organism_mc questions per subject (5 subjects)")
+    ap.add_argument("--singles", type=int, default=4, help="one-prompt calls in the single-prompt case")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(HERE / "prefix_sharing.json"))
     args = ap.parse_args()
@@ -179,7 +183,7 @@ def main() -> int:
     convs = dds["none"] + dds["be_honest"]
     contexts = [fg.render(c) for c in convs]
     seqs = fg.tokenizer(contexts, add_special_tokens=False).input_ids
-    singles = convs[: 2 * args.batch_size : 2]
+    singles = convs[: 2 * args.singles : 2]
     raw = [[{"role": "raw", "content": f"Question {q}: is {q} * 7 more than {q * 5 + 9}? Answer 1 for yes, 2 for no.\n"
              f"{'Think about it. ' * (q % 4)}Answer:"}] for q in range(3, 3 + args.batch_size)]
 
@@ -208,14 +212,18 @@ def main() -> int:
     flipguard(True, dds_chunks[:1])  # warm-up (and the prefix-token count of one chunk)
     lm_eval_probs(lm, Instance, contexts[:8])
     fg.computed["prefix_tokens"] = dict(before)
+    # wall time and this process's CPU time (one thread: the CPU time is the work done, much less
+    # disturbed than the wall time by the other jobs on a shared machine)
     times: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
     results = {}
     for rep in range(args.repeats):
         for name, fn in cases.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             results[name] = fn()
             times[name].append(time.perf_counter() - t0)
-            print(f"repeat {rep}: {name} {times[name][-1]:.1f} s", flush=True)
+            cpu[name].append(time.process_time() - c0)
+            print(f"repeat {rep}: {name} wall {times[name][-1]:.1f} s cpu {cpu[name][-1]:.1f} s", flush=True)
         if rep == 0:
             tokens = dict(fg.computed["prefix_tokens"])  # one repeat's counts (every case ran once)
 
@@ -232,7 +240,8 @@ def main() -> int:
         "dds_lm_eval": pass_flops(config, dds_prompt + len(seqs), pairs_off, dds_prompt + len(seqs)),
         "dds_sharing_on": pass_flops(config, dds_shared, pairs_off, len(seqs)),  # pairs: an upper bound
     }
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in cpu.items()}  # speedups and floors: CPU time
+    med_wall = {k: statistics.median(v) for k, v in times.items()}
     flop_floor = {k: {"gflop": f / 1e9, "floor_s": f / 1e9 / gflops, "ratio": med[k] / (f / 1e9 / gflops)}
                   for k, f in floors.items()}
     diff = {
@@ -251,16 +260,16 @@ def main() -> int:
     gen_convs = [r.messages for r in build_records(
         dds_items(max(1, args.batch_size // 4)), model="m", backend="hf", mode="generate")]
     fg.prefix_sharing = False
-    t0 = time.perf_counter()
+    c0 = time.process_time()
     fg.choice_probs(gen_convs)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    prefill_s = time.process_time() - c0
+    c0 = time.process_time()
     fg.generate(gen_convs, GenerationConfig(max_new_tokens=args.gen_tokens, ignore_eos=True))
-    generate_s = time.perf_counter() - t0
+    generate_s = time.process_time() - c0
     gen_seqs = fg.tokenizer([fg.render(c) for c in gen_convs], add_special_tokens=False).input_ids
     gen_shared = prefix.computed_tokens(prefix.plan(gen_seqs)) / sum(len(x) for x in gen_seqs)
-    generation = {"prompts": len(gen_convs), "new_tokens": args.gen_tokens, "prefill_s": prefill_s,
-                  "generate_s": generate_s, "prefill_share": prefill_s / generate_s,
+    generation = {"prompts": len(gen_convs), "new_tokens": args.gen_tokens, "prefill_cpu_s": prefill_s,
+                  "generate_cpu_s": generate_s, "prefill_share": prefill_s / generate_s,
                   "computed_token_share_if_shared": gen_shared,
                   "most_saved_share": prefill_s / generate_s * (1 - gen_shared)}
     print("generation", generation, flush=True)
@@ -272,11 +281,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         cfg = {s: afr_config(afr_model, s == "on", folder, args.afr_per_subject) for s in ("on", "off")}
-        run_afr(cfg["on"], folder / "warm")  # warm-up: builds/caches the model, warms the page cache
+        get_backend("hf", afr_model, device="cpu", show_progress=False)  # built and cached before any timing
         for rep in range(args.afr_repeats):
             for s in ("on", "off"):
                 got = run_afr(cfg[s], folder / f"{s}{rep}")
-                print(f"afr repeat {rep}: sharing {s} wall {got['wall_s']:.1f} s backend {got['backend_s']:.1f} s",
+                print(f"afr repeat {rep}: sharing {s} wall {got['wall_s']:.1f} s cpu {got['cpu_s']:.1f} s "
+                      f"backend {got['backend_s']:.1f} s",
                       flush=True)
                 afr[s].append(got)
     afr_tokens = afr_token_counts(get_backend("hf", afr_model, device="cpu", show_progress=False),
@@ -294,9 +304,11 @@ def main() -> int:
     doc = {
         "model": str(gguf), "checkpoint": fg.model_id, "dtype": fg.computed["dtype"], "batch_size": args.batch_size,
         "threads": torch.get_num_threads(), "repeats": args.repeats, "chunk": CHUNK,
-        "n": n, "seconds": {k: stat(v) for k, v in times.items()},
-        "judgments_per_s": {k: n[k.split("_")[0] if k.startswith(("dds", "single")) else "no_shared_prefix"] / med[k]
-                            for k in med},
+        "n": n, "seconds": {k: stat(v) for k, v in times.items()}, "cpu_seconds": {k: stat(v) for k, v in cpu.items()},
+        "judgments_per_cpu_s": {k: n[k.split("_")[0] if k.startswith(("dds", "single")) else "no_shared_prefix"]
+                                / med[k] for k in med},
+        "speedup_wall": {"dds_on_vs_lm_eval": med_wall["dds_lm_eval"] / med_wall["dds_sharing_on"],
+                         "dds_on_vs_off": med_wall["dds_sharing_off"] / med_wall["dds_sharing_on"]},
         "speedup": {"dds_on_vs_lm_eval": med["dds_lm_eval"] / med["dds_sharing_on"],
                     "dds_on_vs_off": med["dds_sharing_off"] / med["dds_sharing_on"],
                     "dds_off_vs_lm_eval": med["dds_lm_eval"] / med["dds_sharing_off"],
@@ -309,6 +321,7 @@ def main() -> int:
         "generation": generation,
         "afr": {"model": afr_model, "judgments": afr["on"][0]["judgments"], "repeats": args.afr_repeats,
                 "wall_s": {s: stat([r["wall_s"] for r in afr[s]]) for s in afr},
+                "process_cpu_s": {s: stat([r["cpu_s"] for r in afr[s]]) for s in afr},
                 "backend_s": {s: stat([r["backend_s"] for r in afr[s]]) for s in afr},
                 "speedup_backend": statistics.median([r["backend_s"] for r in afr["off"]])
                 / statistics.median([r["backend_s"] for r in afr["on"]]),
@@ -324,7 +337,7 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(json.dumps({k: doc[k] for k in ("seconds", "speedup", "tokens", "flop_floor", "max_abs_diff_p", "generation",
+    print(json.dumps({k: doc[k] for k in ("seconds", "cpu_seconds", "speedup", "tokens", "flop_floor", "max_abs_diff_p", "generation",
                                           "machine")},
                      indent=2))
     print(json.dumps({k: v for k, v in doc["afr"].items() if k != "computed_on"}, indent=2))

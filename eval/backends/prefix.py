@@ -135,43 +135,71 @@ def score_last_logits(model, tops: Sequence[Node], *, batch_size: int, pad_id: i
 
     config = model.config
     cache_arg = _cache_kwarg(model)
+
+    def run(batch: list[tuple[Node, list | None]]) -> list[tuple[Node, list | None]]:
+        """One forward pass over a batch of nodes; returns their children, each with its parent's cache."""
+        past_len = max(n.start for n, _ in batch)
+        new_len = max(len(n.tokens) for n, _ in batch)
+        rows = len(batch)
+        ids = torch.full((rows, new_len), pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, past_len + new_len), dtype=torch.long)
+        pos = torch.zeros((rows, new_len), dtype=torch.long)
+        for r, (node, _) in enumerate(batch):
+            s = len(node.tokens)
+            ids[r, new_len - s :] = torch.tensor(node.tokens, dtype=torch.long)
+            mask[r, past_len - node.start : past_len] = 1
+            mask[r, past_len + new_len - s :] = 1
+            pos[r, new_len - s :] = torch.arange(node.start, node.start + s)
+        cache = DynamicCache(ddp_cache_data=_padded_past(batch, past_len), config=config) if past_len else None
+        need_cache = any(n.children for n, _ in batch)
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
+                    use_cache=need_cache, logits_to_keep=1, **{cache_arg: cache})
+        logits = out.logits[:, -1, :].float()
+        for r, (node, _) in enumerate(batch):
+            if node.ends:
+                on_logits(node.ends, logits[r])
+        children: list[tuple[Node, list | None]] = []
+        if need_cache:
+            filled = out.cache if cache_arg == "cache" else out.past_key_values
+            layers = [(layer.keys, layer.values) for layer in filled.layers]
+            for r, (node, _) in enumerate(batch):
+                if node.children:
+                    kv = _row_kv(layers, r, past_len, node.start, past_len + new_len - len(node.tokens))
+                    children.extend((child, kv) for child in node.children)
+        return children
+
+    # The shared nodes wave by wave (each needs its parent's cache); the leaves, which are most of
+    # the tokens, all at the end, batched by length across depths (less padding).
     wave: list[tuple[Node, list | None]] = [(n, None) for n in tops]  # (node, parent's per-layer (k, v))
+    leaves: list[tuple[Node, list | None]] = []
     while wave:
+        leaves += [x for x in wave if not x[0].children]
         nxt: list[tuple[Node, list | None]] = []
-        wave.sort(key=lambda x: (-len(x[0].tokens), -x[0].start))  # similar lengths together: less padding
-        for b in range(0, len(wave), batch_size):
-            batch = wave[b : b + batch_size]
-            past_len = max(n.start for n, _ in batch)
-            new_len = max(len(n.tokens) for n, _ in batch)
-            rows = len(batch)
-            ids = torch.full((rows, new_len), pad_id, dtype=torch.long)
-            mask = torch.zeros((rows, past_len + new_len), dtype=torch.long)
-            pos = torch.zeros((rows, new_len), dtype=torch.long)
-            for r, (node, _) in enumerate(batch):
-                s = len(node.tokens)
-                ids[r, new_len - s :] = torch.tensor(node.tokens, dtype=torch.long)
-                mask[r, past_len - node.start : past_len] = 1
-                mask[r, past_len + new_len - s :] = 1
-                pos[r, new_len - s :] = torch.arange(node.start, node.start + s)
-            cache = None
-            if past_len:
-                cache = DynamicCache(ddp_cache_data=_padded_past(batch, past_len), config=config)
-            need_cache = any(n.children for n, _ in batch)
-            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
-                        use_cache=need_cache, logits_to_keep=1, **{cache_arg: cache})
-            logits = out.logits[:, -1, :].float()
-            for r, (node, _) in enumerate(batch):
-                if node.ends:
-                    on_logits(node.ends, logits[r])
-            if need_cache:
-                filled = out.cache if cache_arg == "cache" else out.past_key_values
-                layers = [(layer.keys, layer.values) for layer in filled.layers]
-                for r, (node, _) in enumerate(batch):
-                    if node.children:
-                        kv = _row_kv(layers, r, past_len, node.start, past_len + new_len - len(node.tokens))
-                        nxt.extend((child, kv) for child in node.children)
-            del out, cache
+        for batch in _length_batches([x for x in wave if x[0].children], batch_size):
+            nxt += run(batch)
         wave = nxt
+    for batch in _length_batches(leaves, batch_size):
+        run(batch)
+
+
+# A batch's new tokens are padded to its longest node: a node shorter than this share of it
+# starts the next batch (unless the gap is a few tokens), so padding stays a small part.
+MIN_FILL = 0.75
+
+
+def _length_batches(items: list, batch_size: int) -> list[list]:
+    """Longest first; at most batch_size nodes a batch, of similar lengths (MIN_FILL)."""
+    items = sorted(items, key=lambda x: (-len(x[0].tokens), -x[0].start))
+    out: list[list] = []
+    for item in items:
+        n = len(item[0].tokens)
+        if out and len(out[-1]) < batch_size:
+            longest = len(out[-1][0][0].tokens)
+            if n >= MIN_FILL * longest or longest - n <= 8:
+                out[-1].append(item)
+                continue
+        out.append([item])
+    return out
 
 
 def _cache_kwarg(model) -> str:
@@ -181,18 +209,19 @@ def _cache_kwarg(model) -> str:
 
 
 def _padded_past(batch, past_len: int) -> list[tuple]:
-    """Per layer, the batch's parents' keys and values left-padded (zeros, masked) to past_len."""
+    """Per layer, the batch's parents' keys and values left-padded (zeros, masked) to past_len; a
+    top-level node in the batch (no parent) gets padding only."""
     import torch
 
-    n_layers = len(next(kv for _, kv in batch if kv is not None))
+    shapes = next(kv for _, kv in batch if kv is not None)
     data = []
-    for layer in range(n_layers):
+    for layer, (k0, v0) in enumerate(shapes):
         ks, vs = [], []
         for node, kv in batch:
-            k, v = (kv[layer] if kv is not None else (None, None))
-            if k is None or k.shape[-2] != node.start:
-                raise RuntimeError(f"prefix sharing: the cached past has {None if k is None else k.shape[-2]} "
-                                   f"positions, the node starts at {node.start}")
+            k, v = kv[layer] if kv is not None else (k0[:, :0], v0[:, :0])
+            if k.shape[-2] != node.start:
+                raise RuntimeError(f"prefix sharing: the cached past has {k.shape[-2]} positions, the node "
+                                   f"starts at {node.start}")
             pad = past_len - node.start
             if pad:
                 k = torch.cat([k.new_zeros(*k.shape[:-2], pad, k.shape[-1]), k], dim=-2)
