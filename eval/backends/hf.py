@@ -189,7 +189,7 @@ class HFBackend(Backend):
                 def take(ends: list[int], logits) -> None:
                     p = self._label_probs(logits[None, :], flat, groups, choices)[0]
                     for i in ends:
-                        out[i] = p
+                        out[i] = dict(p)
                     if len(ends) > 1:  # identical prompts: one row, counted once per judgment
                         self._count_first_tokens([int(logits.argmax())] * (len(ends) - 1))
                     bar.update(len(ends))
