@@ -1,7 +1,9 @@
 """transformers in-process backend (CPU or GPU), batched with left padding.
 
 Single-token answers are scored from one forward pass, as lm-eval-harness does: the
-logits at the last prompt position give P("1") and P("2") together. An un-merged
+logits at the last prompt position give P("1") and P("2") together; a token prefix that
+several prompts of a call share is computed once and its keys/values reused (prefix.py;
+`prefix_sharing=False` turns it off). An un-merged
 LoRA adapter can be evaluated directly (transformers + peft), also on a quantized base
 (`quantization_config`, e.g. the 4-bit base an adapter was trained on).
 """
@@ -13,6 +15,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from flipguard.eval.backends.adapters import FOREIGN_ADAPTER_ARGS, load_peft_adapter
+from flipguard.eval.backends import prefix
 from flipguard.eval.backends.base import (
     Backend, BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template,
     context_limit, raw_prompt, register_backend
@@ -50,6 +53,7 @@ class HFBackend(Backend):
         show_progress: bool = True,
         quantization_config=None,
         foreign_adapter: bool = False,
+        prefix_sharing: bool = True,
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,6 +92,13 @@ class HFBackend(Backend):
         # what this backend actually computes with, for run.json (the runner reads it)
         self.computed: dict = {"backend": self.name, "dtype": str(self.model.dtype).removeprefix("torch."),
                                "device": str(self.device)}
+        # logprob mode: each shared token prefix of a call computed once (prefix.py); run.json
+        # says whether it was on, and why not where the model's cache cannot be shared
+        refusal = prefix.sharing_refusal(self.model) if prefix_sharing else None
+        self.prefix_sharing = bool(prefix_sharing) and refusal is None
+        self.computed["prefix_sharing"] = self.prefix_sharing
+        if refusal:
+            self.computed["prefix_sharing_off"] = refusal
 
     def render(self, conversation: Conversation) -> str:
         """The exact text the model sees, chat template applied, ready for the reply. A raw
@@ -155,6 +166,20 @@ class HFBackend(Backend):
         for text in self.tokenizer.batch_decode([[i] for i in ids]):
             counts[text] = counts.get(text, 0) + 1
 
+    def _label_probs(self, logits, flat: list[int], groups, choices) -> list[dict[str, float]]:
+        """{label: P(label)} per row of last-position logits (float32, full vocabulary)."""
+        import torch
+
+        self._count_first_tokens(logits.argmax(dim=-1).tolist())
+        out = []
+        for row in torch.softmax(logits, dim=-1)[:, flat].cpu().tolist():
+            p, pos = {}, 0
+            for choice, g in zip(choices, groups):
+                p[choice] = float(sum(row[pos:pos + len(g)]))
+                pos += len(g)
+            out.append(p)
+        return out
+
     def choice_probs(self, conversations: Sequence[Conversation], choices: Sequence[str] = ("1", "2")) -> list[dict[str, float]]:
         import torch
 
@@ -162,17 +187,38 @@ class HFBackend(Backend):
         flat = [i for g in groups for i in g]
         out: list[dict[str, float] | None] = [None] * len(conversations)
         with _progress(len(conversations) if self.show_progress else 0, "score") as bar, torch.inference_mode():
+            tops = self._sharing_plan(conversations) if self.prefix_sharing else None
+            if tops is not None:
+                def take(ends: list[int], logits) -> None:
+                    p = self._label_probs(logits[None, :], flat, groups, choices)[0]
+                    for i in ends:
+                        out[i] = dict(p)
+                    if len(ends) > 1:  # identical prompts: one row, counted once per judgment
+                        self._count_first_tokens([int(logits.argmax())] * (len(ends) - 1))
+                    bar.update(len(ends))
+
+                prefix.score_last_logits(self.model, tops, batch_size=self.batch_size,
+                                         pad_id=self.tokenizer.pad_token_id, device=self.device, on_logits=take)
+                return out  # type: ignore[return-value]
             for idx, enc in self._batches(conversations):
                 # Only the last position's logits: a full (batch, length, vocab) tensor
                 # is gigabytes on a real model and is never used.
                 logits = self.model(**enc, logits_to_keep=1).logits[:, -1, :].float()
-                self._count_first_tokens(logits.argmax(dim=-1).tolist())
-                probs = torch.softmax(logits, dim=-1)[:, flat].cpu().tolist()
-                for i, row in zip(idx, probs):
-                    p, pos = {}, 0
-                    for choice, g in zip(choices, groups):
-                        p[choice] = float(sum(row[pos:pos + len(g)]))
-                        pos += len(g)
+                for i, p in zip(idx, self._label_probs(logits, flat, groups, choices)):
                     out[i] = p
                 bar.update(len(idx))
         return out  # type: ignore[return-value]
+
+    def _sharing_plan(self, conversations: Sequence[Conversation]) -> list | None:
+        """The prefix tree of the call's prompts (prefix.plan), counted in run.json; None when no
+        prefix is worth sharing (then the plain batches run, as with sharing off)."""
+        texts = [self.render(c) for c in conversations]
+        seqs = self.tokenizer(texts, add_special_tokens=False).input_ids
+        tops = prefix.plan(seqs)
+        stats = self.computed.setdefault("prefix_tokens", {"prompt": 0, "computed": 0})
+        stats["prompt"] += sum(len(s) for s in seqs)
+        if not prefix.shares(tops):
+            stats["computed"] += sum(len(s) for s in seqs)
+            return None
+        stats["computed"] += prefix.computed_tokens(tops)
+        return tops

@@ -18,6 +18,7 @@ vLLM would not apply faithfully is refused before the engine loads (`lora_refusa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 from pathlib import Path
@@ -196,9 +197,23 @@ PARALLEL_ARGS = ("tensor_parallel_size", "data_parallel_size", "pipeline_paralle
 EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 
 
-def build_engine_kwargs(model: str, dtype: str, seed: int, trust_remote_code: bool, extra: dict[str, Any]) -> dict[str, Any]:
+def engine_fields() -> frozenset[str] | None:
+    """The settings the installed vLLM's engine takes (vllm.EngineArgs fields); None without vLLM."""
+    try:
+        from vllm import EngineArgs
+
+        return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+    except (ImportError, TypeError):
+        return None
+
+
+def build_engine_kwargs(model: str, dtype: str, seed: int, trust_remote_code: bool, extra: dict[str, Any],
+                        fields: frozenset[str] | None = None) -> dict[str, Any]:
     """The keyword arguments of vllm.LLM: flipguard's settings plus the backend args (checked:
-    a parallel size is an integer >= 1, the executor one vLLM knows), the error naming the key."""
+    a parallel size is an integer >= 1, the executor one vLLM knows), the error naming the key.
+    Automatic prefix caching is asked for where the engine has the setting (`fields`: its
+    EngineArgs names), unless the backend args set it: DDS's four cases and AFR's challenges
+    share most of their prompt, and cached prefixes change no logprob."""
     for key in PARALLEL_ARGS[:3]:
         value = extra.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -207,7 +222,22 @@ def build_engine_kwargs(model: str, dtype: str, seed: int, trust_remote_code: bo
     if executor is not None and executor not in EXECUTOR_BACKENDS:
         raise BackendError(f"--backend_args distributed_executor_backend: {executor!r} is not one of "
                            f"{', '.join(EXECUTOR_BACKENDS)} (multi-node: ray)")
-    return dict(model=model, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, **extra)
+    kwargs = dict(model=model, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, **extra)
+    if fields is not None and PREFIX_CACHING in fields:
+        kwargs.setdefault(PREFIX_CACHING, True)
+    return kwargs
+
+
+PREFIX_CACHING = "enable_prefix_caching"
+
+
+def prefix_caching(llm: Any, kwargs: dict[str, Any]) -> bool | None:
+    """Whether the engine caches prefixes, as its cache config says (what was asked for when it
+    does not say; None: neither), for run.json."""
+    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    value = getattr(config, PREFIX_CACHING, None)
+    value = kwargs.get(PREFIX_CACHING) if value is None else value
+    return None if value is None else bool(value)
 
 
 def parallelism(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -246,7 +276,7 @@ class VLLMBackend(Backend):
         # "auto" is the model's own dtype (config.json), passed explicitly: vLLM's own "auto"
         # runs a float32 checkpoint in bfloat16 on CPU, silently (issue 23)
         dtype = model_dtype(model) if dtype == "auto" else dtype
-        kwargs = build_engine_kwargs(model, dtype, seed, trust_remote_code, engine_kwargs)
+        kwargs = build_engine_kwargs(model, dtype, seed, trust_remote_code, engine_kwargs, engine_fields())
         self.lora_request = None
         if adapter:
             from vllm.lora.request import LoRARequest
@@ -262,7 +292,8 @@ class VLLMBackend(Backend):
         engine_dtype = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "dtype", dtype)
         # what the engine actually computes in, for run.json (the runner reads it)
         self.computed: dict = {"backend": self.name, "dtype": str(engine_dtype).removeprefix("torch."),
-                               "dtype_requested": dtype, "parallel": parallelism(kwargs)}
+                               "dtype_requested": dtype, "parallel": parallelism(kwargs),
+                               "prefix_caching": prefix_caching(self.llm, kwargs)}
         # the engine's max_model_len: an item past it is refused before any request
         try:
             self.max_context = int(self.llm.llm_engine.model_config.max_model_len)
