@@ -50,6 +50,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import random
 import sys
 import time
@@ -630,8 +631,6 @@ def _file_hashes(folder: Path) -> dict[str, str]:
 def built_on(args: OrganismArgs) -> dict:
     """Where the floating-point path of a build came from: the same settings give other weights
     on another CPU, another thread count or a GPU (bench/organism_build_robustness.md)."""
-    import platform
-
     import torch
 
     cpu = platform.processor() or platform.machine()
