@@ -91,6 +91,9 @@ def normalise_question(text: str) -> str:
     return " ".join(text.split())
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str, Any]]]:
     """(line number, row) pairs; a malformed line raises DataError naming source and line."""
     rows: list[tuple[int, dict[str, Any]]] = []
@@ -103,6 +106,12 @@ def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str,
             raise DataError(f"{source}:{lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise DataError(f"{source}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        if _SURROGATE_ESCAPE.search(line):  # a \uD800-\uDFFF escape: a lone one is no character at all
+            try:
+                json.dumps(row, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise DataError(f"{source}:{lineno}: holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), "
+                                "which is not text a tokenizer can read; fix or drop the row") from None
         rows.append((lineno, row))
     if not rows:
         raise DataError(f"{source}: file is empty")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -35,15 +36,34 @@ def gguf_file(name: str | Path) -> Path | None:
     """The GGUF file `name` denotes (a `.gguf` file, or a folder without config.json that
     holds exactly one), else None. A folder with several is refused, naming them."""
     path = Path(name)
+    if path.name.lower().endswith(GGUF_SUFFIX) and not path.exists():
+        raise UserError(f"{path}: no such GGUF file; check the path")
     if path.is_file() and path.name.lower().endswith(GGUF_SUFFIX):
-        return path
+        return _checked_header(path)
     if not path.is_dir() or (path / "config.json").exists():
         return None
     found = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().endswith(GGUF_SUFFIX))
     if len(found) > 1:
         raise UserError(f"{path}: holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); "
                         "name the one to use (PATH/FILE.gguf)")
-    return found[0] if found else None
+    return _checked_header(found[0]) if found else None
+
+
+# magic, version (uint32), tensor count and metadata count (uint64 each): the fixed header
+GGUF_HEADER = 24
+
+
+def _checked_header(path: Path) -> Path:
+    """A file that cannot be GGUF (another format, or cut short: a partial download) is one line
+    here, not a struct.error inside the reader."""
+    with open(path, "rb") as fh:
+        head = fh.read(GGUF_HEADER)
+    if head[:4] != b"GGUF":
+        raise UserError(f"{path}: not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+    if len(head) < GGUF_HEADER:
+        raise UserError(f"{path}: truncated GGUF file ({len(head)} bytes, shorter than the {GGUF_HEADER}-byte "
+                        "header); download it again")
+    return path
 
 
 def _sha256(path: Path) -> str:
@@ -72,9 +92,9 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str = "float32", ov
         loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     except ImportError as exc:  # the gguf reader missing from a partial install
         raise UserError(f"{src}: reading GGUF needs the gguf package ({exc}); pip install gguf") from None
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError) as exc:  # struct: cut short
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"{src}: transformers cannot read this GGUF file ({first})") from None
+        raise UserError(f"{src}: transformers cannot read this GGUF file ({first}); is it complete?") from None
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the dequantized weights are plain tensors

@@ -93,6 +93,8 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
     check_quantization_available(model_args)
     model_path = resolve_model_path(model_args.model_name_or_path)
     check_model_loadable(model_path, recipe_path)
+    if model_args.use_peft:
+        check_lora_targets(model_args.lora_target_modules, model_path, f"{recipe_path}: lora_target_modules")
     tokenizer = load_tokenizer(model_path, training_args.trust_remote_code)
 
     ensure_pairs(pairs_args, recipe_path, model_path)
@@ -169,6 +171,30 @@ def check_model_loadable(model_path: str, recipe: str | None = None) -> None:
             f"folder with a config.json and not in the Hugging Face cache ({first}). Download it on a "
             f"connected machine (huggingface-cli download {model_path}) or point model_name_or_path at a folder."
         ) from None
+
+
+def check_lora_targets(targets: Any, model_path: str, where: str = "lora_target_modules") -> None:
+    """Every name in lora_target_modules must name modules of the model (peft's rule: the module's
+    name, or its last dotted parts); checked on an empty (meta-device) copy of the model before
+    anything trains, so a typo is one line naming it and the names there are, not a peft
+    traceback. A regex string or "all-linear" is left to peft."""
+    if not targets or isinstance(targets, str):
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    except Exception:  # noqa: BLE001 - an architecture this check cannot build: peft judges later
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    unknown = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unknown:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if n and isinstance(m, torch.nn.Linear)})
+        raise TrainError(f"{where}: {', '.join(map(repr, unknown))} names no module of {model_path} "
+                         f"(its linear layers: {', '.join(leaves)}); fix the list")
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):

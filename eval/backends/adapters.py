@@ -67,7 +67,10 @@ def read_adapter(adapter: str | Path) -> tuple[dict[str, Any], list[str]]:
         raise UserError(f"{path}: no positive integer LoRA rank 'r' (got {config.get('r')!r})")
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
-        return config, []
+        if (folder / "adapter_model.bin").is_file():  # peft's older format: read by peft itself
+            return config, []
+        raise UserError(f"{folder}: has {CONFIG_FILE} but no weights ({WEIGHTS_FILE}); the adapter is incomplete: "
+                        "copy its weights there or retrain it")
     shapes = safetensors_shapes(weights)
     for name, shape in shapes.items():
         rank_dim = 0 if "lora_A" in name else 1 if "lora_B" in name else None
