@@ -54,6 +54,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from flipguard import plugins
 from flipguard.errors import FlipguardError
+from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.convert import cached_checkpoint, gguf_file
 
 Conversation = list[dict[str, str]]
@@ -364,6 +365,8 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     if name not in _REGISTRY:
         raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}")
     check_backend_kwargs(name, kwargs)
+    if kwargs.get("adapter"):  # an incomplete or corrupt adapter folder: one line before the base model loads
+        read_adapter(kwargs["adapter"])
     resolved = resolve_model(model)
     backend = _REGISTRY[name](resolved, **kwargs)
     # Records name the model as the user did ("flipguard:tiny"), not by a cache path.

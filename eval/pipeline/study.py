@@ -261,7 +261,7 @@ class Study:
                                      else pairs)
             if not pairs.get("datasets") or (not in_file and pairs.get("datasets") == PAIRS_DATASETS_DEFAULT):
                 raise UserError(f"{self.recipe_path}: pairs.datasets is not set: name the train datasets the pairs "
-                                f"are built from (e.g. pairs:\n  datasets: bench) or drop the trainers "
+                                f"are built from (e.g. `pairs: {{datasets: bench}}`) or drop the trainers "
                                 f"({', '.join(self.trainers)}) from eval.trainers")
             try:  # the train split the base-train stage and the pairs read: there, before any stage
                 load_items(pairs["datasets"], split="train", data_root=pairs.get("data_root"))
