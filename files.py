@@ -292,6 +292,25 @@ def claim(folder: str | os.PathLike, name: str, *, sha: str | None = None, log: 
         write_manifest(folder, doc)
 
 
+def claim_written_since(folder: str | os.PathLike, since: float, writer: str | None = None) -> list[str]:
+    """Record, by name, the files in FOLDER that a library writer flipguard called (a trainer's
+    save_model, a tokenizer's save_pretrained) wrote since `since` (time.time() before the call,
+    less a second for the file system's coarse clock)."""
+    folder = Path(folder)
+    refuse_link(folder)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()
+                   and p.name not in (OWNER_FILE, LOCK_NAME) and p.lstat().st_mtime >= since)
+    with _folder_locked(folder):
+        doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": []}
+        doc.setdefault("written_by", writer or "flipguard")
+        doc["time"] = _now()
+        doc["files"] = sorted(set(doc["files"]) | set(names))
+        for name in names:
+            doc["sha256"].pop(name, None)
+        write_manifest(folder, doc)
+    return names
+
+
 def owned_replace(tmp: Path, path: Path, *, sha: str | None = None, adopt: Callable[[Path], bool] | None = None,
                   log: bool = False) -> None:
     """Rename a finished temp file (same folder) onto PATH under the ownership rule, then record

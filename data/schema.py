@@ -91,7 +91,15 @@ def normalise_question(text: str) -> str:
     return " ".join(text.split())
 
 
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+def check_no_lone_surrogate(row: dict[str, Any], where: str) -> None:
+    """A dataset row holding a lone surrogate (a \\uD800-\\uDFFF escape alone): no text a tokenizer
+    can read, so one line naming file:line here, not a tokenizer traceback mid-run. (Records
+    imported from released outputs keep theirs: they are hashed, never tokenized.)"""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{where}: holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), which is not text a "
+                        "tokenizer can read; fix or drop the row") from None
 
 
 def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str, Any]]]:
@@ -106,12 +114,6 @@ def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str,
             raise DataError(f"{source}:{lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise DataError(f"{source}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        if _SURROGATE_ESCAPE.search(line):  # a \uD800-\uDFFF escape: a lone one is no character at all
-            try:
-                json.dumps(row, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise DataError(f"{source}:{lineno}: holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), "
-                                "which is not text a tokenizer can read; fix or drop the row") from None
         rows.append((lineno, row))
     if not rows:
         raise DataError(f"{source}: file is empty")
@@ -131,6 +133,7 @@ def read_item_rows(path: Path, to_item) -> list[Item]:
     items: list[Item] = []
     first_line: dict[str, int] = {}
     for lineno, row in read_jsonl(path):
+        check_no_lone_surrogate(row, f"{path}:{lineno}")
         item = to_item(row, f"{path}:{lineno}")
         if item.id in first_line:
             raise DataError(f"{path}:{lineno}: duplicate id {item.id!r} (first on line {first_line[item.id]})")

@@ -19,9 +19,12 @@ Writers and readers:
 - a writer (`RecordStore`) repairs a torn tail when it opens the file under the lock:
   a last line that parses gets its newline, one that does not parse is cut.
 
-Directories flipguard creates for outputs (pair sets, merged models) carry an owner
-file (`.flipguard.json`, listing the files flipguard wrote); `publish_dir` replaces only
-those and refuses a non-empty directory it did not write.
+Every folder flipguard writes into carries its manifest (`.flipguard.json`, files.py: the
+ownership rule, docs/reliability-ownership.md): run.json and reports with their sha256,
+records.jsonl as an append-only log (claimed before its first line; a records file that is
+not flipguard's is refused before any repair). Published folders (pair sets, merged models)
+list their files there too; `publish_dir` replaces only those and refuses a non-empty
+directory it did not write.
 """
 
 from __future__ import annotations

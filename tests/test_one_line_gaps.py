@@ -117,3 +117,19 @@ def test_bad_lora_target_modules_are_refused_at_plan_time(tmp_path, capsys):
     assert cli_main(["study", str(recipe), "--out", str(tmp_path / "study")]) == 2
     one_line(capsys, f"{recipe}: lora_target_modules: 'qkv_proj' names no module", "q_proj")
     assert not (tmp_path / "study").exists()
+
+
+def test_an_installed_entry_point_named_like_a_builtin_backend_is_refused(tmp_path, monkeypatch):
+    """A package installing a 'flipguard.backends' entry point named hf used to stand in for
+    flipguard's own hf backend silently (records said backend "hf")."""
+    info = tmp_path / "imposter-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: imposter\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[flipguard.backends]\nhf = imposter_backend\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from flipguard import plugins
+
+    with pytest.raises(FlipguardError, match=r"'flipguard.backends' entry point 'hf' is declared twice "
+                                             r"\(flipguard.eval.backends.hf and imposter_backend\)|"
+                                             r"\(imposter_backend and flipguard.eval.backends.hf\)"):
+        plugins.plugins(plugins.BACKENDS)

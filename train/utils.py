@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from flipguard.errors import FlipguardError
 from flipguard.eval.backends.adapters import PROVENANCE_FILE
 from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.threads import configure_threads
-from flipguard.files import atomic_write_json, atomic_write_text, git_commit
+from flipguard.files import atomic_write_json, atomic_write_text, claim_written_since, git_commit
 from flipguard.train import pairs as pair_builder
 from flipguard.train.conversation_pairs import MULTI_TURN_CASES
 from flipguard.train.pairs import chat_token_ids
@@ -454,19 +455,32 @@ def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pair
     if trainer.accelerator.is_main_process:
         (Path(training_args.output_dir) / PROVENANCE_FILE).unlink(missing_ok=True)
     trainer.accelerator.wait_for_everyone()
+    since = time.time() - 1.0  # the file system's clock is coarser than time.time()
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         tokenizer.save_pretrained(training_args.output_dir)
+        # what save_model and save_pretrained just wrote (the adapter, its card) is flipguard's
+        claim_written_since(training_args.output_dir, since, writer="flipguard train")
         write_training_info(training_args.output_dir, config, pairs_dir)
         print(f"adapter saved to {training_args.output_dir}")
     finish_tracking(run)
+
+
+def _peft_card(path: Path) -> bool:
+    """The model card peft's save_pretrained writes beside an adapter (its front matter names the
+    library): flipguard's card replaces it."""
+    try:
+        head = path.read_text(encoding="utf-8")[:4000]
+    except (OSError, UnicodeDecodeError):
+        return False
+    return head.startswith("---") and "library_name: peft" in head
 
 
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
     """A README model card, then flipguard_training.json (atomically, last: it vouches
     for the adapter files already there)."""
     counts = read_pair_counts(pairs_dir)
-    atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts))
+    atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts), adopt=_peft_card)
     atomic_write_json(Path(output_dir) / PROVENANCE_FILE, {**config, "pair_counts": counts})
 
 
