@@ -36,34 +36,39 @@ def gguf_file(name: str | Path) -> Path | None:
     """The GGUF file `name` denotes (a `.gguf` file, or a folder without config.json that
     holds exactly one), else None. A folder with several is refused, naming them."""
     path = Path(name)
-    if path.name.lower().endswith(GGUF_SUFFIX) and not path.exists():
-        raise UserError(f"{path}: no such GGUF file; check the path")
     if path.is_file() and path.name.lower().endswith(GGUF_SUFFIX):
-        return _checked_header(path)
+        return path
     if not path.is_dir() or (path / "config.json").exists():
         return None
     found = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().endswith(GGUF_SUFFIX))
     if len(found) > 1:
         raise UserError(f"{path}: holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); "
                         "name the one to use (PATH/FILE.gguf)")
-    return _checked_header(found[0]) if found else None
+    return found[0] if found else None
 
 
 # magic, version (uint32), tensor count and metadata count (uint64 each): the fixed header
 GGUF_HEADER = 24
 
 
-def _checked_header(path: Path) -> Path:
-    """A file that cannot be GGUF (another format, or cut short: a partial download) is one line
-    here, not a struct.error inside the reader."""
-    with open(path, "rb") as fh:
+def checked_gguf(name: str | Path) -> Path | None:
+    """gguf_file, for a model about to be read: a path ending in .gguf that is not there, a file
+    that cannot be GGUF (another format) or one cut short (a partial download) is one line
+    here, not "Repo id must be..." or a struct.error inside the reader."""
+    path = Path(name)
+    if path.name.lower().endswith(GGUF_SUFFIX) and not path.exists():
+        raise UserError(f"{path}: no such GGUF file; check the path")
+    src = gguf_file(name)
+    if src is None:
+        return None
+    with open(src, "rb") as fh:
         head = fh.read(GGUF_HEADER)
     if head[:4] != b"GGUF":
-        raise UserError(f"{path}: not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+        raise UserError(f"{src}: cannot read this GGUF file: it starts with {head[:4]!r}, not b'GGUF' (not a GGUF file)")
     if len(head) < GGUF_HEADER:
-        raise UserError(f"{path}: truncated GGUF file ({len(head)} bytes, shorter than the {GGUF_HEADER}-byte "
-                        "header); download it again")
-    return path
+        raise UserError(f"{src}: cannot read this GGUF file: truncated ({len(head)} bytes, shorter than the "
+                        f"{GGUF_HEADER}-byte header); download it again")
+    return src
 
 
 def _sha256(path: Path) -> str:
@@ -81,7 +86,7 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str = "float32", ov
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-    src = gguf_file(source)
+    src = checked_gguf(source)
     if src is None:
         raise UserError(f"{source}: not a GGUF file (expected PATH.gguf or a folder holding one)")
     if dtype not in DTYPES:

@@ -33,9 +33,9 @@ def _eval(out: Path, *extra: str, model: str = "flipguard:tiny") -> int:
 
 
 @pytest.mark.parametrize("content, needle", [
-    (b"GGUF", "truncated GGUF file (4 bytes"),
-    (b"GGUF\x03\x00\x00\x00\x01", "truncated GGUF file (9 bytes"),
-    (b"PK\x03\x04 a zip file, not a model", "not a GGUF file (it starts with b'PK\\x03\\x04'"),
+    (b"GGUF", "cannot read this GGUF file: truncated (4 bytes"),
+    (b"GGUF\x03\x00\x00\x00\x01", "cannot read this GGUF file: truncated (9 bytes"),
+    (b"PK\x03\x04 a zip file, not a model", "it starts with b'PK\\x03\\x04', not b'GGUF' (not a GGUF file)"),
     (None, "no such GGUF file"),
 ])
 def test_a_bad_or_missing_gguf_file(tmp_path, capsys, content, needle):

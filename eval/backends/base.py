@@ -55,7 +55,7 @@ from typing import Any, Callable, ClassVar, Sequence
 from flipguard import plugins
 from flipguard.errors import FlipguardError
 from flipguard.eval.backends.adapters import read_adapter
-from flipguard.eval.convert import cached_checkpoint, gguf_file
+from flipguard.eval.convert import cached_checkpoint, checked_gguf
 
 Conversation = list[dict[str, str]]
 
@@ -397,7 +397,7 @@ def resolve_model(name: str) -> str:
     embedded = plugins.plugins(plugins.MODELS).get(name)
     if embedded is not None:
         return plugins.load(embedded)()
-    return cached_checkpoint(name) if gguf_file(name) is not None else name
+    return cached_checkpoint(name) if checked_gguf(name) is not None else name
 
 
 @dataclasses.dataclass(frozen=True)
