@@ -357,3 +357,18 @@ def test_the_manifest_records_what_flipguard_wrote(shared):
     assert "records.jsonl" in doc["logs"] and doc["sha256"]["run.json"] == sha(shared["run"] / "run.json")
     report = json.loads((shared["run"] / "report" / OWNER_FILE).read_text())
     assert report["sha256"]["summary.md"] == sha(shared["run"] / "report" / "summary.md")
+
+
+def test_a_trainer_refuses_an_output_dir_of_the_users(tmp_path, capsys):
+    """The trainers write straight into output_dir (peft and the Trainer save there): a folder of
+    the user's is refused before anything loads, byte for byte intact."""
+    mine = tmp_path / "my-project"
+    mine.mkdir()
+    (mine / "README.md").write_text("my project's readme")
+    (mine / "adapter_config.json").write_text('{"mine": true}')
+    before = hashes(mine.iterdir())
+    recipe = _recipe(tmp_path)
+    proc = cli(capsys, "sft", recipe, "--output_dir", mine)
+    refused(proc, f"output_dir {mine} holds files flipguard did not write")
+    assert hashes(mine.iterdir()) == before and sorted(p.name for p in mine.iterdir()) == ["README.md",
+                                                                                          "adapter_config.json"]

@@ -25,7 +25,7 @@ from flipguard.errors import FlipguardError
 from flipguard.eval.backends.adapters import PROVENANCE_FILE
 from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.threads import configure_threads
-from flipguard.files import atomic_write_json, atomic_write_text, claim_written_since, git_commit
+from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
 from flipguard.train import pairs as pair_builder
 from flipguard.train.conversation_pairs import MULTI_TURN_CASES
 from flipguard.train.pairs import chat_token_ids
@@ -89,6 +89,7 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
     configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.eval.threads)
     set_seed(training_args.seed)
     setup_logging(training_args)
+    check_output_dir(training_args.output_dir, recipe_path or prog)
     checkpoint = resume_checkpoint(training_args)
 
     check_quantization_available(model_args)
@@ -387,6 +388,21 @@ def resume_checkpoint(training_args) -> str | bool | None:
             log.info("resuming from the last checkpoint in output_dir: %s", last)
             return last
     return None
+
+
+def check_output_dir(output_dir: str, where: str) -> None:
+    """The trainer writes straight into output_dir (adapter, card, checkpoints): a folder holding
+    files flipguard did not write (no manifest, no provenance, no checkpoint of a killed run)
+    is refused before anything loads, and nothing in it is changed."""
+    folder = Path(output_dir)
+    refuse_link(folder)
+    if not folder.is_dir():
+        return
+    names = sorted(p.name for p in folder.iterdir())
+    if not names or OWNER_FILE in names or PROVENANCE_FILE in names or any(n.startswith("checkpoint-") for n in names):
+        return
+    raise TrainError(f"{where}: output_dir {folder} holds files flipguard did not write ({', '.join(names[:3])}"
+                     f"{' ...' if len(names) > 3 else ''}); nothing was changed: choose another output_dir or move them away")
 
 
 def run_config(recipe_path, recipe, parsed, dataset, extra: dict | None = None) -> dict[str, Any]:
