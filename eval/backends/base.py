@@ -54,7 +54,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from flipguard import plugins
 from flipguard.errors import FlipguardError
-from flipguard.eval.backends.adapters import read_adapter
+from flipguard.eval.backends.adapters import require_weights
 from flipguard.eval.convert import cached_checkpoint, checked_gguf
 
 Conversation = list[dict[str, str]]
@@ -365,8 +365,8 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     if name not in _REGISTRY:
         raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}")
     check_backend_kwargs(name, kwargs)
-    if kwargs.get("adapter"):  # an incomplete or corrupt adapter folder: one line before the base model loads
-        read_adapter(kwargs["adapter"])
+    if name == "hf" and kwargs.get("adapter"):  # hf loads the base model first: an incomplete adapter is refused before
+        require_weights(kwargs["adapter"])
     resolved = resolve_model(model)
     backend = _REGISTRY[name](resolved, **kwargs)
     # Records name the model as the user did ("flipguard:tiny"), not by a cache path.
