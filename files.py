@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import enum
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -25,7 +27,7 @@ import tempfile
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import yaml
 
@@ -120,20 +122,202 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temp file in the same folder and rename: readers never see half a file."""
+def atomic_write_text(path: str | os.PathLike, text: str, *, adopt: Callable[[Path], bool] | None = None,
+                      log: bool = False) -> None:
+    """Write via a temp file in the same folder and rename, so readers never see half a file,
+    under the ownership rule (`owned_replace`): a file already there is replaced only when the
+    folder's manifest records it as flipguard's, with the same bytes."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        refuse_link(path.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     except OSError as exc:
         raise RecordError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    data = text.encode("utf-8")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide reports from other users
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise RecordError(f"{path}: cannot write ({exc.strerror or exc}); the previous version, if any, "
+                          "is unchanged") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    owned_replace(Path(tmp), path, sha=hashlib.sha256(data).hexdigest(), adopt=adopt, log=log)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, dumps_utf8(obj, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- ownership
+#
+# One rule under every file flipguard writes (docs/reliability-ownership.md): flipguard
+# replaces or removes only a file it can prove it wrote. The proof is the folder's own
+# manifest, OWNER_FILE: {"written_by", "time", "files": [names], "sha256": {name: hex},
+# "logs": [names]}. A name with a sha256 was written whole by flipguard (atomic_write_text,
+# save_figure) and is flipguard's while its bytes still match: a file the user edited is
+# theirs again. A name in "logs" is an append-only records file (records.jsonl). A name
+# listed without either was published by name (model weights, pair sets: publish_dir).
+# A symbolic link is never written through or followed: the folder written into and the
+# file replaced are checked with lstat right before the rename.
+
+OWNER_FILE = ".flipguard.json"
+LOCK_NAME = ".lock"  # a run or study folder's writer lock (eval/records.run_lock)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def refuse_link(path: str | os.PathLike) -> None:
+    """A symbolic link where flipguard would write (a folder or a file inside the one it owns)
+    could point at the user's files: refused, never followed."""
+    if os.path.islink(path):
+        raise RecordError(f"{path}: is a symbolic link; flipguard never writes through one (it could point at "
+                          "your files); nothing was changed: replace it with a real folder or file, or use another --out")
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The folder's manifest (OWNER_FILE) with its keys filled in, or None when it has none (or
+    one that is not a manifest: then nothing in the folder is proven flipguard's)."""
+    path = Path(folder) / OWNER_FILE
+    refuse_link(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
+        return None
+    sha = doc.get("sha256")
+    logs = doc.get("logs")
+    doc["sha256"] = sha if isinstance(sha, dict) else {}
+    doc["logs"] = logs if isinstance(logs, list) else []
+    return doc
+
+
+def owns(folder: str | os.PathLike, name: str, manifest: dict[str, Any] | None = None) -> bool:
+    """Whether FOLDER/NAME is flipguard's by its folder's manifest (a hash, when one was
+    recorded, must still match the bytes)."""
+    doc = read_manifest(folder) if manifest is None else manifest
+    if doc is None or name not in doc["files"]:
+        return False
+    sha = doc["sha256"].get(name)
+    path = Path(folder) / name
+    return sha is None or (path.is_file() and not path.is_symlink() and file_sha256(path) == sha)
+
+
+def check_replace(path: str | os.PathLike, *, adopt: Callable[[Path], bool] | None = None,
+                  log: bool = False) -> None:
+    """Refuse (RecordError, one line, nothing changed) to replace PATH unless it is absent or
+    flipguard's own output: recorded in its folder's manifest (the same bytes where a hash was
+    recorded; an append-only records file only when `log`), or, in a folder from before
+    manifests, one `adopt` recognises by its content. Callers check their --out with this
+    before any work; every write checks it again at the moment of the rename."""
+    path = Path(path)
+    refuse_link(path.parent)
+    refuse_link(path)
+    if not os.path.lexists(path):
+        return
+    if path.is_dir():
+        raise RecordError(f"{path}: is a folder, not a file flipguard wrote; nothing was changed: choose another --out")
+    doc = read_manifest(path.parent)
+    listed = doc is not None and path.name in doc["files"]
+    if listed and path.name in doc["logs"] and not log:
+        raise RecordError(f"{path}: is the records file of a flipguard run, not an output to replace; nothing was "
+                          "changed: choose another --out")
+    if listed and owns(path.parent, path.name, doc):
+        return
+    if listed:
+        raise RecordError(f"{path}: changed since flipguard wrote it (its bytes differ from the sha256 recorded in "
+                          f"{path.parent / OWNER_FILE}); nothing was changed: move your copy away and rerun")
+    if (doc is None or path.name not in doc["files"]) and adopt is not None and adopt(path):
+        return
+    raise RecordError(f"{path}: exists and was not written by flipguard ({path.parent / OWNER_FILE} does not list it); "
+                      "nothing was changed: move it away or choose another --out")
+
+
+@contextlib.contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """Manifest updates in one folder, one at a time (flock on the folder itself: no extra file)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: Path, doc: dict[str, Any]) -> None:
+    """The manifest itself, atomically (the one file written outside the rule it keeps)."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{OWNER_FILE}.", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write((json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, folder / OWNER_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def claim(folder: str | os.PathLike, name: str, *, sha: str | None = None, log: bool = False,
+          writer: str | None = None) -> None:
+    """Record FOLDER/NAME in the folder's manifest as flipguard's (with the sha256 of the bytes
+    written, or as an append-only log)."""
+    folder = Path(folder)
+    refuse_link(folder)
+    with _folder_locked(folder):
+        doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": []}
+        doc.setdefault("written_by", writer or "flipguard")
+        doc["time"] = _now()
+        if name not in doc["files"]:
+            doc["files"] = sorted([*doc["files"], name])
+        doc["sha256"].pop(name, None)
+        if sha is not None:
+            doc["sha256"][name] = sha
+        if log and name not in doc["logs"]:
+            doc["logs"] = sorted([*doc["logs"], name])
+        write_manifest(folder, doc)
+
+
+def claim_written_since(folder: str | os.PathLike, since: float, writer: str | None = None) -> list[str]:
+    """Record, by name, the files in FOLDER that a library writer flipguard called (a trainer's
+    save_model, a tokenizer's save_pretrained) wrote since `since` (time.time() before the call,
+    less a second for the file system's coarse clock)."""
+    folder = Path(folder)
+    refuse_link(folder)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()
+                   and p.name not in (OWNER_FILE, LOCK_NAME) and p.lstat().st_mtime >= since)
+    with _folder_locked(folder):
+        doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": []}
+        doc.setdefault("written_by", writer or "flipguard")
+        doc["time"] = _now()
+        doc["files"] = sorted(set(doc["files"]) | set(names))
+        for name in names:
+            doc["sha256"].pop(name, None)
+        write_manifest(folder, doc)
+    return names
+
+
+def owned_replace(tmp: Path, path: Path, *, sha: str | None = None, adopt: Callable[[Path], bool] | None = None,
+                  log: bool = False) -> None:
+    """Rename a finished temp file (same folder) onto PATH under the ownership rule, then record
+    its hash: checked at the moment of the write, and the temp file removed when refused."""
+    try:
+        check_replace(path, adopt=adopt, log=log)
+        sha = sha or file_sha256(tmp)
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -142,10 +326,100 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    claim(path.parent, path.name, sha=sha)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, dumps_utf8(obj, indent=2) + "\n")
+def shipped_sample(path: Path) -> bool:
+    """A file of the package's own shipped samples (data/samples, tracked by git): the maintainer
+    tools that regenerate them replace them (the `adopt` of their writes)."""
+    return (PACKAGE_ROOT / "data" / "samples") in Path(path).resolve().parents
+
+
+def check_outputs(folder: str | os.PathLike, names: Iterable[str], flag: str = "--out") -> None:
+    """An output folder a command is about to fill, checked before any work: not a file, not a
+    symbolic link, and every file it would replace flipguard's own (check_replace)."""
+    folder = Path(folder)
+    refuse_link(folder)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise RecordError(f"{folder}: {flag} names a file, not a folder; nothing was changed: give a folder "
+                          "(a new one, or one flipguard wrote)")
+    for name in names:
+        check_replace(folder / name)
+
+
+def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = None) -> list[Path]:
+    """Remove what flipguard wrote under ROOT (a file or folder), keep everything else, and return
+    what was kept. Flipguard's: a file its folder's manifest records (same bytes where hashed),
+    or one in `also` (path -> [size, mtime_ns], a study's record of what a stage wrote) that is
+    unchanged. Symbolic links are kept, never followed; a folder left empty (but for the
+    manifest and lock) is removed; a folder that keeps a user's file keeps its manifest, pruned."""
+    root = Path(root)
+    also = also or {}
+    kept: list[Path] = []
+
+    def recorded(path: Path) -> bool:
+        want = also.get(str(path))
+        if want is None:
+            return False
+        st = path.lstat()
+        return [st.st_size, st.st_mtime_ns] == list(want)
+
+    if not os.path.lexists(root):
+        return kept
+    if root.is_symlink() or not root.is_dir():
+        if not root.is_symlink() and (owns(root.parent, root.name) or recorded(root)):
+            root.unlink()
+        else:
+            kept.append(root)
+        return kept
+    for folder, dirs, names in os.walk(root, topdown=False, followlinks=False):
+        folder = Path(folder)
+        doc = read_manifest(folder)
+        removed = []
+        for name in [*names, *(d for d in dirs if (folder / d).is_symlink())]:
+            path = folder / name
+            if name in (OWNER_FILE, LOCK_NAME):
+                continue
+            if not path.is_symlink() and ((doc is not None and owns(folder, name, doc)) or recorded(path)):
+                path.unlink()
+                removed.append(name)
+            else:
+                kept.append(path)
+        left = [p for p in os.listdir(folder) if p not in (OWNER_FILE, LOCK_NAME)]
+        if not left:
+            for name in (LOCK_NAME, OWNER_FILE):
+                (folder / name).unlink(missing_ok=True)
+            folder.rmdir()
+        elif doc is not None and removed:
+            with _folder_locked(folder):
+                doc["files"] = [n for n in doc["files"] if n not in removed]
+                doc["sha256"] = {n: h for n, h in doc["sha256"].items() if n not in removed}
+                doc["logs"] = [n for n in doc["logs"] if n not in removed]
+                write_manifest(folder, doc)
+    return sorted(kept)
+
+
+def written_files(root: str | os.PathLike, skip: Iterable[str] = ()) -> dict[str, list[int]]:
+    """Every regular file under ROOT (symbolic links not followed) as path -> [size, mtime_ns],
+    less the paths in `skip`: what a finished stage wrote, for remove_owned's `also`."""
+    root, skip = Path(root), set(skip)
+    out: dict[str, list[int]] = {}
+    if root.is_file() and not root.is_symlink():
+        paths = [root]
+    elif root.is_dir() and not root.is_symlink():
+        paths = [Path(f) / n for f, _, names in os.walk(root, followlinks=False) for n in names]
+    else:
+        paths = []
+    for path in paths:
+        if path.is_symlink() or str(path) in skip or path.name in (OWNER_FILE, LOCK_NAME):
+            continue
+        st = path.lstat()
+        out[str(path)] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 # ---------------------------------------------------------------- YAML

@@ -29,7 +29,13 @@ _loaded: set[str] = set()
 
 def plugins(group: str) -> dict[str, EntryPoint]:
     """name -> entry point of one group, flipguard's own and every installed package's."""
-    found = {ep.name: ep for ep in entry_points(group=group)}
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=group):
+        other = found.get(ep.name)
+        if other is not None and other.value != ep.value:  # one would silently stand in for the other
+            raise UserError(f"'{group}' entry point {ep.name!r} is declared twice ({other.value} and {ep.value}): "
+                            "rename the plug-in's entry point in its package's pyproject.toml")
+        found[ep.name] = ep
     if not any(is_builtin(ep) for ep in found.values()):
         found = {**source_tree_entry_points(group), **found}
     if not any(is_builtin(ep) for ep in found.values()):

@@ -28,7 +28,7 @@ from flipguard.data.medqa import (
     validated,
 )
 from flipguard.data.schema import DataError, read_jsonl
-from flipguard.files import atomic_write_text
+from flipguard.files import atomic_write_text, shipped_sample
 
 DATASET = "medmcqa"
 DEV_FILES = ("dev.json", "dev.jsonl")  # upstream name; the shipped sample uses .jsonl
@@ -96,8 +96,8 @@ def write_samples(full_root: str | Path, n_dev: int = 24) -> None:
     ranked = sorted(usable, key=lambda ln: question_hash(json.loads(ln)["question"]))
     pool, dev = set(ranked[:POOL_SIZE]), set(ranked[POOL_SIZE : POOL_SIZE + n_dev])
     out = samples_root() / DATASET
-    atomic_write_text(out / "fewshot_pool.jsonl", "".join(ln + "\n" for ln in lines if ln in pool))
-    atomic_write_text(out / "dev.jsonl", "".join(ln + "\n" for ln in lines if ln in dev))
+    atomic_write_text(out / "fewshot_pool.jsonl", "".join(ln + "\n" for ln in lines if ln in pool), adopt=shipped_sample)
+    atomic_write_text(out / "dev.jsonl", "".join(ln + "\n" for ln in lines if ln in dev), adopt=shipped_sample)
 
 
 if __name__ == "__main__":  # python -m flipguard.data.medmcqa /work/shared/data

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 from flipguard.data.mmlu import MCQItem  # one item shape with the MMLU loader
 from flipguard.data.roots import resolve_data_root
 from flipguard.data.schema import DataError, normalise_question, read_jsonl
-from flipguard.files import atomic_write_text
+from flipguard.files import atomic_write_text, shipped_sample
 
 log = logging.getLogger("flipguard.data")
 
@@ -181,8 +181,8 @@ def write_samples(full_root: str | Path, n_test: int = 24) -> None:
     ranked = sorted(lines, key=lambda ln: question_hash(json.loads(ln)["question"]))
     out = samples_root() / DATASET
     pool, test = set(ranked[:POOL_SIZE]), set(ranked[POOL_SIZE : POOL_SIZE + n_test])
-    atomic_write_text(out / POOL_FILE, "".join(ln + "\n" for ln in lines if ln in pool))
-    atomic_write_text(out / TEST_FILE, "".join(ln + "\n" for ln in lines if ln in test))
+    atomic_write_text(out / POOL_FILE, "".join(ln + "\n" for ln in lines if ln in pool), adopt=shipped_sample)
+    atomic_write_text(out / TEST_FILE, "".join(ln + "\n" for ln in lines if ln in test), adopt=shipped_sample)
 
 
 if __name__ == "__main__":  # python -m flipguard.data.medqa /work/shared/data

@@ -91,6 +91,17 @@ def normalise_question(text: str) -> str:
     return " ".join(text.split())
 
 
+def check_no_lone_surrogate(row: dict[str, Any], where: str) -> None:
+    """A dataset row holding a lone surrogate (a \\uD800-\\uDFFF escape alone): no text a tokenizer
+    can read, so one line naming file:line here, not a tokenizer traceback mid-run. (Records
+    imported from released outputs keep theirs: they are hashed, never tokenized.)"""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{where}: holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), which is not text a "
+                        "tokenizer can read; fix or drop the row") from None
+
+
 def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str, Any]]]:
     """(line number, row) pairs; a malformed line raises DataError naming source and line."""
     rows: list[tuple[int, dict[str, Any]]] = []
@@ -122,6 +133,7 @@ def read_item_rows(path: Path, to_item) -> list[Item]:
     items: list[Item] = []
     first_line: dict[str, int] = {}
     for lineno, row in read_jsonl(path):
+        check_no_lone_surrogate(row, f"{path}:{lineno}")
         item = to_item(row, f"{path}:{lineno}")
         if item.id in first_line:
             raise DataError(f"{path}:{lineno}: duplicate id {item.id!r} (first on line {first_line[item.id]})")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -46,6 +47,30 @@ def gguf_file(name: str | Path) -> Path | None:
     return found[0] if found else None
 
 
+# magic, version (uint32), tensor count and metadata count (uint64 each): the fixed header
+GGUF_HEADER = 24
+
+
+def checked_gguf(name: str | Path) -> Path | None:
+    """gguf_file, for a model about to be read: a path ending in .gguf that is not there, a file
+    that cannot be GGUF (another format) or one cut short (a partial download) is one line
+    here, not "Repo id must be..." or a struct.error inside the reader."""
+    path = Path(name)
+    if path.name.lower().endswith(GGUF_SUFFIX) and not path.exists():
+        raise UserError(f"{path}: no such GGUF file; check the path")
+    src = gguf_file(name)
+    if src is None:
+        return None
+    with open(src, "rb") as fh:
+        head = fh.read(GGUF_HEADER)
+    if head[:4] != b"GGUF":
+        raise UserError(f"{src}: cannot read this GGUF file: it starts with {head[:4]!r}, not b'GGUF' (not a GGUF file)")
+    if len(head) < GGUF_HEADER:
+        raise UserError(f"{src}: cannot read this GGUF file: truncated ({len(head)} bytes, shorter than the "
+                        f"{GGUF_HEADER}-byte header); download it again")
+    return src
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -61,7 +86,7 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str = "float32", ov
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-    src = gguf_file(source)
+    src = checked_gguf(source)
     if src is None:
         raise UserError(f"{source}: not a GGUF file (expected PATH.gguf or a folder holding one)")
     if dtype not in DTYPES:
@@ -72,9 +97,9 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str = "float32", ov
         loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     except ImportError as exc:  # the gguf reader missing from a partial install
         raise UserError(f"{src}: reading GGUF needs the gguf package ({exc}); pip install gguf") from None
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError) as exc:  # struct: cut short
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"{src}: transformers cannot read this GGUF file ({first})") from None
+        raise UserError(f"{src}: transformers cannot read this GGUF file ({first}); is it complete?") from None
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the dequantized weights are plain tensors

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flipguard.files import check_replace, owned_replace
+
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (reports run on machines with no display)."""
@@ -17,12 +19,14 @@ def pyplot():
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:
-    """Write a PNG via a temp file + rename (no half-written figure), then free it."""
+    """Write a PNG via a temp file + rename (no half-written figure) under the ownership rule
+    (files.owned_replace: a PNG flipguard did not write is never replaced), then free it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.png")
     try:
+        check_replace(path)  # before the work
         fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, path)
+        owned_replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
         pyplot().close(fig)

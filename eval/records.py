@@ -19,9 +19,12 @@ Writers and readers:
 - a writer (`RecordStore`) repairs a torn tail when it opens the file under the lock:
   a last line that parses gets its newline, one that does not parse is cut.
 
-Directories flipguard creates for outputs (pair sets, merged models) carry an owner
-file (`.flipguard.json`, listing the files flipguard wrote); `publish_dir` replaces only
-those and refuses a non-empty directory it did not write.
+Every folder flipguard writes into carries its manifest (`.flipguard.json`, files.py: the
+ownership rule, docs/reliability-ownership.md): run.json and reports with their sha256,
+records.jsonl as an append-only log (claimed before its first line; a records file that is
+not flipguard's is refused before any repair). Published folders (pair sets, merged models)
+list their files there too; `publish_dir` replaces only those and refuses a non-empty
+directory it did not write.
 """
 
 from __future__ import annotations
@@ -43,13 +46,23 @@ from flipguard import __version__
 from flipguard.errors import RecordError
 
 # the atomic writers live with the other file helpers; re-exported for callers of this module
-from flipguard.files import atomic_write_json, atomic_write_text, dumps_utf8  # noqa: F401
+from flipguard.files import (  # noqa: F401
+    OWNER_FILE,
+    atomic_write_json,
+    atomic_write_text,
+    check_replace,
+    claim,
+    dumps_utf8,
+    owns,
+    read_manifest,
+    refuse_link,
+    write_manifest,
+)
 from flipguard.redact import redact
 
 RECORDS_FILE = "records.jsonl"
 RUN_META_FILE = "run.json"
 LOCK_FILE = ".lock"
-OWNER_FILE = ".flipguard.json"
 
 # The four DDS cases, in the paper's order, with the answer that is right in each.
 CASES = ("c1_true", "c1_false", "c2_correct", "c2_incorrect")
@@ -243,8 +256,10 @@ class RecordStore:
         self.path = Path(path)
         self.mirror = mirror
         self.stored: dict[str, Record] = {}
+        self.claimed = False
         if not mirror:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            check_records_owned(self.path)  # before the repair: a file that is not flipguard's is never cut
             self._repair_torn_tail()
         for rec in self.iter_records():
             self.stored.setdefault(rec.key, rec)
@@ -254,7 +269,7 @@ class RecordStore:
         cut it when it does not parse (the write a crash interrupted)."""
         if not self.path.exists() or self.path.stat().st_size == 0:
             return
-        with open(self.path, "rb+") as fh:
+        with os.fdopen(os.open(self.path, os.O_RDWR | os.O_NOFOLLOW), "rb+") as fh:
             fh.seek(-1, os.SEEK_END)
             if fh.read(1) == b"\n":
                 return
@@ -289,9 +304,13 @@ class RecordStore:
                     self.stored[rec.key] = rec
                     n += 1
             return n
+        if not self.claimed:  # recorded as flipguard's before its first line is written
+            claim(self.path.parent, self.path.name, log=True)
+            self.claimed = True
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
+            refuse_link(self.path)
             raise _write_error(self.path, exc, n) from None
         try:
             for rec in records:
@@ -310,6 +329,33 @@ class RecordStore:
         finally:
             os.close(fd)
         return n
+
+
+def is_run_log(path: Path) -> bool:
+    """A run.json written by flipguard (a run log naming its protocol): adopted as flipguard's
+    in a run directory from before manifests."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("protocol"), str)
+
+
+def check_records_owned(path: Path) -> None:
+    """A records file a writer is about to append to (and repair) must be flipguard's: listed as
+    a log in its folder's manifest, or (a run from before manifests) beside a run log. Anything
+    else is the user's file: refused, unmodified."""
+    refuse_link(path.parent)
+    refuse_link(path)
+    if not os.path.lexists(path):
+        return
+    doc = read_manifest(path.parent)
+    if doc is not None and path.name in doc["logs"]:
+        return
+    if (doc is None or path.name not in doc["files"]) and is_run_log(path.parent / RUN_META_FILE):
+        return
+    raise RecordError(f"{path}: exists and was not written by flipguard (no run log beside it, not listed in "
+                      f"{path.parent / OWNER_FILE}); nothing was changed: move it away or choose another --out")
 
 
 def _write_error(path: Path, exc: OSError, n: int) -> RecordError:
@@ -341,10 +387,12 @@ def run_lock(run_dir: str | os.PathLike, command: str | None = None) -> Iterator
         raise RecordError(f"{run_dir}: exists and is not a directory; use another --out")
     created = not run_dir.exists()
     lock_created = created or not (run_dir / LOCK_FILE).exists()
+    refuse_link(run_dir / LOCK_FILE)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
+        refuse_link(run_dir / LOCK_FILE)
         raise RecordError(f"{run_dir}: cannot write the run directory ({exc.strerror})") from None
     failed = True
     try:
@@ -378,6 +426,34 @@ def run_lock(run_dir: str | os.PathLike, command: str | None = None) -> Iterator
             except OSError:
                 pass
         os.close(fd)  # releases the flock
+
+
+def refuse_busy(path: str | os.PathLike, what: str = "read") -> None:
+    """Readers respect writers: PATH (a run, comparison or study folder) or a folder above it
+    (a study holding its stages) whose writer lock a live process holds is refused, naming the
+    holder. Nothing is created: a lock file is only opened when it is there."""
+    path = Path(path).absolute()
+    for folder in [path, *list(path.parents)[:3]]:
+        lock = folder / LOCK_FILE
+        if lock.is_symlink() or not lock.is_file():
+            continue
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+            try:
+                info = json.loads(holder)
+                holder = f"pid {info.get('pid')}, `{info.get('command')}`"
+            except (json.JSONDecodeError, AttributeError):
+                holder = "holder not yet named"
+            raise RunDirBusy(f"{folder}: a flipguard process is writing it ({holder}); nothing was {what}: wait for it "
+                             "to finish and rerun") from None
+        finally:
+            os.close(fd)
 
 
 def refuse_other_protocol(run_dir: str | os.PathLike, protocol: str) -> None:
@@ -449,7 +525,7 @@ class RunLog:
 
     def write(self, run_dir: str | os.PathLike) -> None:
         """run_dir/run.json, atomically (temp file + rename)."""
-        atomic_write_json(Path(run_dir) / RUN_META_FILE, self.to_dict())
+        atomic_write_text(Path(run_dir) / RUN_META_FILE, dumps_utf8(self.to_dict(), indent=2) + "\n", adopt=is_run_log)
 
 
 def _version() -> str:
@@ -459,6 +535,7 @@ def _version() -> str:
 def read_run_log(run_dir: str | os.PathLike) -> RunLog | None:
     """The run directory's run.json as a RunLog; None when it has none."""
     path = Path(run_dir) / RUN_META_FILE
+    refuse_link(path)  # never read through: it could be any file of the user's
     if not path.exists():
         return None
     try:
@@ -509,15 +586,8 @@ def open_run_dir(run_dir: str | os.PathLike, protocol: str, command: str | None 
 
 
 def read_owner(out_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The owner file of a directory flipguard created, or None."""
-    path = Path(out_dir) / OWNER_FILE
-    if not path.is_file():
-        return None
-    try:
-        owner = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return owner if isinstance(owner, dict) and isinstance(owner.get("files"), list) else None
+    """The manifest (owner file) of a directory flipguard created, or None (files.read_manifest)."""
+    return read_manifest(out_dir)
 
 
 def publish_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike, *, writer: str, overwrite: bool = False,
@@ -536,18 +606,21 @@ def publish_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike, *, writer: s
     `tmp` is consumed (moved or removed)."""
     tmp, out = Path(tmp), Path(out_dir)
     try:
+        refuse_link(out)
         if out.exists() and not out.is_dir():
             raise RecordError(f"{out}: exists and is not a directory; choose another --out")
         new = sorted(p.name for p in tmp.iterdir() if p.name != OWNER_FILE)
-        owner_doc = {"written_by": writer, "files": new, "time": now_iso()}
+        hashes = (read_manifest(tmp) or {}).get("sha256") or {}  # what was written in tmp by atomic_write_text
+        owner_doc = {"written_by": writer, "files": new, "time": now_iso(), "logs": [],
+                     "sha256": {n: h for n, h in hashes.items() if n in new}}
         if not out.exists():
-            atomic_write_json(tmp / OWNER_FILE, owner_doc)
+            write_manifest(tmp, owner_doc)
             tmp.rename(out)
             return out
         present = {p.name for p in out.iterdir()} - {OWNER_FILE}
         owner = read_owner(out)
         if owner is not None:
-            owned = set(owner["files"]) & present
+            owned = {n for n in set(owner["files"]) & present if owns(out, n, owner)}  # a file the user edited: theirs
         elif legacy_names is not None and present <= set(legacy_names):
             owned = set(present)
         elif legacy_marker is not None and legacy_marker in present:
@@ -570,7 +643,7 @@ def publish_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike, *, writer: s
         trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
         try:
             # claim first (old and new names), so a crash midway leaves only owned files
-            atomic_write_json(out / OWNER_FILE, {**owner_doc, "files": sorted(owned | set(new))})
+            write_manifest(out, {**owner_doc, "files": sorted(owned | set(new)), "sha256": {}})
             for name in last:  # old provenance goes before anything else changes
                 if (out / name).exists() or (out / name).is_symlink():
                     (out / name).rename(trash / name)
@@ -580,7 +653,7 @@ def publish_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike, *, writer: s
                 (tmp / name).rename(out / name)
             for name in sorted(owned - set(new)):  # flipguard's stale files of the old output
                 (out / name).rename(trash / name)
-            atomic_write_json(out / OWNER_FILE, owner_doc)
+            write_manifest(out, owner_doc)
         finally:
             shutil.rmtree(trash, ignore_errors=True)
         return out

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import sys
 from collections import Counter
 from pathlib import Path
@@ -87,8 +88,6 @@ def _malformed(record: Any) -> str | None:
     if not isinstance(record, Record):
         return f"a {type(record).__name__} where a Record belongs"
     messages = record.messages
-    if messages is None:
-        return None
     if not isinstance(messages, list) or not messages:
         return f"record {record.key or record.item_id!r}: messages must be a non-empty list, got {type(messages).__name__}"
     for i, m in enumerate(messages):
@@ -107,6 +106,11 @@ def check_batch(task: "Task", batch: Any, where: str) -> Batch:
         problem = f"Batch.records is a {type(batch.records).__name__}, not a list of Records"
     elif batch.model not in {m.label for m in task.models}:
         problem = f"Batch.model {batch.model!r} is none of the task's models {[m.label for m in task.models]}"
+    elif isinstance(batch.chunk_size, bool) or not isinstance(batch.chunk_size, int) or batch.chunk_size < 1:
+        problem = f"Batch.chunk_size {batch.chunk_size!r}; it must be an integer >= 1"
+    elif (isinstance(batch.choices, (str, bytes)) or not isinstance(batch.choices, (list, tuple))
+          or len(batch.choices) < 2 or not all(isinstance(c, str) and c for c in batch.choices)):
+        problem = f"Batch.choices {batch.choices!r}; it must be a list of two or more answer labels (strings)"
     else:
         problem = next((p for p in map(_malformed, batch.records) if p), None)
     if problem:
@@ -438,7 +442,15 @@ class _Answers:
         return [self.store.stored[r.key] for r in batch.records]
 
 
+# the same batch (the same request keys) handed back this many times in a row, every answer
+# already given: a plan that never advances (it would loop forever)
+STUCK_REPEATS = 100
+
+
 def _next_batch(task: Task, plan: Plan, answered: list[Record] | None) -> Batch | None:
+    if not inspect.isgenerator(plan):
+        raise UserError(f"{_task_file(task)}: task {task.name!r}: solve() returned a {type(plan).__name__}, not a "
+                        "generator; write it with `yield batch` (nothing was run)")
     try:
         batch = next(plan) if answered is None else plan.send(answered)
     except StopIteration:
@@ -503,9 +515,18 @@ def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendP
     batch = _next_batch(task, plan, None)
     if run is not None:
         task.prepare(run)
-        run.write_meta(task.merge_meta(run.old, {**task.meta(), "updated": now_iso()}))
+        # complete: False until this invocation's last record (compare warns about a run left incomplete)
+        run.write_meta(task.merge_meta(run.old, {**task.meta(), "updated": now_iso(), "complete": False}))
     answers = _Answers(store, pool, progress)
+    last, repeats = None, 0
     while batch is not None:
+        keys = tuple(r.key for r in batch.records)
+        repeats = repeats + 1 if keys == last else 0
+        if repeats >= STUCK_REPEATS:
+            raise UserError(f"{_task_file(task)}: task {task.name!r}: solve() yielded the same batch "
+                            f"{STUCK_REPEATS + 1} times in a row with every answer already given; it never advances: "
+                            "yield the next step's requests, or return when done (the records so far are kept)")
+        last = keys
         batch = _next_batch(task, plan, answers(batch))
     calls = dict(answers.calls)
     computed = pool.computed if dp is None else merge_computed(dp, pool.computed)
@@ -517,7 +538,7 @@ def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendP
     extra = task.finish(run, list(store.stored.values()))
     if computed:  # per model: the dtype it ran in, the label tokens counted (latest invocation wins)
         extra["computed"] = {**(run.old.get("computed") or {}), **computed}
-    run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso()})
+    run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso(), "complete": True})
     return RunResult(out_dir, calls)
 
 

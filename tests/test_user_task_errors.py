@@ -23,6 +23,16 @@ BROKEN = {
     "messages_are_strings": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
                              "    for r in b.records:\n        r.messages = r.messages[0]['content']\n    return [b]"),
     "solve_yields_none": "def solve(self):\n    yield None",
+    # issue 33: each of these was a traceback (and a left .lock), an exit 0 having run nothing, or a hang
+    "messages_none": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
+                      "    for r in b.records:\n        r.messages = None\n    return [b]"),
+    "choices_an_int": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
+                       "    b.choices = 5\n    return [b]"),
+    "chunk_size_zero": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
+                        "    b.chunk_size = 0\n    return [b]"),
+    "solve_returns_a_list": "def solve(self):\n    return self.first_batches()",
+    "same_batch_forever": ("def solve(self):\n    (first,) = self.first_batches()\n"
+                           "    while True:\n        yield first"),
 }
 PROBLEM = {
     "first_batches_none": "first_batches() returned a NoneType, not a list of Batches",
@@ -30,6 +40,11 @@ PROBLEM = {
     "records_are_dicts": "first_batches() gave a dict where a Record belongs",
     "messages_are_strings": "messages must be a non-empty list, got str",
     "solve_yields_none": "solve() gave a NoneType where a flipguard.eval.task.Batch belongs",
+    "messages_none": "messages must be a non-empty list, got NoneType",
+    "choices_an_int": "Batch.choices 5; it must be a list of two or more answer labels",
+    "chunk_size_zero": "Batch.chunk_size 0; it must be an integer >= 1",
+    "solve_returns_a_list": "solve() returned a list, not a generator",
+    "same_batch_forever": "solve() yielded the same batch 101 times in a row",
 }
 
 
@@ -55,10 +70,13 @@ def test_a_malformed_batch_is_one_line_naming_the_task_file(tmp_path, tiny_model
     done = _run("--include", str(task_file), "broken", "--model", tiny_model_path, "--limit", "2", "--out", str(out),
                 cwd=tmp_path)
     assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
+    lines = [ln for ln in done.stderr.strip().splitlines() if "req/s]" not in ln]  # progress of the turns it ran
     assert len(lines) == 1 and lines[0].startswith(f"flipguard run: error: {task_file}: task 'broken': "), done.stderr
     assert PROBLEM[broken] in lines[0]
-    assert not out.exists()  # no run.json, no records, no empty folder
+    if broken == "same_batch_forever":  # refused once it is clear it never advances: the answers so far are kept
+        assert (out / "records.jsonl").is_file()
+    else:
+        assert not out.exists()  # no run.json, no records, no empty folder
 
 
 def test_a_task_file_that_exits_at_import_is_named(tmp_path):

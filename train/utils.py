@@ -25,7 +25,7 @@ from flipguard.errors import FlipguardError
 from flipguard.eval.backends.adapters import PROVENANCE_FILE
 from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.threads import configure_threads
-from flipguard.files import atomic_write_json, atomic_write_text, git_commit
+from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
 from flipguard.train import pairs as pair_builder
 from flipguard.train.conversation_pairs import MULTI_TURN_CASES
 from flipguard.train.pairs import chat_token_ids
@@ -89,11 +89,14 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
     configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.eval.threads)
     set_seed(training_args.seed)
     setup_logging(training_args)
+    check_output_dir(training_args.output_dir, recipe_path or prog)
     checkpoint = resume_checkpoint(training_args)
 
     check_quantization_available(model_args)
     model_path = resolve_model_path(model_args.model_name_or_path)
     check_model_loadable(model_path, recipe_path)
+    if model_args.use_peft:
+        check_lora_targets(model_args.lora_target_modules, model_path, f"{recipe_path}: lora_target_modules")
     tokenizer = load_tokenizer(model_path, training_args.trust_remote_code)
 
     ensure_pairs(pairs_args, recipe_path, model_path)
@@ -251,6 +254,30 @@ def check_model_loadable(model_path: str, recipe: str | None = None) -> None:
             f"folder with a config.json and not in the Hugging Face cache ({first}). Download it on a "
             f"connected machine (huggingface-cli download {model_path}) or point model_name_or_path at a folder."
         ) from None
+
+
+def check_lora_targets(targets: Any, model_path: str, where: str = "lora_target_modules") -> None:
+    """Every name in lora_target_modules must name modules of the model (peft's rule: the module's
+    name, or its last dotted parts); checked on an empty (meta-device) copy of the model before
+    anything trains, so a typo is one line naming it and the names there are, not a peft
+    traceback. A regex string or "all-linear" is left to peft."""
+    if not targets or isinstance(targets, str):
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    except Exception:  # noqa: BLE001 - an architecture this check cannot build: peft judges later
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    unknown = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if unknown:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if n and isinstance(m, torch.nn.Linear)})
+        raise TrainError(f"{where}: {', '.join(map(repr, unknown))} names no module of {model_path} "
+                         f"(its linear layers: {', '.join(leaves)}); fix the list")
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):
@@ -444,6 +471,21 @@ def resume_checkpoint(training_args) -> str | bool | None:
     return None
 
 
+def check_output_dir(output_dir: str, where: str) -> None:
+    """The trainer writes straight into output_dir (adapter, card, checkpoints): a folder holding
+    files flipguard did not write (no manifest, no provenance, no checkpoint of a killed run)
+    is refused before anything loads, and nothing in it is changed."""
+    folder = Path(output_dir)
+    refuse_link(folder)
+    if not folder.is_dir():
+        return
+    names = sorted(p.name for p in folder.iterdir())
+    if not names or OWNER_FILE in names or PROVENANCE_FILE in names or any(n.startswith("checkpoint-") for n in names):
+        return
+    raise TrainError(f"{where}: output_dir {folder} holds files flipguard did not write ({', '.join(names[:3])}"
+                     f"{' ...' if len(names) > 3 else ''}); nothing was changed: choose another output_dir or move them away")
+
+
 def run_config(recipe_path, recipe, parsed, dataset, extra: dict | None = None) -> dict[str, Any]:
     return {
         "recipe_path": recipe_path,
@@ -510,19 +552,32 @@ def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pair
     if trainer.accelerator.is_main_process:
         (Path(training_args.output_dir) / PROVENANCE_FILE).unlink(missing_ok=True)
     trainer.accelerator.wait_for_everyone()
+    since = time.time() - 1.0  # the file system's clock is coarser than time.time()
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         tokenizer.save_pretrained(training_args.output_dir)
+        # what save_model and save_pretrained just wrote (the adapter, its card) is flipguard's
+        claim_written_since(training_args.output_dir, since, writer="flipguard train")
         write_training_info(training_args.output_dir, config, pairs_dir)
         print(f"adapter saved to {training_args.output_dir}")
     finish_tracking(run)
+
+
+def _peft_card(path: Path) -> bool:
+    """The model card peft's save_pretrained writes beside an adapter (its front matter names the
+    library): flipguard's card replaces it."""
+    try:
+        head = path.read_text(encoding="utf-8")[:4000]
+    except (OSError, UnicodeDecodeError):
+        return False
+    return head.startswith("---") and "library_name: peft" in head
 
 
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
     """A README model card, then flipguard_training.json (atomically, last: it vouches
     for the adapter files already there)."""
     counts = read_pair_counts(pairs_dir)
-    atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts))
+    atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts), adopt=_peft_card)
     atomic_write_json(Path(output_dir) / PROVENANCE_FILE, {**config, "pair_counts": counts})
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flipguard.data.schema import BENCHMARK_DATASETS
 from flipguard.data.unified import SAMPLES_ROOT, build_train_split, test_file
-from flipguard.files import atomic_write_text
+from flipguard.files import atomic_write_text, shipped_sample
 
 N_TEST = 20  # first rows in file order, per benchmark dataset
 N_AIO_NOR, N_AIO_OR = 12, 8  # first rows of each op verdict in file order
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     out = SAMPLES_ROOT
     for dataset in BENCHMARK_DATASETS:
         lines = _lines(test_file(source, dataset))[:N_TEST]
-        atomic_write_text(test_file(out, dataset), "\n".join(lines) + "\n")
+        atomic_write_text(test_file(out, dataset), "\n".join(lines) + "\n", adopt=shipped_sample)
 
     wanted = {"NOR": N_AIO_NOR, "OR": N_AIO_OR}
     aio_lines = []
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
         if wanted.get(verdict, 0) > 0:
             wanted[verdict] -= 1
             aio_lines.append(line)
-    atomic_write_text(out / "dialdefer" / "aio" / "aio.jsonl", "\n".join(aio_lines) + "\n")
+    atomic_write_text(out / "dialdefer" / "aio" / "aio.jsonl", "\n".join(aio_lines) + "\n", adopt=shipped_sample)
 
     split = build_train_split(None, source)
     by_dataset: dict[str, list] = {}
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     for dataset, items in by_dataset.items():
         picked = sorted(random.Random(f"{SEED}:{dataset}").sample(range(len(items)), N_TRAIN))
         text = "".join(json.dumps(items[i].to_dict(), ensure_ascii=False) + "\n" for i in picked)
-        atomic_write_text(out / "train" / f"{dataset}.jsonl", text)
+        atomic_write_text(out / "train" / f"{dataset}.jsonl", text, adopt=shipped_sample)
     return 0
 
 

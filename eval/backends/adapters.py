@@ -77,9 +77,20 @@ def read_adapter(adapter: str | Path) -> tuple[dict[str, Any], list[str]]:
     return config, list(shapes)
 
 
+def require_weights(adapter: str | Path) -> None:
+    """An adapter folder with its config but no weights (a partial copy): one line, not peft's
+    HFValidationError from taking the folder for a hub id."""
+    folder = Path(adapter)
+    read_adapter(folder)
+    if not (folder / WEIGHTS_FILE).is_file() and not (folder / "adapter_model.bin").is_file():
+        raise UserError(f"{folder}: has {CONFIG_FILE} but no weights ({WEIGHTS_FILE}); the adapter is incomplete: "
+                        "copy its weights there or retrain it")
+
+
 def check_adapter(adapter: str | Path, *, foreign_ok: bool = False, foreign_flag: str = "") -> dict[str, Any]:
     """Refuse an unfinished or corrupt adapter (one line naming the file); return its config."""
     folder = Path(adapter)
+    require_weights(folder)
     config, _ = read_adapter(folder)
     provenance = folder / PROVENANCE_FILE
     if provenance.is_file():

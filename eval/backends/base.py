@@ -54,7 +54,8 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from flipguard import plugins
 from flipguard.errors import FlipguardError
-from flipguard.eval.convert import cached_checkpoint, gguf_file
+from flipguard.eval.backends.adapters import require_weights
+from flipguard.eval.convert import cached_checkpoint, checked_gguf
 
 Conversation = list[dict[str, str]]
 
@@ -329,14 +330,23 @@ def context_limit(model_config, tokenizer) -> tuple[int | None, str]:
 _REGISTRY: dict[str, type[Backend]] = {}
 
 
-def register_backend(name: str):
+def _where(cls) -> str:
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
+
+
+def register_backend(name: str, replace: bool = False):
     """Class decorator: make a `Backend` subclass loadable by name (`get_backend`); a class
-    that breaks the contract is refused here, naming what it lacks."""
+    that breaks the contract is refused here, naming what it lacks. A name already taken by
+    another class is refused (records would name the wrong backend) unless `replace=True`."""
 
     def deco(cls):
         problems = check_backend_class(cls)
         if problems:
             raise not_a_backend(f"register_backend({name!r})", getattr(cls, "__name__", str(cls)), problems)
+        old = _REGISTRY.get(name)
+        if old is not None and _where(old) != _where(cls) and not replace:
+            raise BackendError(f"register_backend({name!r}): {_where(cls)} takes a name already registered by "
+                               f"{_where(old)}; give yours another name (or register_backend({name!r}, replace=True))")
         _REGISTRY[name] = cls
         return cls
 
@@ -354,12 +364,29 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     plugins.load_plugins(plugins.BACKENDS)
     if name not in _REGISTRY:
         raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}")
+    check_backend_kwargs(name, kwargs)
+    if name == "hf" and kwargs.get("adapter"):  # hf loads the base model first: an incomplete adapter is refused before
+        require_weights(kwargs["adapter"])
     resolved = resolve_model(model)
     backend = _REGISTRY[name](resolved, **kwargs)
     # Records name the model as the user did ("flipguard:tiny"), not by a cache path.
     backend.model_id = backend.model_id.replace(resolved, model)
     return backend
 
+
+
+def check_backend_kwargs(name: str, kwargs: dict) -> None:
+    """A --backend_args key the backend's constructor does not take: one line naming it and the
+    keys it does take, before the model loads."""
+
+    params = inspect.signature(_REGISTRY[name].__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        takes = sorted(k for k, p in params.items() if k not in ("self", "model") and p.kind is not p.VAR_POSITIONAL)
+        raise BackendError(f"--backend_args: the {name} backend takes no {', '.join(map(repr, unknown))} "
+                           f"(it takes: {', '.join(takes)}); fix the key")
 
 
 def resolve_model(name: str) -> str:
@@ -370,7 +397,7 @@ def resolve_model(name: str) -> str:
     embedded = plugins.plugins(plugins.MODELS).get(name)
     if embedded is not None:
         return plugins.load(embedded)()
-    return cached_checkpoint(name) if gguf_file(name) is not None else name
+    return cached_checkpoint(name) if checked_gguf(name) is not None else name
 
 
 @dataclasses.dataclass(frozen=True)

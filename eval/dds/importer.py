@@ -290,7 +290,7 @@ def _apply_corrections(store: RecordStore, changed: dict[str, Record]) -> Record
     for rec in read_records(store.path):
         lines.append(dumps_utf8(changed.get(rec.key, rec).to_dict()) + "\n")
     mode = store.path.stat().st_mode & 0o777
-    atomic_write_text(store.path, "".join(lines))
+    atomic_write_text(store.path, "".join(lines), log=True)
     store.path.chmod(mode)
     return RecordStore(store.path)
 

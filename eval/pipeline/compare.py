@@ -36,9 +36,9 @@ from flipguard.eval.estimate import Estimate
 from flipguard.eval.pipeline.transfer import build_transfer, write_transfer
 from flipguard.eval.pipeline.view import write_view
 from flipguard.eval.plots import pyplot, save_figure
-from flipguard.eval.records import C2_CASES, load_run_meta
+from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy
 from flipguard.eval.task import PROTOCOL_COLUMNS, comparison_long_rows, get_task, split_system, take_includes, task_names
-from flipguard.files import atomic_write_json, atomic_write_text
+from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
 
 BASELINE = "Baseline"
 # Per-dataset columns taken from each run's stats (see report.STATS_COLUMNS).
@@ -338,6 +338,10 @@ def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: l
 
 
 PROTOCOLS_CSV = "comparison_protocols.csv"
+# what write_comparison writes (checked before any work: each is absent or flipguard's)
+OUTPUT_FILES = ("comparison.csv", "significance.csv", "comparison.md", "comparison.json", PROTOCOLS_CSV,
+                "dds_heatmap.png", "before_after.png", "view.html", "transfer.csv", "transfer.md", "transfer.png",
+                "transfer.json")
 GUARD_DROP_PP = 10.0  # a guarded metric (stick-or-switch's correct switch) this far below the baseline's is flagged
 
 
@@ -449,10 +453,18 @@ def main(argv: list[str]) -> int:
     argv = take_includes(argv)  # a user's tasks: --include my_tasks.py
     tasks = task_names()
     args = parse_dataclasses(argv, compare_arguments(tasks), prog="flipguard compare", description=CompareArgs.__doc__)
-    cmp = build_comparison(parse_conditions(args.runs), c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
-    runs = protocol_runs_of(args, tasks)
-    transfer = build_transfer(parse_conditions(args.runs), runs, args.pairs, cmp["reports"], n_boot=args.n_boot,
-                              seed=args.seed)
+    conditions, runs = parse_conditions(args.runs), protocol_runs_of(args, tasks)
+    # before any work: the inputs are not being written, the outputs are flipguard's to replace
+    for path in [*conditions.values(), *(split_system(spec)[0] for _, spec in runs), args.c1_from, args.out]:
+        if path:
+            refuse_busy(path, "compared")
+    check_outputs(args.out, OUTPUT_FILES)
+    for path in conditions.values():
+        if load_run_meta(path).get("complete") is False:
+            print(f"warning: {path}: incomplete (its last run stopped before the end); its numbers cover the records "
+                  "written so far: rerun the same command to finish it")
+    cmp = build_comparison(conditions, c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
+    transfer = build_transfer(conditions, runs, args.pairs, cmp["reports"], n_boot=args.n_boot, seed=args.seed)
     out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs, transfer=transfer)
     print((out / "comparison.md").read_text(encoding="utf-8"))
     extra = ", comparison_protocols.csv" if runs else ""

@@ -37,7 +37,6 @@ import hashlib
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -64,6 +63,7 @@ from flipguard.config import (
     trainer_entry,
     validate_recipe,
 )
+from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.dds.metrics import TOTAL_AVG
@@ -75,20 +75,31 @@ from flipguard.eval.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
 from flipguard.eval.pipeline.capability import run_capability
 from flipguard.eval.pipeline.compare import build_comparison, protocol_flags, protocol_rows, write_comparison
 from flipguard.eval.pipeline.transfer import TRANSFER_JSON, build_transfer
-from flipguard.eval.pipeline.view import write_view
+from flipguard.eval.pipeline.view import VIEW_FILE, write_view
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MODES
 from flipguard.eval.task import StudyCondition, StudyContext, get_task, include_tasks, split_includes, task_names
 from flipguard.eval.threads import THREADS_HELP, configure_threads
-from flipguard.files import PACKAGE_ROOT, atomic_write_json, atomic_write_text, beside, git_commit
+from flipguard.files import (
+    PACKAGE_ROOT,
+    atomic_write_json,
+    atomic_write_text,
+    beside,
+    check_replace,
+    dumps_utf8,
+    git_commit,
+    remove_owned,
+    written_files,
+)
 from flipguard.train.merge import MERGE_INFO_FILE
 from flipguard.train.merge import main as merge_main
 from flipguard.train.pair_filters import PairRules
 from flipguard.train.pairs import print_counts
 from flipguard.train.pairs import run as build
-from flipguard.train.utils import PROVENANCE_FILE, start_wandb, wants_wandb
+from flipguard.train.utils import PROVENANCE_FILE, check_lora_targets, start_wandb, wants_wandb
 
 TRAIN = PACKAGE_ROOT / "train"
+PAIRS_DATASETS_DEFAULT = next(f.default for f in dataclasses.fields(PairsArguments) if f.name == "pairs_datasets")
 STUDY_FILE = "study.json"
 STUDY_FORMAT = "flipguard-study/1"
 # prompting mitigation -> condition name in the comparison
@@ -96,6 +107,23 @@ CONDITION_NAMES = {"be_honest": "Be Honest", "dehumanizing": "Dehumanizing"}
 
 
 # a study that cannot run as asked (unknown stage, missing inputs): the message names the stage
+
+
+RECIPE_HEADER = "# the effective recipe of this study"
+
+
+def _study_file(path: Path) -> bool:
+    """A study folder's file from before manifests, recognised by its content: the effective
+    recipe (its header line) or study.json (its format)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if path.name == "recipe.yaml":
+        return text.startswith(RECIPE_HEADER)
+    if path.name == STUDY_FILE:
+        return f'"format": "{STUDY_FORMAT}"' in text
+    return False
 
 
 def written_by_flipguard(path: Path) -> bool:
@@ -230,6 +258,22 @@ class Study:
             trainer_entry(t, f"{where}.trainers")
             if t not in self.raw:
                 raise UserError(f"{where}.trainers: {t!r} is listed but the recipe has no {t}: section")
+        if self.trainers:
+            # what the pairs stage and the trainers read, checked before the first stage runs
+            pairs = self.raw.get("pairs") or {}
+            in_file = "datasets" in ((read_recipe(self.recipe_path).get("pairs") or {}) if Path(self.recipe_path).is_file()
+                                     else pairs)
+            if not pairs.get("datasets") or (not in_file and pairs.get("datasets") == PAIRS_DATASETS_DEFAULT):
+                raise UserError(f"{self.recipe_path}: pairs.datasets is not set: name the train datasets the pairs "
+                                f"are built from (e.g. `pairs: {{datasets: bench}}`) or drop the trainers "
+                                f"({', '.join(self.trainers)}) from eval.trainers")
+            try:  # the train split the base-train stage and the pairs read: there, before any stage
+                load_items(pairs["datasets"], split="train", data_root=pairs.get("data_root"))
+            except FlipguardError as exc:
+                raise UserError(f"{self.recipe_path}: pairs.datasets: {exc}") from None
+            if self.raw.get("use_peft"):
+                check_lora_targets(self.raw.get("lora_target_modules"), resolve_model(self.model),
+                                   f"{self.recipe_path}: lora_target_modules")
         for key in ("protocols", "train_protocols"):
             names = getattr(self.plan, f"eval_plan_{key}")
             twice = sorted({n for n in names if names.count(n) > 1})
@@ -511,14 +555,15 @@ class Study:
     def _save_state(self) -> None:
         self.state.update(recipe=self.recipe_path, out=str(self.out), model=self.model, updated=now_iso(),
                           order=[s.name for s in self.stages])
-        atomic_write_json(self.out / STUDY_FILE, self.state)
+        atomic_write_text(self.out / STUDY_FILE, dumps_utf8(self.state, indent=2) + "\n", adopt=_study_file)
 
-    def check_folders(self) -> None:
-        """Before any stage: every folder a stage would clear either does not exist or is
-        recorded in study.json as this study's own. Anything else (the user's files, an earlier
-        `flipguard eval` run, another study's stage) is refused, never removed."""
+    def check_folders(self, stages: list[Stage] | None = None) -> None:
+        """Before any stage (and again as each stage starts): every folder a stage would clear
+        either does not exist or is recorded in study.json as this study's own. Anything else
+        (the user's files, an earlier `flipguard eval` run, another study's stage) is refused,
+        never removed."""
         entries = self.state["stages"]
-        for stage in self.stages:
+        for stage in self.stages if stages is None else stages:
             if stage.name in entries:
                 continue
             for path in stage.clear:
@@ -553,10 +598,14 @@ class Study:
         if from_stage and only:
             raise UserError("--from and --only: give one of them")
         self.check_folders()
+        # before any work: the study's own files replace nothing of the user's (files.check_replace)
+        for path in (self.recipe_file, self.out / STUDY_FILE, self.out / VIEW_FILE):
+            check_replace(path, adopt=_study_file)
         self.out.mkdir(parents=True, exist_ok=True)
 
-        atomic_write_text(self.recipe_file, f"# the effective recipe of this study (from {self.recipe_path}); "
-                                            "written by flipguard study\n" + yaml.safe_dump(public_recipe(self.raw), sort_keys=False))
+        atomic_write_text(self.recipe_file, f"{RECIPE_HEADER} (from {self.recipe_path}); "
+                                            "written by flipguard study\n" + yaml.safe_dump(public_recipe(self.raw), sort_keys=False),
+                          adopt=_study_file)
         fps = self.fingerprints()
         entries = self.state["stages"]
         start = names.index(from_stage) if from_stage else None
@@ -583,13 +632,13 @@ class Study:
             # where the study stands, and how long this stage took when it last ran (its ETA on a redo)
             last = f", {entry['seconds']:.0f}s last time" if entry.get("seconds") else ""
             self.step(f"{stage.title}  [{stage.name}: {status}, stage {i + 1}/{len(self.stages)}{last}]")
+            if stage.name not in entries:
+                self.check_folders([stage])  # again at the moment it runs: a folder that appeared since is refused
+            foreign = list(entry.get("foreign") or [])
             if not resume:
-                for path in stage.clear:  # recorded in study.json as this study's (check_folders)
-                    if path.is_dir():
-                        shutil.rmtree(path)
-                    elif path.exists():
-                        path.unlink()
+                foreign = self.clear(stage, entry)
             entries[stage.name] = {"status": "running", "fingerprint": fps[stage.name], "inputs": list(stage.inputs),
+                                   "foreign": foreign,
                                    "built_from": {i: entries[i].get("build") for i in stage.inputs},
                                    "params": json.loads(json.dumps(stage.params, default=str)),
                                    "outputs": [str(p) for p in stage.outputs], "started": now_iso()}
@@ -601,12 +650,31 @@ class Study:
                 raise UserError(f"stage {stage.name}: finished without writing {', '.join(missing_out)}")
             seconds = time.time() - t
             entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status,
-                                       build=uuid.uuid4().hex[:12])
+                                       build=uuid.uuid4().hex[:12],
+                                       files={os.path.relpath(k, self.out): v for p in stage.clear
+                                              for k, v in written_files(p, foreign).items()})
             self._save_state()
             self.statuses.append((stage.name, status, seconds))
             self.print(f"--- {stage.name}: {status} in {seconds:.1f}s")
+        for stage in self.stages:  # a done stage whose inputs were redone since (--only) says so: stale
+            entry = entries.get(stage.name) or {}
+            if entry.get("status") == "done" and (entry.get("fingerprint") != fps[stage.name]
+                                                  or not self.built_from_current(stage)):
+                entry["status"] = "stale"
         self._save_state()
         return self.statuses
+
+    def clear(self, stage: Stage, entry: dict[str, Any]) -> list[str]:
+        """Before a stage is redone: remove what it wrote (its folders' manifests, study.json's
+        record of its files), keep the rest and say so in one line; returns what was kept."""
+        kept = []
+        files = {str(self.out / k): v for k, v in (entry.get("files") or {}).items()}  # recorded relative to --out
+        for path in stage.clear:
+            kept += remove_owned(path, files)
+        if kept:
+            shown = ", ".join(str(p) for p in kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+            self.print(f"--- {stage.name}: kept {len(kept)} file(s) flipguard did not write: {shown}")
+        return [str(p) for p in kept]
 
     def summary(self) -> None:
         print_outcome(f"Stages ({time.time() - self.t0:.0f}s in all):", self.statuses, self.out, self.print)

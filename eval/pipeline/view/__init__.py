@@ -18,9 +18,9 @@ from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.pipeline.view.page import render_html
 from flipguard.eval.pipeline.view.runs import ci, csv_table, flags, fmt, num, plots, protocol_entries, read_csv, record_panel, run_view, short
-from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records
+from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy
 from flipguard.eval.task import take_includes
-from flipguard.files import atomic_write_text
+from flipguard.files import atomic_write_text, check_replace
 
 VIEW_FILE = "view.html"
 COMPARISON_FILES = ("comparison.csv", "comparison.json")
@@ -162,6 +162,9 @@ def main(argv: list[str]) -> int:
     argv = take_includes(argv)  # a user's task (--include my_tasks.py): its numbers and naming, as compare shows them
     args = parse_dataclasses(argv, ViewArgs, prog="flipguard view", description=ViewArgs.__doc__,
                              positional="path")
+    # before any work: the folder is not being written, the page replaces nothing but an earlier page
+    refuse_busy(args.path, "viewed")
+    check_replace(Path(args.out) if args.out else Path(args.path) / VIEW_FILE)
     out = write_view(args.path, args.out, compress={"auto": None, "always": True, "never": False}[args.compress])
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} kB): open it in a browser (file://{out.resolve()})")
     return 0

@@ -1,0 +1,374 @@
+"""Nothing foreign is ever destroyed, by any write path (issue 33; docs/reliability-ownership.md).
+
+Hostile use as a new user would do it, through the real CLI in real processes on the tiny
+model (`flipguard:tiny`, recipes/tiny.yaml; no organism build): the user's files sit where
+flipguard writes (a project folder given as a study's --out, a page, a comparison, a records
+file with a torn last line, notes in stage folders, symbolic links inside a run folder), and
+each is checked byte for byte (sha256 before and after). A refusal is one line naming the
+file, exit status 2, and comes before any work. The property test drives seeded random
+sequences of commands over a folder seeded with foreign files and asserts none changes.
+
+Runs are shared across tests (module fixtures) to keep the suite's time modest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.files import OWNER_FILE
+
+ROOT = Path(__file__).resolve().parent.parent
+BOUND = 900  # seconds: a hang guard only
+
+
+def _env() -> dict:
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def fg(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real CLI in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *map(str, args)], env=_env(),
+                          cwd=cwd, capture_output=True, text=True, timeout=BOUND)
+
+
+def cli(capsys, *args: str | Path) -> subprocess.CompletedProcess:
+    """The CLI's own main in this process (cheaper than a process of its own), as a CompletedProcess."""
+    capsys.readouterr()
+    code = cli_main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def hashes(paths) -> dict[str, str]:
+    return {str(p): sha(p) for p in paths}
+
+
+def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2 with one line on stderr naming what it must; no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _recipe(folder: Path, **eval_plan) -> Path:
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    raw["report_to"] = "none"
+    raw["eval"].update(limit=1, n_boot=20, mitigations=[], trainers=[], **eval_plan)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tiny-recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> dict[str, Path]:
+    """One eval run (with its report) and one finished study (baseline + compare), made once."""
+    base = tmp_path_factory.mktemp("own")
+    run = base / "run"
+    proc = fg("eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "1", "--out", run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recipe = _recipe(base)
+    study = base / "study"
+    assert cli_main(["study", str(recipe), "--out", str(study)]) == 0
+    return {"base": base, "run": run, "recipe": recipe, "study": study}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+# ---------------------------------------------------------------------------- study --out over a project folder
+
+def test_study_into_a_project_folder_keeps_the_users_recipe_and_page(shared, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    recipe = project / "recipe.yaml"
+    recipe.write_text("# my recipe: comments and secrets that must survive\n"
+                      + (shared["recipe"]).read_text() + "# api_key: sk-keep-me\n")
+    page = project / "view.html"
+    page.write_text("<html>my own page</html>")
+    before = hashes([recipe, page])
+    line = refused(fg("study", recipe, "--out", project), str(recipe), "not written by flipguard")
+    assert "move it away" in line
+    assert hashes([recipe, page]) == before
+    assert sorted(p.name for p in project.iterdir()) == ["recipe.yaml", "view.html"]  # no stage ran
+
+
+# ---------------------------------------------------------------------------- stage redo
+
+def test_redo_removes_only_what_the_stage_wrote_and_names_what_it_kept(shared, tmp_path, capsys):
+    study = _copy(shared["study"], tmp_path / "study")
+    notes = [study / "dds" / "baseline" / "NOTES.md", study / "compare" / "draft.md",
+             study / "dds" / "baseline" / "report" / "mine.txt"]
+    for n in notes:
+        n.write_text(f"the user's {n.name}")
+    edited = study / "compare" / "comparison.md"  # flipguard wrote it, the user edited it: theirs now
+    edited.write_text(edited.read_text() + "\nmy annotation\n")
+    notes.append(edited)
+    before = hashes(notes)
+    keys = [json.loads(line)["key"] for line in (study / "dds" / "baseline" / "records.jsonl").read_text().splitlines()]
+    proc = cli(capsys, "study", shared["recipe"], "--out", study, "--from", "baseline")
+    # compare refuses to replace the edited comparison.md (one line), after baseline was redone
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "comparison.md: changed since flipguard wrote it" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert "--- baseline: kept 2 file(s) flipguard did not write" in proc.stdout
+    assert "--- compare: kept 2 file(s) flipguard did not write" in proc.stdout
+    assert hashes(notes) == before
+    # baseline was redone into the same folder beside the user's notes: the same requests again
+    redone = [json.loads(line)["key"] for line in (study / "dds" / "baseline" / "records.jsonl").read_text().splitlines()]
+    assert sorted(redone) == sorted(keys)
+    edited.unlink()  # the user moves their copy away: the rerun finishes
+    proc = cli(capsys, "study", shared["recipe"], "--out", study)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert hashes(notes[:-1]) == {k: v for k, v in before.items() if k != str(edited)}
+
+
+def test_a_stage_folder_that_appears_mid_run_is_refused_not_deleted(shared, tmp_path):
+    """The user creates OUT/compare while the study runs its baseline: the compare stage, when it
+    arrives, refuses it (one line) and removes nothing."""
+    from flipguard.eval.pipeline import study as study_mod
+
+    out = tmp_path / "study"
+    mine = out / "compare" / "plan.md"
+    original = study_mod.Study.run_dds
+
+    def run_dds(self, args):  # the stage runs for real; meanwhile the user's folder appears
+        original(self, args)
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        mine.write_text("my plan")
+
+    study_mod.Study.run_dds = run_dds
+    try:
+        assert cli_main(["study", str(shared["recipe"]), "--out", str(out)]) == 2
+    finally:
+        study_mod.Study.run_dds = original
+    assert mine.read_text() == "my plan"
+    assert sorted(p.name for p in mine.parent.iterdir()) == ["plan.md"]
+
+
+def test_only_marks_later_stages_stale(shared, tmp_path, capsys):
+    study = _copy(shared["study"], tmp_path / "study")
+    proc = cli(capsys, "study", shared["recipe"], "--out", study, "--only", "baseline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = json.loads((study / "study.json").read_text())["stages"]
+    assert stages["baseline"]["status"] == "done" and stages["compare"]["status"] == "stale"
+    assert "stale" in (study / "view.html").read_text()
+
+
+# ---------------------------------------------------------------------------- view / compare --out
+
+def test_view_and_compare_never_replace_a_users_file_or_another_runs_records(shared, tmp_path, capsys):
+    run = _copy(shared["run"], tmp_path / "run")
+    other = _copy(shared["run"], tmp_path / "other")
+    page = run / "view.html"  # the user's own page in the run folder
+    page.write_text("<html>mine</html>")
+    mine = tmp_path / "mine.html"
+    mine.write_text("<html>also mine</html>")
+    cmp = tmp_path / "cmp"
+    cmp.mkdir()
+    (cmp / "comparison.md").write_text("# my comparison")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    watched = [page, mine, cmp / "comparison.md", a_file, other / "records.jsonl", other / "run.json"]
+    before = hashes(watched)
+    refused(cli(capsys, "view", run), f"{page}: exists and was not written by flipguard")
+    refused(cli(capsys, "view", run, "--out", mine), str(mine))
+    refused(cli(capsys, "view", run, "--out", other / "records.jsonl"), "is the records file of a flipguard run")
+    refused(cli(capsys, "compare", "--runs", f"Baseline={run}", "--out", cmp), f"{cmp / 'comparison.md'}")
+    refused(cli(capsys, "compare", "--runs", f"Baseline={run}", "--out", a_file), "names a file, not a folder")
+    assert hashes(watched) == before
+    assert cli(capsys, "view", other).returncode == 0  # a page of its own: written, then replaced by the next view
+    assert cli(capsys, "view", other).returncode == 0
+    assert hashes(watched) == before
+
+
+def test_readers_respect_a_running_writers_lock(shared, tmp_path, capsys):
+    """A real second process holds the run's writer lock (as eval does): compare and view refuse,
+    naming it, and write nothing."""
+    run = _copy(shared["run"], tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, json, os, sys, time\n"
+        f"fd = os.open({str(run / '.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nos.ftruncate(fd, 0)\n"
+        "os.pwrite(fd, json.dumps({'pid': os.getpid(), 'command': 'flipguard eval'}).encode(), 0)\n"
+        "print('held', flush=True)\ntime.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused(cli(capsys, "compare", "--runs", f"Baseline={run}", "--out", tmp_path / "cmp"), f"pid {holder.pid}")
+        refused(cli(capsys, "view", run), f"pid {holder.pid}", "wait for it")
+        assert not (tmp_path / "cmp").exists() and not (run / "view.html").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_compare_warns_about_an_incomplete_run(shared, tmp_path, capsys):
+    run = _copy(shared["run"], tmp_path / "run")
+    assert json.loads((run / "run.json").read_text())["complete"] is True
+    meta = json.loads((run / "run.json").read_text())
+    meta["complete"] = False  # as a killed eval leaves it (task.run_task writes True only at the end)
+    (run / "run.json").write_text(json.dumps(meta))
+    assert cli_main(["compare", "--runs", f"Baseline={run}", "--out", str(tmp_path / "cmp"), "--n_boot", "20"]) == 0
+    assert f"warning: {run}: incomplete" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- records and links
+
+def test_a_foreign_records_file_with_a_torn_tail_is_refused_uncut(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    records = out / "records.jsonl"
+    records.write_bytes(b'{"my": "data"}\n{"half a li')
+    before = sha(records)
+    refused(fg("eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "1", "--out", out),
+            f"{records}: exists and was not written by flipguard")
+    assert sha(records) == before
+    assert sorted(p.name for p in out.iterdir()) == ["records.jsonl"]  # no lock, no manifest left behind
+
+
+@pytest.mark.parametrize("link", [".lock", "records.jsonl", "report", "run.json"])
+def test_symbolic_links_inside_a_run_folder_are_refused_never_followed(shared, tmp_path, capsys, link):
+    run = _copy(shared["run"], tmp_path / "run")
+    target = tmp_path / ("their-folder" if link == "report" else "their-file")
+    if link == "report":
+        target.mkdir()
+        (target / "summary.md").write_text("the user's summary")
+        watched = [target / "summary.md"]
+    else:
+        target.write_text("the user's file\n")
+        watched = [target]
+    if (run / link).is_dir():
+        shutil.rmtree(run / link)
+    elif (run / link).exists():
+        (run / link).unlink()
+    (run / link).symlink_to(target)
+    before = hashes(watched)
+    command = (["report", run] if link == "report" else
+               ["eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "2", "--out", run])
+    refused(cli(capsys, *command), "is a symbolic link")
+    assert hashes(watched) == before
+    if link == "report":
+        assert sorted(p.name for p in target.iterdir()) == ["summary.md"]
+
+
+# ---------------------------------------------------------------------------- property: random command sequences
+
+def _seed_foreign(root: Path, run: Path) -> list[Path]:
+    """The user's files, put where flipguard writes."""
+    files = {
+        root / "notes.md": "project notes",
+        run / "NOTES.md": "what I saw in this run",
+        run / "view.html": "<html>my page</html>",
+        run / "report" / "mine.md": "my report notes",
+        root / "cmp" / "comparison.md": "# my comparison",
+        root / "cmp" / "view.html": "<html>my comparison page</html>",
+        root / "torn" / "records.jsonl": '{"mine": 1}\n{"torn',
+        root / "page.html": "<html>a page of mine</html>",
+        root / "secret.txt": "linked to, never written",
+        root / "recipe.yaml": "# the user's own recipe\nmodel_name_or_path: flipguard:tiny\n",
+    }
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    linked = root / "linked"
+    linked.mkdir()
+    (linked / ".lock").symlink_to(root / "secret.txt")
+    (linked / "records.jsonl").symlink_to(root / "secret.txt")
+    return sorted(files)
+
+
+@pytest.mark.parametrize("seed", [33, 2026])
+def test_random_command_sequences_change_no_foreign_file(shared, tmp_path, capsys, seed):
+    """Seeded random sequences of real commands (in process: the CLI's own main) over a folder
+    seeded with foreign files: every command ends with 0 or a one-line refusal (2), and no
+    foreign file changes, ever."""
+    root = tmp_path / "w"
+    run = _copy(shared["run"], root / "run")
+    study = _copy(shared["study"], root / "study")
+    foreign = _seed_foreign(root, run)
+    (study / "dds" / "baseline" / "NOTES.md").write_text("a note in a stage folder")
+    foreign.append(study / "dds" / "baseline" / "NOTES.md")
+    before = hashes(foreign)
+    imports = ROOT / "tests" / "fixtures" / "dialdefer" / "qwen-2.5-7b-instruct"
+    eval_args = ["--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "1", "--report", "false"]
+    commands = [
+        ["eval", *eval_args, "--out", str(run)],
+        ["eval", *eval_args, "--out", str(root / "torn")],
+        ["eval", *eval_args, "--out", str(root / "linked")],
+        ["eval", *eval_args, "--out", str(root)],
+        ["report", str(run)],
+        ["view", str(run)],
+        ["view", str(run), "--out", str(root / "page.html")],
+        ["view", str(study)],
+        ["view", str(run), "--out", str(run / "records.jsonl")],
+        ["compare", "--runs", f"Baseline={run}", "--out", str(root / "cmp"), "--n_boot", "20"],
+        ["compare", "--runs", f"Baseline={run}", "--out", str(root / "cmp2"), "--n_boot", "20"],
+        ["compare", "--runs", f"Baseline={run}", "--out", str(root / "notes.md"), "--n_boot", "20"],
+        ["import-records", str(imports), "--out", str(root / "torn")],
+        ["import-records", str(imports), "--out", str(root / "imported")],
+        ["study", str(shared["recipe"]), "--out", str(study), "--only", "compare"],
+        ["study", str(shared["recipe"]), "--out", str(study), "--only", "baseline"],
+        ["study", str(shared["recipe"]), "--out", str(root)],
+    ]
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    seen, codes = set(), []
+    for step in range(15):
+        cmd = rng.choice(commands)
+        seen.add(cmd[0])
+        code = cli_main(cmd)
+        codes.append(code)
+        out = capsys.readouterr()
+        assert code in (0, 2), (step, cmd, out.err[-2000:])
+        if code == 2:
+            assert len(out.err.strip().splitlines()) == 1 and "Traceback" not in out.err, (cmd, out.err)
+        assert hashes(foreign) == before, (step, cmd)
+        assert (root / "secret.txt").read_text() == "linked to, never written"
+    assert time.monotonic() - t0 < 600
+    assert {"eval", "view", "compare", "study"} <= seen
+    assert 0 in codes and 2 in codes  # some commands did their work, some were refused
+
+
+def test_the_manifest_records_what_flipguard_wrote(shared):
+    doc = json.loads((shared["run"] / OWNER_FILE).read_text())
+    assert "records.jsonl" in doc["logs"] and doc["sha256"]["run.json"] == sha(shared["run"] / "run.json")
+    report = json.loads((shared["run"] / "report" / OWNER_FILE).read_text())
+    assert report["sha256"]["summary.md"] == sha(shared["run"] / "report" / "summary.md")
+
+
+def test_a_trainer_refuses_an_output_dir_of_the_users(tmp_path, capsys):
+    """The trainers write straight into output_dir (peft and the Trainer save there): a folder of
+    the user's is refused before anything loads, byte for byte intact."""
+    mine = tmp_path / "my-project"
+    mine.mkdir()
+    (mine / "README.md").write_text("my project's readme")
+    (mine / "adapter_config.json").write_text('{"mine": true}')
+    before = hashes(mine.iterdir())
+    recipe = _recipe(tmp_path)
+    proc = cli(capsys, "sft", recipe, "--output_dir", mine)
+    refused(proc, f"output_dir {mine} holds files flipguard did not write")
+    assert hashes(mine.iterdir()) == before and sorted(p.name for p in mine.iterdir()) == ["README.md",
+                                                                                          "adapter_config.json"]
