@@ -23,7 +23,7 @@ import unittest.mock
 from pathlib import Path
 
 from flipguard.eval.pipeline import cli
-from flipguard.files import PACKAGE_ROOT, atomic_write_text, flipguard_home
+from flipguard.files import PACKAGE_ROOT, flipguard_home
 
 COLUMNS = 100
 THIRD_PARTY = ("trl", "transformers", "peft", "accelerate")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{out} is stale: run python docs/gen_cli.py", file=sys.stderr)
             return 1
         return 0
-    atomic_write_text(out, text)
+    out.write_text(text, encoding="utf-8")  # a tracked page of the repository, not a run's output
     print(f"wrote {out}")
     return 0
 
