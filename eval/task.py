@@ -544,15 +544,20 @@ def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendP
 
 def merge_computed(dp, computed: dict[str, dict]) -> dict[str, dict]:
     """Every rank's `computed` (one per model label) as one: the first tokens each rank counted
-    on its slice are summed, so run.json says what a single process would have."""
+    on its slice are summed, so run.json says what a single process would have; so are the
+    prompt tokens prefix sharing saw and computed (each rank shares within its own slice, so
+    the computed count is the ranks' together, not a single process's)."""
     from accelerate.utils import gather_object
 
     merged: dict[str, dict] = {}
     for per_rank in gather_object([computed]):
         for label, info in per_rank.items():
-            into = merged.setdefault(label, {**info, "first_tokens": {}})
+            into = merged.setdefault(label, {**info, "first_tokens": {},
+                                             **({"prefix_tokens": {}} if "prefix_tokens" in info else {})})
             for tok, k in (info.get("first_tokens") or {}).items():
                 into["first_tokens"][tok] = into["first_tokens"].get(tok, 0) + k
+            for key, k in (info.get("prefix_tokens") or {}).items():
+                into["prefix_tokens"][key] = into["prefix_tokens"].get(key, 0) + k
     for info in merged.values():
         if not info["first_tokens"]:
             del info["first_tokens"]

@@ -154,8 +154,14 @@ def test_data_parallel_dds_eval_writes_every_record_once_and_the_same_report(tin
           json.loads((two / "report" / "summary.json").read_text()))
     meta = json.loads((two / "run.json").read_text())
     assert meta["invocations"][-1]["processes"] == 2
-    # the first tokens both ranks counted, summed: what the single process counted
-    assert meta["computed"] == json.loads((one / "run.json").read_text())["computed"]
+    # the first tokens both ranks counted, summed: what the single process counted; prefix sharing's
+    # prompt tokens summed too (each rank shares within its own slice: it computed at least as many)
+    single = json.loads((one / "run.json").read_text())["computed"]
+    assert meta["computed"].keys() == single.keys()
+    for label, info in meta["computed"].items():
+        shared, alone = info.pop("prefix_tokens"), single[label].pop("prefix_tokens")
+        assert shared["prompt"] == alone["prompt"] and alone["computed"] <= shared["computed"] <= shared["prompt"]
+    assert meta["computed"] == single
 
 
 # ---------------------------------------------------------------- accelerate configs, vLLM pass-through

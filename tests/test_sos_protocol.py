@@ -223,11 +223,13 @@ def test_resume_makes_no_new_calls(tmp_path):
 
 
 def test_interrupted_run_continues_mid_conversation(tmp_path):
+    import shutil
+
     _, _, full = run_scripted(tmp_path / "full")
+    # the run as it stood after turn 1: flipguard's own folder (run log, manifest), later turns not yet written
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
     path = tmp_path / "cut" / "records.jsonl"
-    path.parent.mkdir()
-    kept = [line for line in (tmp_path / "full" / "records.jsonl").read_text().splitlines()
-            if json.loads(line)["extra"]["turn"] == 1]
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["extra"]["turn"] == 1]
     path.write_text("\n".join(kept) + "\n")
     backend, sent, records = run_scripted(tmp_path / "cut")
     assert sent == len(full) - len(kept) == backend.calls

@@ -227,7 +227,8 @@ def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken
     titles = page.page.locator("#detail .panel h3").all_text_contents()
     assert titles == ["Baseline: c2_incorrect", "Be Honest: c2_incorrect"]
     assert page.page.locator("#detail pre.reply").all_text_contents() == ["1", "2"]
-    assert page.page.locator(".plots img").count() == 2  # dds_heatmap.png, before_after.png, inlined
+    # dds_heatmap.png, before_after.png and transfer.png (compare writes the transfer report too), inlined
+    assert page.page.locator(".plots img").count() == 3 and (tmp_path / "cmp" / "transfer.png").is_file()
     assert page.page.evaluate("Array.from(document.querySelectorAll('.plots img')).every(i => i.complete && i.naturalWidth > 100)")
     page.close()
 
