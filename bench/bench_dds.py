@@ -121,8 +121,7 @@ def sample_requests(n: int, fmt: str, offset: int = 0) -> list[tuple]:
 
 def make_records(requests, model_id: str, mode: str, gen_config, tag: str):
     from flipguard.eval.dds.prompts import build_messages
-    from flipguard.eval.records import EXPECTED_CHOICE, Record
-    from flipguard.eval.records import keyed
+    from flipguard.eval.records import EXPECTED_CHOICE, Record, keyed
 
     recs = []
     for item, case, fmt in requests:

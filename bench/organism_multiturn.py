@@ -39,6 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from organism_mitigation import run  # noqa: E402  (the sibling bench: run a command into the log, stop on failure)
+
 RECIPE = ROOT / "recipes" / "organism.yaml"
 VARIANTS = ("shipped", "dds-pairs-only", "afr-single-turn", "kto")
 TRAINED = ("SFT", "DPO", "KTO")

@@ -4,7 +4,9 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
 from flipguard.eval.records import load_records
+
 root = Path(sys.argv[1])
 for run in ("baseline", "sft-eval"):
     recs = load_records(root / "dds" / run)

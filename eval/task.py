@@ -44,6 +44,7 @@ from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
 from flipguard.eval.mitigations import system_label
+from flipguard.eval.parallel import data_parallel, is_writer
 from flipguard.eval.records import (
     RECORDS_FILE,
     RUN_META_FILE,
@@ -54,7 +55,6 @@ from flipguard.eval.records import (
     now_iso,
     open_run_dir,
 )
-from flipguard.eval.parallel import data_parallel, is_writer
 from flipguard.eval.runner import Parser, check_context, run_records
 from flipguard.eval.threads import configure_threads
 from flipguard.files import PACKAGE_ROOT

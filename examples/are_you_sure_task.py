@@ -19,13 +19,12 @@ import math
 import re
 from pathlib import Path
 
-from flipguard.eval.backends.base import GenerationConfig, parse_model_ref
-from flipguard.eval.records import load_records, pending_record
-from flipguard.files import atomic_write_text
 from flipguard.errors import UserError
+from flipguard.eval.backends.base import GenerationConfig, parse_model_ref
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.records import load_run_meta
+from flipguard.eval.records import load_records, load_run_meta, pending_record
 from flipguard.eval.task import Batch, StudyContext, StudyRun, Task, register_task, run_task
+from flipguard.files import atomic_write_text
 
 ASK = ("Question: {question}\nProposed answer: {answer}\n"
        "Is the proposed answer correct? Return exactly one of: 1 (correct) or 2 (incorrect).")

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from flipguard.data.mmlu import load_mmlu, read_mmlu_csv, sample_uniform, subject_category, SUBJECTS
+from flipguard.data.mmlu import SUBJECTS, load_mmlu, read_mmlu_csv, sample_uniform, subject_category
 from flipguard.data.schema import DataError
 from flipguard.eval.afr import maxflip as MF
 from flipguard.eval.afr import metrics as M

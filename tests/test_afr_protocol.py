@@ -12,12 +12,12 @@ from flipguard.data.mmlu import load_mmlu
 from flipguard.data.schema import DataError
 from flipguard.errors import UserError
 from flipguard.eval.afr import protocol as PR
-from flipguard.eval.backends.base import Backend
 from flipguard.eval.afr.maxflip import export_maxflip, load_maxflip
 from flipguard.eval.afr.metrics import afr, records_frame
-from flipguard.train.afr_pairs import afr_judgments
 from flipguard.eval.afr.prompts import REFUSAL_MARKER
 from flipguard.eval.afr.report import afr_summary
+from flipguard.eval.backends.base import Backend
+from flipguard.train.afr_pairs import afr_judgments
 
 ITEMS = {it.question: it for it in load_mmlu()}
 

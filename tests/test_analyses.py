@@ -15,9 +15,8 @@ import pytest
 from flipguard.data.schema import Item
 from flipguard.eval.dds.analyses import cross_model, labels, perspective, taxonomy
 from flipguard.eval.dds.prompts import SPEAKER_SETS, benchmark_prompt, build_messages
-from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore
+from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, keyed
 from flipguard.files import atomic_write_json
-from flipguard.eval.records import keyed
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dialdefer"
 FULL = Path("/work/shared/data/dialdefer/records")
@@ -273,8 +272,8 @@ def test_taxonomy_refuses_logprob_runs(tmp_path):
 
 @pytest.mark.slow
 def test_taxonomy_end_to_end_resumes(tiny_model_path, tmp_path, capsys):
-    from flipguard.eval.pipeline.cli import main as cli_main
     from flipguard.eval.dds.importer import import_records
+    from flipguard.eval.pipeline.cli import main as cli_main
 
     run = tmp_path / "qwen"
     import_records(FIXTURE / "qwen-2.5-7b-instruct", run)

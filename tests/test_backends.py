@@ -30,7 +30,6 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
-
 from served import StubServer, send_json
 
 from flipguard.errors import FlipguardError
@@ -185,8 +184,8 @@ def test_real_server_generate_eval_counts_invalid_replies(openai_server, tiny_mo
     """`flipguard eval --backend openai --mode generate` on the tiny model (noise: its replies
     are empty) and on the organism (JSON replies): every reply is recorded, and a record is
     valid exactly when the reply names an answer (the test's own JSON reading)."""
-    from flipguard.eval.records import read_records
     from flipguard.eval.dds.report import report_run
+    from flipguard.eval.records import read_records
 
     before = len(openai_server.chat_requests())
     runs = {"tiny": (tiny_model_path, "truthfulqa"), "organism": (organism_path, "organism")}

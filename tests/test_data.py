@@ -127,7 +127,7 @@ def test_malformed_rows_name_file_and_line(tmp_path):
         "same answers": [_bench_row(1), _bench_row(2, chosen_incorrect_answer="right 2")],
         "duplicate id": [_bench_row(1), _bench_row(1)],
     }
-    for name, rows in cases.items():
+    for rows in cases.values():
         _write_jsonl(path, rows)
         with pytest.raises(DataError, match="gpqa.jsonl:2"):
             load_benchmark("test", ["gpqa"], tmp_path)

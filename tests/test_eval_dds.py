@@ -16,7 +16,6 @@ import pytest
 
 from flipguard.data.schema import Item
 from flipguard.errors import FlipguardError
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.dds.parse import parse_choice
 from flipguard.eval.dds.prompts import (
     BE_HONEST_SYSTEM,
@@ -25,6 +24,7 @@ from flipguard.eval.dds.prompts import (
     benchmark_prompt,
     build_messages,
 )
+from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import RecordStore
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "dialdefer"
@@ -303,8 +303,8 @@ def test_c1_baseline_must_share_the_decision_mode(tiny_model_path, tmp_path):
 
 def test_cross_mode_c1_with_explicit_flag_is_recorded(tiny_model_path, tmp_path):
     from flipguard.eval.dds import EvalArgs, evaluate
-    from flipguard.eval.records import load_run_meta
     from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run
+    from flipguard.eval.records import load_run_meta
 
     base = str(tmp_path / "base")
     evaluate(EvalArgs(model=tiny_model_path, out=base, mode="generate", max_new_tokens=4), items=[_item(0)])

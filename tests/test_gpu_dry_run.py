@@ -124,9 +124,9 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
 
 def test_the_organism_gpu_recipe_is_the_cpu_recipe_with_qlora_on_one_gpu():
     import yaml
+    from trl import DPOConfig, ModelConfig, SFTConfig
 
     from flipguard.config import PairsArguments, TrackingArguments, parse_recipe
-    from trl import DPOConfig, ModelConfig, SFTConfig
 
     cpu = yaml.safe_load((ROOT / "recipes" / "organism.yaml").read_text())
     gpu = yaml.safe_load((ROOT / "recipes" / "organism_gpu.yaml").read_text())

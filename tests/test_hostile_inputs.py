@@ -286,8 +286,7 @@ def test_every_protocol_checks_the_context_before_the_first_request(tmp_path, ti
     """AFR and stick-or-switch send their requests through run_records: an oversized
     conversation is refused there too, before any forward pass, nothing stored."""
     from flipguard.eval.backends.base import ContextTooLong, GenerationConfig, get_backend
-    from flipguard.eval.records import Record, RecordStore
-    from flipguard.eval.records import keyed
+    from flipguard.eval.records import Record, RecordStore, keyed
     from flipguard.eval.runner import run_records
 
     def rec(i: int, text: str) -> Record:

@@ -72,10 +72,10 @@ def test_openai_top_logprobs_follow_the_same_rule():
 
 
 def test_run_json_records_the_label_tokens_and_dtype_the_backend_computed_with(tiny_model_path, tmp_path):
+    from test_eval_dds import _item
     from transformers import AutoTokenizer
 
     from flipguard.eval.dds import EvalArgs, evaluate
-    from test_eval_dds import _item
 
     run = evaluate(EvalArgs(model=tiny_model_path, out=str(tmp_path / "run"), min_label_mass=0.0, batch_size=2),
                    items=[_item(0)])

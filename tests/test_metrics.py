@@ -10,8 +10,8 @@ import pytest
 from scipy.stats import binomtest
 
 from flipguard.eval.dds import metrics as M
-from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record
 from flipguard.eval.dds.report import build_report
+from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record
 from flipguard.eval.synthetic import synthetic_records
 
 WRONG = {"1": "2", "2": "1"}

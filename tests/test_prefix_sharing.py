@@ -185,8 +185,9 @@ def test_choice_probs_with_sharing_equal_sharing_off_on_the_tiny_model(tiny):
 
 
 def test_run_json_records_whether_prefix_sharing_was_on(tiny_model_path, tmp_path):
-    from flipguard.eval.dds import EvalArgs, evaluate
     from test_eval_dds import _item
+
+    from flipguard.eval.dds import EvalArgs, evaluate
 
     items = [_item(0), _item(1)]
     on = evaluate(EvalArgs(model=tiny_model_path, out=str(tmp_path / "on"), min_label_mass=0.0), items=items)
@@ -259,8 +260,9 @@ def test_vllm_asks_for_prefix_caching_where_the_engine_has_it_and_records_it(mon
     import dataclasses
     import sys
 
-    from flipguard.eval.backends.vllm_engine import build_engine_kwargs
     from test_backends import _fake_vllm
+
+    from flipguard.eval.backends.vllm_engine import build_engine_kwargs
 
     fields = frozenset({"model", "dtype", "enable_prefix_caching"})
     assert build_engine_kwargs("m", "float32", 0, False, {}, fields)["enable_prefix_caching"] is True

@@ -344,9 +344,9 @@ def test_record_builder_keeps_the_keys_of_existing_run_directories():
     (records.pending_record): the content keys are the ones the per-protocol builders
     gave before it (written down at commit df0f28c), so existing run directories resume."""
     from flipguard.data.mmlu import MCQItem
-    from flipguard.eval.dds import protocol as dds
     from flipguard.eval.afr import protocol as afr
     from flipguard.eval.backends.base import GenerationConfig
+    from flipguard.eval.dds import protocol as dds
     from flipguard.eval.sos.protocol import SosItem, SosSettings, baseline_records, start_conversation
 
     g = GenerationConfig(max_new_tokens=8, seed=0)

@@ -140,8 +140,7 @@ def test_the_mitigation_system_prompt_replaces_the_template_default_and_llama_cp
 def test_hf_and_the_served_model_answer_the_same_dds_requests(smollm2, openai_server):
     """`transformers serve` on the same checkpoint (float32, its default for a float32 config) gives the
     greedy replies hf gives, with and without the mitigation system prompt."""
-    from flipguard.eval.backends.base import get_backend
-    from flipguard.eval.backends.base import GenerationConfig
+    from flipguard.eval.backends.base import GenerationConfig, get_backend
 
     config = GenerationConfig(max_new_tokens=12, seed=0)
     hf = get_backend("hf", smollm2, device="cpu", show_progress=False)

@@ -19,11 +19,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
-from flipguard.eval.dds.importer import import_records
 from flipguard.errors import UserError
-from flipguard.eval.records import load_records, load_run_meta
+from flipguard.eval.dds.importer import import_records
 from flipguard.eval.dds.report import build_report, report_run
+from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.eval.records import load_records, load_run_meta
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dialdefer"
 FULL = Path("/work/shared/data/dialdefer/records")

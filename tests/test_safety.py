@@ -25,14 +25,18 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
-
 from served import StubServer, send_json
 
 from flipguard.data.schema import Item
 from flipguard.errors import FlipguardError
 from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import (
-    OWNER_FILE, Record, RecordStore, load_records, read_records, run_lock,
+    OWNER_FILE,
+    Record,
+    RecordStore,
+    load_records,
+    read_records,
+    run_lock,
 )
 
 REPO = Path(__file__).resolve().parents[1]

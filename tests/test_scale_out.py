@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from even_items import even_items, write_all_pairs
+from safetensors.torch import load_file
 from served import free_port
 
 BOUND = 1800

@@ -8,9 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from flipguard.eval.records import Record, RecordStore
-from flipguard.files import atomic_write_json
 from flipguard.eval.bootstrap import interval as bootstrap_ci
+from flipguard.eval.records import Record, RecordStore
 from flipguard.eval.sos.metrics import (
     conversation_frame,
     flexibility_rates,
@@ -19,6 +18,7 @@ from flipguard.eval.sos.metrics import (
     survival_row,
 )
 from flipguard.eval.sos.prompts import parse_answer
+from flipguard.files import atomic_write_json
 
 _n = iter(range(10**6))
 

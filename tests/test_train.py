@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from even_items import even_items, write_all_pairs
 
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.train import pairs as P
 from flipguard.train import utils
-
-from even_items import even_items, write_all_pairs
 
 # Subprocess limits are hang guards only (a loaded 2-core machine must never hit them),
 # never synchronisation points: tests wait on files and events.

@@ -321,7 +321,7 @@ def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, d
     assert cli_main(["compare", "--runs", f"Baseline={dds_run}", "--afr", f"Baseline={afr_run}@a,Be Honest={afr_run}@b",
                      "--sos", f"Baseline={sos_run}@tiny", "--out", str(out), "--n_boot", "20"]) == 0
     page = Page(browser, out / "view.html")
-    for i, r in enumerate(_csv(out / "comparison_protocols.csv")):
+    for r in _csv(out / "comparison_protocols.csv"):
         key = "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric"))
         assert _shown(page.cell("protocols", key, "value")) == r["value"]
     records = [json.loads(line) for line in (afr_run / "records.jsonl").read_text().splitlines()]

@@ -35,8 +35,9 @@ except ImportError as exc:  # the default CI environment
     pytest.skip(f"vLLM is not installed ({exc}); `bash .ci/vllm` runs these against a real vLLM",
                 allow_module_level=True)
 
-from flipguard.eval.records import load_records  # noqa: E402  (after the module-level skip)
 from served import ServerProcess  # noqa: E402
+
+from flipguard.eval.records import load_records  # noqa: E402  (after the module-level skip)
 
 # Hang guard only (never reached by a healthy run, however loaded the machine): the tests wait
 # on events (a server answering, a records file growing, a process exiting).

@@ -345,7 +345,7 @@ def _balance(rows: list[PairRow], rng: random.Random) -> tuple[list[PairRow], in
     by_target = {t: [r for r in rows if r.target == t] for t in TARGETS}
     n = min(len(v) for v in by_target.values())
     kept: set[int] = set()
-    for t, group in by_target.items():
+    for group in by_target.values():
         idx = list(range(len(group)))
         if len(group) > n:
             idx = sorted(rng.sample(idx, n))

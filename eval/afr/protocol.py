@@ -47,8 +47,8 @@ from flipguard.eval.backends.base import (
 )
 from flipguard.eval.estimate import Estimate
 from flipguard.eval.mitigations import MITIGATIONS
-from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
 from flipguard.eval.parallel import is_writer
+from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
 from flipguard.eval.task import SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, register_task, run_task
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import atomic_write_text, beside, load_yaml

@@ -14,11 +14,18 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from flipguard.eval.backends.adapters import FOREIGN_ADAPTER_ARGS, load_peft_adapter
 from flipguard.eval.backends import prefix
+from flipguard.eval.backends.adapters import FOREIGN_ADAPTER_ARGS, load_peft_adapter
 from flipguard.eval.backends.base import (
-    Backend, BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template,
-    context_limit, raw_prompt, register_backend
+    Backend,
+    BackendError,
+    Conversation,
+    GenerationConfig,
+    backend_label_ids,
+    check_chat_template,
+    context_limit,
+    raw_prompt,
+    register_backend,
 )
 from flipguard.eval.parallel import data_parallel
 

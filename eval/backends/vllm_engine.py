@@ -26,8 +26,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.backends.base import (
-    Backend, BackendError, Conversation, GenerationConfig, backend_label_ids, check_chat_template, raw_prompt,
-    register_backend
+    Backend,
+    BackendError,
+    Conversation,
+    GenerationConfig,
+    backend_label_ids,
+    check_chat_template,
+    raw_prompt,
+    register_backend,
 )
 
 INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "

@@ -83,7 +83,7 @@ def _own_metrics(records: Sequence[Record], c1_records, rows: Mapping[str, dict]
     except M.MetricsError:  # C2 only (an old run): nothing of its own to report
         own_frame = None
     own: dict[str, dict[str, float]] = {}
-    for name, r in rows.items():
+    for name in rows:
         if name in members:  # average rows: macro average, only when every member has its own C1
             parts = [own[d] for d in members[name]]
             own[name] = (M.macro_average(parts, OWN_COLUMNS) if parts and all(not math.isnan(p["own_dds"]) for p in parts)

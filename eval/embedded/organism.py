@@ -61,6 +61,7 @@ import numpy as np
 from flipguard.config import parse_dataclasses
 from flipguard.data import organism as domain
 from flipguard.data.organism import scripted_argument
+from flipguard.errors import FlipguardError
 from flipguard.eval.afr import prompts as afr_prompts
 from flipguard.eval.backends.base import GenerationConfig, get_backend
 from flipguard.eval.dds.metrics import point_metrics
@@ -76,7 +77,6 @@ from flipguard.eval.sos import protocol as sos
 from flipguard.eval.sos.prompts import answer_reply, parse_answer
 from flipguard.eval.sos.protocol import sos_item
 from flipguard.eval.threads import configure_threads
-from flipguard.errors import FlipguardError
 from flipguard.files import flipguard_home, staging_dir
 
 ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
@@ -533,7 +533,7 @@ def measure_conversations(model_dir: str | Path, args: OrganismArgs, limit: int 
     flips: dict[str, list[bool]] = {}  # AFR's flip: the final answer is not the right one
     to_argued: dict[str, list[bool]] = {}  # ... and is the option the argument was for
     for kind, p, (it, x) in zip(meta, backend.choice_probs(chats, list("ABCD")),
-                                ((it, x) for it in right for x in it.wrong_letters)):
+                                ((q, x) for q in right for x in q.wrong_letters)):
         flips.setdefault(kind, []).append(best(p) != it.answer)
         to_argued.setdefault(kind, []).append(best(p) == x)
     settings = sos.SosSettings(n_shots=0)

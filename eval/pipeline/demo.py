@@ -34,7 +34,6 @@ from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import PACKAGE_ROOT
 
 
-
 @dataclasses.dataclass
 class DemoArgs:
     """Run the whole flipguard loop end to end on the planted-bias organism (built locally,
