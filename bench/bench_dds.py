@@ -71,14 +71,9 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from flipguard.eval.threads import cpu_name
+
+    cpu = cpu_name(default=platform.processor() or "")
     ram_gib = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -38,15 +38,11 @@ RECIPE = ROOT / "recipes" / "organism.yaml"
 
 
 def machine_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import torch
 
-    return (f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start, "
+    from flipguard.eval.threads import cpu_name
+
+    return (f"{cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start, "
             f"torch {torch.__version__}, Python {platform.python_version()}")
 
 

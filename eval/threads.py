@@ -9,6 +9,8 @@ train/*.py scripts a command starts make the same one.
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 from flipguard.errors import FlipguardError
 
@@ -34,3 +36,15 @@ def configure_threads(n: int | None = None) -> int:
 
     torch.set_num_threads(n)
     return n
+
+
+def cpu_name(default: str | None = None) -> str:
+    """The CPU's model name (/proc/cpuinfo), for the machine line of a benchmark or a build's
+    record; `default` (else platform.processor() or the architecture) where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return default if default is not None else (platform.processor() or platform.machine())

@@ -76,7 +76,7 @@ from flipguard.eval.records import CASES, EXPECTED_CHOICE, publish_dir
 from flipguard.eval.sos import protocol as sos
 from flipguard.eval.sos.prompts import answer_reply, parse_answer
 from flipguard.eval.sos.protocol import sos_item
-from flipguard.eval.threads import configure_threads
+from flipguard.eval.threads import configure_threads, cpu_name
 from flipguard.files import flipguard_home, staging_dir
 
 ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
@@ -633,15 +633,7 @@ def built_on(args: OrganismArgs) -> dict:
     on another CPU, another thread count or a GPU (bench/organism_build_robustness.md)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"torch": torch.__version__, "cpu": cpu, "machine": platform.machine(), "device": args.device,
+    info = {"torch": torch.__version__, "cpu": cpu_name(), "machine": platform.machine(), "device": args.device,
             "torch_threads": torch.get_num_threads()}
     if args.device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
