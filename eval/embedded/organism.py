@@ -788,7 +788,7 @@ def _fail(args: OrganismArgs, history: list[dict], phase: str, budget_hint: str)
     """The build's one failure: the checkpoint that came closest, check by check, and what to try."""
     ours = [h for h in history if h["phase"] == phase]
     best = max(ours, key=lambda h: (sum(c["passed"] for c in h["checks"].values()), h["step"]))
-    checks = "; ".join(f"{k} {c['measured']}{'' if c['passed'] else ' FAILED'}" for k, c in best["checks"].items())
+    checks = _check_line({k: (c["passed"], c["measured"]) for k, c in best["checks"].items()})
     raise FlipguardError(
         f"organism build failed its held-out checks: no {phase} checkpoint of {len(ours)} passed every check "
         f"(closest, step {best['step']}: {checks}); settings {build_config(args)}. Try another --seed, or {budget_hint} "
