@@ -57,8 +57,9 @@ def launch(cmd: list[str], log: Path, threads: int) -> subprocess.Popen:
     return proc
 
 
-def run_all(jobs: list[dict], parallel: int, deadline: float) -> None:
-    """Run each job's command, `parallel` at a time, until done or the deadline."""
+def run_all(jobs: list[dict], parallel: int, deadline: float, on_done=None) -> None:
+    """Run each job's command, `parallel` at a time, until done or the deadline; `on_done()` after each
+    finished job (the table so far is written: a long bench cut short keeps what finished)."""
     pending, running = list(jobs), []
     while pending or running:
         while pending and len(running) < parallel and time.time() < deadline:
@@ -71,7 +72,10 @@ def run_all(jobs: list[dict], parallel: int, deadline: float) -> None:
             if code is not None:
                 job["proc"].log_handle.close()
                 job["returncode"], job["seconds"] = code, round(time.time() - job["start"], 1)
+                job["load_at_end"] = round(os.getloadavg()[0], 1)  # the machine's 1-minute load as it finished
                 running.remove(job)
+                if on_done:
+                    on_done()
         if time.time() >= deadline:
             for job in running:
                 job["proc"].kill()
@@ -85,7 +89,7 @@ def run_all(jobs: list[dict], parallel: int, deadline: float) -> None:
 
 
 def build_row(job: dict) -> dict:
-    row = {k: job[k] for k in ("name", "seed", "threads", "strength", "seconds")}
+    row = {k: job.get(k) for k in ("name", "seed", "threads", "strength", "seconds", "load_at_end")}
     info_file = job["path"] / "organism.json"
     if job["returncode"] is None:
         return {**row, "result": "not finished"}
@@ -117,23 +121,27 @@ def study_result(study: Path) -> dict:
     return out
 
 
+def _load(row: dict) -> str:
+    return f" ({row['load_at_end']})" if row.get("load_at_end") is not None else ""
+
+
 def write(rows: list[dict], out: Path, header: str) -> None:
     out.with_suffix(".json").write_text(json.dumps({"machine": header, "builds": rows}, indent=2) + "\n", encoding="utf-8")
     lines = ["# Organism build robustness: every build stopped by its held-out checks", "", header, "",
-             "| build | seed | threads | strength | result | time s | steps (phase 1 / 2) | DDS (planted) | "
+             "| build | seed | threads | strength | result | time s (load) | steps (phase 1 / 2) | DDS (planted) | "
              "Dehumanizing DDS (planted) | AFR flip (planted) | turn-1 | correct switch | study: SFT / DPO removes it |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["result"] != "pass":
             lines.append(f"| {r['name']} | {r['seed']} | {r['threads']} | {r['strength']} | **{r['result']}** "
-                         f"{r.get('error', '')} | {r['seconds']} | | | | | | | |")
+                         f"{r.get('error', '')} | {r['seconds']}{_load(r)} | | | | | | | |")
             continue
         s = r.get("study_result") or {}
         verdict = " / ".join(
             ("yes" if s[c]["success"] and s[c]["first_answers_kept"] else "no") + f" (DDS {s[c]['dds']:+.1f}, AFR {s[c]['afr']:.1f})"
             for c in ("SFT", "DPO") if c in s) or s.get("study", "not run")
         lines.append(
-            f"| {r['name']} | {r['seed']} | {r['threads']} | {r['strength']} | pass | {r['build_seconds']:.0f} | "
+            f"| {r['name']} | {r['seed']} | {r['threads']} | {r['strength']} | pass | {r['build_seconds']:.0f}{_load(r)} | "
             f"{r['steps'].get('phase1')} / {r['steps'].get('phase2')} | {r['dds']:+.1f} ({r['planted_dds']:+.1f}) | "
             f"{r['dehumanizing_dds']:+.1f} ({r['planted_dehumanizing_dds']:+.1f}) | {r['afr_flip']} ({r['planted_afr_flip']}) | "
             f"{r['turn1']} | {r['correct_switch']} | {verdict} |")
@@ -180,7 +188,10 @@ def main() -> int:
         job["cmd"] = flipguard + ["organism", "--force", "--path", str(job["path"]), "--seed", str(job["seed"]),
                                   "--threads", str(job["threads"]), "--strength", str(job["strength"]),
                                   "--device", args.device, *args.build_args.split()]
-    run_all(jobs, args.jobs, t0 + args.deadline)
+    def table_so_far() -> None:
+        write([build_row(job) for job in jobs if "returncode" in job], Path(args.out), header)
+
+    run_all(jobs, args.jobs, t0 + args.deadline, on_done=table_so_far)
     rows = [build_row(job) for job in jobs]
     write(rows, Path(args.out), header)  # the builds' table first: a study past the deadline loses nothing
     if args.study:

@@ -98,13 +98,13 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--shape", "tiny", "env", "matmul", "model", "pairs", "dds",
-         "sft", "dpo", "merge"], cwd=ROOT, text=True, capture_output=True, timeout=1300,
+         "sft", "sft_fast", "dpo", "merge"], cwd=ROOT, text=True, capture_output=True, timeout=1300,
         env=env(OUT=str(out), WORK=str(work), FG_SITE=str(tmp_path / "site"), TRAIN_STEPS="2", DDS_BATCHES="8,32",
                 DDS_JUDGMENTS="32", RUN_BUDGET_S="1100", BUDGET_SCALE="4"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "gpu.json").read_text())
     steps = res["steps"]
-    assert set(steps) == {"env", "matmul", "model", "pairs", "dds", "sft", "dpo", "merge"}
+    assert set(steps) == {"env", "matmul", "model", "pairs", "dds", "sft", "sft_fast", "dpo", "merge"}
     failed = {k: v.get("error_tail", "")[-1500:] for k, v in steps.items() if v["rc"] != 0}
     assert not failed, failed
     assert steps["model"]["result"]["config"]["hidden_size"] == 64
@@ -116,6 +116,12 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
         # TRL casts a quantized base's LoRA weights to bf16 (QLoRA paper; trl sft_trainer/dpo_trainer)
         assert r["compute"]["device"] == "cpu" and r["compute"]["trainable_dtypes"] == ["bfloat16"]
         assert r["compute"]["bnb_4bit_compute_dtype"] is not None  # the 4-bit base, as on the GPU
+    # the recipe: 4 x 4 with activation recompute; sft_fast: the same effective batch as one micro-batch, no recompute
+    assert (steps["sft"]["result"]["micro_batch"], steps["sft"]["result"]["gradient_accumulation_steps"]) == (4, 4)
+    assert steps["sft"]["result"]["compute"]["gradient_checkpointing"] is True
+    fast = steps["sft_fast"]["result"]
+    assert (fast["micro_batch"], fast["gradient_accumulation_steps"], fast["effective_batch"]) == (16, 1, 16)
+    assert fast["compute"]["gradient_checkpointing"] is False and fast["optimizer_steps"] == 2
     assert [row["batch_size"] for row in steps["dds"]["result"]["sweep"]] == [8, 32]
     assert steps["dds"]["result"]["full_pass"]["judgments"] == 3244 * 4
     assert steps["merge"]["result"]["merge_gap"]["n_prompts"] == 8

@@ -179,6 +179,7 @@ def cmd_train_stats(args) -> dict:
     data = load_from_disk(str(Path(args.pairs) / args.kind))
     steps = int(final.get("step") or info.get("resolved", {}).get("max_steps") or 0)
     batch = int(info.get("effective_batch_size") or 0)
+    trainer_config = next((v for k, v in info.get("resolved", {}).items() if k in ("SFTConfig", "DPOConfig")), {})
     samples = steps * batch
     runtime = final.get("train_runtime")
     # tokens per sample: the prompt's mean length + the reply (answer, end of turn, newline);
@@ -193,6 +194,8 @@ def cmd_train_stats(args) -> dict:
             "steady_samples_per_s": round(batch / steady, 3) if steady else None,
             "steady_tokens_per_s": round(tokens / samples * batch / steady, 1) if steady and tokens else None,
             "steady": "median of the optimizer steps after the first (the first holds the warm-up)", "optimizer_steps": steps, "effective_batch": batch,
+            "micro_batch": trainer_config.get("per_device_train_batch_size"),
+            "gradient_accumulation_steps": trainer_config.get("gradient_accumulation_steps"),
             "samples": samples, "train_runtime_s": runtime,
             "samples_per_s": round(samples / runtime, 3) if runtime else None,
             "tokens_per_s": round(tokens / runtime, 1) if runtime and tokens else None,
