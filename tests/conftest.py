@@ -11,6 +11,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if os.environ.get("FLIPGUARD_TEST_INSTALLED"):  # .ci/run's wheel step: these tests must read the installed wheel
+    import flipguard
+
+    assert "site-packages" in pathlib.Path(flipguard.__file__).parts, f"flipguard from {flipguard.__file__}, not the wheel"
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
