@@ -138,8 +138,9 @@ def test_config_errors_name_the_model(tmp_path):
 
 
 def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
-    from flipguard.eval.afr.cli import main
+    from flipguard.eval.afr.protocol import AFRTask
 
+    main = AFRTask.main
     cfg = tmp_path / "afr.yaml"
     cfg.write_text(
         "models:\n"

@@ -527,15 +527,9 @@ class SosTask(Task):
         return Path("runs") / "sos" / args.dataset
 
     @classmethod
-    def main(cls, argv: list[str], prog: str | None = None) -> int:
-        """`flipguard sos` / `flipguard run sos`: run, then the report; --report_only only
-        rebuilds the report of a run directory (no model)."""
-        prog = prog or "flipguard run sos"
-        args = parse_dataclasses(argv, SosArgs, prog=prog, description=SosArgs.__doc__)
-        if args.report_only:
-            print(f"report: {write_report(args.report_only)}")
-            return 0
-        return super().main(argv, prog=prog)
+    def report_only(cls, args: SosArgs, out: Path) -> Path | None:
+        """--report_only RUN_DIR: rebuild that run's report (no model)."""
+        return write_report(args.report_only) if args.report_only else None
 
     def __init__(self, args: SosArgs, items: Sequence[SosItem] | None = None, pool: Sequence[SosItem] | None = None):
         if args.dataset not in DATASETS:
