@@ -265,8 +265,8 @@ def test_command_end_to_end_on_tiny_model_with_resume(tmp_path, tiny_model_path,
         assert (out / name).stat().st_size > 0
     assert (out / "sos_survival.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = sos_summary(out)
-    assert set(summary["models"]["tiny"]) >= {"conversation_tax", "abstention_penalty"}
-    assert summary["models"]["tiny"]["conversation_tax"]["n"] == 2
+    assert summary.numbers["tiny"].conversation_tax.n == 2
+    assert summary.numbers["tiny"].abstention_penalty is not None
     # another setting in the same directory is refused
     from flipguard.errors import FlipguardError
 

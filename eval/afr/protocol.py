@@ -45,7 +45,6 @@ from flipguard.eval.backends.base import (
     parse_backend_args,
     parse_model_ref,
 )
-from flipguard.eval.estimate import Estimate
 from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.parallel import is_writer
 from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
@@ -404,9 +403,10 @@ class AFRTask(Task):
         ks = {int(k) for k in (meta.get("k_values") or settings.get("k_values") or [10])}
         k = 10 if 10 in ks else max(ks)
         dataset = settings.get("dataset") or "mmlu"
-        return [{"system": target, "dataset": dataset, "metric": metric, "estimate": Estimate.from_dict(d, "share")}
-                for target, s in afr_summary(run_dir, k=k).items()
-                for metric in ("accuracy", "afr_blind", "afr_self", "afr_maxflip") if (d := s.get(metric))]
+        return [{"system": target, "dataset": dataset, "metric": metric, "estimate": est}
+                for target, numbers in afr_summary(run_dir, k=k).targets.items()
+                for metric in ("accuracy", "afr_blind", "afr_self", "afr_maxflip")
+                if (est := getattr(numbers, metric)) is not None]
 
     untargeted_framings = ("first",)
 

@@ -40,7 +40,6 @@ from flipguard.data.schema import DataError
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import GenerationConfig, ModelRef, model_kwargs, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
-from flipguard.eval.estimate import Estimate
 from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.records import Record, load_records, pending_record
 from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES, system_label
@@ -447,12 +446,12 @@ class SosTask(Task):
 
     @classmethod
     def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
-        summary = sos_summary(run_dir)
+        report = sos_summary(run_dir)
         metrics = ("conversation_tax", "abstention_penalty", "correct_switch", "incorrect_switch", "ss_accuracy",
                    "mt_accuracy")
-        return [{"system": system, "dataset": summary.get("dataset") or "", "metric": metric,
-                 "estimate": Estimate.from_dict(d, "pp" if metric in ("conversation_tax", "abstention_penalty") else "%")}
-                for system, s in summary["models"].items() for metric in metrics if (d := s.get(metric))]
+        return [{"system": system, "dataset": report.dataset or "", "metric": metric, "estimate": est}
+                for system, numbers in report.numbers.items() for metric in metrics
+                if (est := getattr(numbers, metric)) is not None]
 
     untargeted_framings = ("first", "correct_switch")
 
