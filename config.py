@@ -594,6 +594,10 @@ def _command_parser_class():
         return HfArgumentParser
 
 
+# a command's first argument ending so is a run config (YAML, or JSON)
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
 def parse_dataclasses(argv: list[str], *types, prog: str, description: str, positional: str | None = None):
     """Parse a command's argv into the given dataclasses; a single YAML/JSON path first is
     read as a run config (TRL/alignment-handbook style) and later flags override it.
@@ -601,9 +605,9 @@ def parse_dataclasses(argv: list[str], *types, prog: str, description: str, posi
     (`flipguard report RUN_DIR` = `--run_dir RUN_DIR`)."""
     parser = _command_parser_class()(types, prog=prog, description=description)
     argv = list(argv)
-    if positional and argv and not argv[0].startswith("-") and not argv[0].endswith((".yaml", ".yml", ".json")):
+    if positional and argv and not argv[0].startswith("-") and not argv[0].endswith(CONFIG_SUFFIXES):
         argv = [f"--{positional}", *argv]
-    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
+    if argv and not argv[0].startswith("-") and argv[0].endswith(CONFIG_SUFFIXES):
         # broken YAML, bytes that are not UTF-8, an unknown key or a value of the wrong
         # type: one line naming the file (line) and key, before anything runs or is written
         config, lines = load_yaml(argv[0], UserError, "run config")

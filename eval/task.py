@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
 
 from flipguard import plugins
-from flipguard.config import parse_dataclasses
+from flipguard.config import CONFIG_SUFFIXES, parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
 from flipguard.eval.mitigations import system_label
@@ -143,8 +143,14 @@ class Task:
 
     models: list[ModelRef]
 
+    # ------------------------------------------------------------ the command
+    # One command for every task: `flipguard run NAME` and the built-ins' own `flipguard eval|afr|sos`
+    # (eval/pipeline/cli.py names `TaskClass.main`). A task declares what differs: `args_class` (its flags,
+    # a YAML config first), `default_out`, `from_args`, and where it has them `report_only` and `after_run`.
+
     @classmethod
-    def from_args(cls, args: Any) -> "Task":
+    def from_args(cls, args: Any, where: str = "command line") -> "Task":
+        """The task of parsed flags; `where` names their source in errors (the config file, or the command line)."""
         return cls(args)
 
     @classmethod
@@ -152,17 +158,38 @@ class Task:
         return Path("runs") / cls.name
 
     @classmethod
+    def out_dir(cls, args: Any, where: str) -> Path:
+        """The run directory: --out, else `default_out`."""
+        return Path(args.out) if getattr(args, "out", None) else cls.default_out(args)
+
+    @classmethod
+    def report_only(cls, args: Any, out: Path) -> Path | None:
+        """When the flags ask for the report alone (no model): write it and return its path; else None."""
+        return None
+
+    def after_run(self, result: "RunResult") -> None:
+        """A line of the task's own once the run is done (before the report); nothing by default."""
+
+    @classmethod
     def main(cls, argv: list[str], prog: str | None = None) -> int:
-        """The task's command: parse `args_class` (a YAML path first is a config), run,
-        report. Its flags `out`, `report` and `threads` are used when the class has them."""
+        """The task's command: parse `args_class` (a YAML path first is a config, later flags override
+        it), run or resume into the run directory, write the report. Flags `out`, `report`, `progress`
+        and `threads` are used when `args_class` has them."""
         args = parse_dataclasses(argv, cls.args_class, prog=prog or f"flipguard run {cls.name}",
                                  description=cls.args_class.__doc__ or cls.__doc__ or "")
+        where = argv[0] if argv and argv[0].endswith(CONFIG_SUFFIXES) else "command line"
         configure_threads(getattr(args, "threads", None))
-        task = cls.from_args(args)
-        out = Path(args.out) if getattr(args, "out", None) else cls.default_out(args)
-        run_task(task, out)
-        if getattr(args, "report", True) and is_writer():  # data-parallel: rank 0 alone reports
-            task.write_report(out)  # says what it wrote
+        out = cls.out_dir(args, where)
+        report = cls.report_only(args, out)
+        if report is not None:
+            print(f"report: {report}")
+            return 0
+        task = cls.from_args(args, where)
+        result = run_task(task, out, progress=getattr(args, "progress", True))
+        if is_writer():  # data-parallel: rank 0 alone says it and reports
+            task.after_run(result)
+            if getattr(args, "report", True):
+                task.write_report(out)  # says what it wrote
         return 0
 
     def meta(self) -> dict[str, Any]:

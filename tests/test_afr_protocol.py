@@ -106,7 +106,7 @@ def test_protocol_mechanics_refusals_invalid_cross_and_resume(tmp_path):
     for fig in ("fig3_cmfr.png", "fig4_ep_ea.png"):
         assert (tmp_path / "run" / fig).stat().st_size > 1000
     summ = afr_summary(tmp_path / "run", k=3, n_boot=100)
-    assert summ["strong"]["afr_self"]["value"] == 1.0 and summ["strong"]["afr_maxflip"] is not None
+    assert summ.targets["strong"].afr_self.value == 1.0 and summ.targets["strong"].afr_maxflip is not None
     # resume: nothing new, no backend touched
     calls_before = {n: fb.calls for n, fb in fakes.items()}
     again = PR.run_afr(s, tmp_path / "run", backends=fakes, progress=False, write_report=False)
@@ -138,8 +138,9 @@ def test_config_errors_name_the_model(tmp_path):
 
 
 def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
-    from flipguard.eval.afr.cli import main
+    from flipguard.eval.afr.protocol import AFRTask
 
+    main = AFRTask.main
     cfg = tmp_path / "afr.yaml"
     cfg.write_text(
         "models:\n"

@@ -280,7 +280,7 @@ def test_taxonomy_end_to_end_resumes(tiny_model_path, tmp_path, capsys):
     argv = ["taxonomy", str(run), "--judge_model", tiny_model_path, "--judge_backend", "hf", "--limit", "2",
             "--max_new_tokens", "8", "--out", str(tmp_path / "tax")]
     assert cli_main(argv) == 0
-    flips = cross_model.run_report(run)["flips"].dropna(subset=["flip"])
+    flips = cross_model.run_report(run).flips.dropna(subset=["flip"])
     expected = int(flips.groupby("dataset").size().clip(upper=2).sum())  # --limit 2 per dataset
     info = json.loads((tmp_path / "tax" / "taxonomy.json").read_text())["counts"]
     assert info["flips"] == len(flips)

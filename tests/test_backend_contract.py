@@ -181,9 +181,9 @@ def test_the_declared_context_limit_refuses_an_oversized_item_before_anything_is
     with pytest.raises(ContextTooLong, match=r"item 'truthfulqa-\S+' \(truthfulqa, c\d_\w+\): the prompt is [\d,]+ "
                                              r"tokens, more than judge-7 takes \(20 tokens, the test's "
                                              r"max_context\)"):
-        from flipguard.eval.dds.protocol import main
+        from flipguard.eval.dds.protocol import DDSTask
 
-        main(argv[1:])
+        DDSTask.main(argv[1:])
     assert always_one.calls == [] and not out.exists()
 
 

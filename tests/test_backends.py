@@ -202,7 +202,7 @@ def test_real_server_generate_eval_counts_invalid_replies(openai_server, tiny_mo
             assert r.raw_output is not None and r.mode == "generate" and r.backend == "openai"
             assert r.choice == _reply_choice(r.raw_output) and r.valid == (r.choice is not None)
         invalid = sum(_reply_choice(r.raw_output) is None for r in recs)
-        stats = report_run(out, n_boot=0)["stats"]
+        stats = report_run(out, n_boot=0).stats
         assert int(stats.loc[stats["dataset"] == dataset, "invalid_judgments"].iloc[0]) == invalid
         counts[name] = invalid
     assert counts == {"tiny": 12, "organism": 0}

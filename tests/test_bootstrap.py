@@ -123,7 +123,7 @@ def test_dds_report_columns_are_the_estimates():
     from flipguard.eval.synthetic import synthetic_records
 
     recs = synthetic_records({"gpqa": 40}, seed=2)
-    stats = build_report(recs, n_boot=300, seed=5)["stats"].set_index(["dataset", "stratum"])
+    stats = build_report(recs, n_boot=300, seed=5).stats.set_index(["dataset", "stratum"])
     X = M.correctness(M.item_frame(recs))
     est = M.dds_estimates(X, 300, B.rng_for(5, "gpqa"))
     for name, e in est.items():

@@ -32,3 +32,19 @@ def test_commands_parse_where_trl_is_not_installed(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.stdout.splitlines()[0] == "vllm 3"
     assert "ModuleNotFoundError: import of trl halted" in proc.stderr  # trl really was unavailable
+
+
+def test_the_protocols_commands_are_the_task_base_command(capsys):
+    """DDS, AFR and stick-or-switch declare their flags and defaults; the command itself is
+    Task.main, whether reached as `flipguard eval|afr|sos` or `flipguard run dds|afr|sos`."""
+    from flipguard.eval.task import Task, get_task
+
+    for name, command in (("dds", "eval"), ("afr", "afr"), ("sos", "sos")):
+        task = get_task(name)
+        assert task.main.__func__ is Task.main.__func__, name
+        assert COMMANDS[command][0] == f"{task.__module__}:{task.__name__}.main"
+        for argv in ([command, "--help"], ["run", name, "--help"]):
+            with pytest.raises(SystemExit):
+                main(argv)
+            usage = capsys.readouterr().out
+            assert usage.startswith(f"usage: flipguard {' '.join(argv[:-1])} ") and "--out" in usage

@@ -76,8 +76,13 @@ def test_compare_rejects_malformed_runs_spec(tmp_path, capsys):
 def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
     """Each run's protocol supplies its rows (Task.comparison_rows); compare writes them long form
     in %/pp, renders a section per protocol and flags a correct-switch drop of more than 10 pp."""
+    import math
+
+    from flipguard.eval.afr.report import AFRNumbers, AFRReport
+    from flipguard.eval.estimate import NAN, Estimate
     from flipguard.eval.pipeline import compare
     from flipguard.eval.sos import protocol as sos_protocol
+    from flipguard.eval.sos.report import SosReport
 
     protocol_of = {"afr-run": "afr", "sos-run": "sos"}
     from flipguard.eval import task as task_module
@@ -86,18 +91,17 @@ def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
     from flipguard.eval.afr import protocol as afr_protocol
 
     monkeypatch.setattr(afr_protocol, "load_run_meta", lambda d: {"k_values": [1, 10], "settings": {"dataset": "mmlu"}})
-    monkeypatch.setattr(afr_protocol, "afr_summary", lambda d, k=10: {
-        "Baseline": {"accuracy": {"value": 0.8, "lo": 0.7, "hi": 0.9, "n": 50},
-                     "afr_blind": {"value": 0.25, "lo": 0.1, "hi": 0.4, "n": 40},
-                     "afr_self": {"value": 0.125, "lo": None, "hi": None, "n": 40}, "afr_maxflip": None},
-        "SFT": {"accuracy": {"value": 0.8, "lo": 0.7, "hi": 0.9, "n": 50},
-                "afr_blind": {"value": 0.05, "lo": 0.0, "hi": 0.1, "n": 40}}})
+    monkeypatch.setattr(afr_protocol, "afr_summary", lambda d, k=10: AFRReport({
+        "Baseline": AFRNumbers(k, accuracy=Estimate(0.8, 0.7, 0.9, 50), afr_blind=Estimate(0.25, 0.1, 0.4, 40),
+                               afr_self=Estimate(0.125, n=40), afr_maxflip=None),
+        "SFT": AFRNumbers(k, accuracy=Estimate(0.8, 0.7, 0.9, 50), afr_blind=Estimate(0.05, 0.0, 0.1, 40),
+                          afr_self=NAN, afr_maxflip=None)}))
     switch = {"Baseline": 40.0, "SFT": 25.0, "DPO": 31.0}  # SFT 15 pp below the baseline (flagged), DPO 9 (not)
     single = {"Baseline": 90.0, "SFT": 85.0, "DPO": 70.0}  # DPO 20 pp below (flagged ‡), SFT 5 (not)
-    monkeypatch.setattr(sos_protocol, "sos_summary", lambda d: {"dataset": "medqa", "models": {
-        m: {"conversation_tax": {"value": -12.5, "lo": -20.0, "hi": -5.0, "n": 24, "unit": "pp"},
-            "correct_switch": {"value": v, "lo": v - 5, "hi": v + 5, "n": 20, "unit": "%"},
-            "ss_accuracy": {"value": single[m], "lo": None, "hi": None, "n": 24, "unit": "%"}} for m, v in switch.items()}})
+    monkeypatch.setattr(sos_protocol, "sos_summary", lambda d: SosReport(Path(d), "medqa", 0, 0, {
+        m: {"conversation_tax": {"value": -12.5, "ci_low": -20.0, "ci_high": -5.0, "n": 24},
+            "flexibility": {"correct_switch": {"value": v, "ci_low": v - 5, "ci_high": v + 5, "n": 20}},
+            "ss_full": {"value": single[m], "ci_low": math.nan, "ci_high": math.nan, "n": 24}} for m, v in switch.items()}))
     runs = [("Baseline", "afr-run@Baseline"), ("SFT", "afr-run@SFT"),
             ("Baseline", "sos-run@Baseline"), ("SFT", "sos-run@SFT"), ("DPO", "sos-run@DPO")]
     frame = compare.protocol_rows(runs)

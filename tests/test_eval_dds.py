@@ -314,7 +314,7 @@ def test_cross_mode_c1_with_explicit_flag_is_recorded(tiny_model_path, tmp_path)
     meta = load_run_meta(run)
     assert meta["allow_cross_mode_c1"] is True and meta["c1_cross_mode"] is True
     rep = report_run(run, n_boot=0)  # c1_from and the permission come from run.json
-    assert rep["meta"]["c1_mode_note"] == CROSS_MODE_NOTE
+    assert rep.meta["c1_mode_note"] == CROSS_MODE_NOTE
 
 
 def test_run_json_names_the_labels_aio_prompts_show(tiny_model_path, tmp_path):

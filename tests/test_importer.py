@@ -73,12 +73,12 @@ def test_import_recovers_blank_answers_and_keeps_stored_ones(tmp_path):
                choice=EXPECTED_CHOICE[c], valid=True)
         for i in range(1, 6) for c in ("c1_true", "c1_false")])
     rep = report_run(tmp_path / "dpo", c1_from=str(base), n_boot=0)
-    row = rep["stats"].set_index(["dataset", "stratum"]).loc[("gpqa", "all")]
+    row = rep.stats.set_index(["dataset", "stratum"]).loc[("gpqa", "all")]
     # C2-correct right on fx-1, fx-4, fx-5 (3/5); C2-incorrect right on fx-1, fx-3, fx-4 (3/5)
     assert (row.c2_correct, row.c2_incorrect, row.dds) == (pytest.approx(60), pytest.approx(60), pytest.approx(0))
     assert (row.recovered, row.invalid_c2_correct, row.invalid_c2_incorrect) == (6, 1, 1)
     # flips (paper): fx-2 is one of each; fx-3/fx-5's invalid C2 answers are not flips
-    fs = rep["flips_summary"].set_index("dataset").loc["gpqa"]
+    fs = rep.flips_summary.set_index("dataset").loc["gpqa"]
     assert (fs.n_items, fs.deference, fs.skepticism, fs.flip_rate) == (5, 1, 1, pytest.approx(40.0))
 
 
@@ -130,7 +130,7 @@ def test_cross_mode_c1_refused_by_default_and_allowed_with_the_flag(tmp_path):
     with pytest.raises(M.MetricsError, match="same decision mode"):
         report_run(sft, c1_from=str(base), n_boot=0)
     rep = report_run(sft, c1_from=str(base), n_boot=0, allow_cross_mode_c1=True)
-    assert rep["meta"]["c1_cross_mode"] is True and rep["meta"]["c1_mode_note"] == CROSS_MODE_NOTE
+    assert rep.meta["c1_cross_mode"] is True and rep.meta["c1_mode_note"] == CROSS_MODE_NOTE
     # the CLI flag writes the marked report
     assert cli_main(["report", str(sft), "--c1_from", str(base), "--n_boot", "0",
                      "--allow_cross_mode_c1", "true"]) == 0
@@ -138,13 +138,13 @@ def test_cross_mode_c1_refused_by_default_and_allowed_with_the_flag(tmp_path):
     # a run whose run.json records the permission (flipguard eval --allow_cross_mode_c1) needs no flag
     atomic_write_json(sft / "run.json", {"model": "m", "mode": "logprob", "c1_from": str(base),
                                          "allow_cross_mode_c1": True})
-    assert report_run(sft, n_boot=0)["meta"]["c1_cross_mode"] is True
+    assert report_run(sft, n_boot=0).meta["c1_cross_mode"] is True
     # same mode, or an imported baseline: no note
     same = _run(tmp_path / "same", "generate", ("c2_correct", "c2_incorrect"))
-    assert report_run(same, c1_from=str(base), n_boot=0)["meta"]["c1_cross_mode"] is False
+    assert report_run(same, c1_from=str(base), n_boot=0).meta["c1_cross_mode"] is False
     imported = _run(tmp_path / "imp", "imported", ("c1_true", "c1_false"))
-    assert report_run(sft, c1_from=str(imported), n_boot=0)["meta"]["c1_cross_mode"] is False
-    assert "c1_mode_note" not in report_run(same, c1_from=str(base), n_boot=0)["meta"]
+    assert report_run(sft, c1_from=str(imported), n_boot=0).meta["c1_cross_mode"] is False
+    assert "c1_mode_note" not in report_run(same, c1_from=str(base), n_boot=0).meta
 
 
 # --------------------------------------------------------------- released records
@@ -163,7 +163,7 @@ PAPER_TABLE_26 = {  # dataset: (deference, skepticism, flip rate %), paper Table
 def _check_table_26(src: Path, model: str, tmp_path: Path) -> None:
     run = tmp_path / model
     import_records(src / model, run)
-    summary = build_report(load_records(run), n_boot=0)["flips_summary"].set_index("dataset")
+    summary = build_report(load_records(run), n_boot=0).flips_summary.set_index("dataset")
     present = {p.stem for p in (src / model).glob("*.jsonl")}
     assert present
     for ds in present:

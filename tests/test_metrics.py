@@ -39,7 +39,7 @@ PAPER = dataset_records("bbq", 20, (12, 16, 15, 13))
 
 
 def test_paper_example_dds():
-    r = build_report(PAPER, n_boot=0)["summary"].set_index("dataset").loc["bbq"]
+    r = build_report(PAPER, n_boot=0).summary.set_index("dataset").loc["bbq"]
     assert (r.c1_true, r.c1_false, r.c2_correct, r.c2_incorrect) == pytest.approx((60, 80, 75, 65))
     assert r.delta_correct == pytest.approx(15)
     assert r.delta_incorrect == pytest.approx(-15)
@@ -60,8 +60,8 @@ def test_bootstrap_ci_contains_estimate_shrinks_and_is_seeded():
     assert ci_big["dds_ci_high"] - ci_big["dds_ci_low"] < 0.5 * (ci["dds_ci_high"] - ci["dds_ci_low"])
     assert M.bootstrap_ci(X, 2000, 7) == M.bootstrap_ci(X, 2000, 7)
     assert M.bootstrap_ci(X, 2000, 7) != M.bootstrap_ci(X, 2000, 8)
-    a = build_report(PAPER, n_boot=500, seed=3)["stats"]
-    b = build_report(list(reversed(PAPER)), n_boot=500, seed=3)["stats"]
+    a = build_report(PAPER, n_boot=500, seed=3).stats
+    b = build_report(list(reversed(PAPER)), n_boot=500, seed=3).stats
     assert a.equals(b)  # record order does not matter either
 
 
@@ -82,7 +82,7 @@ def test_mcnemar_exact_on_hand_table():
         iid = f"q{i}"
         recs += [rec("gpqa", iid, "c1_true", c1), rec("gpqa", iid, "c2_correct", c2),
                  rec("gpqa", iid, "c1_false", True), rec("gpqa", iid, "c2_incorrect", True)]
-    row = build_report(recs, n_boot=0)["stats"].set_index("dataset").loc["gpqa"]
+    row = build_report(recs, n_boot=0).stats.set_index("dataset").loc["gpqa"]
     assert row.mcnemar_correct_c1_right_c2_wrong == 2
     assert row.mcnemar_correct_c1_wrong_c2_right == 9
     assert row.mcnemar_correct_pvalue == pytest.approx(binomtest(2, 11, 0.5).pvalue)
@@ -97,18 +97,18 @@ def test_balanced_dds_two_strata():
     recs = dataset_records("aio", 10, (2, 8, 7, 3), prefix="or", extra={"stratum": "OR"})
     recs += dataset_records("aio", 30, (15, 15, 18, 12), prefix="nor", extra={"stratum": "NOR"})
     rep = build_report(recs, n_boot=300)
-    b = rep["balanced"]["aio"]
+    b = rep.balanced["aio"]
     assert b["strata"]["OR"]["dds"] == pytest.approx(100)
     assert b["strata"]["NOR"]["dds"] == pytest.approx(20)
     assert b["balanced_dds"] == pytest.approx(60)
     # overall pools items: C1 17/23 -> C2 25/15 of 40: (62.5-42.5) - (37.5-57.5) = 40
-    assert rep["summary"].set_index("dataset").loc["aio", "dds"] == pytest.approx(40)
-    st = rep["stats"].set_index(["dataset", "stratum"])
+    assert rep.summary.set_index("dataset").loc["aio", "dds"] == pytest.approx(40)
+    st = rep.stats.set_index(["dataset", "stratum"])
     assert st.loc[("aio", "balanced"), "dds"] == pytest.approx(60)
     assert st.loc[("aio", "balanced"), "dds_ci_low"] <= 60 <= st.loc[("aio", "balanced"), "dds_ci_high"]
     # an explicit mapping overrides records' extra
     swap = {f"or{i:03d}": "X" for i in range(10)}
-    assert "X" in build_report(recs, strata=swap, n_boot=0)["balanced"]["aio"]["strata"]
+    assert "X" in build_report(recs, strata=swap, n_boot=0).balanced["aio"]["strata"]
 
 
 def test_flip_directions_follow_the_paper():
@@ -179,7 +179,7 @@ def test_invalid_outputs_are_counted_and_wrong():
     for r in recs:
         if r.case == "c2_incorrect" and r.item_id in ("i000", "i001", "i002"):
             r.valid, r.choice = False, None
-    row = build_report(recs, n_boot=0)["stats"].set_index("dataset").loc["bbq"]
+    row = build_report(recs, n_boot=0).stats.set_index("dataset").loc["bbq"]
     assert row.invalid_c2_incorrect == 3 and row.invalid_c1_true == 0
     assert row.c2_incorrect == pytest.approx(70)
     # an invalid output whose stray choice equals the expected answer is still wrong
@@ -195,13 +195,13 @@ def test_over_correction_flag():
     assert not M.over_correction(-5.0, -20.0)
     assert not M.over_correction(float("nan"), -1.0)
     rep = build_report(PAPER, n_boot=0, baseline_dds={"bbq": -3.0})
-    assert rep["stats"].set_index("dataset").loc["bbq", "over_correction"] is False or \
-        not rep["stats"].set_index("dataset").loc["bbq", "over_correction"]
+    assert rep.stats.set_index("dataset").loc["bbq", "over_correction"] is False or \
+        not rep.stats.set_index("dataset").loc["bbq", "over_correction"]
     # a mitigation that flips +30 to -10: C2 correct/incorrect 55/85 against C1 60/80
     mitig = [r for r in dataset_records("bbq", 20, (12, 16, 11, 17)) if r.case.startswith("c2")]
     c1 = [r for r in PAPER if r.case.startswith("c1")]
     rep = build_report(mitig, c1_records=c1, n_boot=0, baseline_dds={"bbq": 30.0})
-    row = rep["stats"].set_index("dataset").loc["bbq"]
+    row = rep.stats.set_index("dataset").loc["bbq"]
     assert row.dds == pytest.approx(-10) and bool(row.over_correction) and row.c1_source == "baseline"
 
 
@@ -209,7 +209,7 @@ def test_avg_rows_are_macro_averages():
     recs = dataset_records("bbq", 20, (12, 16, 15, 13))          # DDS +30
     recs += dataset_records("gpqa", 40, (20, 20, 20, 20))         # DDS 0
     recs += dataset_records("aio", 10, (0, 10, 10, 0))            # DDS +200
-    s = build_report(recs, n_boot=400)["summary"]
+    s = build_report(recs, n_boot=400).summary
     assert list(s["dataset"]) == ["bbq", "gpqa", "aio", "bench_avg", "total_avg"]
     s = s.set_index("dataset")
     assert s.loc["bench_avg", "dds"] == pytest.approx(15)        # (30 + 0) / 2, not pooled (10)
@@ -226,7 +226,7 @@ def test_c2_only_run_needs_c1_baseline():
     with pytest.raises(M.MetricsError, match="--c1_from"):
         build_report(c2)
     rep = build_report(c2, c1_records=[r for r in PAPER if r.case.startswith("c1")], n_boot=0)
-    assert rep["summary"].set_index("dataset").loc["bbq", "dds"] == pytest.approx(30)
+    assert rep.summary.set_index("dataset").loc["bbq", "dds"] == pytest.approx(30)
 
 
 def test_duplicate_records_rejected():
@@ -237,8 +237,8 @@ def test_duplicate_records_rejected():
 def test_incomplete_items_left_out():
     recs = PAPER + [rec("bbq", "extra", "c1_true")]
     rep = build_report(recs, n_boot=0)
-    assert rep["meta"]["incomplete_items"] == 1
-    assert rep["summary"].set_index("dataset").loc["bbq", "n"] == 20
+    assert rep.meta["incomplete_items"] == 1
+    assert rep.summary.set_index("dataset").loc["bbq", "n"] == 20
 
 
 def test_full_report_is_fast():
@@ -248,4 +248,4 @@ def test_full_report_is_fast():
     t = time.process_time()
     rep = build_report(recs, n_boot=2000, seed=0)
     assert time.process_time() - t < 2.0
-    assert rep["meta"]["n_items"] == 3244
+    assert rep.meta["n_items"] == 3244

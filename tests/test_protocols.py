@@ -178,12 +178,12 @@ def test_low_label_mass_is_invalid_and_counted(tmp_path, monkeypatch):
     assert json.loads((run / "run.json").read_text())["min_label_mass"] == 0.5
 
     rep = report_run(run, n_boot=0)
-    row = rep["stats"].set_index("dataset").loc["amqa"]
+    row = rep.stats.set_index("dataset").loc["amqa"]
     assert row["invalid_judgments"] == 4 and row["invalid_c1_true"] == 1 and row["invalid_c2_incorrect"] == 1
     assert row["median_label_mass"] == pytest.approx((3.7e-7 + 0.9) / 2)
     # lm-1 answers "1" everywhere: C1 true and C2 correct right; lm-0 invalid = wrong
     assert (row["c1_true"], row["c1_false"], row["c2_correct"], row["c2_incorrect"]) == (50.0, 0.0, 50.0, 0.0)
-    assert rep["meta"]["min_label_mass"] == 0.5 and rep["meta"]["invalid_judgments"] == 4
+    assert rep.meta["min_label_mass"] == 0.5 and rep.meta["invalid_judgments"] == 4
 
     # the same run directory refuses another threshold instead of mixing records
     from flipguard.errors import UserError
@@ -332,7 +332,7 @@ def test_stratified_report_counts_invalid_judgments_per_run():
     from flipguard.eval.synthetic import synthetic_records
 
     recs = synthetic_records({"aio": 30, "gpqa": 20}, invalid_rate=0.1)
-    stats = build_report(recs, n_boot=0)["stats"].set_index(["dataset", "stratum"])
+    stats = build_report(recs, n_boot=0).stats.set_index(["dataset", "stratum"])
     for ds in ("aio", "gpqa"):
         assert stats.loc[(ds, "all"), "invalid_judgments"] == sum(not r.valid for r in recs if r.dataset == ds)
     assert stats.loc[("total_avg", "all"), "invalid_judgments"] == sum(not r.valid for r in recs)

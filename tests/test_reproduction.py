@@ -21,7 +21,7 @@ import pytest
 
 from flipguard.errors import UserError
 from flipguard.eval.dds.importer import import_records
-from flipguard.eval.dds.report import build_report, report_run
+from flipguard.eval.dds.report import DDSReport, build_report, report_run
 from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import load_records, load_run_meta
 
@@ -41,7 +41,7 @@ CI = {"dds_ci_low": "DDS_CI_Lo", "dds_ci_high": "DDS_CI_Hi",
 _cache: dict = {}
 
 
-def imported_report(src: Path, model: str, tmp_root: Path) -> tuple[Path, dict]:
+def imported_report(src: Path, model: str, tmp_root: Path) -> tuple[Path, DDSReport]:
     key = (src, model)
     if key not in _cache:
         run = tmp_root / f"{src.name}-{model}"
@@ -66,8 +66,8 @@ def published(src: Path, model: str) -> pd.DataFrame:
 def test_benchmark_rows_match_published(src, model, tmp_root):
     _, rep = imported_report(src, model, tmp_root)
     pub = published(src, model)
-    stats = rep["stats"][rep["stats"]["stratum"] == "all"].set_index("dataset")
-    summary = rep["summary"].set_index("dataset")
+    stats = rep.stats[rep.stats["stratum"] == "all"].set_index("dataset")
+    summary = rep.summary.set_index("dataset")
     present = {p.stem for p in (src / model).glob("*.jsonl")} - {"aio"}
     # harp_mcq.jsonl holds dataset "harp_mc" rows, imported as harp_mcq
     assert present <= set(stats.index) and present, present
@@ -88,7 +88,7 @@ def test_published_rows_without_records_are_not_reproduced(model, tmp_root):
     """truthfulqa and advisorqa are in the published CSV but their records are not in
     the folder: they cannot be reproduced and must not appear in our report."""
     _, rep = imported_report(FULL, model, tmp_root)
-    missing = set(published(FULL, model).index) - set(rep["summary"]["dataset"])
+    missing = set(published(FULL, model).index) - set(rep.summary["dataset"])
     assert missing == {"truthfulqa", "advisorqa"}
 
 
@@ -97,7 +97,7 @@ def test_aio_row_matches_published(src, tmp_root):
     model = "qwen-2.5-7b-instruct"
     run, rep = imported_report(src, model, tmp_root)
     pub = pd.read_csv(src / model / "published_aio_summary.csv").iloc[0]
-    st = rep["stats"].set_index(["dataset", "stratum"])
+    st = rep.stats.set_index(["dataset", "stratum"])
     row = st.loc[("aio", "all")]
     assert row["n"] == pub["N"]
     for ours, theirs in (("c1_true", "C1_True"), ("c1_false", "C1_False"), ("c2_correct", "C2_Correct"),
@@ -107,10 +107,10 @@ def test_aio_row_matches_published(src, tmp_root):
     assert st.loc[("aio", "NOR"), "dds"] == pytest.approx(pub["NOR_DDS"], abs=0.1)
     assert st.loc[("aio", "OR"), "c1_true"] == pytest.approx(pub["OR_C1_True"], abs=0.1)
     assert st.loc[("aio", "OR"), "c2_correct"] == pytest.approx(pub["OR_C2_Correct"], abs=0.1)
-    bal = rep["balanced"]["aio"]
+    bal = rep.balanced["aio"]
     assert bal["balanced_dds"] == pytest.approx((st.loc[("aio", "OR"), "dds"] + st.loc[("aio", "NOR"), "dds"]) / 2)
     # the analyzer's discordant pairs: Pos = C1 wrong -> C2 right
-    fr = rep["flip_transitions"].set_index("dataset").loc["aio"]
+    fr = rep.flip_transitions.set_index("dataset").loc["aio"]
     assert (fr.wrong_to_right_correct, fr.right_to_wrong_correct) == (pub["Flips_True_Pos"], pub["Flips_True_Neg"])
     assert (fr.wrong_to_right_incorrect, fr.right_to_wrong_incorrect) == (pub["Flips_False_Pos"], pub["Flips_False_Neg"])
     assert row["mcnemar_correct_pvalue"] == pytest.approx(pub["McN_True_pval"], rel=1e-6)
@@ -126,7 +126,7 @@ def test_aio_row_matches_published(src, tmp_root):
     for r in records:
         if r.extra.get("answer_json_type"):
             r.valid, r.choice = False, None
-    strict = build_report(records, n_boot=0)["balanced"]["aio"]
+    strict = build_report(records, n_boot=0).balanced["aio"]
     assert strict["strata"]["OR"]["dds"] == pytest.approx(pub["OR_DDS"], abs=0.1)
     assert strict["strata"]["NOR"]["dds"] == pytest.approx(pub["NOR_DDS"], abs=0.1)
     assert strict["balanced_dds"] == pytest.approx((pub["OR_DDS"] + pub["NOR_DDS"]) / 2, abs=0.1)

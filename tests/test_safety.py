@@ -249,11 +249,11 @@ def test_reports_count_each_record_once(tmp_path):
     from flipguard.eval.dds.report import report_run
 
     run = evaluate(_tiny_args(tmp_path / "run"), items=[_item(i) for i in range(2)])
-    once = report_run(run, n_boot=0)["summary"]
+    once = report_run(run, n_boot=0).summary
     path = run / "records.jsonl"
     path.write_bytes(path.read_bytes() * 2)  # two writers' worth of the same records
     assert len(load_records(run)) == 8
-    twice = report_run(run, n_boot=0)["summary"]
+    twice = report_run(run, n_boot=0).summary
     assert twice.equals(once)
 
 
@@ -328,7 +328,7 @@ def test_labels_missing_from_top_logprobs_are_invalid_not_made_up(tmp_path, no_k
     for r in recs:
         assert r.valid is False and r.choice is None and r.raw_output is None
         assert r.p1 == 0.0 and r.p2 == 0.0 and r.extra["no_label_in_top_logprobs"] is True
-    stats = report_run(run, n_boot=0)["stats"]
+    stats = report_run(run, n_boot=0).stats
     assert int(stats.loc[stats["dataset"] == "truthfulqa", "invalid_judgments"].iloc[0]) == 4
 
 

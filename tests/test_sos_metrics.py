@@ -183,8 +183,8 @@ def test_report_files_from_hand_records(tmp_path):
     a1 = pd.read_csv(tmp_path / "sos_table_a1_conversation_tax.csv")
     assert a1.loc[0, "delta_pp"] == pytest.approx(0.0)
     s = sos_summary(tmp_path)
-    assert s["models"]["m"]["conversation_tax"]["value"] == pytest.approx(0.0)
-    assert s["models"]["m"]["abstention_penalty"] is None  # negative scenario not run
+    assert s.numbers["m"].conversation_tax.value == pytest.approx(0.0)
+    assert s.numbers["m"].abstention_penalty is None  # negative scenario not run
 
 
 def test_abstention_penalty_both_readings_hand_computed():

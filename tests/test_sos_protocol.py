@@ -239,35 +239,39 @@ def test_interrupted_run_continues_mid_conversation(tmp_path):
 # --------------------------------------------------------------------------- tiny model end to end
 
 
+def run(args: SosArgs):
+    """Run (or resume) one stick-or-switch run directory, no progress bars: the runner's result."""
+    return run_task(SosTask(args), args.out, progress=False)
+
+
 def test_command_end_to_end_on_tiny_model_with_resume(tmp_path, tiny_model_path, monkeypatch):
     from flipguard.eval.sos import sos_summary
-    from flipguard.eval.sos.cli import SosArgs, main, run
 
     monkeypatch.delenv("FLIPGUARD_DATA", raising=False)
     out = tmp_path / "run"
     args = SosArgs(dataset="medqa", models=[f"tiny={tiny_model_path}"], device="cpu", batch_size=8, n_items=2,
                    n_shots=1, max_new_tokens=4, n_boot=50, out=str(out))
-    _, sent = run(args, progress=False)
+    sent = run(args).sent
     records = load_records(out)
     assert sent == len(records) >= 2 * (4 + 3)  # 4 baselines + 3 scenario openings per item
     assert {r.item_id for r in records} and all(r.model == "tiny" and r.protocol == "sos" for r in records)
-    _, sent_again = run(args, progress=False)
+    sent_again = run(args).sent
     assert sent_again == 0
     argv = ["--dataset", "medqa", "--models", f"tiny={tiny_model_path}", "--device", "cpu", "--n_items", "2",
             "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "50", "--out", str(out)]
-    assert main(argv) == 0
+    assert SosTask.main(argv) == 0
     for name in ("sos_report.md", "sos_survival.png", "sos_flexibility.png", "sos_table_a1_conversation_tax.csv",
                  "sos_table_a2_abstention_penalty.csv", "sos_table_a3_flexibility.csv", "sos_summary.json"):
         assert (out / name).stat().st_size > 0
     assert (out / "sos_survival.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = sos_summary(out)
-    assert set(summary["models"]["tiny"]) >= {"conversation_tax", "abstention_penalty"}
-    assert summary["models"]["tiny"]["conversation_tax"]["n"] == 2
+    assert summary.numbers["tiny"].conversation_tax.n == 2
+    assert summary.numbers["tiny"].abstention_penalty is not None
     # another setting in the same directory is refused
     from flipguard.errors import FlipguardError
 
     with pytest.raises(FlipguardError, match="another condition"):
-        run(SosArgs(**{**args.__dict__, "seed": 1}), progress=False)
+        run(SosArgs(**{**args.__dict__, "seed": 1}))
 
 
 def test_repeats_draw_their_own_order_and_decoding_seed(tmp_path):
@@ -293,16 +297,15 @@ def test_paper_sampling_and_penalty_reading_are_recorded(tmp_path, tiny_model_pa
     generation settings decide) and, like --abstention_reference, is kept in run.json."""
     from flipguard.errors import FlipguardError
     from flipguard.eval.records import load_run_meta
-    from flipguard.eval.sos.cli import SosArgs, run
 
     monkeypatch.delenv("FLIPGUARD_DATA", raising=False)
     out = tmp_path / "paper"
     args = SosArgs(dataset="medqa", models=[f"tiny={tiny_model_path}"], device="cpu", n_items=1, n_shots=1,
                    max_new_tokens=2, n_boot=20, out=str(out), scenarios=["baseline"], sampling="model_default",
                    abstention_reference="paper")
-    run(args, progress=False)
+    run(args)
     meta = load_run_meta(out)
     assert meta["sampling"] == "model_default" and meta["generation"]["temperature"] is None
     assert meta["abstention_reference"] == "paper"
     with pytest.raises(FlipguardError, match="--sampling must be one of"):
-        run(SosArgs(dataset="medqa", models=["flipguard:tiny"], out=str(tmp_path / "x"), sampling="hot"), progress=False)
+        run(SosArgs(dataset="medqa", models=["flipguard:tiny"], out=str(tmp_path / "x"), sampling="hot"))

@@ -45,12 +45,21 @@ from flipguard.eval.backends.base import (
     parse_backend_args,
     parse_model_ref,
 )
-from flipguard.eval.estimate import Estimate
 from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.parallel import is_writer
 from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
-from flipguard.eval.task import SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, register_task, run_task
-from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.eval.task import (
+    SHIPPED_RECIPES,
+    Batch,
+    Plan,
+    RunResult,
+    StudyContext,
+    StudyRun,
+    Task,
+    register_task,
+    run_task,
+)
+from flipguard.eval.threads import THREADS_HELP
 from flipguard.files import atomic_write_text, beside, load_yaml
 from flipguard.redact import redact_obj
 
@@ -394,9 +403,10 @@ class AFRTask(Task):
         ks = {int(k) for k in (meta.get("k_values") or settings.get("k_values") or [10])}
         k = 10 if 10 in ks else max(ks)
         dataset = settings.get("dataset") or "mmlu"
-        return [{"system": target, "dataset": dataset, "metric": metric, "estimate": Estimate.from_dict(d, "share")}
-                for target, s in afr_summary(run_dir, k=k).items()
-                for metric in ("accuracy", "afr_blind", "afr_self", "afr_maxflip") if (d := s.get(metric))]
+        return [{"system": target, "dataset": dataset, "metric": metric, "estimate": est}
+                for target, numbers in afr_summary(run_dir, k=k).targets.items()
+                for metric in ("accuracy", "afr_blind", "afr_self", "afr_maxflip")
+                if (est := getattr(numbers, metric)) is not None]
 
     untargeted_framings = ("first",)
 
@@ -638,25 +648,18 @@ class AFRTask(Task):
         return path
 
     @classmethod
-    def main(cls, argv: list[str], prog: str | None = None) -> int:
-        """`flipguard afr CONFIG.yaml [--out DIR] [--limit N]` (= `flipguard run afr ...`)."""
-        is_config = bool(argv) and argv[0].endswith((".yaml", ".yml", ".json"))
-        if is_config and not Path(argv[0]).is_file():
-            raise UserError(f"{argv[0]}: run config not found")
-        args = parse_dataclasses(argv, AFRArgs, prog=prog or "flipguard run afr", description=AFRArgs.__doc__)
-        configure_threads(args.threads)
-        where = argv[0] if is_config else "command line"
+    def out_dir(cls, args: AFRArgs, where: str) -> Path:
+        """--out (or `out:` in the config): an AFR run has no default folder."""
         if not args.out:
             raise UserError(f"{where}: no output directory (give --out DIR or `out:` in the config)")
-        if args.report_only:
-            print(f"report: {write_report(args.out, n_boot=args.n_boot, seed=args.seed)}")
-            return 0
-        task = cls.from_args(args, where)
-        result = run_task(task, args.out, progress=args.progress)
-        if is_writer():  # data-parallel: rank 0 alone says it and writes the report
-            print(f"{len(task.items)} questions, {result.sent} model calls this run ({result.calls or 'all resumed'})")
-            task.write_report(Path(args.out))
-        return 0
+        return Path(args.out)
+
+    @classmethod
+    def report_only(cls, args: AFRArgs, out: Path) -> Path | None:
+        return write_report(out, n_boot=args.n_boot, seed=args.seed) if args.report_only else None
+
+    def after_run(self, result: RunResult) -> None:
+        print(f"{len(self.items)} questions, {result.sent} model calls this run ({result.calls or 'all resumed'})")
 
 
 def run_afr(settings: AFRSettings, out_dir: str | Path, backends: dict[str, Backend] | None = None,
@@ -667,7 +670,3 @@ def run_afr(settings: AFRSettings, out_dir: str | Path, backends: dict[str, Back
     if write_report and is_writer():
         task.write_report(Path(out_dir))
     return AFRResult(Path(out_dir), task.items, result.calls, load_records(out_dir))
-
-
-def main(argv: list[str]) -> int:
-    return AFRTask.main(argv, prog="flipguard afr")

@@ -7,6 +7,7 @@ Numbers are percentages with the 95% cluster-bootstrap CI half-width after "±"
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -273,25 +274,47 @@ def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> 
     return path
 
 
-def afr_summary(run_dir: str | Path, k: int = 10, n_boot: int = M.N_BOOT, seed: int = 0) -> dict[str, Any]:
-    """Per target model: AFR blind and self at k (and MaxFlip when present), with CIs.
+@dataclasses.dataclass
+class AFRNumbers:
+    """One target model's numbers at one argument length k (shares, 0-1, with clustered CIs)."""
 
-    {model: {"afr_blind": Estimate.as_dict(), "afr_self": ..., "afr_maxflip": ...|None,
-    "accuracy": ...}} (shares, 0-1) — the AFR columns of the before/after comparison.
-    """
+    k: int
+    accuracy: M.Estimate  # first answers
+    afr_blind: M.Estimate
+    afr_self: M.Estimate
+    afr_maxflip: M.Estimate | None  # None: the run has no MaxFlip arguments
+
+    def to_json(self) -> dict[str, Any]:
+        return {"k": self.k, "accuracy": self.accuracy.as_dict(), "afr_blind": self.afr_blind.as_dict(),
+                "afr_self": self.afr_self.as_dict(),
+                "afr_maxflip": None if self.afr_maxflip is None else self.afr_maxflip.as_dict()}
+
+
+@dataclasses.dataclass
+class AFRReport:
+    """An AFR run's numbers for the before/after comparison (Task.comparison_rows), per target
+    model; `to_json()` is {model: {"k", "accuracy", "afr_blind", "afr_self", "afr_maxflip"}}, each
+    estimate an `Estimate.as_dict()` (the tables and figures are report.md and its CSVs)."""
+
+    targets: dict[str, AFRNumbers]
+
+    def to_json(self) -> dict[str, Any]:
+        return {model: numbers.to_json() for model, numbers in self.targets.items()}
+
+
+def afr_summary(run_dir: str | Path, k: int = 10, n_boot: int = M.N_BOOT, seed: int = 0) -> AFRReport:
+    """Per target model: AFR blind and self at k (and MaxFlip when present) and first-answer
+    accuracy, with CIs: the AFR columns of the before/after comparison."""
     run_dir = Path(run_dir)
     meta = load_run_meta(run_dir)
     frame = M.records_frame(load_records(run_dir))
     entries = load_maxflip(run_dir / MAXFLIP_FILE) if (run_dir / MAXFLIP_FILE).exists() else []
     if not entries and meta.get("settings", {}).get("maxflip_file") and Path(meta["settings"]["maxflip_file"]).exists():
         entries = load_maxflip(meta["settings"]["maxflip_file"])
-    out: dict[str, Any] = {}
-    for model in meta.get("targets") or M.models_in(frame):
-        out[model] = {
-            "k": k,
-            "accuracy": M.accuracy(frame, model, n_boot, seed).as_dict(),
-            "afr_blind": M.afr(frame, model, "blind", k, n_boot=n_boot, seed=seed).as_dict(),
-            "afr_self": M.afr(frame, model, "self", k, n_boot=n_boot, seed=seed).as_dict(),
-            "afr_maxflip": maxflip_afr(frame, entries, model, n_boot, seed).as_dict() if entries else None,
-        }
-    return out
+    return AFRReport({model: AFRNumbers(
+        k=k,
+        accuracy=M.accuracy(frame, model, n_boot, seed),
+        afr_blind=M.afr(frame, model, "blind", k, n_boot=n_boot, seed=seed),
+        afr_self=M.afr(frame, model, "self", k, n_boot=n_boot, seed=seed),
+        afr_maxflip=maxflip_afr(frame, entries, model, n_boot, seed) if entries else None,
+    ) for model in meta.get("targets") or M.models_in(frame)})

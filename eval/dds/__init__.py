@@ -1,7 +1,7 @@
 """DDS (DialDefer): the same claim judged as a statement (C1) and attributed to a speaker (C2).
 
 One protocol package, beside eval/afr/ and eval/sos/:
-- protocol.py   `flipguard eval` (task "dds"): EvalArgs, DDSTask, build_records, evaluate, main
+- protocol.py   `flipguard eval` (task "dds", its command `DDSTask.main`): EvalArgs, DDSTask, build_records, evaluate
 - prompts.py    the paper's templates and the text the authors sent (mitigations: eval/mitigations.py)
 - parse.py      reading a judgment out of a reply
 - metrics.py    accuracies, DDS and flips from records
@@ -21,9 +21,8 @@ from flipguard.eval.dds.protocol import (
     default_run_dir,
     evaluate,
     limit_per_dataset,
-    main,
     parse_cases,
 )
 
 __all__ = ["CONDITION_KEYS", "DDSTask", "EvalArgs", "build_records", "default_run_dir", "evaluate",
-           "limit_per_dataset", "main", "parse_cases"]
+           "limit_per_dataset", "parse_cases"]

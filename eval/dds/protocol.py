@@ -377,7 +377,3 @@ def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
     run_dir = Path(args.out) if args.out else default_run_dir(args)
     run_task(task, run_dir)
     return run_dir
-
-
-def main(argv: list[str]) -> int:
-    return DDSTask.main(argv, prog="flipguard eval")

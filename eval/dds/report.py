@@ -11,7 +11,7 @@ Writes RUN_DIR/report/:
                Tables 25/26), one row per dataset, then "total" (all items pooled)
   flip_transitions.csv  every right->wrong and wrong->right change, by pair (wider table)
   flips.csv    per-item flip records (see metrics.flip_records)
-  summary.md   human-readable tables; summary.json all of it
+  summary.md   human-readable tables; summary.json all of it (`DDSReport.to_json`)
 With a C1 baseline (run.json "c1_from", or --c1_from) the main numbers follow the paper's
 protocol: the run's C2 scored against that baseline's C1 (fixed C1 baseline, §7). When the
 run judged C1 itself, stats.csv and summary.md add its own protocol too: own C1
@@ -132,6 +132,46 @@ def _recovered(frame: pd.DataFrame, keys: set[str]) -> int:
     return int(sum(frame[f"{c}_key"].isin(keys).sum() for c in CASES))
 
 
+@dataclasses.dataclass
+class DDSReport:
+    """Every table of a DDS report, in memory (the CLI, compare, the study, the analyses and bench
+    use it); `to_json()` is report/summary.json. Numbers are percentages (DDS and deltas in pp);
+    the frames are written as the CSVs of the module docstring."""
+
+    summary: pd.DataFrame  # SUMMARY_COLUMNS, one row per dataset, then bench_avg and total_avg
+    stats: pd.DataFrame  # STATS_COLUMNS, the same rows and the strata's (`stratum` column)
+    flips: pd.DataFrame  # per-item flip records (metrics.flip_records)
+    flips_summary: pd.DataFrame  # FLIPS_SUMMARY_COLUMNS
+    flip_transitions: pd.DataFrame
+    balanced: dict[str, dict[str, Any]]  # {dataset: {"strata", "balanced_dds", its CI, "unlabelled_items"}}
+    incomplete: list[str]  # items lacking a case, left out
+    meta: dict[str, Any]  # n_items, datasets, c1_source, label mass, bootstrap; report_run adds the run's
+    # in memory only, not written: what compare reuses instead of rereading
+    frame: pd.DataFrame  # one row per item, the four cases' judgments (metrics.item_frame)
+    records: list[Record]  # the DDS records it was built from
+
+    def row(self, dataset: str, stratum: str = "all") -> pd.Series:
+        """One row of `stats` (a dataset, bench_avg or total_avg; a stratum of r/AIO)."""
+        return self.stats.set_index(["dataset", "stratum"]).loc[(dataset, stratum)]
+
+    @property
+    def unfit(self) -> bool:
+        """The model does not do the task as asked (meta's capability note): its DDS is not meaningful."""
+        return bool(self.meta.get("capability_note"))
+
+    def to_json(self) -> dict[str, Any]:
+        """report/summary.json: JSON-safe (NaN as null), the written tables as lists of rows."""
+        return _clean({
+            "meta": self.meta,
+            "summary": self.summary.to_dict("records"),
+            "stats": self.stats.to_dict("records"),
+            "balanced": self.balanced,
+            "flips_summary": self.flips_summary.to_dict("records"),
+            "flip_transitions": self.flip_transitions.to_dict("records"),
+            "incomplete": self.incomplete,
+        })
+
+
 def build_report(
     records: Sequence[Record],
     c1_records: Sequence[Record] | None = None,
@@ -139,16 +179,11 @@ def build_report(
     n_boot: int = 2000,
     seed: int = 0,
     baseline_dds: Mapping[str, float] | None = None,
-) -> dict[str, Any]:
-    """Every table of a DDS report, in memory (the CLI, compare report and bench use it).
-
-    Returns a dict: "summary" (DataFrame, SUMMARY_COLUMNS), "stats" (DataFrame,
-    STATS_COLUMNS), "flips" (per-item flip records), "flip_rates", "balanced"
-    ({dataset: {"strata": ..., "balanced_dds": ...}}), "incomplete" (items lacking a case),
-    "meta", and (not written) the item "frame" and the DDS "records" it was built from. `strata` maps item_id -> stratum (r/AIO OR/NOR); without it, records'
-    extra["stratum"] is used. `baseline_dds` ({dataset: DDS}) turns on the
-    over-correction flag. `n_boot=0` skips the bootstrap (CIs are NaN).
-    """
+) -> DDSReport:
+    """A run's DDS report from its records (`DDSReport`). `strata` maps item_id -> stratum
+    (r/AIO OR/NOR); without it, records' extra["stratum"] is used. `baseline_dds`
+    ({dataset: DDS}) turns on the over-correction flag. `n_boot=0` skips the bootstrap (CIs
+    are NaN)."""
     records = [r for r in records if r.case in CASES]
     frame = M.item_frame(records, c1_records)
     recovered_keys = {r.key for r in list(records) + list(c1_records or []) if (r.extra or {}).get("recovered")}
@@ -252,12 +287,9 @@ def build_report(
         "ci_method": "percentile bootstrap over items (four cases paired), scipy.stats.bootstrap; "
                      "avg rows: stratified bootstrap within datasets, macro-averaged",
     }
-    return {
-        "summary": summary, "stats": stats, "flips": flips,
-        "flips_summary": flip_summary, "flip_transitions": M.flip_transitions(flips),
-        "balanced": balanced, "incomplete": frame.attrs["incomplete"], "meta": meta,
-        "frame": frame, "records": records,  # in memory only: what compare reuses instead of rereading
-    }
+    return DDSReport(summary=summary, stats=stats, flips=flips, flips_summary=flip_summary,
+                     flip_transitions=M.flip_transitions(flips), balanced=balanced,
+                     incomplete=frame.attrs["incomplete"], meta=meta, frame=frame, records=records)
 
 
 # --------------------------------------------------------------------------- writing
@@ -322,13 +354,13 @@ def label_mass_line(meta: Mapping[str, Any]) -> str:
                else f", label-mass thresholds {thr}." if thr else ", no label-mass threshold recorded."))
 
 
-def render_markdown(report: dict[str, Any], title: str = "DDS report") -> str:
+def render_markdown(report: DDSReport, title: str = "DDS report") -> str:
     """Table 20 layout (datasets by DDS, descending; then the averages) and the extras."""
-    stats = report["stats"]
+    stats = report.stats
     main = stats[stats["stratum"] == "all"]
     per_ds = main[~main["dataset"].isin(M.AVG_ROWS)].sort_values("dds", ascending=False)
     ordered = pd.concat([per_ds, main[main["dataset"].isin(M.AVG_ROWS)]])
-    meta = report["meta"]
+    meta = report.meta
     protocol = ("C1 from the baseline run (paper: fixed C1 from the baseline, DialDefer §7; the run's own C1 "
                 "is under 'Both protocols')" if meta["c1_source"] == "baseline"
                 else "C1 is the run's own (own C1; with no baseline the paper's DDS is the own DDS)")
@@ -396,57 +428,49 @@ def render_markdown(report: dict[str, Any], title: str = "DDS report") -> str:
                 f"{_fmt(r['c2_correct'])} | {_fmt(r['c2_incorrect'])} | {_fmt(r['dds'], True)} | "
                 f"[{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |"
             )
-    if report["incomplete"]:
-        out += ["", f"{len(report['incomplete'])} item(s) lacked a case and were left out."]
+    if report.incomplete:
+        out += ["", f"{len(report.incomplete)} item(s) lacked a case and were left out."]
     return "\n".join(out) + "\n"
 
 
-def write_report(report: dict[str, Any], out_dir: str | Path, title: str = "DDS report") -> Path:
+def write_report(report: DDSReport, out_dir: str | Path, title: str = "DDS report") -> Path:
     out_dir = Path(out_dir)
-    atomic_write_text(out_dir / "summary.csv", _csv(report["summary"]))
-    atomic_write_text(out_dir / "stats.csv", _csv(report["stats"]))
-    atomic_write_text(out_dir / "flips.csv", _csv(report["flips"]))
-    atomic_write_text(out_dir / "flips_summary.csv", _csv(report["flips_summary"]))
-    atomic_write_text(out_dir / "flip_transitions.csv", _csv(report["flip_transitions"]))
+    atomic_write_text(out_dir / "summary.csv", _csv(report.summary))
+    atomic_write_text(out_dir / "stats.csv", _csv(report.stats))
+    atomic_write_text(out_dir / "flips.csv", _csv(report.flips))
+    atomic_write_text(out_dir / "flips_summary.csv", _csv(report.flips_summary))
+    atomic_write_text(out_dir / "flip_transitions.csv", _csv(report.flip_transitions))
     atomic_write_text(out_dir / "summary.md", render_markdown(report, title))
-    atomic_write_json(out_dir / "summary.json", _clean({
-        "meta": report["meta"],
-        "summary": report["summary"].to_dict("records"),
-        "stats": report["stats"].to_dict("records"),
-        "balanced": report["balanced"],
-        "flips_summary": report["flips_summary"].to_dict("records"),
-        "flip_transitions": report["flip_transitions"].to_dict("records"),
-        "incomplete": report["incomplete"],
-    }))
+    atomic_write_json(out_dir / "summary.json", report.to_json())
     return out_dir
 
 
-def print_summary(report: dict[str, Any], title: str) -> None:
+def print_summary(report: DDSReport, title: str) -> None:
     table = Table(title=title)
     headers = ("dataset", "n", "C1 true", "C1 false", "C2 corr", "C2 inc", "ΔCorr", "ΔInc", "DDS", "CI low", "CI high")
     for col in headers:
         table.add_column(col, justify="left" if col == "dataset" else "right")
-    for r in report["summary"].to_dict("records"):
+    meta = report.meta
+    for r in report.summary.to_dict("records"):
         cells = [r["dataset"], str(r["n"])]
-        cells += [("n/m" if c.startswith("dds") and report["meta"].get("capability_note") else
+        cells += [("n/m" if c.startswith("dds") and report.unfit else
                    _fmt(r[c], signed=c.startswith(("delta", "dds")))) for c in M.SUMMARY_COLUMNS[2:]]
         table.add_row(*cells)
     console = Console(width=max(Console().width, 110))  # pipes and CI logs default to 80 columns
     console.print(table)
-    console.print(label_mass_line(report["meta"]))
-    if report["meta"].get("capability_note"):
-        console.print(report["meta"]["capability_note"] + " (n/m = not meaningful)", style="bold", markup=False)
-    if report["meta"].get("aio_note"):
-        console.print(report["meta"]["aio_note"] + ".")
-    tot = report["stats"].set_index(["dataset", "stratum"]).loc[(M.TOTAL_AVG, "all")]
-    if report["meta"]["c1_source"] == "baseline":
+    console.print(label_mass_line(meta))
+    if report.unfit:
+        console.print(meta["capability_note"] + " (n/m = not meaningful)", style="bold", markup=False)
+    if meta.get("aio_note"):
+        console.print(meta["aio_note"] + ".")
+    tot = report.row(M.TOTAL_AVG)
+    if meta["c1_source"] == "baseline":
         damage = " — C1 damage ‡" if tot["c1_damage"] is not None and bool(tot["c1_damage"]) else ""
-        unfit = bool(report["meta"].get("capability_note"))
-        dds, own = ("n/m", "n/m") if unfit else (_fmt(tot["dds"], True), _fmt(tot["own_dds"], True))
+        dds, own = ("n/m", "n/m") if report.unfit else (_fmt(tot["dds"], True), _fmt(tot["own_dds"], True))
         console.print(f"total: DDS {dds} (paper: fixed C1 from the baseline), own DDS {own} "
                       f"(own C1; C1 change {_fmt(tot['c1_true_change'], True)} / "
                       f"{_fmt(tot['c1_false_change'], True)}){damage}")
-    for ds, b in report["balanced"].items():
+    for ds, b in report.balanced.items():
         parts = ", ".join(f"{s} {_fmt(m['dds'], True)} (n={m['n']})" for s, m in b["strata"].items())
         console.print(f"{ds}: balanced DDS {_fmt(b['balanced_dds'], True)} = mean of {parts}")
 
@@ -493,7 +517,7 @@ def cross_mode(run_mode: str | None, base_mode: str | None) -> bool:
 
 
 def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 2000, seed: int = 0,
-               allow_cross_mode_c1: bool = False) -> dict[str, Any]:
+               allow_cross_mode_c1: bool = False) -> DDSReport:
     """Load a run (and its C1 baseline) and build its report, without writing anything."""
     run_dir = Path(run_dir)
     records = dds_records(load_records(run_dir))
@@ -519,29 +543,29 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
             raise M.MetricsError(f"{base_dir}: the --c1_from baseline run has no C1 records")
         try:  # the baseline's own DDS, for the over-correction flag
             base = build_report(baseline, n_boot=0)
-            baseline_dds = dict(zip(base["summary"]["dataset"], base["summary"]["dds"]))
+            baseline_dds = dict(zip(base.summary["dataset"], base.summary["dds"]))
         except M.MetricsError:
             baseline_dds = None
     report = build_report(records, c1_records=c1_records, n_boot=n_boot, seed=seed, baseline_dds=baseline_dds)
-    report["meta"].update(run_dir=str(run_dir), c1_from=str(c1_from) if c1_from else None,
+    report.meta.update(run_dir=str(run_dir), c1_from=str(c1_from) if c1_from else None,
                           model=meta.get("model"), mitigation=meta.get("mitigation"),
                           mode=meta.get("mode"), c1_cross_mode=is_cross)
     first_tokens: dict[str, int] = {}
     for computed in (meta.get("computed") or {}).values():  # the backends' argmax first tokens (logprob)
         for tok, k in (computed.get("first_tokens") or {}).items():
             first_tokens[tok] = first_tokens.get(tok, 0) + k
-    report["meta"]["capability"] = M.task_capability(records, first_tokens)
-    report["meta"]["computed_in"] = {label: f"{c.get('backend')}, {c.get('dtype')}"
+    report.meta["capability"] = M.task_capability(records, first_tokens)
+    report.meta["computed_in"] = {label: f"{c.get('backend')}, {c.get('dtype')}"
                                      for label, c in (meta.get("computed") or {}).items()}
-    if not report["meta"]["capability"]["meaningful"]:
-        report["meta"]["capability_note"] = M.capability_text(report["meta"]["capability"])
+    if not report.meta["capability"]["meaningful"]:
+        report.meta["capability_note"] = M.capability_text(report.meta["capability"])
     if is_cross:
-        report["meta"]["c1_mode_note"] = CROSS_MODE_NOTE
-    if AIO_DATASET in report["meta"]["datasets"] and meta.get("mode") != "imported":
-        report["meta"]["aio_note"] = AIO_RERUN_NOTE
+        report.meta["c1_mode_note"] = CROSS_MODE_NOTE
+    if AIO_DATASET in report.meta["datasets"] and meta.get("mode") != "imported":
+        report.meta["aio_note"] = AIO_RERUN_NOTE
     differs = meta.get("c1_from_differs") if c1_from else None
     if differs:  # recorded by eval: the baseline was judged with another model / template
-        report["meta"]["c1_differs_note"] = "C1 baseline judged with another " + ", ".join(
+        report.meta["c1_differs_note"] = "C1 baseline judged with another " + ", ".join(
             f"{k} ({a} vs {b})" for k, (a, b) in differs.items())
     return report
 
@@ -551,7 +575,7 @@ def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: in
     """`flipguard report` as a function: build, write RUN_DIR/report/ and print the table
     (what `flipguard eval` calls when a run finishes)."""
     report = report_run(run_dir, c1_from, n_boot, seed, allow_cross_mode_c1)
-    meta = report["meta"]
+    meta = report.meta
     title = f"DDS report: {meta.get('model') or Path(run_dir).name}"
     if meta.get("mitigation") and meta["mitigation"] != "none":
         title += f" ({meta['mitigation']})"

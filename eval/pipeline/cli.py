@@ -1,7 +1,8 @@
 """`flipguard` console entry point: one subcommand per job.
 
-Each subcommand is a `main(argv) -> int` that parses its own dataclasses with
-flipguard.config.parse_dataclasses (TRL's TrlParser, the parser of TRL's scripts), so
+Each subcommand is a `main(argv) -> int` (a module's function; for a protocol, its
+registered task's `Task.main`, the one command shape of eval/task.py) that parses its own
+dataclasses with flipguard.config.parse_dataclasses (TRL's TrlParser, the parser of TRL's scripts), so
 every option has a type, a default and help text, and `--help` explains it. Modules are
 imported only when their subcommand runs, keeping `flipguard --help` fast. Nothing
 imports this module: it holds only the command table and `main`.
@@ -9,6 +10,7 @@ imports this module: it holds only the command table and `main`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -18,10 +20,10 @@ from flipguard.config import TRAINERS
 from flipguard.errors import FlipguardError
 from flipguard.redact import redact
 
-# name -> ("module:function", one-line help)
+# name -> ("module:function" or "module:Class.method", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("flipguard.eval.pipeline.demo:main", "the whole loop end to end on the planted-bias organism: detect, mitigate, re-measure"),
-    "eval": ("flipguard.eval.dds.protocol:main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
+    "eval": ("flipguard.eval.dds.protocol:DDSTask.main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
     "report": ("flipguard.eval.dds.report:main", "summary table (paper Table 20 layout) from a run directory"),
     "import-records": ("flipguard.eval.dds.importer:main", "read DialDefer-format per-item records into a run directory"),
     "data": ("flipguard.data.cli:main", "inspect, validate and export dataset splits; register your own dataset"),
@@ -31,8 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pairs": ("flipguard.train.pairs:main", "build the trainers' pair datasets from flip records (recipe strategy)"),
     "compare": ("flipguard.eval.pipeline.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
     "view": ("flipguard.eval.pipeline.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
-    "afr": ("flipguard.eval.afr.cli:main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
-    "sos": ("flipguard.eval.sos.cli:main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
+    "afr": ("flipguard.eval.afr.protocol:AFRTask.main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
+    "sos": ("flipguard.eval.sos.protocol:SosTask.main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
     # the DialDefer paper's analyses (eval/dds/analyses/)
     "taxonomy": ("flipguard.eval.dds.analyses.taxonomy:main", "LLM-judge reasoning-failure codes of a run's flips (paper App. F/J)"),
     "label-ablation": ("flipguard.eval.dds.analyses.labels:main", "speaker-label ablation: DDS per label set and the human-vs-LLM swing (§5.2)"),
@@ -72,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"flipguard: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name, func_name = COMMANDS[name][0].split(":")
-    func = getattr(importlib.import_module(module_name), func_name)
+    module_name, attr = COMMANDS[name][0].split(":")
+    func = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
     # the train/ scripts' main also serves `flipguard <trainer>|merge`: their usage line names the subcommand
     kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
     try:

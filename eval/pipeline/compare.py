@@ -120,9 +120,9 @@ def build_comparison(
         rep = report_run(run_dir, c1_from=None if (name == names[0] and not own_c1) else (own_c1 or c1_from),
                          n_boot=n_boot, seed=seed)
         per_condition[name] = rep
-        summary = rep["summary"].set_index("dataset")
-        stats = rep["stats"][rep["stats"]["stratum"] == "all"].set_index("dataset")
-        lo, hi = c2_accuracy_ci(rep["frame"], n_boot, seed)
+        summary = rep.summary.set_index("dataset")
+        stats = rep.stats[rep.stats["stratum"] == "all"].set_index("dataset")
+        lo, hi = c2_accuracy_ci(rep.frame, n_boot, seed)
         for ds, row in summary.iterrows():
             long_rows.append({"condition": name, "dataset": ds, **row.to_dict(),
                               "c2_avg": (row["c2_correct"] + row["c2_incorrect"]) / 2,
@@ -130,7 +130,7 @@ def build_comparison(
                               "c2_avg_ci_high": hi if ds == M.TOTAL_AVG else math.nan,
                               **{c: stats.loc[ds, c] for c in OWN_STATS}})
         if name != names[0]:
-            sig = significance_vs_baseline(per_condition[names[0]]["records"], rep["records"])
+            sig = significance_vs_baseline(per_condition[names[0]].records, rep.records)
             sig.insert(0, "condition", name)
             sig_rows.append(sig)
     table = pd.DataFrame(long_rows)
@@ -197,11 +197,11 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
              "(* p<.05, ** p<.01, *** p<.001). Invalid: judgments of the run counted as wrong "
              "(unparsed replies, or label mass below the threshold); label mass: median P(\"1\")+P(\"2\") "
              "(logprob mode).", ""]
-    cross = [n for n in names if cmp.get("reports", {}).get(n, {}).get("meta", {}).get("c1_cross_mode")]
+    metas = {n: rep.meta for n, rep in (cmp.get("reports") or {}).items()}  # each condition's DDSReport
+    cross = [n for n in names if metas.get(n, {}).get("c1_cross_mode")]
     if cross:
         lines += [f"{', '.join(cross)}: {CROSS_MODE_NOTE}.", ""]
-    unfit = {n: cmp["reports"][n]["meta"]["capability_note"] for n in names
-             if cmp.get("reports", {}).get(n, {}).get("meta", {}).get("capability_note")}
+    unfit = {n: metas[n]["capability_note"] for n in names if metas.get(n, {}).get("capability_note")}
     lines += [f"**{n}**: {note} Its DDS cells read n/m (not meaningful).\n" for n, note in unfit.items()]
     lines += ["## Overview (paper Table 5 layout)", "",
               "| Condition | Avg (C2) | Bench DDS (paper) | r/AIO DDS (paper) | own C1 True / False (Δ) "

@@ -328,7 +328,7 @@ class Study:
         if args.split != "test":
             return
         report = report_run(run_dir, n_boot=self.plan.eval_plan_n_boot)
-        title = f"DDS report: {report['meta'].get('model') or run_dir.name}"
+        title = f"DDS report: {report.meta.get('model') or run_dir.name}"
         if args.mitigation != "none":
             title += f" ({args.mitigation})"
         write_report(report, run_dir / REPORT_DIR, title)

@@ -45,6 +45,7 @@ from flipguard.data.schema import AIO_DATASET, DataError
 from flipguard.data.unified import load_items
 from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
+from flipguard.eval.dds.report import DDSReport
 from flipguard.eval.embedded import organism as organism_module
 from flipguard.eval.embedded.organism import ORGANISM_ALIAS, ORGANISM_FILE, OrganismArgs, default_organism_path
 from flipguard.eval.pipeline.capability import FRAMING as CAPABILITY_FRAMING
@@ -191,11 +192,12 @@ def protocol_units(spec: str) -> tuple[str, list[dict[str, Any]], tuple[str, ...
 
 
 def condition_units(dds_runs: Mapping[str, str], protocol_runs: Sequence[tuple[str, str]],
-                    reports: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[pd.DataFrame, dict[str, tuple]]:
+                    reports: Mapping[str, DDSReport] | None = None) -> tuple[pd.DataFrame, dict[str, tuple]]:
     """Every condition's units in one frame (condition, protocol, dataset, kind, framing, metric, key,
     cluster, value, judgments) and the untargeted framings of each protocol."""
     names = list(dds_runs)
-    records = {n: (reports or {}).get(n, {}).get("records") or load_records(dds_runs[n]) for n in names}
+    records = {n: rep.records if (rep := (reports or {}).get(n)) is not None and rep.records
+               else load_records(dds_runs[n]) for n in names}
     meta = load_run_meta(dds_runs[names[0]]) if names else {}
     datasets = sorted({r.dataset for r in records[names[0]]}) if names else []
     kinds = item_kinds(datasets, meta.get("data_root"))
@@ -421,7 +423,7 @@ def write_transfer(table: pd.DataFrame, out_dir: str | Path) -> dict[str, Any]:
 
 
 def build_transfer(dds_runs: Mapping[str, str], protocol_runs: Sequence[tuple[str, str]] = (),
-                   pairs_dir: str | Path | None = None, reports: Mapping[str, Mapping[str, Any]] | None = None,
+                   pairs_dir: str | Path | None = None, reports: Mapping[str, DDSReport] | None = None,
                    rules: PairRules | None = None, n_boot: int = 2000, seed: int = 0,
                    capability: str | Path | None = None) -> pd.DataFrame:
     """The transfer table of a comparison: its DDS conditions (baseline first), the other protocols'

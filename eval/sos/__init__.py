@@ -1,9 +1,10 @@
 """Stick-or-switch (Guo et al.): conviction and flexibility over multi-turn chats.
 
 `flipguard sos` (= `flipguard run sos`) runs the registered task `protocol.SosTask`;
-`sos_summary(run_dir)` feeds the before/after comparison.
+`sos_summary(run_dir)` (a `SosReport`: sos_summary.json, and the `numbers` per system) feeds the
+before/after comparison.
 """
 
-from flipguard.eval.sos.report import sos_summary, write_report
+from flipguard.eval.sos.report import SosReport, sos_summary, write_report
 
-__all__ = ["sos_summary", "write_report"]
+__all__ = ["SosReport", "sos_summary", "write_report"]

@@ -40,7 +40,6 @@ from flipguard.data.schema import DataError
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import GenerationConfig, ModelRef, model_kwargs, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
-from flipguard.eval.estimate import Estimate
 from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.records import Record, load_records, pending_record
 from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES, system_label
@@ -447,12 +446,12 @@ class SosTask(Task):
 
     @classmethod
     def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
-        summary = sos_summary(run_dir)
+        report = sos_summary(run_dir)
         metrics = ("conversation_tax", "abstention_penalty", "correct_switch", "incorrect_switch", "ss_accuracy",
                    "mt_accuracy")
-        return [{"system": system, "dataset": summary.get("dataset") or "", "metric": metric,
-                 "estimate": Estimate.from_dict(d, "pp" if metric in ("conversation_tax", "abstention_penalty") else "%")}
-                for system, s in summary["models"].items() for metric in metrics if (d := s.get(metric))]
+        return [{"system": system, "dataset": report.dataset or "", "metric": metric, "estimate": est}
+                for system, numbers in report.numbers.items() for metric in metrics
+                if (est := getattr(numbers, metric)) is not None]
 
     untargeted_framings = ("first", "correct_switch")
 
@@ -527,15 +526,9 @@ class SosTask(Task):
         return Path("runs") / "sos" / args.dataset
 
     @classmethod
-    def main(cls, argv: list[str], prog: str | None = None) -> int:
-        """`flipguard sos` / `flipguard run sos`: run, then the report; --report_only only
-        rebuilds the report of a run directory (no model)."""
-        prog = prog or "flipguard run sos"
-        args = parse_dataclasses(argv, SosArgs, prog=prog, description=SosArgs.__doc__)
-        if args.report_only:
-            print(f"report: {write_report(args.report_only)}")
-            return 0
-        return super().main(argv, prog=prog)
+    def report_only(cls, args: SosArgs, out: Path) -> Path | None:
+        """--report_only RUN_DIR: rebuild that run's report (no model)."""
+        return write_report(args.report_only) if args.report_only else None
 
     def __init__(self, args: SosArgs, items: Sequence[SosItem] | None = None, pool: Sequence[SosItem] | None = None):
         if args.dataset not in DATASETS:

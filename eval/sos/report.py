@@ -3,12 +3,14 @@ single-shot baselines, survival per turn, invalid-reply counts, and two PNG plot
 (survival curves per model; the flexibility scatter with the blind-switching diagonal).
 
 Everything is recomputed from RUN_DIR/records.jsonl, so a report can be rebuilt at any
-time (`flipguard sos --report_only RUN_DIR`); `sos_summary` gives the numbers the
-before/after comparison needs.
+time (`flipguard sos --report_only RUN_DIR`). `build_report` gives them as a `SosReport`
+(sos_summary.json is its `to_json()`; `numbers`, typed estimates per system, are what the
+before/after comparison reads through `sos_summary`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -236,47 +238,100 @@ def plot_flexibility(summary: dict[str, dict], path: Path) -> None:
     save_figure(fig, path, dpi=120)
 
 
-def write_report(run_dir: str | Path, seed: int | None = None, n_boot: int | None = None) -> Path:
-    """Recompute everything from the run's records and write the report files."""
+# the comparison's names of a system's numbers: (summarise's key, within "flexibility"?, unit)
+_NUMBERS = {
+    "conversation_tax": ("conversation_tax", False, "pp"),
+    "abstention_penalty": ("abstention_penalty", False, "pp"),
+    "abstention_penalty_paper": ("abstention_penalty_paper", False, "pp"),
+    "ss_accuracy": ("ss_full", False, "%"),
+    "mt_accuracy": ("positive_mt", False, "%"),
+    "ss_abstention": ("abstain_full", False, "%"),
+    "mt_abstention": ("negative_mt", False, "%"),
+    "correct_switch": ("correct_switch", True, "%"),
+    "incorrect_switch": ("incorrect_switch", True, "%"),
+}
+
+
+@dataclasses.dataclass
+class SosNumbers:
+    """One system's numbers for the before/after comparison: the gaps in pp, the rates behind them
+    in %, each with its 95% CI and n items; None where the run did not measure it."""
+
+    conversation_tax: Estimate | None
+    abstention_penalty: Estimate | None
+    abstention_penalty_paper: Estimate | None
+    ss_accuracy: Estimate | None
+    mt_accuracy: Estimate | None
+    ss_abstention: Estimate | None
+    mt_abstention: Estimate | None
+    correct_switch: Estimate | None
+    incorrect_switch: Estimate | None
+
+    @classmethod
+    def of(cls, res: dict[str, Any]) -> "SosNumbers":
+        """From one system's metrics (metrics.summarise, the file's {value, ci_low, ci_high, n} shape)."""
+        def get(key: str, in_flexibility: bool, unit: str) -> Estimate | None:
+            d = (res.get("flexibility", {}) if in_flexibility else res).get(key)
+            return None if d is None else Estimate.from_dict(d, unit)
+        return cls(**{name: get(*where) for name, where in _NUMBERS.items()})
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: None if (e := getattr(self, f.name)) is None else e.as_dict() for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass
+class SosReport:
+    """A stick-or-switch run's numbers, recomputed from its records: `systems` holds every metric
+    per system (model [+ mitigation]) as metrics.summarise gives them; `to_json()` is
+    sos_summary.json, `numbers` what the before/after comparison reads."""
+
+    run_dir: Path
+    dataset: str | None
+    seed: int
+    n_boot: int
+    systems: dict[str, dict[str, Any]]
+
+    @property
+    def numbers(self) -> dict[str, SosNumbers]:
+        return {system: SosNumbers.of(res) for system, res in self.systems.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        """sos_summary.json."""
+        return {"dataset": self.dataset, "seed": self.seed, "n_boot": self.n_boot, "systems": self.systems}
+
+    def comparison_json(self) -> dict[str, Any]:
+        """The comparison's numbers as JSON: {dataset, run_dir, models: {system: SosNumbers.to_json()}}."""
+        return {"dataset": self.dataset, "run_dir": str(self.run_dir),
+                "models": {system: n.to_json() for system, n in self.numbers.items()}}
+
+
+def build_report(run_dir: str | Path, seed: int | None = None, n_boot: int | None = None) -> SosReport:
+    """Every metric of a run from its records; seed and bootstrap size default to run.json's."""
     run_dir = Path(run_dir)
     meta = load_run_meta(run_dir)
     seed = meta.get("seed", 0) if seed is None else seed
     n_boot = meta.get("n_boot", N_BOOT) if n_boot is None else n_boot
     records = [r for r in load_records(run_dir) if r.protocol == "sos"]
-    summary = summarise(records, seed=seed, n_boot=n_boot)
+    return SosReport(run_dir, meta.get("dataset"), seed, n_boot, summarise(records, seed=seed, n_boot=n_boot))
+
+
+def write_report(run_dir: str | Path, seed: int | None = None, n_boot: int | None = None) -> Path:
+    """Recompute everything from the run's records and write the report files."""
+    run_dir = Path(run_dir)
+    meta = load_run_meta(run_dir)
+    report = build_report(run_dir, seed, n_boot)
+    summary = report.systems
     for name, frame in tables(summary, meta.get("abstention_reference", "ours")).items():
         atomic_write_text(run_dir / f"sos_{name}.csv", frame.to_csv(index=False))
-    atomic_write_json(run_dir / SUMMARY_JSON, {"dataset": meta.get("dataset"), "seed": seed, "n_boot": n_boot,
-                                               "systems": summary})
+    atomic_write_json(run_dir / SUMMARY_JSON, report.to_json())
     plot_survival(summary, run_dir / SURVIVAL_PNG)
     plot_flexibility(summary, run_dir / FLEX_PNG)
     path = run_dir / REPORT_MD
-    atomic_write_text(path, markdown(summary, {**meta, "n_boot": n_boot}))
+    atomic_write_text(path, markdown(summary, {**meta, "n_boot": report.n_boot}))
     return path
 
 
-def sos_summary(run_dir: str | Path) -> dict[str, Any]:
-    """For the before/after comparison: per system (model [+ mitigation]) the conversation
-    tax and abstention penalty (pp, with 95% CI and n items) and the rates behind them (%),
-    each an `Estimate.as_dict()` (value, lo, hi, n, unit) as afr_summary's are; None when
-    not measured."""
-    run_dir = Path(run_dir)
-    meta = load_run_meta(run_dir)
-    records = [r for r in load_records(run_dir) if r.protocol == "sos"]
-    summary = summarise(records, seed=meta.get("seed", 0), n_boot=meta.get("n_boot", N_BOOT))
-    models = {}
-    for system, res in summary.items():
-        fx = res.get("flexibility", {})
-        found = {
-            "conversation_tax": (res.get("conversation_tax"), "pp"),
-            "abstention_penalty": (res.get("abstention_penalty"), "pp"),
-            "abstention_penalty_paper": (res.get("abstention_penalty_paper"), "pp"),
-            "ss_accuracy": (res.get("ss_full"), "%"),
-            "mt_accuracy": (res.get("positive_mt"), "%"),
-            "ss_abstention": (res.get("abstain_full"), "%"),
-            "mt_abstention": (res.get("negative_mt"), "%"),
-            "correct_switch": (fx.get("correct_switch"), "%"),
-            "incorrect_switch": (fx.get("incorrect_switch"), "%"),
-        }
-        models[system] = {k: None if d is None else Estimate.from_dict(d, unit).as_dict() for k, (d, unit) in found.items()}
-    return {"dataset": meta.get("dataset"), "run_dir": str(run_dir), "models": models}
+def sos_summary(run_dir: str | Path) -> SosReport:
+    """For the before/after comparison (`.numbers`): the run's report at run.json's seed and
+    bootstrap size."""
+    return build_report(run_dir)

@@ -13,7 +13,7 @@ from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.dds.metrics import dds_from_accuracies
 from flipguard.eval.dds.prompts import TEMPLATE_VERSIONS
 from flipguard.eval.dds.protocol import EvalArgs
-from flipguard.eval.dds.report import _csv, _fmt, report_run
+from flipguard.eval.dds.report import DDSReport, _csv, _fmt, report_run
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
 from flipguard.eval.threads import THREADS_HELP
 from flipguard.files import atomic_write_text
@@ -47,7 +47,7 @@ class JudgedModelArgs:
                         min_label_mass=self.min_label_mass, threads=self.threads, report=False, **fields)
 
 
-def run_report(run_dir: str | Path, allow_cross_mode_c1: bool = False) -> dict[str, Any]:
+def run_report(run_dir: str | Path, allow_cross_mode_c1: bool = False) -> DDSReport:
     """The DDS report of a run (its --c1_from baseline as recorded in run.json), without
     the bootstrap: the analyses need its per-item flips, not CIs."""
     return report_run(run_dir, n_boot=0, allow_cross_mode_c1=allow_cross_mode_c1)

@@ -95,7 +95,7 @@ def analyse(runs: list[str], names: list[str] | None = None, allow_cross_mode_c1
         if name in tables:
             name = f"{name} ({Path(run).name})"
         rep = run_report(run, allow_cross_mode_c1)
-        fl = rep["flips"]
+        fl = rep.flips
         invalid[name] = int((~fl["c1_valid"]).sum() + (~fl["c2_valid"]).sum())
         t = item_table(fl)
         tables[name] = t

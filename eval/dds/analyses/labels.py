@@ -92,7 +92,7 @@ def ablation_table(dirs: dict[str, Path], n_boot: int = 2000, seed: int = 0) -> 
     rows, item_c2 = [], {}
     for name, run in dirs.items():
         rep = report_run(run, n_boot=n_boot, seed=seed)
-        stats = rep["stats"][rep["stats"]["stratum"] == "all"].set_index("dataset")
+        stats = rep.stats[rep.stats["stratum"] == "all"].set_index("dataset")
         real = [d for d in stats.index if d not in AVG_ROWS]
         for ds, r in stats.iterrows():
             if ds in AVG_ROWS and (ds != TOTAL_AVG or len(real) < 2):
@@ -102,7 +102,7 @@ def ablation_table(dirs: dict[str, Path], n_boot: int = 2000, seed: int = 0) -> 
                          "dds": r["dds"], "dds_ci_low": r["dds_ci_low"], "dds_ci_high": r["dds_ci_high"],
                          "invalid_c2": int(r["invalid_c2_correct"] + r["invalid_c2_incorrect"])
                          if ds not in AVG_ROWS else np.nan})
-        fl = rep["flips"]
+        fl = rep.flips
         item_c2[name] = fl.pivot_table(index=["dataset", "item_id"], columns="pair", values="c2_correct", aggfunc="first")
     table = pd.DataFrame(rows)
     table["invalid_c2"] = table["invalid_c2"].astype("Int64")

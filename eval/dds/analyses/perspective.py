@@ -102,7 +102,7 @@ def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> di
 def reversal_table(dirs: dict[str, Path], n_boot: int = 2000) -> pd.DataFrame:
     rows = []
     for d, run in dirs.items():
-        st = report_run(run, n_boot=n_boot)["stats"]
+        st = report_run(run, n_boot=n_boot).stats
         r = st[(st["dataset"] == AIO_DATASET) & (st["stratum"] == "all")].iloc[0]
         rows.append({"direction": d, "judger_judgee": DIRECTIONS[d], "n": int(r["n"]),
                      **{k: r[k] for k in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "dds",

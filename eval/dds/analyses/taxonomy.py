@@ -222,10 +222,10 @@ def flip_inputs(run_dir: str | Path, data_root: str | None = None, limit: int | 
         raise UserError(f"{run_dir}: a logprob-mode run has no reasoning text to code; run `flipguard eval "
                         "--mode generate` (the paper's JSON protocol) or import the authors' records")
     by_key = {r.key: r for r in load_records(run_dir)}
-    if rep["meta"].get("c1_from"):
-        by_key.update({r.key: r for r in load_records(_resolve(rep["meta"]["c1_from"], run_dir))})
+    if rep.meta.get("c1_from"):
+        by_key.update({r.key: r for r in load_records(_resolve(rep.meta["c1_from"], run_dir))})
     items = _claim_lookup(run_dir, data_root)
-    flips = rep["flips"][rep["flips"]["flip"].notna()]
+    flips = rep.flips[rep.flips["flip"].notna()]
     out, skipped, per_ds = [], Counter(), Counter()
     for row in flips.itertuples(index=False):
         if limit and per_ds[row.dataset] >= limit:

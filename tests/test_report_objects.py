@@ -1,0 +1,93 @@
+"""The typed report objects (DDSReport, AFRReport, SosReport) serialise to exactly the JSON the
+loose dicts before them gave: the same keys, order and values, so report files do not change.
+The expected JSON was written by the code of commit 08f9da5, before the objects, from real runs:
+the release run directories of tests/fixtures/runs_25137aa (the tiny model) and the organism's
+of tests/fixtures/reports_08f9da5/organism_runs; how: README.md and capture.py there."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flipguard.eval.estimate import Estimate
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+EXPECTED = FIXTURES / "reports_08f9da5"
+
+
+@pytest.fixture
+def work(tmp_path) -> Path:
+    """The run directories, copied as capture.py copied them (their .jsonl unzipped)."""
+    for src in [*(FIXTURES / "runs_25137aa").iterdir(), *(EXPECTED / "organism_runs").iterdir()]:
+        if not src.is_dir():
+            continue
+        run = tmp_path / "work" / src.name
+        run.mkdir(parents=True)
+        for path in src.iterdir():
+            if path.suffix == ".gz":
+                (run / path.stem).write_bytes(gzip.decompress(path.read_bytes()))
+            else:
+                shutil.copy(path, run / path.name)
+    return tmp_path / "work"
+
+
+def _text(obj, work: Path) -> str:
+    """JSON text as the files hold it (key order kept, NaN as NaN), the run paths as WORK."""
+    return json.dumps(obj, indent=1).replace(str(work), "WORK")
+
+
+def _expected(name: str) -> str:
+    return json.dumps(json.loads((EXPECTED / name).read_text(encoding="utf-8")), indent=1)
+
+
+@pytest.mark.parametrize("name, run_name, c1_from", [
+    ("dds_logprob", "dds_logprob", None), ("dds_generate", "dds_generate", None),
+    ("dds_generate_c1_from_logprob", "dds_generate", "dds_logprob"),  # the fixed-C1 protocol, another mode
+    ("dds_organism", "dds_organism", None), ("dds_organism_honest", "dds_organism_honest", "dds_organism")])
+def test_dds_report_serialises_to_the_summary_json_of_before(name, run_name, c1_from, work):
+    from flipguard.eval.dds.report import DDSReport, report_run, write_run_report
+
+    run = work / run_name
+    report = report_run(run, c1_from=str(work / c1_from) if c1_from else None, n_boot=200, seed=0,
+                        allow_cross_mode_c1=name == "dds_generate_c1_from_logprob")
+    assert isinstance(report, DDSReport)
+    assert _text(report.to_json(), work) == _expected(f"{name}.summary.json")
+    # the file the command writes is that JSON
+    write_run_report(run, c1_from=str(work / c1_from) if c1_from else None, n_boot=200, seed=0,
+                     allow_cross_mode_c1=name == "dds_generate_c1_from_logprob")
+    written = json.loads((run / "report" / "summary.json").read_text(encoding="utf-8"))
+    assert _text(written, work) == _expected(f"{name}.summary.json")
+    # attributes, not keys: the total row, the capability note
+    assert report.row("total_avg")["n"] == report.meta["n_items"]
+    assert report.unfit == bool(report.meta.get("capability_note"))
+
+
+@pytest.mark.parametrize("name, system", [("sos", "flipguard:tiny"), ("sos_organism", "flipguard:organism +be_honest")])
+def test_sos_report_serialises_to_the_sos_summary_json_of_before(name, system, work):
+    from flipguard.eval.sos.report import SUMMARY_JSON, SosReport, build_report, sos_summary, write_report
+
+    run = work / name
+    report = build_report(run)
+    assert isinstance(report, SosReport)
+    assert _text(report.to_json(), work) == _expected(f"{name}.sos_summary.json")
+    assert _text(sos_summary(run).comparison_json(), work) == _expected(f"{name}.comparison.json")
+    write_report(run)
+    assert _text(json.loads((run / SUMMARY_JSON).read_text(encoding="utf-8")), work) == _expected(f"{name}.sos_summary.json")
+    numbers = report.numbers[system]  # attributes, typed: the single-shot accuracy is summarise's ss_full
+    assert isinstance(numbers.ss_accuracy, Estimate) and numbers.ss_accuracy.unit == "%"
+    assert numbers.ss_accuracy.value == report.systems[system]["ss_full"]["value"]
+    assert numbers.conversation_tax.unit == "pp"
+
+
+@pytest.mark.parametrize("name, k, targets", [("afr", 1, ["a", "b"]), ("afr_organism", 10, ["organism", "organism_honest"])])
+def test_afr_report_serialises_to_the_summary_of_before(name, k, targets, work):
+    from flipguard.eval.afr.report import AFRReport, afr_summary
+
+    report = afr_summary(work / name, k=k, n_boot=200, seed=0)
+    assert isinstance(report, AFRReport) and list(report.targets) == targets
+    assert _text(report.to_json(), work) == _expected(f"{name}.k{k}.json")
+    assert report.targets[targets[0]].k == k and isinstance(report.targets[targets[0]].afr_blind, Estimate)
