@@ -25,6 +25,7 @@ from flipguard.eval.afr.prompts import parse_coercion
 from flipguard.eval.afr.protocol import load_sample
 from flipguard.eval.dds.prompts import benchmark_prompt
 from flipguard.eval.records import RUN_META_FILE, load_records, load_run_meta
+from flipguard.files import file_sha256
 
 
 def _judgment(question: str, answer: str, target: str, item_id: str, dataset: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def _scripted_arguments(afr_run_dir: str | Path, items: dict, records) -> dict[t
     if not meta:
         return {}
     path = Path(meta["file"])
-    if not path.is_file() or S.file_sha256(path) != meta["sha256"]:
+    if not path.is_file() or file_sha256(path) != meta["sha256"]:
         raise UserError(f"{run_json}: its scripted arguments {path} are missing or changed since the run (sha256 differs)")
     table = S.load_scripted(path, items)
     out = {}

@@ -77,7 +77,7 @@ from flipguard.eval.sos import protocol as sos
 from flipguard.eval.sos.prompts import answer_reply, parse_answer
 from flipguard.eval.sos.protocol import sos_item
 from flipguard.eval.threads import configure_threads, cpu_name
-from flipguard.files import flipguard_home, staging_dir
+from flipguard.files import file_sha256, flipguard_home, staging_dir
 
 ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
 ORGANISM_VERSION = "v4"
@@ -624,7 +624,7 @@ def _check_line(checks: dict[str, tuple[bool, str]]) -> str:
 def _file_hashes(folder: Path) -> dict[str, str]:
     """sha256 of every file of a built organism but its description (organism.json, README.md)
     and flipguard's own bookkeeping (dotfiles: the folder's writer record)."""
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())
+    return {f.name: file_sha256(f) for f in sorted(folder.iterdir())
             if f.is_file() and f.name not in (ORGANISM_FILE, "README.md") and not f.name.startswith(".")}
 
 
