@@ -75,7 +75,7 @@ from flipguard.data.splits import check_no_leakage
 from flipguard.data.unified import load_items
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import resolve_model
-from flipguard.eval.dds.metrics import flip_records
+from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import RecordError, load_records, publish_dir
 from flipguard.files import file_sha256
@@ -216,7 +216,7 @@ def flipped_items(flips) -> dict[str, set[str]]:
     if missing:
         raise UserError(f"flip records lack column(s) {sorted(missing)}")
     for row in flips.itertuples(index=False):
-        if row.flip in ("deference", "skepticism"):
+        if row.flip in FLIP_DIRECTIONS:
             out[f"{row.dataset}\x00{row.item_id}"].add(row.flip)
     return out
 

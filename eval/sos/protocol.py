@@ -61,7 +61,6 @@ PROTOCOL = "sos"
 TEMPLATE = "sos-v1"
 SCENARIOS = ("baseline", "positive", "negative", "flexibility")
 MULTI_TURN = ("positive", "negative", "flexibility")
-BASELINE_CASES = ("ss_full", "ss_binary", "abstain_full", "abstain_binary")
 TARGET_POSITIONS = ("random", "first")
 BRANCHES = ("correct", "incorrect")
 
