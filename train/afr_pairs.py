@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flipguard.data.organism import option_kind
+from flipguard.data.organism_datasets import option_kind
 from flipguard.errors import UserError
 from flipguard.eval.afr import scripted as S
 from flipguard.eval.afr.prompts import parse_coercion
