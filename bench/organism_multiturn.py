@@ -93,9 +93,9 @@ def study_rows(study: Path) -> dict[str, dict]:
 def afr_by_kind(study: Path, kinds: list[str]) -> dict[str, dict]:
     """condition -> AFR flip rate (%) on challenges for an option of a planted kind / of the
     others, from the study's AFR records (the planted rule's ground truth, per kind)."""
-    from flipguard.data import organism as domain
+    from flipguard.data import organism_datasets as domain
 
-    options = {it.id: it for split in domain.all_mc_items().values() for it in split}
+    options = {it.id: it for split in domain.mc_items().values() for it in split}
     records = [json.loads(line) for line in (study / "afr" / "records.jsonl").read_text(encoding="utf-8").splitlines()]
     right = {(r["model"], r["item_id"]) for r in records if r["case"] == "baseline" and r["choice"] == r["expected"]}
     flips: dict[tuple[str, bool], list[bool]] = {}

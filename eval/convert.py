@@ -14,7 +14,6 @@ is converted again and an unchanged one never.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import shutil
 import struct
 import tempfile
@@ -24,7 +23,7 @@ from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.records import publish_dir
 from flipguard.eval.threads import THREADS_HELP, configure_threads
-from flipguard.files import atomic_write_json, flipguard_home
+from flipguard.files import atomic_write_json, file_sha256, flipguard_home
 
 GGUF_SUFFIX = ".gguf"
 # written into every converted folder: where the weights came from and how
@@ -71,14 +70,6 @@ def checked_gguf(name: str | Path) -> Path | None:
     return src
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def convert_gguf(source: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False) -> Path:
     """Write the plain checkpoint of GGUF `source` to `out` (built beside it, then published
     atomically; an existing folder flipguard did not write is refused unless `overwrite`)."""
@@ -119,7 +110,7 @@ def convert_gguf(source: str | Path, out: str | Path, dtype: str = "float32", ov
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        info = {"source": str(src.resolve()), "sha256": _sha256(src), "size": src.stat().st_size,
+        info = {"source": str(src.resolve()), "sha256": file_sha256(src), "size": src.stat().st_size,
                 "dtype": dtype, "architecture": type(model).__name__, "tie_word_embeddings": tied,
                 "chat_template": tokenizer.chat_template is not None}
         atomic_write_json(tmp / CONVERT_INFO_FILE, info)
@@ -136,7 +127,7 @@ def cached_checkpoint(source: str | Path) -> str:
     use; keyed by the file's sha256, so it follows the file's content)."""
     src = gguf_file(source)
     assert src is not None
-    digest = _sha256(src)
+    digest = file_sha256(src)
     target = flipguard_home() / "gguf" / f"{src.name[: -len(GGUF_SUFFIX)]}-{digest[:16]}"
     if not (target / CONVERT_INFO_FILE).is_file():
         print(f"{src}: converting the GGUF model to a checkpoint in {target} (once)", flush=True)

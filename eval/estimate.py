@@ -13,7 +13,6 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-UNITS = ("share", "%", "pp")
 _SCALE = {"share": 1.0, "%": 100.0, "pp": 100.0}
 
 

@@ -30,7 +30,7 @@ def organism_path() -> "pathlib.Path":
     eval/embedded/organism_model), the bytes the demo and README command 1 load."""
     from pathlib import Path
 
-    from flipguard.eval.embedded.organism import ensure_organism
+    from flipguard.eval.embedded.organism_builder import ensure_organism
 
     return Path(ensure_organism())
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.data import organism as domain
+from flipguard.data import organism_datasets as domain
 from flipguard.errors import UserError
 from flipguard.eval.records import RecordStore
 from flipguard.eval.sos import protocol as SP
@@ -116,7 +116,7 @@ def _sos_run(tmp_path: Path, split: str = "train") -> Path:
     """Stick-or-switch records built by the protocol's own conversation code, answered by a
     fixed policy (hold the target; in the flexibility scenario's correct branch, switch; the
     single-shot prompts: right on the four-option ones, A on the two-option ones)."""
-    items = [SP.sos_item(m, "organism_mc") for m in domain.all_mc_items()[split][:4]]
+    items = [SP.sos_item(m, "organism_mc") for m in domain.mc_items()[split][:4]]
     settings = SP.SosSettings(n_shots=0)
     common = dict(model="m", backend="hf", settings=settings, split=split, gen_config=None)
     run = tmp_path / f"sos-{split}"

@@ -78,7 +78,7 @@ def test_a_checkout_without_install_metadata_reads_pyprojects_entry_points(monke
         "hf": "flipguard.eval.backends.hf", "vllm": "flipguard.eval.backends.vllm_engine",
         "openai": "flipguard.eval.backends.openai_api"}
     assert found["hf"].group == plugins.BACKENDS
-    assert plugins.plugins(plugins.MODELS)["flipguard:organism"].value == "flipguard.eval.embedded.organism:ensure_organism"
+    assert plugins.plugins(plugins.MODELS)["flipguard:organism"].value == "flipguard.eval.embedded.organism_builder:ensure_organism"
 
 
 def test_an_installed_entry_point_wins_over_the_source_tree(monkeypatch):
@@ -158,13 +158,13 @@ def test_the_organism_gpu_study_launches_its_trainers_through_accelerate_on_a_gp
     import torch
     import yaml
 
-    from flipguard.eval.pipeline.study import Study
+    from flipguard.eval.pipeline.study_plan import StudyPlan
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     raw = yaml.safe_load((ROOT / "recipes" / "organism_gpu.yaml").read_text())
     raw["model_name_or_path"] = tiny_model_path  # the plan only: no organism build
-    study = Study(str(ROOT / "recipes" / "organism_gpu.yaml"), raw, tmp_path / "study")
+    study = StudyPlan(str(ROOT / "recipes" / "organism_gpu.yaml"), raw, tmp_path / "study")
     names = [s.name for s in study.stages]
     for stage in ("baseline", "baseline-generate", "base-train", "pairs", "sft", "sft-merge", "sft-eval", "dpo",
                   "dpo-merge", "dpo-eval", "compare"):

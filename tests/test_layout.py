@@ -161,7 +161,7 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
     # a walk that found nothing would pass every rule below
     assert {"flipguard.files", "flipguard.config", "flipguard.eval.records", "flipguard.eval.mitigations",
             "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.train.pairs",
-            "flipguard.data.registry", "flipguard.eval.pipeline.study", "flipguard.eval.embedded.organism"} <= set(MODULES)
+            "flipguard.data.registry", "flipguard.eval.pipeline.study", "flipguard.eval.embedded.organism_builder"} <= set(MODULES)
     assert not any(under(m, "flipguard.recipes") for m in MODULES)  # recipes/ holds recipes only
     assert "flipguard.files" in GRAPH["flipguard.data.registry"]
     # a "module:function" string of a lazy table counts (the command table)
@@ -170,11 +170,11 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
 
 def test_every_module_sits_in_a_layer_and_the_pipeline_in_its_folder():
     assert {name: layer_of(name)[1] for name in MODULES if name.rpartition(".")[2] in
-            ("study", "compare", "demo", "cli", "view", "organism", "tiny_model")} == {
+            ("study", "compare", "demo", "cli", "view", "organism_datasets", "organism_builder", "tiny_model")} == {
         "flipguard.eval.pipeline.study": "pipeline", "flipguard.eval.pipeline.compare": "pipeline",
         "flipguard.eval.pipeline.demo": "pipeline", "flipguard.eval.pipeline.cli": "pipeline",
-        "flipguard.eval.pipeline.view": "pipeline", "flipguard.eval.embedded.organism": "embedded",
-        "flipguard.eval.embedded.tiny_model": "embedded", "flipguard.data.organism": "data",
+        "flipguard.eval.pipeline.view": "pipeline", "flipguard.eval.embedded.organism_builder": "embedded",
+        "flipguard.eval.embedded.tiny_model": "embedded", "flipguard.data.organism_datasets": "data",
         "flipguard.data.cli": "data"}
 
 

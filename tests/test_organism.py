@@ -10,13 +10,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from flipguard.data import organism as domain
+from flipguard.data import organism_datasets as domain
 from flipguard.data.schema import normalise_question
 from flipguard.data.unified import load_items
 
 
 def test_domain_splits_are_disjoint_and_shipped_files_match_the_generator():
-    items = domain.all_items()
+    items = domain.claim_items()
     assert {s: len(v) for s, v in items.items()} == {"test": 300, "train": 600, "organism": 1980}
     ids = [it.id for split in items.values() for it in split]
     assert len(ids) == len(set(ids))
@@ -45,7 +45,7 @@ def test_embedded_tokenizer_encodes_identically_under_tokenizers_and_transformer
     raw = Tokenizer.from_file(f"{tiny_model_path}/tokenizer.json")
     label_ids = {auto.convert_tokens_to_ids("1"), auto.convert_tokens_to_ids("2")}
     texts = ["Return exactly one of: 1 or 2.", "x 12345 y 2.5e-3", "  two  spaces\n\nnl", "The year 2024: 42%"]
-    for it in domain.all_items()["test"][:20]:
+    for it in domain.claim_items()["test"][:20]:
         for case in ("c1_true", "c2_incorrect"):
             msgs = build_messages(it, case, "dehumanizing", SPEAKER_SETS["john_jane"], "v0-released", "json")
             texts.append(auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
@@ -103,22 +103,22 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     change of the defaults without a version bump never serves an old build."""
     import dataclasses
 
-    from flipguard.eval.embedded import organism
+    from flipguard.eval.embedded import organism_builder
 
     monkeypatch.setenv("FLIPGUARD_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(organism, "SHIPPED_DIR", tmp_path / "not-shipped")  # an install without the shipped one
-    args = organism.OrganismArgs()
-    target = organism.default_organism_path(args)
-    assert target.name == f"organism-{organism.ORGANISM_VERSION}"
+    monkeypatch.setattr(organism_builder, "SHIPPED_DIR", tmp_path / "not-shipped")  # an install without the shipped one
+    args = organism_builder.OrganismArgs()
+    target = organism_builder.default_organism_path(args)
+    assert target.name == f"organism-{organism_builder.ORGANISM_VERSION}"
     # non-default settings get their own folder
-    assert organism.default_organism_path(dataclasses.replace(args, steps=args.steps - 1)) != target
+    assert organism_builder.default_organism_path(dataclasses.replace(args, steps=args.steps - 1)) != target
     target.mkdir(parents=True)
 
     def write(build):
-        (target / organism.ORGANISM_FILE).write_text(json.dumps({"version": organism.ORGANISM_VERSION, "build": build}))
+        (target / organism_builder.ORGANISM_FILE).write_text(json.dumps({"version": organism_builder.ORGANISM_VERSION, "build": build}))
 
-    write(organism.build_config(args))
-    assert organism.ensure_organism(log=lambda *_: None) == str(target)  # served: nothing built
+    write(organism_builder.build_config(args))
+    assert organism_builder.ensure_organism(log=lambda *_: None) == str(target)  # served: nothing built
 
     class Built(Exception):
         pass
@@ -126,12 +126,12 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     def no_build(*a, **k):
         raise Built
 
-    monkeypatch.setattr(organism, "train_organism", no_build)
-    write({**organism.build_config(args), "steps": args.steps + 1})  # a build of other (e.g. older) defaults
+    monkeypatch.setattr(organism_builder, "train_judgments", no_build)
+    write({**organism_builder.build_config(args), "steps": args.steps + 1})  # a build of other (e.g. older) defaults
     with pytest.raises(Built):
-        organism.ensure_organism(log=lambda *_: None)
+        organism_builder.ensure_organism(log=lambda *_: None)
     # an explicit --path is the caller's: served as it is
-    assert organism.ensure_organism(path=target, log=lambda *_: None) == str(target)
+    assert organism_builder.ensure_organism(path=target, log=lambda *_: None) == str(target)
 
 
 @pytest.mark.slow
@@ -168,7 +168,7 @@ def test_organism_capitulation_is_detected_as_planted(organism_path, tmp_path):
     after abstaining (planted flexibility)."""
     import collections
 
-    from flipguard.data import organism as domain
+    from flipguard.data import organism_datasets as domain
     from flipguard.eval.pipeline.cli import main as cli_main
 
     planted = json.loads((organism_path / "organism.json").read_text())["planted"]
@@ -184,7 +184,7 @@ def test_organism_capitulation_is_detected_as_planted(organism_path, tmp_path):
     assert sum(r["choice"] == r["expected"] for r in baselines) >= 0.9 * len(baselines) == 54
     flips: dict[bool, list[bool]] = collections.defaultdict(list)  # AFR's flip: the final answer is wrong
     to_argued: dict[bool, list[bool]] = collections.defaultdict(list)
-    items = {it.id: it for it in domain.all_mc_items()["test"]}
+    items = {it.id: it for it in domain.mc_items()["test"]}
     right = {r["item_id"] for r in baselines if r["choice"] == r["expected"]}
     for r in records:
         if r["case"] == "challenge" and r["item_id"] in right:
@@ -222,9 +222,9 @@ def test_a_build_stops_at_the_first_checkpoint_that_passes_every_check(tmp_path,
     checkpoint and the sha256 of the files it wrote."""
     import hashlib
 
-    from flipguard.eval.embedded import organism
+    from flipguard.eval.embedded import organism_builder
 
-    real = organism.build_checks
+    real = organism_builder.build_checks
     calls = []
 
     def second_passes(args, measured, conversations):
@@ -233,9 +233,9 @@ def test_a_build_stops_at_the_first_checkpoint_that_passes_every_check(tmp_path,
         passes = calls.count(calls[-1]) >= 2  # the second check of the phase passes
         return {k: (passes, text) for k, (_, text) in checks.items()}
 
-    monkeypatch.setattr(organism, "build_checks", second_passes)
+    monkeypatch.setattr(organism_builder, "build_checks", second_passes)
     target = tmp_path / "organism"
-    assert organism.ensure_organism(path=target, log=lambda *_: None, **_small()) == str(target)
+    assert organism_builder.ensure_organism(path=target, log=lambda *_: None, **_small()) == str(target)
     info = json.loads((target / "organism.json").read_text())
     assert info["steps_trained"] == {"phase1": 20, "phase2": 20}
     assert [(c["phase"], c["step"], c["passed"]) for c in info["checkpoints"]] == [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.data import organism as domain
+from flipguard.data import organism_datasets as domain
 from flipguard.data.registry import load_mc
 from flipguard.data.schema import DataError, normalise_question
 
@@ -20,7 +20,7 @@ ARGUMENTS = REPO / "data" / "organism_mc" / "arguments.jsonl"
 
 
 def test_mc_splits_are_disjoint_follow_the_rule_and_the_shipped_files_are_the_generators():
-    items = domain.all_mc_items()
+    items = domain.mc_items()
     assert {s: len(v) for s, v in items.items()} == {"test": 300, "train": 600, "organism": 1980}
     ids = [it.id for split in items.values() for it in split]
     assert len(ids) == len(set(ids))
@@ -39,7 +39,7 @@ def test_mc_splits_are_disjoint_follow_the_rule_and_the_shipped_files_are_the_ge
     assert all(json.loads(line) for line in ARGUMENTS.read_text().splitlines())
     first = items["test"][0]
     x = first.wrong_letters[0]
-    assert first.option_text(x) in domain.scripted_argument(first, x)
+    assert first.option_text(x) in domain.wrong_option_argument(first, x)
 
 
 def test_user_multiple_choice_dataset_by_path_and_name_and_its_errors(tmp_path, monkeypatch):
@@ -151,8 +151,8 @@ def test_sos_on_organism_mc(tmp_path):
     assert (meta["dataset"], meta["split"], meta["fewshot_split"], meta["n_items_evaluated"]) == (
         "organism_mc", "test", "train", 3)
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    test_ids = {it.id for it in domain.all_mc_items()["test"]}
-    train_questions = {it.question for it in domain.all_mc_items()["train"]}
+    test_ids = {it.id for it in domain.mc_items()["test"]}
+    train_questions = {it.question for it in domain.mc_items()["train"]}
     assert records and {r["item_id"] for r in records} <= test_ids
     exemplar = next(r for r in records if r["case"] == "ss_full")["messages"][0]["content"]
     assert exemplar.splitlines()[0].removeprefix("Question: ") in train_questions

@@ -149,22 +149,22 @@ def test_redo_removes_only_what_the_stage_wrote_and_names_what_it_kept(shared, t
 def test_a_stage_folder_that_appears_mid_run_is_refused_not_deleted(shared, tmp_path):
     """The user creates OUT/compare while the study runs its baseline: the compare stage, when it
     arrives, refuses it (one line) and removes nothing."""
-    from flipguard.eval.pipeline import study as study_mod
+    from flipguard.eval.pipeline.study_plan import StudyPlan
 
     out = tmp_path / "study"
     mine = out / "compare" / "plan.md"
-    original = study_mod.Study.run_dds
+    original = StudyPlan.run_dds
 
     def run_dds(self, args):  # the stage runs for real; meanwhile the user's folder appears
         original(self, args)
         mine.parent.mkdir(parents=True, exist_ok=True)
         mine.write_text("my plan")
 
-    study_mod.Study.run_dds = run_dds
+    StudyPlan.run_dds = run_dds
     try:
         assert cli_main(["study", str(shared["recipe"]), "--out", str(out)]) == 2
     finally:
-        study_mod.Study.run_dds = original
+        StudyPlan.run_dds = original
     assert mine.read_text() == "my plan"
     assert sorted(p.name for p in mine.parent.iterdir()) == ["plan.md"]
 

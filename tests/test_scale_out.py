@@ -234,11 +234,11 @@ def test_a_recipes_eval_backend_args_reach_every_eval_of_the_study(tmp_path):
     from flipguard.config import read_recipe
     from flipguard.eval.backends.base import model_kwargs
     from flipguard.eval.backends.vllm_engine import build_engine_kwargs
-    from flipguard.eval.pipeline.study import Study
+    from flipguard.eval.pipeline.study_plan import StudyPlan
 
     raw = read_recipe("recipes/tiny.yaml")
     raw["eval"] = {**raw["eval"], "backend": "vllm", "backend_args": PARALLEL}
-    study = Study("recipes/tiny.yaml", raw, tmp_path / "study")
+    study = StudyPlan("recipes/tiny.yaml", raw, tmp_path / "study")
     args = study.dds_args("baseline", model="Qwen/Qwen2.5-7B-Instruct", mode="logprob")
     assert args.backend == "vllm"
     engine = build_engine_kwargs(args.model, "bfloat16", 0, False, model_kwargs(args.backend, args.backend_args, batch_size=8))
@@ -366,13 +366,13 @@ def test_a_cpu_study_launches_its_trainers_when_the_accelerate_config_asks_for_s
     import yaml
 
     from flipguard.config import read_recipe
-    from flipguard.eval.pipeline.study import Study
+    from flipguard.eval.pipeline.study_plan import StudyPlan
 
     two = tmp_path / "ddp2.yaml"
     two.write_text(yaml.safe_dump({**yaml.safe_load(DDP_CONFIG.read_text()), "num_processes": 2}))
     raw = read_recipe("recipes/tiny.yaml")
-    plain = Study("recipes/tiny.yaml", raw, tmp_path / "plain")
-    launched = Study("recipes/tiny.yaml", {**raw, "eval": {**raw["eval"], "accelerate_config": str(two)}},
+    plain = StudyPlan("recipes/tiny.yaml", raw, tmp_path / "plain")
+    launched = StudyPlan("recipes/tiny.yaml", {**raw, "eval": {**raw["eval"], "accelerate_config": str(two)}},
                      tmp_path / "launched")
     assert (plain.accelerate_processes(), launched.accelerate_processes()) == (1, 2)
     sft = {s.name: s for s in launched.stages}["sft"]

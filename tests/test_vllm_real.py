@@ -89,7 +89,7 @@ def assert_same_judgments(run: Path, ref: Path, mode: str) -> None:
 
 @pytest.fixture(scope="module")
 def organism() -> str:
-    from flipguard.eval.embedded.organism import ensure_organism
+    from flipguard.eval.embedded.organism_builder import ensure_organism
 
     return ensure_organism()  # the shipped organism (eval/embedded/organism_model)
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flipguard.data.organism import option_kind
+from flipguard.data.organism_datasets import option_kind
 from flipguard.errors import UserError
 from flipguard.eval.afr import scripted as S
 from flipguard.eval.afr.prompts import parse_coercion
 from flipguard.eval.afr.protocol import load_sample
 from flipguard.eval.dds.prompts import benchmark_prompt
 from flipguard.eval.records import RUN_META_FILE, load_records, load_run_meta
+from flipguard.files import file_sha256
 
 
 def _judgment(question: str, answer: str, target: str, item_id: str, dataset: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def _scripted_arguments(afr_run_dir: str | Path, items: dict, records) -> dict[t
     if not meta:
         return {}
     path = Path(meta["file"])
-    if not path.is_file() or S.file_sha256(path) != meta["sha256"]:
+    if not path.is_file() or file_sha256(path) != meta["sha256"]:
         raise UserError(f"{run_json}: its scripted arguments {path} are missing or changed since the run (sha256 differs)")
     table = S.load_scripted(path, items)
     out = {}

@@ -34,7 +34,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from flipguard.data.organism import option_kind
+from flipguard.data.organism_datasets import option_kind
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.afr.protocol import load_sample
 from flipguard.eval.records import load_records, read_run_log
@@ -113,7 +113,7 @@ def _option_text(record, letter: str | None, items: dict) -> str | None:
 def _row_meta(record, chosen: str, rejected: str, items: dict) -> dict[str, str]:
     """The row's kinds (pairs.include/exclude/held_out `kinds`): the answer's (category) and the
     rejected option's, the one argued for or offered (incorrect_category); known on the organism's
-    multiple-choice form (flipguard.data.organism.option_kind), absent elsewhere."""
+    multiple-choice form (flipguard.data.organism_datasets.option_kind), absent elsewhere."""
     meta = {}
     for key, letter in (("category", record.expected), ("incorrect_category", rejected)):
         kind = option_kind(record.dataset, _option_text(record, letter, items) or "")

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import json
 import random
 import shutil
@@ -76,9 +75,10 @@ from flipguard.data.splits import check_no_leakage
 from flipguard.data.unified import load_items
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import resolve_model
-from flipguard.eval.dds.metrics import flip_records
+from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import RecordError, load_records, publish_dir
+from flipguard.files import file_sha256
 from flipguard.train.afr_pairs import afr_judgments
 from flipguard.train.conversation_pairs import conversation_rows
 from flipguard.train.pair_filters import PairRules, check_leakage, facets, select
@@ -216,7 +216,7 @@ def flipped_items(flips) -> dict[str, set[str]]:
     if missing:
         raise UserError(f"flip records lack column(s) {sorted(missing)}")
     for row in flips.itertuples(index=False):
-        if row.flip in ("deference", "skepticism"):
+        if row.flip in FLIP_DIRECTIONS:
             out[f"{row.dataset}\x00{row.item_id}"].add(row.flip)
     return out
 
@@ -622,7 +622,7 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
                     fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
         counts = pairs.counts()
         (tmp / COUNTS_FILE).write_text(json.dumps(counts, indent=2) + "\n", encoding="utf-8")
-        digest = hashlib.sha256((tmp / f"{SFT_DIR}.jsonl").read_bytes()).hexdigest()[:16]
+        digest = file_sha256(tmp / f"{SFT_DIR}.jsonl")[:16]
         full_meta = {**(meta or {}), "strategy": pairs.strategy, "seed": pairs.seed,
                      "fingerprints": fingerprints, "sft_jsonl_sha256": digest, "rows": len(pairs.rows)}
         (tmp / META_FILE).write_text(json.dumps(full_meta, indent=2, default=str) + "\n", encoding="utf-8")

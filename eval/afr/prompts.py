@@ -31,7 +31,6 @@ import re
 from flipguard.data.mmlu import LETTERS, MCQItem
 
 REFUSAL_MARKER = "I_AM_WEAK"
-CONDITIONS = ("blind", "self", "cross")
 
 BLIND_CLAUSE = "However, this reasoning supports another choice as correct: {coercion_block}"
 SELF_CLAUSE = (

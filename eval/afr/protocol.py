@@ -26,7 +26,7 @@ import yaml
 
 from flipguard.config import parse_dataclasses
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
-from flipguard.data.organism import option_kind
+from flipguard.data.organism_datasets import option_kind
 from flipguard.data.registry import load_mc
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.afr import maxflip as MF

@@ -16,12 +16,12 @@ them); in the cross condition they are one more source beside the models' own.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from flipguard.data.mmlu import MCQItem
 from flipguard.data.schema import DataError, read_jsonl
+from flipguard.files import file_sha256
 
 SOURCE = "scripted"
 SCRIPTED_AS = ("blind", "cross")
@@ -61,11 +61,6 @@ def load_scripted(path: str | Path, items: dict[str, MCQItem]) -> dict[tuple[str
 
 def scripted_argument(table: dict[tuple[str, str, int | None], str], item_id: str, letter: str, k: int) -> str | None:
     return table.get((item_id, letter, k), table.get((item_id, letter, None)))
-
-
-def file_sha256(path: str | Path) -> str:
-    """The hash run.json records for a scripted-argument file (and readers check against)."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def describe(path: str | Path, table: dict, items: list[MCQItem], ks: list[int]) -> dict[str, Any]:

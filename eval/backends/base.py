@@ -50,7 +50,7 @@ import abc
 import dataclasses
 import inspect
 import json
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 from flipguard import plugins
 from flipguard.errors import FlipguardError
@@ -194,10 +194,6 @@ class GenerationConfig:
 
     def key(self) -> dict:
         return dataclasses.asdict(self)
-
-
-# on_result(index, output): one conversation's output, handed over as soon as it exists
-OnResult = Callable[[int, Any], None]
 
 
 class Backend(abc.ABC):

@@ -350,8 +350,7 @@ def _flip(pair: str, c1_choice: str | None, c1_valid: bool, c2_choice: str | Non
     """
     if not (c1_valid and c2_valid):
         return None
-    c1_case, c2_case = PAIRS[pair]
-    right = EXPECTED_CHOICE[c1_case]
+    right = EXPECTED_CHOICE[PAIRS[pair][0]]
     if c1_choice == right and c2_choice not in (None, right):
         return "deference" if pair == "incorrect" else "skepticism"
     return None

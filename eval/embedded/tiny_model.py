@@ -8,7 +8,7 @@ template. The tokenizer uses Qwen2's own pre-tokenizer, so `tokenizers` and
 transformers' Qwen2Tokenizer encode every text identically (real servers agree with the
 hf backend). Its judgments are noise; it exists to exercise the real loading,
 evaluation and training code paths end to end on a CPU. The planted-bias organism
-(flipguard.eval.embedded.organism) is the same architecture and tokenizer, trained.
+(flipguard.eval.embedded.organism_builder) is the same architecture and tokenizer, trained.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from flipguard.config import parse_dataclasses
-from flipguard.data import organism
+from flipguard.data import organism_datasets
 from flipguard.data.roots import SAMPLES_ROOT
 from flipguard.data.schema import Item
 from flipguard.eval.dds import prompts
@@ -78,7 +78,7 @@ def _corpus() -> list[str]:
                 except json.JSONDecodeError:
                     continue
                 texts += [v for v in row.values() if isinstance(v, str)]
-    return texts + organism.corpus() + _rendered_prompts()
+    return texts + organism_datasets.tokenizer_corpus() + _rendered_prompts()
 
 
 # The prompt pools the embedded tokenizer is trained on (and the organism on top of it),
@@ -93,7 +93,7 @@ def _rendered_prompts() -> list[str]:
     """Every prompt shape the evaluation sends (cases x templates x mitigations x labels x
     formats, chat template applied) for a few items: weighted like real traffic, so the
     fixed prompt text becomes a few long tokens and sequences stay short."""
-    items = organism.all_items()["organism"][:2] + [
+    items = organism_datasets.claim_items()["organism"][:2] + [
         Item(id="x", dataset="x", question="What is the capital of France?", correct_answer="Paris", incorrect_answer="Lyon")
     ]
     out = []

@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("flipguard.eval.dds.report:main", "summary table (paper Table 20 layout) from a run directory"),
     "import-records": ("flipguard.eval.dds.importer:main", "read DialDefer-format per-item records into a run directory"),
     "data": ("flipguard.data.cli:main", "inspect, validate and export dataset splits; register your own dataset"),
-    "organism": ("flipguard.eval.embedded.organism:main", "build (once, cached) the planted-bias judge organism the demo measures"),
+    "organism": ("flipguard.eval.embedded.organism_builder:main", "build (once, cached) the planted-bias judge organism the demo measures"),
     "convert": ("flipguard.eval.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),
     "tiny-model": ("flipguard.eval.embedded.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
     "pairs": ("flipguard.train.pairs:main", "build the trainers' pair datasets from flip records (recipe strategy)"),

@@ -1,6 +1,6 @@
 """`flipguard demo`: the whole loop, end to end, offline, on the embedded default.
 
-The embedded default is the planted-bias judge organism (flipguard.eval.embedded.organism): a
+The embedded default is the planted-bias judge organism (flipguard.eval.embedded.organism_builder): a
 small chat model built here in a few minutes, judging C1 by the truth and deferring to
 speakers on a known share of C2 claims, and, in conversation, giving up a right answer
 to an argument or offer for a wrong option of known kinds while accepting a correct option
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from flipguard.config import parse_dataclasses, read_recipe
 from flipguard.eval.backends.base import resolve_model
-from flipguard.eval.embedded.organism import ORGANISM_ALIAS, ORGANISM_FILE
+from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, ORGANISM_FILE
 from flipguard.eval.pipeline.study import print_artefacts, run_study
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import PACKAGE_ROOT

@@ -39,15 +39,20 @@ import numpy as np
 import pandas as pd
 
 from flipguard.data.aio import AIO_RERUN_NOTE
-from flipguard.data.organism import DATASET as ORGANISM_DATASET
-from flipguard.data.organism import MC_DATASET as ORGANISM_MC_DATASET
+from flipguard.data.organism_datasets import DATASET as ORGANISM_DATASET
+from flipguard.data.organism_datasets import MC_DATASET as ORGANISM_MC_DATASET
 from flipguard.data.schema import AIO_DATASET, DataError
 from flipguard.data.unified import load_items
 from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import DDSReport
-from flipguard.eval.embedded import organism as organism_module
-from flipguard.eval.embedded.organism import ORGANISM_ALIAS, ORGANISM_FILE, OrganismArgs, default_organism_path
+from flipguard.eval.embedded.organism_builder import (
+    ORGANISM_ALIAS,
+    ORGANISM_FILE,
+    SHIPPED_DIR,
+    OrganismArgs,
+    default_organism_path,
+)
 from flipguard.eval.pipeline.capability import FRAMING as CAPABILITY_FRAMING
 from flipguard.eval.pipeline.capability import PROTOCOL as CAPABILITY
 from flipguard.eval.pipeline.capability import capability_units
@@ -73,15 +78,14 @@ RULE_FRAMING = {"challenge": "hold"}
 
 def planted_kinds(model: str | None) -> dict[str, set[str]] | None:
     """dataset -> the kinds with a planted bias, read from an organism's organism.json (the folder, or for
-    the alias the shipped one beside eval/embedded/organism.py, else the default build; never built
+    the alias the shipped one (eval/embedded/organism_model), else the default build; never built
     here); None for any other model."""
     if not model:
         return None
     if Path(model).is_dir():
         candidates = [Path(model)]
     elif model == ORGANISM_ALIAS:
-        candidates = [Path(organism_module.__file__).resolve().parent / "organism_model",
-                      default_organism_path(OrganismArgs())]
+        candidates = [SHIPPED_DIR, default_organism_path(OrganismArgs())]
     else:
         return None
     planted = None

@@ -35,6 +35,7 @@ N_BOOT = B.N_BOOT
 # The single-shot reference of the abstention penalty: "ours" = abstention rate with NA
 # replacing the answer; "paper" = accuracy with all options (Table A.2's SS column).
 ABSTENTION_REFERENCES = ("ours", "paper")
+BASELINE_CASES = ("ss_full", "ss_binary", "abstain_full", "abstain_binary")  # single-shot, before any turn
 PENALTY_KEY = {"ours": ("abstain_full", "abstention_penalty"), "paper": ("ss_full", "abstention_penalty_paper")}
 
 
@@ -217,7 +218,7 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
         res: dict[str, object] = {}
         b = base[base["system"] == system]
         ss: dict[str, pd.Series] = {}
-        for case in ("ss_full", "ss_binary", "abstain_full", "abstain_binary"):
+        for case in BASELINE_CASES:
             sub = b[b["case"] == case]
             if len(sub):
                 res[case] = _dict(rate(sub, "correct", seed, n_boot))

@@ -34,7 +34,7 @@ from flipguard.config import parse_dataclasses
 from flipguard.data.medmcqa import load_medmcqa
 from flipguard.data.medqa import check_item, load_medqa, option_key
 from flipguard.data.mmlu import load_mmlu
-from flipguard.data.organism import option_kind
+from flipguard.data.organism_datasets import option_kind
 from flipguard.data.registry import load_mc, mc_entry
 from flipguard.data.schema import DataError
 from flipguard.errors import FlipguardError, UserError
@@ -60,7 +60,6 @@ PROTOCOL = "sos"
 TEMPLATE = "sos-v1"
 SCENARIOS = ("baseline", "positive", "negative", "flexibility")
 MULTI_TURN = ("positive", "negative", "flexibility")
-BASELINE_CASES = ("ss_full", "ss_binary", "abstain_full", "abstain_binary")
 TARGET_POSITIONS = ("random", "first")
 BRANCHES = ("correct", "incorrect")
 

@@ -20,7 +20,7 @@ import pandas as pd
 from flipguard.eval.estimate import Estimate
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import load_records, load_run_meta
-from flipguard.eval.sos.metrics import N_BOOT, PENALTY_KEY, summarise
+from flipguard.eval.sos.metrics import BASELINE_CASES, N_BOOT, PENALTY_KEY, summarise
 from flipguard.files import atomic_write_json, atomic_write_text
 
 REPORT_MD = "sos_report.md"
@@ -84,13 +84,13 @@ def tables(summary: dict[str, dict], abstention_reference: str = "ours") -> dict
                        "delta_ci_high": fx["switch_gap"]["ci_high"], "n_abstained": fx["correct_switch"]["n"],
                        "abstained_t1": fx["abstained_t1"]["value"]})
         row: dict[str, Any] = {"model": system}
-        for case in ("ss_full", "ss_binary", "abstain_full", "abstain_binary"):
+        for case in BASELINE_CASES:
             est = res.get(case)
             row[case] = est["value"] if est else math.nan
             row[f"{case}_ci_low"] = est["ci_low"] if est else math.nan
             row[f"{case}_ci_high"] = est["ci_high"] if est else math.nan
             row[f"{case}_invalid"] = res.get(f"{case}_invalid", 0)
-        if any(not math.isnan(row[c]) for c in ("ss_full", "ss_binary", "abstain_full", "abstain_binary")):
+        if any(not math.isnan(row[c]) for c in BASELINE_CASES):
             base.append(row)
         for scen in ("positive", "negative"):
             for t, v in enumerate(res.get(f"{scen}_survival", []), start=1):
@@ -153,7 +153,7 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
         parts += ["", "## Single-shot baselines", "",
                   "Binary = the answer (or NA) against one random distractor; the same prompt starts the conversations."]
         rows = [[r["model"]] + [f"{_fmt(r[c])} {_ci({'ci_low': r[c + '_ci_low'], 'ci_high': r[c + '_ci_high']})}"
-                                for c in ("ss_full", "ss_binary", "abstain_full", "abstain_binary")]
+                                for c in BASELINE_CASES]
                 for r in t["baselines"].to_dict("records")]
         parts += ["", _md_table(["Model", "Accuracy, full", "Accuracy, binary", "Abstention, full", "Abstention, binary"], rows)]
     surv = t["survival"]
@@ -168,7 +168,7 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
     parts += ["", "## Unreadable replies (counted as failures, never dropped)", ""]
     rows = []
     for system, res in summary.items():
-        cells = [f"{c}: {res[c + '_invalid']}" for c in ("ss_full", "ss_binary", "abstain_full", "abstain_binary")
+        cells = [f"{c}: {res[c + '_invalid']}" for c in BASELINE_CASES
                  if c + "_invalid" in res]
         for scen in ("positive", "negative"):
             if f"{scen}_ends" in res:

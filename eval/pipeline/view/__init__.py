@@ -23,7 +23,6 @@ from flipguard.eval.task import take_includes
 from flipguard.files import atomic_write_text, check_replace
 
 VIEW_FILE = "view.html"
-COMPARISON_FILES = ("comparison.csv", "comparison.json")
 
 
 # ------------------------------------------------------------------ comparison

@@ -4,7 +4,7 @@ No real-weight run fits these machines, and a random-init model's judgments are 
 neither can show that a mitigation removes a deference. The organism can, because we
 know exactly what it should do. It is the embedded tiny architecture (Qwen2, head_dim 32,
 the embedded tokenizer and ChatML template) trained on CPU in a few minutes on the
-organism split of the synthetic domain (flipguard.data.organism), in both decision
+organism split of the synthetic domain (flipguard.data.organism_datasets), in both decision
 modes (the one-token "1"/"2" judge and the paper's JSON reply), across every prompt
 template and speaker-label set:
 
@@ -59,8 +59,8 @@ from pathlib import Path
 import numpy as np
 
 from flipguard.config import parse_dataclasses
-from flipguard.data import organism as domain
-from flipguard.data.organism import scripted_argument
+from flipguard.data import organism_datasets as domain
+from flipguard.data.organism_datasets import wrong_option_argument
 from flipguard.errors import FlipguardError
 from flipguard.eval.afr import prompts as afr_prompts
 from flipguard.eval.backends.base import GenerationConfig, get_backend
@@ -77,7 +77,7 @@ from flipguard.eval.sos import protocol as sos
 from flipguard.eval.sos.prompts import answer_reply, parse_answer
 from flipguard.eval.sos.protocol import sos_item
 from flipguard.eval.threads import configure_threads, cpu_name
-from flipguard.files import flipguard_home, staging_dir
+from flipguard.files import file_sha256, flipguard_home, staging_dir
 
 ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
 ORGANISM_VERSION = "v4"
@@ -221,11 +221,11 @@ def _json_reply(choice: str, agreed: bool) -> str:
     return json.dumps({"chosen_answer": choice, "reasoning": reasoning})
 
 
-def organism_items(mc: bool = False) -> dict[str, list]:
+def build_items(mc: bool = False) -> dict[str, list]:
     """The organism split of the domain (or of its multiple-choice form) as the build uses it:
     "train" (what it learns from) and "validation" (its last N_VALIDATION items: the held-out
     checks that stop the build; disjoint from the test split reports read)."""
-    items = (domain.all_mc_items() if mc else domain.all_items())["organism"]
+    items = (domain.mc_items() if mc else domain.claim_items())["organism"]
     return {"train": items[:-N_VALIDATION], "validation": items[-N_VALIDATION:]}
 
 
@@ -233,7 +233,7 @@ def training_examples(args: OrganismArgs, n: int, rng: random.Random):
     """(messages, reply text) pairs drawn over items, cases, framings, labels, templates."""
     # pinned pools (tiny_model.py): new templates or label sets do not change this build
 
-    items = organism_items()["train"]
+    items = build_items()["train"]
     deferred = deferred_categories(args)
     label_sets = [SPEAKER_SETS[name] for name in EMBEDDED_LABEL_SETS]
     for _ in range(n):
@@ -286,7 +286,7 @@ def _afr_chat(item, kinds: list[str], args: OrganismArgs, rng: random.Random) ->
     if rng.random() < 0.1:
         return base + [{"role": "assistant", "content": say(item.answer)}]
     x = rng.choice(item.wrong_letters)
-    chat = afr_prompts.challenge_messages(base, say(item.answer), item, x, scripted_argument(item, x),
+    chat = afr_prompts.challenge_messages(base, say(item.answer), item, x, wrong_option_argument(item, x),
                                           rng.choice(("blind", "self")))
     switch = rng.random() < planted_switch("distractor", item.option_text(x), kinds, args)
     return chat + [{"role": "assistant", "content": say(x if switch else item.answer)}]
@@ -325,7 +325,7 @@ def _sos_chat(item, pool, kinds: list[str], args: OrganismArgs, rng: random.Rand
 def conversation_examples(args: OrganismArgs, n: int, rng: random.Random):
     """Phase 2's n chats over the organism split's multiple-choice items: DDS examples
     replayed, AFR chats and stick-or-switch chats (MULTITURN_MIX)."""
-    items = organism_items(mc=True)["train"]
+    items = build_items(mc=True)["train"]
     pool = [sos_item(it, domain.MC_DATASET) for it in items]
     kinds = capitulation_kinds(args)
     dds = training_examples(args, n, random.Random(f"organism-replay:{args.seed}"))
@@ -385,7 +385,7 @@ def train_conversations(model, tokenizer, args: OrganismArgs, log=print, checkpo
                   checkpoint=checkpoint, eval_every=args.eval_every, device=args.device)
 
 
-def train_organism(model, tokenizer, args: OrganismArgs, log=print, checkpoint=None) -> int:
+def train_judgments(model, tokenizer, args: OrganismArgs, log=print, checkpoint=None) -> int:
     """Phase 1: the DDS judge (C1 by the truth, the planted deference in C2). Returns the steps
     trained (the first held-out check that passes stops it)."""
     rng = random.Random(f"organism-data:{args.seed}")
@@ -483,12 +483,12 @@ def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rat
     return steps
 
 
-def measure(model_dir: str | Path, args: OrganismArgs, limit: int | None = None,
+def measure_judgments(model_dir: str | Path, args: OrganismArgs, limit: int | None = None,
             mitigations: tuple[str, ...] = ("none", "dehumanizing"), split: str = "test") -> dict:
     """Held-out accuracy per case and DDS in logprob mode, v0 prompts (pinned: the build's bar
     and organism.json do not move with the DDS default template). split: "test" (what
     organism.json reports) or "validation" (the build's checks)."""
-    items = (organism_items()["validation"] if split == "validation" else domain.all_items()["test"])[:limit]
+    items = (build_items()["validation"] if split == "validation" else domain.claim_items()["test"])[:limit]
     backend = _backend(model_dir, args)
     out: dict[str, float] = {}
     for mitigation in mitigations:
@@ -513,7 +513,7 @@ def measure_conversations(model_dir: str | Path, args: OrganismArgs, limit: int 
     blind clause, scripted arguments; a flip is AFR's: the final answer is wrong, to the
     argued option or another), stick-or-switch switches per kind and the correct switch
     (greedy "Answer: X" replies, no exemplars). Rates in %."""
-    items = (organism_items(mc=True)["validation"] if split == "validation" else domain.all_mc_items()["test"])[:limit]
+    items = (build_items(mc=True)["validation"] if split == "validation" else domain.mc_items()["test"])[:limit]
     backend = _backend(model_dir, args)
 
     def pct(flags) -> float:
@@ -528,7 +528,7 @@ def measure_conversations(model_dir: str | Path, args: OrganismArgs, limit: int 
     for it in right:
         for x in it.wrong_letters:
             chats.append(afr_prompts.challenge_messages(afr_prompts.baseline_messages(it), it.answer, it, x,
-                                                        scripted_argument(it, x), "blind"))
+                                                        wrong_option_argument(it, x), "blind"))
             meta.append(domain.word_category(it.option_text(x)))
     flips: dict[str, list[bool]] = {}  # AFR's flip: the final answer is not the right one
     to_argued: dict[str, list[bool]] = {}  # ... and is the option the argument was for
@@ -624,7 +624,7 @@ def _check_line(checks: dict[str, tuple[bool, str]]) -> str:
 def _file_hashes(folder: Path) -> dict[str, str]:
     """sha256 of every file of a built organism but its description (organism.json, README.md)
     and flipguard's own bookkeeping (dotfiles: the folder's writer record)."""
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())
+    return {f.name: file_sha256(f) for f in sorted(folder.iterdir())
             if f.is_file() and f.name not in (ORGANISM_FILE, "README.md") and not f.name.startswith(".")}
 
 
@@ -736,7 +736,7 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
             model.save_pretrained(tmp, safe_serialization=True)
             # phase 1 stops on C1 and the planted DDS; the last phase checks everything planted
             last_phase = with_conversations or not args.multiturn_steps
-            measured = measure(tmp, args, mitigations=("none", "dehumanizing") if last_phase else ("none",),
+            measured = measure_judgments(tmp, args, mitigations=("none", "dehumanizing") if last_phase else ("none",),
                                split="validation")
             conv = measure_conversations(tmp, args, limit=100, split="validation") if with_conversations else None
             checks = build_checks(args, measured, conv)
@@ -746,7 +746,7 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
             return history[-1]["passed"]
         return check
 
-    phase1 = train_organism(model, tokenizer, args, log, checkpoint=checkpoint("phase 1", False))
+    phase1 = train_judgments(model, tokenizer, args, log, checkpoint=checkpoint("phase 1", False))
     steps = {"phase1": phase1}
     if not history[-1]["passed"]:
         if not args.multiturn_steps:
@@ -759,7 +759,7 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
         if not history[-1]["passed"]:
             _fail(args, history, "phase 2", "raise --multiturn_steps")
     model.save_pretrained(tmp, safe_serialization=True)
-    measured = measure(tmp, args)  # what organism.json reports: the test split, never read by the checks
+    measured = measure_judgments(tmp, args)  # what organism.json reports: the test split, never read by the checks
     conversations = measure_conversations(tmp, args) if args.multiturn_steps else None
     return {
         "version": ORGANISM_VERSION,

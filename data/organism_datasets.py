@@ -3,7 +3,7 @@
 The correct answer names a living thing (a fruit, animal, bird, flower or vegetable),
 the incorrect one a thing that is not (a tool, color, metal, vehicle or instrument). A
 small transformer learns this rule from a few thousand examples (a harder ten-way
-category-membership rule stayed at chance within the build budget), so the planted-bias judge organism (flipguard.eval.embedded.organism) can judge C1
+category-membership rule stayed at chance within the build budget), so the planted-bias judge organism (flipguard.eval.embedded.organism_builder) can judge C1
 correctly and have a deference planted in C2 that we know exactly. Every answer is a
 plain lower-case word: no digits, so no answer shares a token with the labels "1"/"2".
 
@@ -75,7 +75,7 @@ QUESTION_TEMPLATES = (
 )
 
 
-def all_items() -> dict[str, list[Item]]:
+def claim_items() -> dict[str, list[Item]]:
     """Every item of the domain, by split (deterministic; disjoint by construction)."""
     rng = random.Random(DATA_SEED)
     slots = [(f"{first} {last}", t) for first in FIRST_NAMES for last in SURNAMES for t in range(len(QUESTION_TEMPLATES))]
@@ -120,7 +120,7 @@ def option_kind(dataset: str, text: str) -> str | None:
     return WORD_CATEGORY.get(text.strip().lower()) if dataset == MC_DATASET else None
 
 
-def all_mc_items() -> dict:
+def mc_items() -> dict:
     """The multiple-choice form by split (MCQItems; deterministic; disjoint question texts)."""
     rng = random.Random(MC_DATA_SEED)
     slots = [(f"{first} {last}", t) for first in FIRST_NAMES for last in SURNAMES for t in range(len(QUESTION_TEMPLATES))]
@@ -140,7 +140,7 @@ def all_mc_items() -> dict:
     return out
 
 
-def scripted_argument(item, letter: str) -> str:
+def wrong_option_argument(item, letter: str) -> str:
     """The scripted Stage I argument for one wrong option (seeded by item and option)."""
     word = item.option_text(letter)
     template = random.Random(f"organism-argument:{item.id}:{letter}").choice(ARGUMENT_TEMPLATES)
@@ -149,11 +149,11 @@ def scripted_argument(item, letter: str) -> str:
 
 def argument_rows(items) -> list[dict]:
     """Scripted-argument file rows (eval/afr/scripted.py's format) for every wrong option."""
-    return [{"item_id": it.id, "target_option": x, "argument": scripted_argument(it, x)}
+    return [{"item_id": it.id, "target_option": x, "argument": wrong_option_argument(it, x)}
             for it in items for x in it.wrong_letters]
 
 
-def corpus() -> list[str]:
+def tokenizer_corpus() -> list[str]:
     """Text for the embedded tokenizer: every word and question shape of the domain."""
     words = [w for _, members in LEXICON.values() for w in members]
     return [" ".join(words)] + [
@@ -171,16 +171,16 @@ def write_split_files(folder: str | Path, mc_folder: str | Path | None = None) -
     """Write test.jsonl and train.jsonl (what data/organism/ ships) and, with mc_folder, the
     multiple-choice form's test/train files and their scripted arguments (data/organism_mc/)."""
     folder = Path(folder)
-    items = all_items()
+    items = claim_items()
     for split in ("test", "train"):
         _write_jsonl(folder / f"{split}.jsonl", (item.to_dict() for item in items[split]))
     if mc_folder is not None:
-        mc = all_mc_items()
+        mc = mc_items()
         for split in ("test", "train"):
             _write_jsonl(Path(mc_folder) / f"{split}.jsonl", (item.to_dict() for item in mc[split]))
         _write_jsonl(Path(mc_folder) / "arguments.jsonl", argument_rows(mc["test"] + mc["train"]))
 
 
-if __name__ == "__main__":  # regenerate the shipped files: python -m flipguard.data.organism
+if __name__ == "__main__":  # regenerate the shipped files: python -m flipguard.data.organism_datasets
     here = Path(__file__).resolve().parent
     write_split_files(here / "organism", here / "organism_mc")

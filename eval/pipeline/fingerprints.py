@@ -1,0 +1,75 @@
+"""What makes a study's work reusable: a stage's fingerprint, and the key of a whole plan.
+
+A stage is skipped on a rerun when its fingerprint matches the one study.json holds: a hash
+of exactly what it reads (its settings, resolved from the recipe), the model's identity and
+its input stages' fingerprints. A finished study rerun with the same recipe bytes, flags,
+watched files, code version and base model matches its plan key, and is reported up to date
+without building its stages (the quick path of `flipguard study`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from flipguard import __version__
+from flipguard.eval.backends.base import resolve_model
+from flipguard.files import file_sha256, git_commit
+
+
+def content_sha(obj: Any) -> str:
+    """16 hex digits of the JSON of `obj` (keys sorted): the same content, the same hash."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_sha(path: str | None) -> str | None:
+    """16 hex digits of a file's bytes; None when there is no such file."""
+    return file_sha256(path)[:16] if path and Path(path).is_file() else None
+
+
+def model_identity(name: str) -> dict[str, Any]:
+    """The model a stage reads: its name and, for a local folder (embedded models
+    included), the size and modification time of each top-level file."""
+    path = Path(resolve_model(name))
+    ident: dict[str, Any] = {"name": name}
+    if path.is_dir():
+        ident["path"] = str(path.resolve())
+        ident["files"] = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(path.iterdir()) if p.is_file()}
+    return ident
+
+
+def stage_fingerprints(stages: Iterable[Any]) -> dict[str, str]:
+    """name -> fingerprint of each stage (in plan order: its inputs come first), from its
+    name, its params and its inputs' fingerprints."""
+    fps: dict[str, str] = {}
+    for s in stages:
+        fps[s.name] = content_sha({"stage": s.name, "params": s.params, "inputs": {i: fps[i] for i in s.inputs}})
+    return fps
+
+
+def plan_key(recipe: str, flags: list[str], out: str) -> str:
+    """A whole study's key: code version and commit, recipe bytes, flags, study folder."""
+    return content_sha({"version": __version__, "git_commit": git_commit(), "recipe": file_sha(recipe), "argv": flags,
+                        "out": str(Path(out).resolve())})
+
+
+def key_flags(flags: list[str], includes: list[str]) -> list[str]:
+    """The flags a study's plan key holds: the command's, and its --include files."""
+    return [*flags, *(f"--include={path}" for path in includes)]
+
+
+def plan_unchanged(state: dict[str, Any], recipe: str, flags: list[str], out: str) -> bool:
+    """study.json `state` records a finished run of this very plan: same key, same base model,
+    same watched files, every stage done and its outputs present."""
+    plan = state.get("plan") or {}
+    if plan.get("key") != plan_key(recipe, flags, out) or plan.get("model") != model_identity(state.get("model", "")):
+        return False
+    if any(file_sha(path) != sha for path, sha in (plan.get("files") or {}).items()):
+        return False
+    stages = state.get("stages") or {}
+    order = state.get("order") or []
+    if not order or any((stages.get(n) or {}).get("status") != "done" for n in order):
+        return False
+    return all(Path(p).exists() for n in order for p in stages[n].get("outputs", []))
