@@ -48,3 +48,23 @@ def test_the_protocols_commands_are_the_task_base_command(capsys):
                 main(argv)
             usage = capsys.readouterr().out
             assert usage.startswith(f"usage: flipguard {' '.join(argv[:-1])} ") and "--out" in usage
+
+
+def test_output_into_a_closed_pipe_stops_quietly():
+    """`flipguard --help | head -1`: the reader has gone; flipguard exits as a command killed by
+    SIGPIPE would (141), without a traceback. A real process writing into a pipe whose read end
+    is closed (long and short outputs: the usage, the version)."""
+    import os
+    import subprocess
+    import sys
+
+    for args in (["--help"], ["--version"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "flipguard", *args], stdout=write_end, stderr=subprocess.PIPE,
+                                  text=True, timeout=300)
+        finally:
+            os.close(write_end)
+        assert proc.returncode == 141, (args, proc.returncode, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]

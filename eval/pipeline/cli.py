@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
+import signal
 import sys
 
 from flipguard import __version__
@@ -63,6 +65,19 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # a short output is still in the buffer: a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`flipguard --help | head`): stop quietly, as a command killed by SIGPIPE
+        # would, rather than print a traceback; stdout goes to devnull so exit's flush cannot raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
