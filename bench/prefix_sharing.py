@@ -168,7 +168,7 @@ def main() -> int:
     from lm_eval.models.huggingface import HFLM
 
     from flipguard.eval.backends.base import get_backend
-    from flipguard.eval.threads import configure_threads
+    from flipguard.eval.threads import configure_threads, cpu_name
 
     configure_threads(args.threads)
     start_uptime = uptime()
@@ -328,7 +328,7 @@ def main() -> int:
                 "prefix_tokens": afr["on"][0]["computed"].get("prefix_tokens"), "tokens": afr_tokens,
                 "computed_on": {k: v for k, v in afr["on"][0]["computed"].items() if k != "first_tokens"},
                 "max_abs_diff_p_on_vs_off": afr_diff},
-        "machine": {"cpu_count": os.cpu_count(), "cpu": _cpu(), "platform": platform.platform(),
+        "machine": {"cpu_count": os.cpu_count(), "cpu": cpu_name(default=platform.processor()), "platform": platform.platform(),
                     "uptime_start": start_uptime, "uptime_end": uptime()},
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "lm_eval": __import__("lm_eval").__version__},
@@ -347,16 +347,6 @@ def lm_eval_probs(lm, Instance, contexts: list[str]) -> list[dict[str, float]]:
             for ctx in contexts for j, label in enumerate(("1", "2"))]
     out = lm.loglikelihood(reqs, disable_tqdm=True)
     return [{"1": math.exp(out[2 * i][0]), "2": math.exp(out[2 * i + 1][0])} for i in range(len(contexts))]
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":
