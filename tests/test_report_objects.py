@@ -6,12 +6,11 @@ of tests/fixtures/reports_08f9da5/organism_runs; how: README.md and capture.py t
 
 from __future__ import annotations
 
-import gzip
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from fixture_runs import unpack_run
 
 from flipguard.eval.estimate import Estimate
 
@@ -25,13 +24,7 @@ def work(tmp_path) -> Path:
     for src in [*(FIXTURES / "runs_25137aa").iterdir(), *(EXPECTED / "organism_runs").iterdir()]:
         if not src.is_dir():
             continue
-        run = tmp_path / "work" / src.name
-        run.mkdir(parents=True)
-        for path in src.iterdir():
-            if path.suffix == ".gz":
-                (run / path.stem).write_bytes(gzip.decompress(path.read_bytes()))
-            else:
-                shutil.copy(path, run / path.name)
+        unpack_run(src, tmp_path / "work" / src.name)
     return tmp_path / "work"
 
 

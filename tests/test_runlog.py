@@ -7,12 +7,11 @@ type, is one error naming the file."""
 from __future__ import annotations
 
 import csv
-import gzip
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from fixture_runs import unpack_run
 
 from flipguard.errors import RecordError
 from flipguard.eval.pipeline.cli import main as cli_main
@@ -24,14 +23,7 @@ RUNS = {"dds_logprob": "dds", "dds_generate": "dds", "sos": "sos", "afr": "afr"}
 
 def _copy(name: str, tmp_path: Path) -> Path:
     """A fixture run directory as the release left it (its .jsonl files unzipped)."""
-    src, run = FIXTURES / name, tmp_path / name
-    run.mkdir()
-    for path in src.iterdir():
-        if path.suffix == ".gz":
-            (run / path.stem).write_bytes(gzip.decompress(path.read_bytes()))
-        else:
-            shutil.copy(path, run / path.name)
-    return run
+    return unpack_run(FIXTURES / name, tmp_path / name)
 
 
 def _raw_lines(run: Path) -> list[dict]:
