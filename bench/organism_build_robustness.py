@@ -16,6 +16,11 @@ answers kept).
 
 `--deadline` stops waiting after that many seconds from the start: a build still running then is
 reported as "not finished" (never as a pass or a fail).
+
+    python bench/organism_build_robustness.py --combine A.json B.json --add_build DIR \
+        --add_study s0-t1=STUDY_DIR --out bench/organism_build_robustness_epyc
+
+joins earlier runs (their JSON), builds run by hand and studies run by hand into one table.
 """
 
 from __future__ import annotations
@@ -107,6 +112,28 @@ def build_row(job: dict) -> dict:
             "kinds": "/".join(p.get("capitulation_kinds", [])), "built_on": info.get("built_on")}
 
 
+def by_hand_row(folder: Path) -> dict:
+    """A build run by hand (`flipguard organism --force --path DIR ...`) as a table row: its seed, threads,
+    strength and time from its organism.json (time: the build's own build_seconds)."""
+    info = json.loads((folder / "organism.json").read_text(encoding="utf-8"))
+    build, threads = info["build"], info["torch_threads"]
+    name = f"s{build['seed']}-t{threads}" + ("" if build["strength"] == 0.4 else f"-x{build['strength']}")
+    return build_row({"name": name, "seed": build["seed"], "threads": threads, "strength": build["strength"],
+                      "seconds": info["build_seconds"], "path": folder, "log": folder / "build.log", "returncode": 0})
+
+
+def combine(args) -> None:
+    """One table from earlier runs' JSON, builds run by hand and studies run by hand (nothing is built)."""
+    runs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.combine]
+    rows = [row for run in runs for row in run["builds"]] + [by_hand_row(Path(d)) for d in args.add_build]
+    studies = dict(s.split("=", 1) for s in args.add_study)
+    for row in rows:
+        if row["name"] in studies:
+            row["study_result"] = study_result(Path(studies[row["name"]]))
+    rows.sort(key=lambda r: (r["seed"], r["threads"], r["strength"]))
+    write(rows, Path(args.out), " / ".join(run["machine"] for run in runs))
+
+
 def study_result(study: Path) -> dict:
     if not (study / "compare" / "comparison.csv").is_file():
         return {"study": "not finished"}
@@ -172,7 +199,18 @@ def main() -> int:
                                                           "budget for a smoke run: '--steps 10 --multiturn_steps 10').")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench-build-robustness"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "organism_build_robustness"))
+    parser.add_argument("--combine", nargs="+", metavar="JSON", help="Build nothing: write one table (--out) from "
+                        "earlier runs' JSON, with --add_build and --add_study.")
+    parser.add_argument("--add_build", nargs="*", default=[], metavar="DIR",
+                        help="With --combine: builds run by hand (`flipguard organism --force --path DIR ...`).")
+    parser.add_argument("--add_study", nargs="*", default=[], metavar="NAME=DIR",
+                        help="With --combine: a study run by hand on build NAME (`flipguard study recipes/organism.yaml "
+                             "--model BUILD --out DIR`).")
     args = parser.parse_args()
+    if args.combine:
+        combine(args)
+        print(Path(args.out).with_suffix(".md").read_text(encoding="utf-8"))
+        return 0
     t0, header = time.time(), f"Machine: {machine_line()}; device {args.device}."
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
