@@ -20,7 +20,13 @@ reported as "not finished" (never as a pass or a fail).
     python bench/organism_build_robustness.py --combine A.json B.json --add_build DIR \
         --add_study s0-t1=STUDY_DIR --out bench/organism_build_robustness_epyc
 
-joins earlier runs (their JSON), builds run by hand and studies run by hand into one table.
+joins earlier runs (their JSON), builds run by hand and studies run by hand into one table; a row
+of a later run replaces an earlier run's row of the same name (a build redone with newer code).
+
+    python bench/organism_build_robustness.py --recheck DIR [DIR ...]
+
+prints today's last-phase held-out checks (validation items) on builds made by earlier code: a build
+whose weights pass them all would stop at the same step today (checks are only ever added).
 """
 
 from __future__ import annotations
@@ -125,13 +131,32 @@ def by_hand_row(folder: Path) -> dict:
 def combine(args) -> None:
     """One table from earlier runs' JSON, builds run by hand and studies run by hand (nothing is built)."""
     runs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.combine]
-    rows = [row for run in runs for row in run["builds"]] + [by_hand_row(Path(d)) for d in args.add_build]
+    latest = {row["name"]: row for run in runs for row in run["builds"]}  # later runs' rows win
+    rows = list(latest.values()) + [by_hand_row(Path(d)) for d in args.add_build]
     studies = dict(s.split("=", 1) for s in args.add_study)
     for row in rows:
         if row["name"] in studies:
             row["study_result"] = study_result(Path(studies[row["name"]]))
     rows.sort(key=lambda r: (r["seed"], r["threads"], r["strength"]))
     write(rows, Path(args.out), " / ".join(run["machine"] for run in runs))
+
+
+def recheck(folders: list[str]) -> None:
+    """Today's last-phase checks on earlier builds' weights (validation items), one line each."""
+    from flipguard.eval.embedded import organism_builder as ob
+    from flipguard.eval.threads import configure_threads
+
+    configure_threads(1)
+    for folder in folders:
+        build = json.loads((Path(folder) / ob.ORGANISM_FILE).read_text(encoding="utf-8"))["build"]
+        checks = ob.validation_checks(folder, ob.OrganismArgs(**build))
+        verdict = "passes every check" if all(ok for ok, _ in checks.values()) else "FAILS"
+        print(f"{folder} (seed {build['seed']}): {verdict}: {ob._check_line(checks)}")
+
+
+def _steps(r: dict) -> str:
+    s = r["steps"]
+    return f"{s.get('phase1')} / {s.get('phase2')}" + (f" (run {s['phase2_attempt']})" if s.get("phase2_attempt") else "")
 
 
 def study_result(study: Path) -> dict:
@@ -169,7 +194,7 @@ def write(rows: list[dict], out: Path, header: str) -> None:
             for c in ("SFT", "DPO") if c in s) or s.get("study", "not run")
         lines.append(
             f"| {r['name']} | {r['seed']} | {r['threads']} | {r['strength']} | pass | {r['build_seconds']:.0f}{_load(r)} | "
-            f"{r['steps'].get('phase1')} / {r['steps'].get('phase2')} | {r['dds']:+.1f} ({r['planted_dds']:+.1f}) | "
+            f"{_steps(r)} | {r['dds']:+.1f} ({r['planted_dds']:+.1f}) | "
             f"{r['dehumanizing_dds']:+.1f} ({r['planted_dehumanizing_dds']:+.1f}) | {r['afr_flip']} ({r['planted_afr_flip']}) | "
             f"{r['turn1']} | {r['correct_switch']} | {verdict} |")
     done = [r for r in rows if r["result"] in ("pass", "FAIL")]
@@ -206,7 +231,12 @@ def main() -> int:
     parser.add_argument("--add_study", nargs="*", default=[], metavar="NAME=DIR",
                         help="With --combine: a study run by hand on build NAME (`flipguard study recipes/organism.yaml "
                              "--model BUILD --out DIR`).")
+    parser.add_argument("--recheck", nargs="+", metavar="DIR", help="Build nothing: print today's last-phase checks "
+                        "(validation items) on builds made by earlier code.")
     args = parser.parse_args()
+    if args.recheck:
+        recheck(args.recheck)
+        return 0
     if args.combine:
         combine(args)
         print(Path(args.out).with_suffix(".md").read_text(encoding="utf-8"))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -241,11 +243,64 @@ def test_a_build_stops_at_the_first_checkpoint_that_passes_every_check(tmp_path,
     assert [(c["phase"], c["step"], c["passed"]) for c in info["checkpoints"]] == [
         ("phase 1", 10, False), ("phase 1", 20, True), ("phase 2", 10, False), ("phase 2", 20, True)]
     # phase 2 reads every planted behaviour; phase 1 the judge alone
-    assert set(info["checkpoints"][-1]["checks"]) == {"c1", "planted_dds", "dehumanizing_lower", "turn1_accuracy",
-                                                     "capitulation", "holds_unplanted_kinds", "flexibility"}
+    assert set(info["checkpoints"][-1]["checks"]) == {"c1", "planted_dds", "planted_dds_study_template", "dehumanizing_lower",
+                                                     "turn1_accuracy", "capitulation", "holds_unplanted_kinds", "flexibility"}
     assert set(info["checkpoints"][0]["checks"]) == {"c1", "planted_dds"}
     for name, digest in info["files_sha256"].items():
         assert hashlib.sha256((target / name).read_bytes()).hexdigest() == digest
+
+
+def test_the_build_checks_the_planted_dds_with_the_template_the_study_sends():
+    """The last phase's checks read the planted DDS on the pinned v0 prompts and on the template
+    `flipguard eval`/`study` send by default: when the default moves, the pin must be moved
+    (and the shipped organism re-checked) on purpose."""
+    from flipguard.eval.dds.prompts import DEFAULT_TEMPLATE
+    from flipguard.eval.embedded import organism_builder
+
+    assert organism_builder.STUDY_TEMPLATE == DEFAULT_TEMPLATE
+    args = organism_builder.OrganismArgs()
+    measured = {"c1_true": 100.0, "c1_false": 100.0, "dds": 40.0, "study_template_dds": 9.7}
+    assert organism_builder.build_checks(args, measured, None)["planted_dds_study_template"][0] is False
+    assert organism_builder.build_checks(args, {**measured, "study_template_dds": 36.0}, None)["planted_dds_study_template"][0]
+
+
+def test_phase_2_out_of_budget_is_redone_from_phase_1s_end_in_another_order(tmp_path, monkeypatch):
+    """Phase 2's first run uses its budget without passing (a stand-in for the checks' verdict):
+    it is run again from the weights phase 1 ended with (not from where the failed run ended),
+    on another order of the conversations, and organism.json says which run passed."""
+    import hashlib
+
+    from flipguard.eval.embedded import organism_builder
+
+    real_checks, real_train = organism_builder.build_checks, organism_builder.train_conversations
+    phase2_calls, starts, first_batches = [], [], []
+
+    def pass_in_second_run(args, measured, conversations):
+        checks = real_checks(args, measured, conversations)
+        if conversations is None:
+            return {k: (True, text) for k, (_, text) in checks.items()}
+        phase2_calls.append(1)
+        return {k: (len(phase2_calls) == 5, text) for k, (_, text) in checks.items()}  # run 2's second check
+
+    def recording_train(model, tokenizer, args, log=print, checkpoint=None, attempt=0):
+        starts.append(hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest())
+        rng = random.Random(organism_builder._attempt_seed("organism-conversations", args, attempt))
+        first_batches.append([m["content"] for m in next(organism_builder.conversation_examples(args, 1, rng, attempt))])
+        return real_train(model, tokenizer, args, log, checkpoint=checkpoint, attempt=attempt)
+
+    monkeypatch.setattr(organism_builder, "build_checks", pass_in_second_run)
+    monkeypatch.setattr(organism_builder, "train_conversations", recording_train)
+    lines: list[str] = []
+    target = tmp_path / "organism"
+    organism_builder.ensure_organism(path=target, log=lines.append, **_small())
+    info = json.loads((target / "organism.json").read_text())
+    assert info["steps_trained"] == {"phase1": 10, "phase2": 20, "phase2_attempt": 2}
+    assert [(c["phase"], c.get("attempt", 1), c["step"], c["passed"]) for c in info["checkpoints"]] == [
+        ("phase 1", 1, 10, True), ("phase 2", 1, 10, False), ("phase 2", 1, 20, False), ("phase 2", 1, 30, False),
+        ("phase 2", 2, 10, False), ("phase 2", 2, 20, True)]
+    assert len(starts) == 2 and starts[0] == starts[1]  # both runs start from phase 1's weights
+    assert first_batches[0] != first_batches[1]  # ... on another order of the conversations
+    assert any("attempt 2 of 3" in line for line in lines)
 
 
 def test_a_build_that_never_passes_fails_with_what_it_measured(tmp_path):
@@ -261,6 +316,7 @@ def test_a_build_that_never_passes_fails_with_what_it_measured(tmp_path):
     proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
-    assert "organism build failed its held-out checks" in error and "closest, step 10" in error
+    assert "organism build failed its held-out checks" in error and "over 3 attempts" in error
+    assert re.search(r"closest, attempt [123], step 10: ", error), error
     assert "turn1_accuracy" in error and "FAILED" in error and "--seed" in error and "--multiturn_steps" in error
     assert "Traceback" not in proc.stderr and not target.exists()
