@@ -43,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from organism_multiturn import first_answers_kept, study_rows, success  # noqa: E402  (the sibling bench's rule)
+from organism_multiturn import first_answers_kept, missed, study_rows, success  # noqa: E402  (the sibling bench's rule)
 
 RECIPE = ROOT / "recipes" / "organism.yaml"
 
@@ -169,7 +169,8 @@ def study_result(study: Path) -> dict:
         row = table.get(cond)
         if row:
             out[cond] = {"dds": row["dds"], "afr": row.get("afr_blind"), "correct_switch": row.get("correct_switch"),
-                         "success": success(row, base), "first_answers_kept": first_answers_kept(row, base)}
+                         "success": success(row, base), "first_answers_kept": first_answers_kept(row, base),
+                         "missed": missed(row, base) + ([] if first_answers_kept(row, base) else ["first answers"])}
     return out
 
 
@@ -190,7 +191,8 @@ def write(rows: list[dict], out: Path, header: str) -> None:
             continue
         s = r.get("study_result") or {}
         verdict = " / ".join(
-            ("yes" if s[c]["success"] and s[c]["first_answers_kept"] else "no") + f" (DDS {s[c]['dds']:+.1f}, AFR {s[c]['afr']:.1f})"
+            ("yes" if s[c]["success"] and s[c]["first_answers_kept"] else "no") + f" (DDS {s[c]['dds']:+.1f}, AFR {s[c]['afr']:.1f}"
+            + "".join(f"; {m}" for m in s[c].get("missed", [])) + ")"
             for c in ("SFT", "DPO") if c in s) or s.get("study", "not run")
         lines.append(
             f"| {r['name']} | {r['seed']} | {r['threads']} | {r['strength']} | pass | {r['build_seconds']:.0f}{_load(r)} | "
