@@ -43,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from organism_multiturn import first_answers_kept, missed, study_rows, success  # noqa: E402  (the sibling bench's rule)
+from organism_multiturn import first_answers_kept, missed, study_rows  # noqa: E402  (the sibling bench's rule)
 
 RECIPE = ROOT / "recipes" / "organism.yaml"
 
@@ -168,9 +168,9 @@ def study_result(study: Path) -> dict:
     for cond in ("SFT", "DPO"):
         row = table.get(cond)
         if row:
+            miss, kept = missed(row, base), first_answers_kept(row, base)
             out[cond] = {"dds": row["dds"], "afr": row.get("afr_blind"), "correct_switch": row.get("correct_switch"),
-                         "success": success(row, base), "first_answers_kept": first_answers_kept(row, base),
-                         "missed": missed(row, base) + ([] if first_answers_kept(row, base) else ["first answers"])}
+                         "success": not miss, "first_answers_kept": kept, "missed": miss + ([] if kept else ["first answers"])}
     return out
 
 
