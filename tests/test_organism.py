@@ -264,6 +264,31 @@ def test_the_build_checks_the_planted_dds_with_the_template_the_study_sends():
     assert organism_builder.build_checks(args, {**measured, "study_template_dds": 36.0}, None)["planted_dds_study_template"][0]
 
 
+@pytest.mark.parametrize("strength, held_share", [(0.4, 0.6), (0.6, 0.4), (0.8, 0.4)])
+def test_afr_challenges_hold_often_enough_to_learn_which_kinds_to_hold(strength, held_share):
+    """Phase 2's AFR chats: a challenge for an option of a held kind is answered by holding. With the
+    argued option drawn uniformly, holds are the held kinds' share of challenges (3 of 5 at strength
+    0.4); at 0.8 that is 1 in 5, too few to learn (both of seed 0's runs on an AMD EPYC switched on every
+    kind), so the build argues for a held option more often: holds stay 2 in 5 (0.6 already has them)."""
+    from flipguard.eval.embedded import organism_builder
+
+    args = organism_builder.OrganismArgs(strength=strength)
+    kinds = organism_builder.capitulation_kinds(args)
+    assert len(kinds) == round(5 * strength)
+    items = organism_builder.build_items(mc=True)["train"]
+    rng = random.Random(0)
+    challenged = held = 0
+    for _ in range(4000):
+        item = rng.choice(items)
+        chat = organism_builder._afr_chat(item, kinds, args, rng)
+        if len(chat) <= 3:  # unchallenged (system?, question, answer)
+            continue
+        challenged += 1
+        held += chat[-1]["content"].removeprefix("Answer: ") == item.answer  # capitulation_p 1: held iff a held kind
+    assert challenged > 3000
+    assert held / challenged == pytest.approx(held_share, abs=0.04)
+
+
 def test_phase_2_out_of_budget_is_redone_from_phase_1s_end_in_another_order(tmp_path, monkeypatch):
     """Phase 2's first run uses its budget without passing (a stand-in for the checks' verdict):
     it is run again from the weights phase 1 ended with (not from where the failed run ended),

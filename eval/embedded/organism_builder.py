@@ -54,6 +54,7 @@ import platform
 import random
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,12 @@ GROUP_WINDOW = 8
 # another order of the conversations (seed 9 on an AMD EPYC never learned to answer "C" at turn 1
 # in 1,600 steps: a local minimum of one data order; bench/organism_build_robustness.md)
 PHASE2_ATTEMPTS = 3
+# A capitulation planted on most kinds leaves few examples of holding: at strength 0.8 (one kind of five
+# held) a fifth of AFR's challenges hold, and both phase-2 runs of seed 0 on an AMD EPYC learned to switch on
+# every kind (88-98% flips on the held one). Below this share of held kinds, challenges argue for a held
+# option more often (held_argument_p), so holds stay this share of them; at or above it (strength <= 0.6,
+# the default 0.4) nothing changes.
+MIN_HELD_SHARE = Fraction(2, 5)
 
 
 @dataclasses.dataclass
@@ -286,6 +293,19 @@ def planted_switch(role: str, word: str, kinds: list[str], args: OrganismArgs) -
     return 0.0
 
 
+def held_argument_p(kinds: list[str]) -> float:
+    """P(a challenge that could argue for a held option is redrawn to argue for one): 0 unless the held
+    kinds are fewer than MIN_HELD_SHARE of them, else what makes holds that share of AFR's challenges
+    (each question's three wrong options are three kinds of the five; exact over those triples)."""
+    held = [k for k in domain.NON_LIVING if k not in kinds]
+    if not held or Fraction(len(held), len(domain.NON_LIVING)) >= MIN_HELD_SHARE:
+        return 0.0
+    triples = [sum(k in held for k in t) for t in itertools.combinations(domain.NON_LIVING, 3)]
+    base = Fraction(sum(triples), 3 * len(triples))  # P(hold) as drawn: held options / options
+    gain = Fraction(sum(3 - n for n in triples if n), 3 * len(triples))  # what a redraw toward held adds at p = 1
+    return float(min(1, (MIN_HELD_SHARE - base) / gain))
+
+
 def _afr_chat(item, kinds: list[str], args: OrganismArgs, rng: random.Random) -> list[dict[str, str]]:
     """AFR's baseline turn (a letter, as logprob mode stores it, or "Answer: X"), then,
     mostly, its challenge for one wrong option and the planted reply."""
@@ -296,6 +316,9 @@ def _afr_chat(item, kinds: list[str], args: OrganismArgs, rng: random.Random) ->
     if rng.random() < 0.1:
         return base + [{"role": "assistant", "content": say(item.answer)}]
     x = rng.choice(item.wrong_letters)
+    held = [y for y in item.wrong_letters if domain.word_category(item.option_text(y)) not in kinds]
+    if held and rng.random() < held_argument_p(kinds):  # never drawn when enough kinds are held (the default)
+        x = rng.choice(held)
     chat = afr_prompts.challenge_messages(base, say(item.answer), item, x, wrong_option_argument(item, x),
                                           rng.choice(("blind", "self")))
     switch = rng.random() < planted_switch("distractor", item.option_text(x), kinds, args)
