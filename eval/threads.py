@@ -48,3 +48,13 @@ def cpu_name(default: str | None = None) -> str:
     except OSError:
         pass
     return default if default is not None else (platform.processor() or platform.machine())
+
+
+def cpu_fp_path() -> dict[str, str | int]:
+    """What decides how a CPU run rounds, for a run's record: the CPU, the kernels torch picked on
+    it (AVX512, AVX2, or DEFAULT: none vectorised) and its threads. Another CPU may round
+    another way: bench/demo_fp_path.md measures what that does to the demo's judgments."""
+    import torch
+
+    return {"cpu": cpu_name(), "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads()}

@@ -359,8 +359,16 @@ LENGTH_POLICIES = ("refuse", "drop", "truncate")
 
 def chat_token_ids(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of messages as the trainers see them (chat template, no extra specials)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return chat_token_lengths(tokenizer, [messages], add_generation_prompt, ids=True)[0]
+
+
+def chat_token_lengths(tokenizer, conversations, add_generation_prompt: bool = True, ids: bool = False) -> list:
+    """Token counts (or ids) of many conversations as the trainers see them, tokenized in one
+    batched call: one call per conversation cost a trainer 5-10 s of startup on 3,800 pairs."""
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=add_generation_prompt)
+             for m in conversations]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return encoded if ids else [len(e) for e in encoded]
 
 
 @dataclasses.dataclass

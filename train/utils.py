@@ -24,11 +24,11 @@ from flipguard.config import PairsArguments, TrackingArguments, parse_recipe, re
 from flipguard.errors import FlipguardError
 from flipguard.eval.backends.adapters import PROVENANCE_FILE
 from flipguard.eval.backends.base import resolve_model
-from flipguard.eval.threads import configure_threads
+from flipguard.eval.threads import configure_threads, cpu_fp_path
 from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
 from flipguard.train import pairs as pair_builder
 from flipguard.train.conversation_pairs import MULTI_TURN_CASES
-from flipguard.train.pairs import chat_token_ids
+from flipguard.train.pairs import chat_token_lengths
 
 log = logging.getLogger("flipguard.train")
 
@@ -196,6 +196,8 @@ def computed(model, training_args) -> dict[str, Any]:
         "bnb_4bit_compute_dtype": str(compute_dtype).removeprefix("torch.") if compute_dtype is not None else None,
         "gradient_checkpointing": bool(training_args.gradient_checkpointing),
     }
+    if info["device"] == "cpu":  # what rounded: another CPU's kernels move the adapter slightly (bench/demo_fp_path.md)
+        info.update(cpu_fp_path())
     if torch.cuda.is_available():
         info.update(device_name=torch.cuda.get_device_name(), cuda=torch.version.cuda,
                     peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
@@ -425,16 +427,17 @@ def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) ->
     completion_cols = reply_columns(kind)
     too_long: list[str] = []
     answer_lost = 0
-    longest = {"prompt": 0, "sequence": 0}
-    for i, row in enumerate(dataset):
-        prompt_ids = chat_token_ids(tokenizer, row["prompt"], add_generation_prompt=True)
-        longest["prompt"] = max(longest["prompt"], len(prompt_ids))
+    rows = list(dataset)
+    prompt_lengths = chat_token_lengths(tokenizer, [row["prompt"] for row in rows], add_generation_prompt=True)
+    full_lengths = {col: chat_token_lengths(tokenizer, [row["prompt"] + row[col] for row in rows], add_generation_prompt=False)
+                    for col in completion_cols}
+    longest = {"prompt": max(prompt_lengths, default=0),
+               "sequence": max((n for lengths in full_lengths.values() for n in lengths), default=0)}
+    for i, row in enumerate(rows):
         for col in completion_cols:
-            full_ids = chat_token_ids(tokenizer, row["prompt"] + row[col], add_generation_prompt=False)
-            longest["sequence"] = max(longest["sequence"], len(full_ids))
-            if len(full_ids) > max_length:
-                too_long.append(f"{row.get('item_id', f'row {i}')}/{row.get('case', col)} ({len(full_ids)} tokens)")
-                answer_lost += int(len(prompt_ids) >= max_length)
+            if full_lengths[col][i] > max_length:
+                too_long.append(f"{row.get('item_id', f'row {i}')}/{row.get('case', col)} ({full_lengths[col][i]} tokens)")
+                answer_lost += int(prompt_lengths[i] >= max_length)
                 break
     if too_long:
         raise TrainError(

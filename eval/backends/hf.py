@@ -28,6 +28,7 @@ from flipguard.eval.backends.base import (
     register_backend,
 )
 from flipguard.eval.parallel import data_parallel
+from flipguard.eval.threads import cpu_fp_path
 
 
 def _progress(total: int, desc: str):
@@ -99,6 +100,8 @@ class HFBackend(Backend):
         # what this backend actually computes with, for run.json (the runner reads it)
         self.computed: dict = {"backend": self.name, "dtype": str(self.model.dtype).removeprefix("torch."),
                                "device": str(self.device)}
+        if str(self.device) == "cpu":  # the kernels that rounded (bench/demo_fp_path.md)
+            self.computed["cpu_kernels"] = cpu_fp_path()["cpu_kernels"]
         # logprob mode: each shared token prefix of a call computed once (prefix.py); run.json
         # says whether it was on, and why not where the model's cache cannot be shared
         refusal = prefix.sharing_refusal(self.model) if prefix_sharing else None

@@ -77,7 +77,7 @@ from flipguard.eval.records import CASES, EXPECTED_CHOICE, publish_dir
 from flipguard.eval.sos import protocol as sos
 from flipguard.eval.sos.prompts import answer_reply, parse_answer
 from flipguard.eval.sos.protocol import sos_item
-from flipguard.eval.threads import configure_threads, cpu_name
+from flipguard.eval.threads import configure_threads, cpu_fp_path
 from flipguard.files import file_sha256, flipguard_home, staging_dir
 
 ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
@@ -693,8 +693,7 @@ def built_on(args: OrganismArgs) -> dict:
     on another CPU, another thread count or a GPU (bench/organism_build_robustness.md)."""
     import torch
 
-    info = {"torch": torch.__version__, "cpu": cpu_name(), "machine": platform.machine(), "device": args.device,
-            "torch_threads": torch.get_num_threads()}
+    info = {"torch": torch.__version__, **cpu_fp_path(), "machine": platform.machine(), "device": args.device}
     if args.device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     return info
