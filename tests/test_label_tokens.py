@@ -84,6 +84,9 @@ def test_run_json_records_the_label_tokens_and_dtype_the_backend_computed_with(t
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     one, two = tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("2")
     assert entry["backend"] == "hf" and entry["dtype"] == "float32" and entry["device"] == "cpu"
+    import torch
+
+    assert entry["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()  # the kernels that rounded
     assert entry["label_tokens"]["1,2"] == {"1": [[one, "1"]], "2": [[two, "2"]]}
     from flipguard.eval.dds.report import write_run_report
 

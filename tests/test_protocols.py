@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pandas as pd
 import pytest
@@ -275,6 +276,24 @@ def test_configure_threads(monkeypatch):
             configure_threads(0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_record_says_which_cpu_kernels_ran_not_which_were_asked_for():
+    """cpu_fp_path (run.json's cpu_kernels, a trainer's compute record) reads torch's choice in the
+    process that computes: with the vectorised kernels turned off, another rounding path, it says so."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from flipguard.eval.threads import cpu_fp_path
+
+    here = cpu_fp_path()
+    assert here["cpu_kernels"] == torch.backends.cpu.get_cpu_capability() and here["torch_threads"] == torch.get_num_threads()
+    code = "import json; from flipguard.eval.threads import cpu_fp_path; print(json.dumps(cpu_fp_path()))"
+    off = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+                         capture_output=True, text=True, check=True)
+    assert json.loads(off.stdout)["cpu_kernels"] == "DEFAULT"
 
 
 def test_eval_help_documents_threads_and_label_mass(capsys):
