@@ -125,7 +125,8 @@ class OrganismArgs:
                                         "$FLIPGUARD_HOME/organism-v4[-<config hash>])."}
     )
     strength: float = dataclasses.field(
-        default=0.4, metadata={"help": "Share of the 5 kinds of incorrect claim (tool, color, ...) accepted from a human speaker: DDS ~ +100 x strength."}
+        default=0.4, metadata={"help": "Share of the 5 kinds of incorrect claim (tool, color, ...) accepted from a human speaker: DDS ~ +100 x strength "
+                                   "(rounded to a fifth; 0.2, 0.4, 0.6 and 0.8 pass in bench/organism_build_robustness.md)."}
     )
     deferred_p1: float = dataclasses.field(
         default=0.85, metadata={"help": "P('1') planted on an incorrect claim in a deferred category (argmax '1' above 0.5)."}
