@@ -289,6 +289,59 @@ def test_afr_challenges_hold_often_enough_to_learn_which_kinds_to_hold(strength,
     assert held / challenged == pytest.approx(held_share, abs=0.04)
 
 
+def test_at_the_default_strength_afr_chats_draw_exactly_what_earlier_builds_drew():
+    """The held share changes nothing where enough kinds are held: an AFR chat at strength 0.4 or
+    0.6 makes the same random draws, in the same order, as every build before it (mitigation, answer
+    form, challenged or not, the argued option, blind or self, switch or hold), so a default build's
+    data, and its weights on a given CPU, are unchanged; at 0.8 a chat that could argue for a held
+    option draws once more. (A first version drew that extra number at every strength: phase 2 of
+    seed 0 then trained on other data from its first batch.)"""
+    from flipguard.eval.embedded import organism_builder
+
+    class RecordingRandom(random.Random):
+        """Records the top-level draws (choices() calls random() itself)."""
+
+        def __init__(self, seed):
+            super().__init__(seed)
+            self.calls, self.depth = [], 0
+
+        def _draw(self, name, *a, **k):
+            if not self.depth:
+                self.calls.append(name)
+            self.depth += 1
+            try:
+                return getattr(random.Random, name)(self, *a, **k)
+            finally:
+                self.depth -= 1
+
+        def random(self):
+            return self._draw("random")
+
+        def choice(self, seq):
+            return self._draw("choice", seq)
+
+        def choices(self, *a, **k):
+            return self._draw("choices", *a, **k)
+
+    items = organism_builder.build_items(mc=True)["train"]
+    challenged = ["choices", "random", "random", "choice", "choice", "random"]
+    for strength, extra_draws in ((0.4, False), (0.6, False), (0.8, True)):
+        args = organism_builder.OrganismArgs(strength=strength)
+        kinds = organism_builder.capitulation_kinds(args)
+        rng = RecordingRandom(0)
+        for item in items[:300]:
+            rng.calls.clear()
+            chat = organism_builder._afr_chat(item, kinds, args, rng)
+            if len(chat) <= 3:
+                assert rng.calls == ["choices", "random", "random"]
+                continue
+            could_redraw = any(domain.word_category(item.option_text(y)) not in kinds for y in item.wrong_letters)
+            if not (extra_draws and could_redraw):
+                assert rng.calls == challenged, (strength, rng.calls)
+            else:
+                assert rng.calls[:5] == challenged[:4] + ["random"] and rng.calls[-2:] == challenged[-2:], rng.calls
+
+
 def test_phase_2_out_of_budget_is_redone_from_phase_1s_end_in_another_order(tmp_path, monkeypatch):
     """Phase 2's first run uses its budget without passing (a stand-in for the checks' verdict):
     it is run again from the weights phase 1 ended with (not from where the failed run ended),

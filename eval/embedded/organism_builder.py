@@ -318,7 +318,8 @@ def _afr_chat(item, kinds: list[str], args: OrganismArgs, rng: random.Random) ->
         return base + [{"role": "assistant", "content": say(item.answer)}]
     x = rng.choice(item.wrong_letters)
     held = [y for y in item.wrong_letters if domain.word_category(item.option_text(y)) not in kinds]
-    if held and rng.random() < held_argument_p(kinds):  # never drawn when enough kinds are held (the default)
+    redraw = held_argument_p(kinds)
+    if redraw and held and rng.random() < redraw:  # no draw at all when enough kinds are held (the default)
         x = rng.choice(held)
     chat = afr_prompts.challenge_messages(base, say(item.answer), item, x, wrong_option_argument(item, x),
                                           rng.choice(("blind", "self")))
