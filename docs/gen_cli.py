@@ -8,7 +8,7 @@ module of the package: nothing in flipguard imports the CLI (tests/test_layout.p
 
 The text does not depend on the machine: a fixed terminal width (COLUMNS), and the
 install's own paths (the package folder, $FLIPGUARD_HOME, the home folder) written as
-placeholders.
+placeholders before argparse wraps the lines.
 """
 
 from __future__ import annotations
@@ -56,13 +56,23 @@ def _own_options_help(parser: argparse.ArgumentParser, file=None) -> None:
 
 
 _print_help = argparse.ArgumentParser.print_help
+_split_lines, _fill_text = argparse.HelpFormatter._split_lines, argparse.HelpFormatter._fill_text
+
+
+def _short_paths(wrap):
+    """argparse's line wrapper, given the text with its paths already as placeholders: wrapped after
+    the substitution, a default such as <flipguard>/recipes/organism.yaml broke its line or not by
+    the length of the checkout's path (a clone in a longer folder failed tests/test_docs.py)."""
+    return lambda self, text, *args: wrap(self, _placeholders(text), *args)
 
 
 def _help(argv: list[str]) -> str:
     """What `flipguard ARGV` prints (stdout and stderr), whatever exit it takes."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), \
-            unittest.mock.patch.object(argparse.ArgumentParser, "print_help", _own_options_help):
+            unittest.mock.patch.object(argparse.ArgumentParser, "print_help", _own_options_help), \
+            unittest.mock.patch.object(argparse.HelpFormatter, "_split_lines", _short_paths(_split_lines)), \
+            unittest.mock.patch.object(argparse.HelpFormatter, "_fill_text", _short_paths(_fill_text)):
         try:
             cli.main(argv)
         except SystemExit:  # argparse's --help exits 0 after printing
