@@ -21,7 +21,8 @@ reported as "not finished" (never as a pass or a fail).
         --add_study s0-t1=STUDY_DIR --out bench/organism_build_robustness_epyc
 
 joins earlier runs (their JSON), builds run by hand and studies run by hand into one table; a row
-of a later run replaces an earlier run's row of the same name (a build redone with newer code).
+of a later run replaces an earlier run's row of the same name (a build redone with newer code), and a
+build by hand replaces them all.
 
     python bench/organism_build_robustness.py --recheck DIR [DIR ...]
 
@@ -132,7 +133,8 @@ def combine(args) -> None:
     """One table from earlier runs' JSON, builds run by hand and studies run by hand (nothing is built)."""
     runs = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.combine]
     latest = {row["name"]: row for run in runs for row in run["builds"]}  # later runs' rows win
-    rows = list(latest.values()) + [by_hand_row(Path(d)) for d in args.add_build]
+    latest.update((row["name"], row) for row in map(by_hand_row, map(Path, args.add_build)))  # ... and builds by hand last
+    rows = list(latest.values())
     studies = dict(s.split("=", 1) for s in args.add_study)
     for row in rows:
         if row["name"] in studies:
