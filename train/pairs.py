@@ -364,7 +364,7 @@ def chat_token_ids(tokenizer, messages, add_generation_prompt: bool = True) -> l
 
 def chat_token_lengths(tokenizer, conversations, add_generation_prompt: bool = True, ids: bool = False) -> list:
     """Token counts (or ids) of many conversations as the trainers see them, tokenized in one
-    batched call: one call per conversation cost a trainer 5-10 s of startup on 3,800 pairs."""
+    batched call (the demo's 3,803 SFT pairs: 6.1 s against 8.0 s one call per conversation, at load)."""
     texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=add_generation_prompt)
              for m in conversations]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
