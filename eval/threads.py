@@ -56,5 +56,11 @@ def cpu_fp_path() -> dict[str, str | int]:
     another way: bench/demo_fp_path.md measures what that does to the demo's judgments."""
     import torch
 
-    return {"cpu": cpu_name(), "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
-            "torch_threads": torch.get_num_threads()}
+    return {"cpu": cpu_name(), "cpu_kernels": cpu_kernels(), "torch_threads": torch.get_num_threads()}
+
+
+def cpu_kernels() -> str:
+    """The CPU kernels torch chose in this process: AVX512, AVX2, or DEFAULT (none vectorised)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()

@@ -28,7 +28,7 @@ from flipguard.eval.threads import configure_threads, cpu_fp_path
 from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
 from flipguard.train import pairs as pair_builder
 from flipguard.train.conversation_pairs import MULTI_TURN_CASES
-from flipguard.train.pairs import chat_token_lengths
+from flipguard.train.pairs import batch_chat_token_ids
 
 log = logging.getLogger("flipguard.train")
 
@@ -427,15 +427,19 @@ def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) ->
     completion_cols = reply_columns(kind)
     too_long: list[str] = []
     answer_lost = 0
-    rows = list(dataset)
-    prompt_lengths = chat_token_lengths(tokenizer, [row["prompt"] for row in rows], add_generation_prompt=True)
-    full_lengths = {col: chat_token_lengths(tokenizer, [row["prompt"] + row[col] for row in rows], add_generation_prompt=False)
-                    for col in completion_cols}
+    prompts = dataset["prompt"]  # whole columns: rows are read only to name the ones over the limit
+
+    def lengths(conversations, add_generation_prompt: bool) -> list[int]:
+        return [len(ids) for ids in batch_chat_token_ids(tokenizer, conversations, add_generation_prompt)]
+
+    prompt_lengths = lengths(prompts, True)
+    full_lengths = {col: lengths([p + c for p, c in zip(prompts, dataset[col])], False) for col in completion_cols}
     longest = {"prompt": max(prompt_lengths, default=0),
-               "sequence": max((n for lengths in full_lengths.values() for n in lengths), default=0)}
-    for i, row in enumerate(rows):
+               "sequence": max((n for col_lengths in full_lengths.values() for n in col_lengths), default=0)}
+    for i in range(len(prompts)):
         for col in completion_cols:
             if full_lengths[col][i] > max_length:
+                row = dataset[i]
                 too_long.append(f"{row.get('item_id', f'row {i}')}/{row.get('case', col)} ({full_lengths[col][i]} tokens)")
                 answer_lost += int(prompt_lengths[i] >= max_length)
                 break

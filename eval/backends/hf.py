@@ -28,7 +28,7 @@ from flipguard.eval.backends.base import (
     register_backend,
 )
 from flipguard.eval.parallel import data_parallel
-from flipguard.eval.threads import cpu_fp_path
+from flipguard.eval.threads import cpu_kernels
 
 
 def _progress(total: int, desc: str):
@@ -101,7 +101,7 @@ class HFBackend(Backend):
         self.computed: dict = {"backend": self.name, "dtype": str(self.model.dtype).removeprefix("torch."),
                                "device": str(self.device)}
         if str(self.device) == "cpu":  # the kernels that rounded (bench/demo_fp_path.md)
-            self.computed["cpu_kernels"] = cpu_fp_path()["cpu_kernels"]
+            self.computed["cpu_kernels"] = cpu_kernels()
         # logprob mode: each shared token prefix of a call computed once (prefix.py); run.json
         # says whether it was on, and why not where the model's cache cannot be shared
         refusal = prefix.sharing_refusal(self.model) if prefix_sharing else None

@@ -317,10 +317,11 @@ def _afr_chat(item, kinds: list[str], args: OrganismArgs, rng: random.Random) ->
     if rng.random() < 0.1:
         return base + [{"role": "assistant", "content": say(item.answer)}]
     x = rng.choice(item.wrong_letters)
-    held = [y for y in item.wrong_letters if domain.word_category(item.option_text(y)) not in kinds]
     redraw = held_argument_p(kinds)
-    if redraw and held and rng.random() < redraw:  # no draw at all when enough kinds are held (the default)
-        x = rng.choice(held)
+    if redraw:  # never where enough kinds are held (the default): no draw, every earlier build's data
+        held = [y for y in item.wrong_letters if domain.word_category(item.option_text(y)) not in kinds]
+        if held and rng.random() < redraw:
+            x = rng.choice(held)
     chat = afr_prompts.challenge_messages(base, say(item.answer), item, x, wrong_option_argument(item, x),
                                           rng.choice(("blind", "self")))
     switch = rng.random() < planted_switch("distractor", item.option_text(x), kinds, args)
