@@ -348,6 +348,14 @@ def register_task(name: str):
     return deco
 
 
+_INCLUDED: list[str] = []
+
+
+def included_task_files() -> list[str]:
+    """The files include_tasks imported in this process (a study's worker processes import them too)."""
+    return list(_INCLUDED)
+
+
 def include_tasks(path: str | Path) -> None:
     """Import a user's Python file so its `@register_task` classes are known."""
     path = Path(path)
@@ -364,6 +372,7 @@ def include_tasks(path: str | Path) -> None:
     except Exception as exc:  # a user's file: its error, named, without our traceback
         del sys.modules[spec.name]
         raise UserError(f"--include {path}: importing it failed ({type(exc).__name__}: {exc})") from None
+    _INCLUDED.append(str(path.resolve()))
 
 
 def split_includes(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -161,8 +161,8 @@ def test_a_stage_folder_that_appears_mid_run_is_refused_not_deleted(shared, tmp_
         mine.write_text("my plan")
 
     StudyPlan.run_dds = run_dds
-    try:
-        assert cli_main(["study", str(shared["recipe"]), "--out", str(out)]) == 2
+    try:  # one stage at a time: the patched stage runs in this process, not in a worker
+        assert cli_main(["study", str(shared["recipe"]), "--out", str(out), "--jobs", "1"]) == 2
     finally:
         StudyPlan.run_dds = original
     assert mine.read_text() == "my plan"

@@ -29,7 +29,7 @@ from pathlib import Path
 from flipguard.config import parse_dataclasses, read_recipe
 from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, ORGANISM_FILE
-from flipguard.eval.pipeline.study import print_artefacts, run_study
+from flipguard.eval.pipeline.study import JOBS_HELP, print_artefacts, run_study
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import PACKAGE_ROOT
 
@@ -68,6 +68,7 @@ class DemoArgs:
                           "except 0 for the random-init tiny model (~0.3%% of its mass is on '1'+'2')."},
     )
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+    jobs: int | None = dataclasses.field(default=None, metadata={"help": JOBS_HELP})
 
 
 def _comma(value: str) -> list[str]:
@@ -114,7 +115,7 @@ def main(argv: list[str]) -> int:
                   f"{'/'.join(info['capitulation_kinds'])} option (expected AFR flip rate {info['expected_afr_flip']:.0f}%), "
                   f"holds on the other kinds; accepts a correct option after abstaining "
                   f"(expected correct switch {info['expected_correct_switch']:.0f}%)")
-    study = run_study(args.recipe, args.out, study_recipe(args))
+    study = run_study(args.recipe, args.out, study_recipe(args), jobs=args.jobs)
     print(f"\n=== done. Same as: flipguard study {args.recipe} --out {args.out}")
     print_artefacts(study.artefacts)
     print(f"\nEvery item behind these numbers, in one page: open {Path(args.out) / 'view.html'} in a browser")

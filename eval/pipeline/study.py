@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -44,6 +45,7 @@ from flipguard.config import (
     validate_recipe,
 )
 from flipguard.errors import FlipguardError, UserError
+from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.dds.metrics import TOTAL_AVG
 from flipguard.eval.pipeline.compare import protocol_flags
 from flipguard.eval.pipeline.fingerprints import (
@@ -54,16 +56,19 @@ from flipguard.eval.pipeline.fingerprints import (
     plan_unchanged,
     stage_fingerprints,
 )
+from flipguard.eval.pipeline.stage_workers import StageWorkers, auto_jobs, last_of_each_line
 from flipguard.eval.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.eval.pipeline.view import VIEW_FILE, write_view
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
-from flipguard.eval.task import include_tasks, split_includes
-from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.eval.task import include_tasks, included_task_files, split_includes
+from flipguard.eval.threads import THREADS_HELP, configure_threads, default_threads
 from flipguard.files import atomic_write_text, check_replace, dumps_utf8, remove_owned, written_files
 
 STUDY_FILE = "study.json"
 STUDY_FORMAT = "flipguard-study/1"
 RECIPE_HEADER = "# the effective recipe of this study"
+JOBS_HELP = ("Independent stages run at once, each in its own process (default: 2 on a CPU with 2 free cores per "
+             "--threads, the hf backend and a small local model, else 1); the results are the same either way")
 
 
 def _study_file(path: Path) -> bool:
@@ -104,6 +109,7 @@ class StudyArguments:
     only: str | None = dataclasses.field(default=None, metadata={"help": "Redo just this stage (its inputs must be done)."})
     model: str | None = dataclasses.field(default=None, metadata={"help": "Override the recipe's model_name_or_path."})
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+    jobs: int | None = dataclasses.field(default=None, metadata={"help": JOBS_HELP})
 
 
 class Study(StudyPlan):
@@ -161,7 +167,11 @@ class Study(StudyPlan):
     def step(self, title: str) -> None:
         self.print(f"\n=== [{time.time() - self.t0:6.0f}s] {title}")
 
-    def run(self, from_stage: str | None = None, only: str | None = None) -> list[tuple[str, str, float]]:
+    def run(self, from_stage: str | None = None, only: str | None = None, jobs: int = 1,
+            plan_args: dict[str, Any] | None = None) -> list[tuple[str, str, float]]:
+        """Every stage that is not up to date, in order; with `jobs` > 1 (and `plan_args`, what a
+        worker rebuilds this plan from) up to `jobs` stages whose inputs are done at once
+        (stage_workers.py)."""
         names = [s.name for s in self.stages]
         for flag, value in (("--from", from_stage), ("--only", only)):
             if value is not None and value not in names:
@@ -177,65 +187,147 @@ class Study(StudyPlan):
         atomic_write_text(self.recipe_file, f"{RECIPE_HEADER} (from {self.recipe_path}); "
                                             "written by flipguard study\n" + yaml.safe_dump(public_recipe(self.raw), sort_keys=False),
                           adopt=_study_file)
-        fps = stage_fingerprints(self.stages)
-        entries = self.state["stages"]
-        start = names.index(from_stage) if from_stage else None
-        for i, stage in enumerate(self.stages):
-            entry = entries.get(stage.name) or {}
-            current = (entry.get("status") == "done" and entry.get("fingerprint") == fps[stage.name]
-                       and all(p.exists() for p in stage.outputs) and self.built_from_current(stage))
-            forced = stage.name == only or (start is not None and i >= start)
-            if only and stage.name != only:
-                self.statuses.append((stage.name, "skipped" if current else "not run", 0.0))
-                continue
-            if current and not forced:
-                self.statuses.append((stage.name, "skipped", 0.0))
-                self.print(f"--- {stage.name}: skipped (up to date)")
-                continue
-            missing = [n for n in stage.inputs if (entries.get(n) or {}).get("status") != "done"
-                       or entries[n].get("fingerprint") != fps[n]]
-            if missing:
-                raise UserError(f"stage {stage.name}: its input stage(s) {', '.join(missing)} are not done with the "
-                                 "current settings; run the study without --only first")
-            self.state.pop("plan", None)  # the quick-rerun key holds only after a full run (main's record_plan)
-            resume = entry.get("status") == "running" and entry.get("fingerprint") == fps[stage.name] and not forced
-            status = "resume" if resume else ("redo" if entry else "run")
-            # where the study stands, and how long this stage took when it last ran (its ETA on a redo)
-            last = f", {entry['seconds']:.0f}s last time" if entry.get("seconds") else ""
-            self.step(f"{stage.title}  [{stage.name}: {status}, stage {i + 1}/{len(self.stages)}{last}]")
-            if stage.name not in entries:
-                self.check_folders([stage])  # again at the moment it runs: a folder that appeared since is refused
-            foreign = list(entry.get("foreign") or [])
-            if not resume:
-                foreign = self.clear(stage, entry)
-            entries[stage.name] = {"status": "running", "fingerprint": fps[stage.name], "inputs": list(stage.inputs),
-                                   "foreign": foreign,
-                                   "built_from": {i: entries[i].get("build") for i in stage.inputs},
-                                   "params": json.loads(json.dumps(stage.params, default=str)),
-                                   "outputs": [str(p) for p in stage.outputs], "started": now_iso()}
-            self._save_state()
-            t = time.time()
-            stage.run()
-            missing_out = [str(p) for p in stage.outputs if not p.exists()]
-            if missing_out:
-                raise UserError(f"stage {stage.name}: finished without writing {', '.join(missing_out)}")
-            if stage.recorded is not None:
-                self.state.update(stage.recorded())
-            seconds = time.time() - t
-            entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status,
-                                       build=uuid.uuid4().hex[:12],
-                                       files={os.path.relpath(k, self.out): v for p in stage.clear
-                                              for k, v in written_files(p, foreign).items()})
-            self._save_state()
-            self.statuses.append((stage.name, status, seconds))
-            self.print(f"--- {stage.name}: {status} in {seconds:.1f}s")
-        for stage in self.stages:  # a done stage whose inputs were redone since (--only) says so: stale
-            entry = entries.get(stage.name) or {}
-            if entry.get("status") == "done" and (entry.get("fingerprint") != fps[stage.name]
-                                                  or not self.built_from_current(stage)):
-                entry["status"] = "stale"
+        self._fps = stage_fingerprints(self.stages)
+        self._start = names.index(from_stage) if from_stage else None
+        self._only = only
+        if jobs > 1 and not only:
+            self._run_side_by_side(jobs, plan_args or {})
+        else:
+            for i, stage in enumerate(self.stages):
+                status = self._decide(i, stage)
+                if status in ("skipped", "not run"):
+                    continue
+                self._begin(i, stage, status)
+                t = time.time()
+                stage.run()
+                self._finish(stage, status, time.time() - t)
+        self._mark_stale()
         self._save_state()
         return self.statuses
+
+    def _decide(self, i: int, stage: Stage) -> str:
+        """What happens to stage i now that its inputs are settled: "skipped"/"not run" (recorded
+        here), or how it runs ("run", "redo", "resume")."""
+        entries, fps = self.state["stages"], self._fps
+        entry = entries.get(stage.name) or {}
+        current = (entry.get("status") == "done" and entry.get("fingerprint") == fps[stage.name]
+                   and all(p.exists() for p in stage.outputs) and self.built_from_current(stage))
+        forced = stage.name == self._only or (self._start is not None and i >= self._start)
+        if self._only and stage.name != self._only:
+            self.statuses.append((stage.name, "skipped" if current else "not run", 0.0))
+            return "skipped" if current else "not run"
+        if current and not forced:
+            self.statuses.append((stage.name, "skipped", 0.0))
+            self.print(f"--- {stage.name}: skipped (up to date)")
+            return "skipped"
+        missing = [n for n in stage.inputs if (entries.get(n) or {}).get("status") != "done"
+                   or entries[n].get("fingerprint") != fps[n]]
+        if missing:
+            raise UserError(f"stage {stage.name}: its input stage(s) {', '.join(missing)} are not done with the "
+                             "current settings; run the study without --only first")
+        resume = entry.get("status") == "running" and entry.get("fingerprint") == fps[stage.name] and not forced
+        return "resume" if resume else ("redo" if entry else "run")
+
+    def _begin(self, i: int, stage: Stage, status: str, where: str = "") -> None:
+        """Announce the stage, clear what a redo replaces, record it as running."""
+        entries = self.state["stages"]
+        entry = entries.get(stage.name) or {}
+        self.state.pop("plan", None)  # the quick-rerun key holds only after a full run (main's record_plan)
+        # where the study stands, and how long this stage took when it last ran (its ETA on a redo)
+        last = f", {entry['seconds']:.0f}s last time" if entry.get("seconds") else ""
+        self.step(f"{stage.title}  [{stage.name}: {status}, stage {i + 1}/{len(self.stages)}{last}]{where}")
+        if stage.name not in entries:
+            self.check_folders([stage])  # again at the moment it runs: a folder that appeared since is refused
+        foreign = list(entry.get("foreign") or [])
+        if status != "resume":
+            foreign = self.clear(stage, entry)
+        entries[stage.name] = {"status": "running", "fingerprint": self._fps[stage.name], "inputs": list(stage.inputs),
+                               "foreign": foreign,
+                               "built_from": {i: entries[i].get("build") for i in stage.inputs},
+                               "params": json.loads(json.dumps(stage.params, default=str)),
+                               "outputs": [str(p) for p in stage.outputs], "started": now_iso()}
+        self._save_state()
+
+    def _finish(self, stage: Stage, status: str, seconds: float) -> None:
+        """The stage ran: its outputs are there, study.json records it done with the files it wrote."""
+        entries = self.state["stages"]
+        missing_out = [str(p) for p in stage.outputs if not p.exists()]
+        if missing_out:
+            raise UserError(f"stage {stage.name}: finished without writing {', '.join(missing_out)}")
+        if stage.recorded is not None:
+            self.state.update(stage.recorded())
+        foreign = entries[stage.name]["foreign"]
+        entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status,
+                                   build=uuid.uuid4().hex[:12],
+                                   files={os.path.relpath(k, self.out): v for p in stage.clear
+                                          for k, v in written_files(p, foreign).items()})
+        self._save_state()
+        self.statuses.append((stage.name, status, seconds))
+        self.print(f"--- {stage.name}: {status} in {seconds:.1f}s")
+
+    def _run_side_by_side(self, jobs: int, plan_args: dict[str, Any]) -> None:
+        """The stages as a graph: each starts once every stage it reads is settled, up to `jobs`
+        at once in worker processes (stage_workers.py). The first failure starts nothing more;
+        the stages already running finish and are recorded, then the failure is raised."""
+        order = {s.name: i for i, s in enumerate(self.stages)}
+        pending = list(self.stages)
+        running: dict[str, tuple[Stage, str, float, Path]] = {}
+        failure: BaseException | None = None
+        logs = tempfile.TemporaryDirectory(prefix="flipguard-stages-")
+        workers = StageWorkers(jobs, plan_args)
+        try:
+            while (pending and failure is None) or running:
+                while failure is None and workers.idle:
+                    unsettled = {s.name for s in pending} | set(running)
+                    ready = next((s for s in pending if not unsettled & set(s.inputs)
+                                  # the wandb stage reads the whole folder: it waits for every other stage
+                                  and not (s.name == "wandb" and len(unsettled) > 1)), None)
+                    if ready is None:
+                        break
+                    pending.remove(ready)
+                    status = self._decide(order[ready.name], ready)
+                    if status in ("skipped", "not run"):
+                        continue
+                    log = Path(logs.name) / f"{ready.name}.log"
+                    self._begin(order[ready.name], ready, status,
+                                f"\n    (beside {', '.join(running) or 'nothing'}; its output when it ends; live: tail -f {log})")
+                    workers.submit(ready.name, str(log))
+                    running[ready.name] = (ready, status, time.time(), log)
+                if not running:
+                    break
+                name, error = workers.wait()
+                stage, status, t, log = running.pop(name)
+                text = last_of_each_line(log.read_text(encoding="utf-8", errors="replace")) if log.is_file() else ""
+                if text.strip():
+                    self.print(f"\n--- output of {name}:\n{text.rstrip()}")
+                if error is not None:
+                    self.print(f"--- {name}: failed after {time.time() - t:.1f}s")
+                    if failure is None:
+                        failure = error if isinstance(error, FlipguardError) else RuntimeError(f"stage {name}: {error}")
+                    continue
+                try:
+                    self._finish(stage, status, time.time() - t)
+                except FlipguardError as exc:
+                    failure = failure or exc
+        except BaseException:
+            workers.close(terminate=True)
+            logs.cleanup()
+            raise
+        workers.close()
+        logs.cleanup()
+        self.statuses.sort(key=lambda s: order[s[0]])
+        if failure is not None:
+            self._mark_stale()
+            self._save_state()
+            raise failure
+
+    def _mark_stale(self) -> None:
+        entries = self.state["stages"]
+        for stage in self.stages:  # a done stage whose inputs were redone since (--only) says so: stale
+            entry = entries.get(stage.name) or {}
+            if entry.get("status") == "done" and (entry.get("fingerprint") != self._fps[stage.name]
+                                                  or not self.built_from_current(stage)):
+                entry["status"] = "stale"
 
     def clear(self, stage: Stage, entry: dict[str, Any]) -> list[str]:
         """Before a stage is redone: remove what it wrote (its folders' manifests, study.json's
@@ -308,18 +400,41 @@ def effective_recipe(recipe_path: str, parsed: dict[str, Any], model: str | None
     return raw
 
 
+def study_jobs(study: Study, jobs: int | None) -> int:
+    """--jobs, or where it is not given the stages at once this study can take on this machine
+    (stage_workers.auto_jobs), said in one line when more than one."""
+    if jobs is not None:
+        if jobs < 1:
+            raise UserError(f"--jobs must be a positive integer, got {jobs}")
+        return jobs
+    try:
+        model_path = resolve_model(study.model)
+    except FlipguardError:
+        model_path = study.model
+    launches = bool(study.trainers) and study.accelerate_processes() > 1
+    jobs, why = auto_jobs(threads=default_threads(), on_gpu=study.on_gpu(), launches=launches,
+                          backend=study.plan.eval_plan_backend, model_path=model_path)
+    if jobs > 1:
+        study.print(f"=== up to {jobs} independent stages at once ({why}; --jobs 1: one at a time)")
+    return jobs
+
+
 def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | None = None, *,
               from_stage: str | None = None, only: str | None = None, print_fn: Callable[[str], None] = print,
-              on_finish: Callable[[Study], None] | None = None) -> Study:
+              on_finish: Callable[[Study], None] | None = None, jobs: int | None = 1) -> Study:
     """Run (or resume) the study a recipe describes; `raw` overrides the file's contents;
-    `on_finish` runs while the study still holds its folder."""
+    `on_finish` runs while the study still holds its folder; `jobs` stages at once (None: as
+    many as this machine and study allow, study_jobs)."""
     raw = read_recipe(recipe_path) if raw is None else raw
     validate_recipe(raw, recipe_path)
     # one writer per study folder, held from before study.json is read until the last stage
     # (trainers and merges included): a second study is refused at once, naming the holder
     with run_lock(out):
         study = Study(recipe_path, raw, out, print_fn=print_fn)
-        study.run(from_stage=from_stage, only=only)
+        jobs = 1 if only else study_jobs(study, jobs)
+        plan_args = {"recipe_path": recipe_path, "raw": raw, "out": str(out), "threads": default_threads(),
+                     "includes": included_task_files()}
+        study.run(from_stage=from_stage, only=only, jobs=jobs, plan_args=plan_args)
 
         # every stage's status and the comparison with the items behind it, one HTML page
         study.artefacts.append(("page of it all (open in a browser)", write_view(study.out)))
@@ -417,6 +532,7 @@ def main(argv: list[str]) -> int:
         study.state["artefacts"] = [[what, str(path)] for what, path in study.artefacts]
         study._save_state()
 
-    study = run_study(recipe_path, out, raw, from_stage=args.from_stage, only=args.only, on_finish=record_plan)
+    study = run_study(recipe_path, out, raw, from_stage=args.from_stage, only=args.only, on_finish=record_plan,
+                      jobs=args.jobs)
     print_artefacts(study.artefacts)
     return 0

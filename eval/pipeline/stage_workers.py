@@ -1,0 +1,220 @@
+"""Independent study stages side by side: `flipguard study --jobs N` (and the demo) on CPU.
+
+A study's stages form a graph (each names the stages whose outputs it reads); on a CPU with
+spare cores, stages with no path between them (SFT and DPO, AFR and stick-or-switch, the
+baseline and the train-split runs) need not wait for each other. Each of N worker processes
+(spawned, so no thread pool or tokenizer state is inherited from the parent) builds the same
+study plan once and then runs the stages it is given, one at a time, with the parent's torch
+threads; its output goes to a log file that the parent prints whole when the stage ends, so
+two stages' lines never interleave. Only the parent writes study.json. Every stage computes
+what it would alone (same inputs, same threads), so the results are the ones a one-at-a-time
+study writes (bench/study_jobs.md compares them file by file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import traceback
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+from flipguard.errors import FlipguardError
+from flipguard.eval.pipeline.study_plan import StudyPlan
+from flipguard.eval.task import include_tasks
+from flipguard.eval.threads import configure_threads
+
+# stages at once when --jobs is not given (a CPU study, the hf backend, a small model): two
+# covers the graph's width where it matters (sft | dpo, afr | sos) without a third copy of a model
+AUTO_JOBS_MAX = 2
+# a model whose weights exceed this runs one stage at a time unless --jobs says otherwise:
+# each worker holds its own copy
+AUTO_JOBS_MODEL_BYTES = 2 * 2**30
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def model_bytes(path: str) -> int | None:
+    """Bytes of a local model's weight files; None where the path is not a local folder or file."""
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    if not p.is_dir():
+        return None
+    return sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+
+
+def auto_jobs(*, threads: int, on_gpu: bool, launches: bool, backend: str, model_path: str) -> tuple[int, str]:
+    """(stages at once, why) for a study whose --jobs is not given."""
+    if on_gpu or launches:
+        return 1, "trainers run through accelerate launch"
+    if backend != "hf":
+        return 1, f"the {backend} backend serves one model at a time"
+    size = model_bytes(model_path)
+    if size is None or size > AUTO_JOBS_MODEL_BYTES:
+        return 1, "the base model is not a small local one (each worker loads its own copy)"
+    jobs = min(AUTO_JOBS_MAX, usable_cores() // max(1, threads))
+    if jobs < 2:
+        return 1, f"{usable_cores()} core(s) for {threads} thread(s) per stage"
+    return jobs, f"{usable_cores()} cores, {threads} thread(s) per stage"
+
+
+def last_of_each_line(text: str) -> str:
+    """A log as a terminal would have left it: of a line rewritten with carriage returns (a
+    progress bar), its last state."""
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())
+
+
+# ------------------------------------------------------------------ worker side
+
+_STAGES: dict[str, Any] = {}
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this worker is killed when the study process dies, even by SIGKILL, so no stage
+    goes on writing into a folder that a rerun clears."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the pipe's EOF ends an idle worker
+        return
+    if os.getppid() != parent_pid:  # the parent died before the call
+        os._exit(1)
+
+
+def _worker_main(conn, plan_args: dict[str, Any]) -> None:
+    """Build the plan once; then run each stage named on `conn`, its output into its log file;
+    answer None, or the exception (pickled when it can be, else its text)."""
+    _die_with_parent(plan_args["parent_pid"])
+    try:
+        configure_threads(plan_args["threads"])
+        for path in plan_args["includes"]:
+            include_tasks(path)
+        plan = StudyPlan(plan_args["recipe_path"], plan_args["raw"], plan_args["out"])
+        _STAGES.update((s.name, s) for s in plan.stages)
+        setup_error = None
+    except BaseException as exc:  # answered for the first stage asked for
+        setup_error = exc
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        name, log_path = task
+        conn.send(_run_one(name, log_path, setup_error))
+
+
+def _portable(exc: BaseException) -> BaseException:
+    try:
+        return pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _run_one(name: str, log_path: str, setup_error: BaseException | None):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log_path, "wb", buffering=0) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            if setup_error is not None:
+                raise setup_error
+            _STAGES[name].run()
+            return None
+        except BaseException as exc:
+            if not isinstance(exc, FlipguardError):  # a bug or a crash: its traceback belongs in the log
+                traceback.print_exc()
+            return _portable(exc)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+# ------------------------------------------------------------------ parent side
+
+class StageWorkers:
+    """N spawned workers, each running one stage at a time; `wait()` returns a finished stage."""
+
+    def __init__(self, jobs: int, plan_args: dict[str, Any]):
+        ctx = multiprocessing.get_context("spawn")
+        plan_args = {**plan_args, "parent_pid": os.getpid()}
+        self.workers = []
+        for _ in range(jobs):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(child, plan_args), daemon=True)
+            proc.start()
+            child.close()
+            self.workers.append({"proc": proc, "conn": parent, "stage": None})
+
+    @property
+    def idle(self) -> int:
+        return sum(w["stage"] is None for w in self.workers)
+
+    @property
+    def busy(self) -> int:
+        return len(self.workers) - self.idle
+
+    def submit(self, name: str, log_path: str) -> None:
+        worker = next(w for w in self.workers if w["stage"] is None)
+        worker["conn"].send((name, log_path))
+        worker["stage"] = name
+
+    def wait(self) -> tuple[str, BaseException | None]:
+        """Block until a stage ends: (its name, None or the exception it raised). A worker that
+        died (killed, out of memory) ends its stage with an error saying so."""
+        busy = [w for w in self.workers if w["stage"] is not None]
+        ready = wait([w["conn"] for w in busy] + [w["proc"].sentinel for w in busy])
+        for w in busy:
+            if w["conn"] in ready:
+                try:
+                    result = w["conn"].recv()
+                except EOFError:
+                    result = self._died(w)
+                name, w["stage"] = w["stage"], None
+                return name, result
+        for w in busy:
+            if w["proc"].sentinel in ready:
+                error = self._died(w)
+                name, w["stage"] = w["stage"], None
+                return name, error
+        raise AssertionError("wait() returned nothing ready")
+
+    @staticmethod
+    def _died(worker) -> FlipguardError:
+        worker["proc"].join(timeout=5)
+        code = worker["proc"].exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return FlipguardError(f"stage {worker['stage']}: its worker process (pid {worker['proc'].pid}) died during "
+                              f"the stage ({how}); rerun the same command to resume")
+
+    def close(self, *, terminate: bool = False) -> None:
+        for w in self.workers:
+            if terminate and w["proc"].is_alive():
+                w["proc"].terminate()
+            else:
+                try:
+                    w["conn"].send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for w in self.workers:
+            w["proc"].join(timeout=30)
+            if w["proc"].is_alive():
+                w["proc"].kill()
+                w["proc"].join()

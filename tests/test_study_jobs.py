@@ -1,0 +1,161 @@
+"""`flipguard study --jobs 2`: independent stages in worker processes write what one stage at a
+time writes, and a real kill of a worker or of the study itself leaves a study that resumes, with
+no worker left writing into it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flipguard.eval.pipeline.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+DEADLINE_S = 900  # a loaded 2-core machine; the conditions below are events, this only stops a hang
+
+
+def _recipe(tmp_path: Path, name: str = "recipe.yaml", sft_steps: int = 2) -> Path:
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    raw["report_to"] = "none"
+    raw["eval"].update(limit=2, n_boot=50, mitigations=["be_honest"])
+    raw["pairs"]["datasets"] = "bbq"
+    raw.pop("kto")
+    raw["sft"]["max_steps"] = sft_steps
+    raw["dpo"]["max_steps"] = 2
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _records(study: Path, rel: Path) -> list[dict]:
+    """A records file without its clock fields (when a record was written, how long it took) and
+    the study's folder (a merged model's path, and the record key hashed from it)."""
+    rows = [json.loads(line) for line in (study / rel).read_text().replace(str(study), "STUDY").splitlines()]
+    for row in rows:
+        for clock_or_key in ("time", "latency_s", "key"):
+            row.pop(clock_or_key, None)
+    return rows
+
+
+@pytest.mark.slow
+def test_stages_side_by_side_write_what_one_at_a_time_writes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    recipe = _recipe(tmp_path)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli_main(["study", str(recipe), "--out", str(one), "--jobs", "1"]) == 0
+    capsys.readouterr()
+    assert cli_main(["study", str(recipe), "--out", str(two), "--jobs", "2"]) == 0
+    printed = capsys.readouterr().out
+
+    # SFT and DPO read only the pairs: the second starts while the first runs, in another process
+    assert "[dpo: run, stage" in printed and "(beside sft;" in printed
+    # each stage's own output is printed whole, after its start line and before its end line
+    assert printed.index("--- output of sft:") < printed.index("--- sft: run in")
+    state_one, state_two = (json.loads((d / "study.json").read_text()) for d in (one, two))
+    assert state_two["order"] == state_one["order"]
+    assert {n: s["status"] for n, s in state_two["stages"].items()} == {n: "done" for n in state_one["order"]}
+
+    records = sorted(p.relative_to(one) for p in one.rglob("records.jsonl"))
+    assert len(records) >= 5  # baseline, be_honest, base-train, sft-eval, dpo-eval
+    for rel in records:
+        assert _records(two, rel) == _records(one, rel), rel
+    for rel in ("compare/comparison.csv", "train/sft/adapter_model.safetensors", "train/dpo/adapter_model.safetensors",
+                "pairs/dpo.jsonl", "pairs/sft.jsonl"):
+        assert (two / rel).read_bytes() == (one / rel).read_bytes(), rel
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:  # the field after the state is the parent's pid
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _stage_of(worker: int) -> str | None:
+    """The stage a worker is running: its stdout is that stage's log file (stage_workers.py)."""
+    try:
+        target = os.readlink(f"/proc/{worker}/fd/1")
+    except OSError:
+        return None
+    return Path(target).stem if target.endswith(".log") else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _wait_for(condition, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + DEADLINE_S
+    while not (value := condition()):
+        assert proc is None or proc.poll() is None, f"the study ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def _start(recipe: Path, out: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe),
+                                 "--out", str(out), "--jobs", "2"], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads worker processes from /proc (Linux)")
+def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_along(tmp_path):
+    long = _recipe(tmp_path, "long.yaml", sft_steps=400)  # long enough to be killed while training
+    out = tmp_path / "study"
+
+    # 1. SIGKILL to the worker running sft: the study says which stage died and how, exits non-zero,
+    #    and records sft as unfinished
+    proc = _start(long, out, tmp_path / "first.log")
+    try:
+        worker = _wait_for(lambda: next((w for w in _children(proc.pid) if _stage_of(w) == "sft"), None),
+                           "a worker runs sft", proc)
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=DEADLINE_S) == 2
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    printed = (tmp_path / "first.log").read_text()
+    assert (f"flipguard study: error: stage sft: its worker process (pid {worker}) died during the stage (killed by "
+            "signal 9); rerun the same command to resume") in printed
+    stages = json.loads((out / "study.json").read_text())["stages"]
+    assert stages["sft"]["status"] == "running" and "sft-merge" not in stages
+    assert stages["pairs"]["status"] == "done"
+
+    # 2. SIGKILL to the study alone (not its process group): its workers die with it
+    proc = _start(long, out, tmp_path / "second.log")
+    try:
+        _wait_for(lambda: any(_stage_of(w) == "sft" for w in _children(proc.pid)), "sft runs again", proc)
+        workers = _children(proc.pid)  # the two workers (and multiprocessing's resource tracker)
+        assert len(workers) >= 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _wait_for(lambda: not any(_alive(w) for w in workers), "the workers to exit after the study was killed")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    # 3. the rerun (a short schedule, so the test stays short) finishes every stage
+    assert cli_main(["study", str(_recipe(tmp_path, "long.yaml")), "--out", str(out), "--jobs", "2"]) == 0
+    state = json.loads((out / "study.json").read_text())
+    assert {s["status"] for s in state["stages"].values()} == {"done"}
+    assert (out / "train" / "sft" / "flipguard_training.json").is_file()
