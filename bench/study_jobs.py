@@ -58,13 +58,15 @@ def main(argv: list[str] | None = None) -> int:
                 for p in sorted(a.glob("train/*/adapter_model.safetensors"))}
     import torch
 
-    result = {"machine": f"{cpu_name()}, {os.cpu_count()} cores, {platform.machine()}", "torch": torch.__version__,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    result = {"commit": commit, "machine": f"{cpu_name()}, {os.cpu_count()} cores, {platform.machine()}", "torch": torch.__version__,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "runs": runs, "records": records,
               "tables_identical": tables, "adapters_identical": adapters,
               "command": "python bench/study_jobs.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# `flipguard demo --jobs 1` vs `--jobs 2`", "",
-             f"{result['machine']}, torch {result['torch']}; `{result['command']}`", "",
+             f"{result['machine']}, torch {result['torch']}, commit {commit}; `{result['command']}`", "",
              "| jobs | wall time (demo command) | load at start / end |", "|---|---|---|"]
     lines += [f"| {r['jobs']} | {r['seconds']:.0f} s | {r['load_at_start']} / {r['load_at_end']} |" for r in runs]
     lines += ["", "| records | matched | replies/choices that differ | max probability difference |", "|---|---|---|---|"]
