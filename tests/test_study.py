@@ -266,7 +266,10 @@ def test_a_study_killed_mid_stage_resumes_that_stage(tmp_path):
     recipe, out = tmp_path / "kill.yaml", tmp_path / "kill"
     recipe.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe), "--out", str(out)],
+    # one stage at a time, so every stage before sft is finished when it is killed (two at a time:
+    # tests/test_study_jobs.py)
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe), "--out", str(out),
+                             "--jobs", "1"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
@@ -286,7 +289,7 @@ def test_a_study_killed_mid_stage_resumes_that_stage(tmp_path):
     # a cleared folder, the finished ones before it are skipped
     raw["sft"]["max_steps"] = 2
     recipe.write_text(yaml.safe_dump(raw))
-    assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
+    assert cli_main(["study", str(recipe), "--out", str(out), "--jobs", "1"]) == 0
     state = _state(out)
     assert _redone(before, out) == {"sft", "sft-merge", "sft-eval", "compare"}
     assert state["stages"]["sft"]["last_action"] == "redo" and {s["status"] for s in state["stages"].values()} == {"done"}

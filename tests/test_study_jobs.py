@@ -159,3 +159,10 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
     state = json.loads((out / "study.json").read_text())
     assert {s["status"] for s in state["stages"].values()} == {"done"}
     assert (out / "train" / "sft" / "flipguard_training.json").is_file()
+
+
+def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():
+    from flipguard.eval.pipeline.stage_workers import last_of_each_line
+
+    tqdm_like = "Tokenizing:   0%|   | 0/3803\rTokenizing:  50%|#  | 1901/3803\rTokenizing: 100%|##| 3803/3803\n"
+    assert last_of_each_line("start\r\n" + tqdm_like + "done\n") == "start\nTokenizing: 100%|##| 3803/3803\ndone\n"

@@ -72,7 +72,7 @@ def auto_jobs(*, threads: int, on_gpu: bool, launches: bool, backend: str, model
 def last_of_each_line(text: str) -> str:
     """A log as a terminal would have left it: of a line rewritten with carriage returns (a
     progress bar), its last state."""
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.splitlines())
+    return "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n"))
 
 
 # ------------------------------------------------------------------ worker side
