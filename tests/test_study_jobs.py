@@ -164,5 +164,9 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
 def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():
     from flipguard.eval.pipeline.stage_workers import last_of_each_line
 
-    tqdm_like = "Tokenizing:   0%|   | 0/3803\rTokenizing:  50%|#  | 1901/3803\rTokenizing: 100%|##| 3803/3803\n"
-    assert last_of_each_line("start\r\n" + tqdm_like + "done\n") == "start\nTokenizing: 100%|##| 3803/3803\ndone\n"
+    on_a_terminal = "Tokenizing:   0%|   | 0/3803\rTokenizing:  50%|#  | 1901/3803\rTokenizing: 100%|##| 3803/3803\n"
+    assert last_of_each_line("start\r\n" + on_a_terminal + "done\n") == "start\nTokenizing: 100%|##| 3803/3803\ndone\n"
+    to_a_file = "Tokenizing:   0%|   | 0/3803\nTokenizing:  50%|#  | 1901/3803\nTokenizing: 100%|##| 3803/3803\n"
+    two_bars = to_a_file + "Loading weights:  50%|#  | 13/26\nLoading weights: 100%|##| 26/26\n"
+    assert last_of_each_line("start\n" + two_bars + "done") == ("start\nTokenizing: 100%|##| 3803/3803\n"
+                                                               "Loading weights: 100%|##| 26/26\ndone")

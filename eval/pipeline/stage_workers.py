@@ -17,6 +17,7 @@ import ctypes
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import sys
 import traceback
@@ -69,10 +70,25 @@ def auto_jobs(*, threads: int, on_gpu: bool, launches: bool, backend: str, model
     return jobs, f"{usable_cores()} cores, {threads} thread(s) per stage"
 
 
+# a tqdm bar's line: its description, then the percentage and the bar
+PROGRESS_LINE = re.compile(r"^(?P<desc>.*?):?\s*\d+%\|")
+
+
 def last_of_each_line(text: str) -> str:
-    """A log as a terminal would have left it: of a line rewritten with carriage returns (a
-    progress bar), its last state."""
-    return "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n"))
+    """A log as a terminal would have left it: of a progress bar (rewritten with carriage
+    returns, or, written to a file, one line per update) its last state only."""
+    lines: list[str] = []
+    last_desc = None
+    for line in text.split("\n"):
+        line = line.rstrip("\r").rsplit("\r", 1)[-1]
+        match = PROGRESS_LINE.match(line)
+        desc = match.group("desc") if match else None
+        if desc is not None and desc == last_desc and lines:
+            lines[-1] = line
+        else:
+            lines.append(line)
+        last_desc = desc
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ worker side
