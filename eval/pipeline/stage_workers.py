@@ -166,29 +166,28 @@ def _run_one(name: str, log_path: str, setup_error: BaseException | None):
 # ------------------------------------------------------------------ parent side
 
 class StageWorkers:
-    """N spawned workers, each running one stage at a time; `wait()` returns a finished stage."""
+    """Up to `jobs` spawned workers, each running one stage at a time, started as stages need them
+    (a rerun with little to redo starts few); `wait()` returns a finished stage."""
 
     def __init__(self, jobs: int, plan_args: dict[str, Any]):
-        ctx = multiprocessing.get_context("spawn")
-        plan_args = {**plan_args, "parent_pid": os.getpid()}
-        self.workers = []
-        for _ in range(jobs):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, plan_args), daemon=True)
-            proc.start()
-            child.close()
-            self.workers.append({"proc": proc, "conn": parent, "stage": None})
+        self.jobs = jobs
+        self.plan_args = {**plan_args, "parent_pid": os.getpid()}
+        self.ctx = multiprocessing.get_context("spawn")
+        self.workers: list[dict[str, Any]] = []
 
     @property
     def idle(self) -> int:
-        return sum(w["stage"] is None for w in self.workers)
-
-    @property
-    def busy(self) -> int:
-        return len(self.workers) - self.idle
+        return self.jobs - len(self.workers) + sum(w["stage"] is None for w in self.workers)
 
     def submit(self, name: str, log_path: str) -> None:
-        worker = next(w for w in self.workers if w["stage"] is None)
+        worker = next((w for w in self.workers if w["stage"] is None), None)
+        if worker is None:
+            parent, child = self.ctx.Pipe()
+            proc = self.ctx.Process(target=_worker_main, args=(child, self.plan_args), daemon=True)
+            proc.start()
+            child.close()
+            worker = {"proc": proc, "conn": parent, "stage": None}
+            self.workers.append(worker)
         worker["conn"].send((name, log_path))
         worker["stage"] = name
 
@@ -200,22 +199,24 @@ class StageWorkers:
         for w in busy:
             if w["conn"] in ready:
                 try:
-                    result = w["conn"].recv()
+                    return w["stage"], self._done(w, w["conn"].recv())
                 except EOFError:
-                    result = self._died(w)
-                name, w["stage"] = w["stage"], None
-                return name, result
+                    return w["stage"], self._died(w)
         for w in busy:
             if w["proc"].sentinel in ready:
-                error = self._died(w)
-                name, w["stage"] = w["stage"], None
-                return name, error
+                return w["stage"], self._died(w)
         raise AssertionError("wait() returned nothing ready")
 
     @staticmethod
-    def _died(worker) -> FlipguardError:
+    def _done(worker, result):
+        worker["stage"] = None
+        return result
+
+    def _died(self, worker) -> FlipguardError:
+        """The worker is gone (a later stage would start a new one); the error names its stage and how it ended."""
         worker["proc"].join(timeout=5)
         code = worker["proc"].exitcode
+        self.workers.remove(worker)
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return FlipguardError(f"stage {worker['stage']}: its worker process (pid {worker['proc'].pid}) died during "
                               f"the stage ({how}); rerun the same command to resume")
