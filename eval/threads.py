@@ -38,6 +38,14 @@ def configure_threads(n: int | None = None) -> int:
     return n
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def cpu_name(default: str | None = None) -> str:
     """The CPU's model name (/proc/cpuinfo), for the machine line of a benchmark or a build's
     record; `default` (else platform.processor() or the architecture) where it cannot be read."""

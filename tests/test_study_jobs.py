@@ -170,3 +170,25 @@ def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():
     two_bars = to_a_file + "Loading weights:  50%|#  | 13/26\nLoading weights: 100%|##| 26/26\n"
     assert last_of_each_line("start\n" + two_bars + "done") == ("start\nTokenizing: 100%|##| 3803/3803\n"
                                                                "Loading weights: 100%|##| 26/26\ndone")
+
+
+def test_two_at_a_time_is_the_default_only_where_it_is_safe(monkeypatch, tmp_path):
+    from flipguard.eval.pipeline import stage_workers
+
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "model.safetensors").write_bytes(b"0" * 1000)
+    big = tmp_path / "big.gguf"
+    with open(big, "wb") as f:  # sparse: 3 GiB of weights on paper
+        f.truncate(3 * 2**30)
+    monkeypatch.setattr(stage_workers, "usable_cores", lambda: 2)
+    common = {"threads": 1, "on_gpu": False, "launches": False, "backend": "hf", "model_path": str(small)}
+    assert stage_workers.auto_jobs(**common)[0] == 2
+    assert stage_workers.auto_jobs(**{**common, "threads": 2})[0] == 1  # 2 cores, 2 threads per stage
+    assert stage_workers.auto_jobs(**{**common, "on_gpu": True})[0] == 1
+    assert stage_workers.auto_jobs(**{**common, "launches": True})[0] == 1
+    assert stage_workers.auto_jobs(**{**common, "backend": "vllm"})[0] == 1
+    assert stage_workers.auto_jobs(**{**common, "model_path": str(big)})[0] == 1
+    assert stage_workers.auto_jobs(**{**common, "model_path": "Qwen/Qwen2.5-7B-Instruct"})[0] == 1  # not local
+    monkeypatch.setattr(stage_workers, "usable_cores", lambda: 16)
+    assert stage_workers.auto_jobs(**common)[0] == stage_workers.AUTO_JOBS_MAX

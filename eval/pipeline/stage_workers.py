@@ -28,7 +28,7 @@ from typing import Any
 from flipguard.errors import FlipguardError
 from flipguard.eval.pipeline.study_plan import StudyPlan
 from flipguard.eval.task import include_tasks
-from flipguard.eval.threads import configure_threads
+from flipguard.eval.threads import configure_threads, usable_cores
 
 # stages at once when --jobs is not given (a CPU study, the hf backend, a small model): two
 # covers the graph's width where it matters (sft | dpo, afr | sos) without a third copy of a model
@@ -36,13 +36,6 @@ AUTO_JOBS_MAX = 2
 # a model whose weights exceed this runs one stage at a time unless --jobs says otherwise:
 # each worker holds its own copy
 AUTO_JOBS_MODEL_BYTES = 2 * 2**30
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def model_bytes(path: str) -> int | None:
