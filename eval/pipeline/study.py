@@ -272,7 +272,8 @@ class Study(StudyPlan):
         the stages already running finish and are recorded, then the failure is raised."""
         order = {s.name: i for i, s in enumerate(self.stages)}
         # longest first: of the stages ready, the one with the most work after it (critical path)
-        pending = sorted(self.stages, key=lambda s: -self._work_after(s.name))
+        after = self._work_after()
+        pending = sorted(self.stages, key=lambda s: -after[s.name])
         running: dict[str, tuple[Stage, str, float, Path]] = {}
         failure: BaseException | None = None
         logs = tempfile.TemporaryDirectory(prefix="flipguard-stages-")
@@ -323,17 +324,15 @@ class Study(StudyPlan):
             self._save_state()
             raise failure
 
-    def _work_after(self, name: str) -> float:
-        """Seconds on the longest chain from this stage to the study's end: each stage's time when
+    def _work_after(self) -> dict[str, float]:
+        """Per stage, seconds on the longest chain from it to the study's end: each stage's time when
         it last ran (study.json), else a trainer as 10 evaluations (the demo's SFT and DPO: 48 and
         78 s, its evaluations 2-30 s)."""
-        if not hasattr(self, "_after"):
-            entries, after = self.state["stages"], {}
-            for stage in reversed(self.stages):  # the plan lists a stage after those it reads
-                own = (entries.get(stage.name) or {}).get("seconds") or (10.0 if stage.name in TRAINERS else 1.0)
-                after[stage.name] = own + max((after[s.name] for s in self.stages if stage.name in s.inputs), default=0.0)
-            self._after = after
-        return self._after[name]
+        entries, after = self.state["stages"], {}
+        for stage in reversed(self.stages):  # the plan lists a stage after those it reads
+            own = (entries.get(stage.name) or {}).get("seconds") or (10.0 if stage.name in TRAINERS else 1.0)
+            after[stage.name] = own + max((after[s.name] for s in self.stages if stage.name in s.inputs), default=0.0)
+        return after
 
     def _mark_stale(self) -> None:
         entries = self.state["stages"]
