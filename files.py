@@ -558,7 +558,11 @@ def clean_stale_staging(final: str | os.PathLike) -> list[Path]:
     if not final.parent.is_dir():
         return removed
     for tmp in sorted(final.parent.iterdir()):
-        if not tmp.is_dir() or not pattern.fullmatch(tmp.name):
+        if not os.path.lexists(tmp):  # a folder's lock, removed with it above
+            continue
+        if tmp.name.endswith(".lock") and pattern.fullmatch(tmp.name[:-5]) and not tmp.with_suffix("").exists():
+            tmp = tmp.with_suffix("")  # the lock of a folder already removed (a build killed between the two)
+        elif not tmp.is_dir() or not pattern.fullmatch(tmp.name):
             continue
         lock = _staging_lock(tmp)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)

@@ -639,6 +639,33 @@ def split_system(spec: str) -> tuple[str, str | None]:
     return run_dir, (system.strip() or None) if sep else None
 
 
+_RUN_NUMBERS: dict[tuple, list[dict[str, Any]]] = {}
+
+
+def run_numbers(task: type[Task], hook: str, run_dir: Path) -> list[dict[str, Any]]:
+    """`task.<hook>(run_dir)` (comparison_rows or transfer_units), computed once per run and state of
+    its files: a run that holds several systems is named once per system (`RUN_DIR@system`) by the
+    comparison, the transfer report and the page, and each would otherwise read and bootstrap the
+    whole run again. A copy of each row: callers may change theirs."""
+    stamp = tuple((st.st_size, st.st_mtime_ns) if (st := _stat(run_dir / f)) else None
+                  for f in (RECORDS_FILE, RUN_META_FILE))
+    if stamp[0] is None:  # no records (yet): nothing worth keeping
+        return getattr(task, hook)(run_dir)
+    key = (task.name, hook, str(run_dir.resolve()), stamp)
+    if key not in _RUN_NUMBERS:
+        if len(_RUN_NUMBERS) >= 64:  # a long-lived process (a notebook, the tests) reading many runs
+            _RUN_NUMBERS.clear()
+        _RUN_NUMBERS[key] = getattr(task, hook)(run_dir)
+    return [dict(row) for row in _RUN_NUMBERS[key]]
+
+
+def _stat(path: Path):
+    try:
+        return path.stat()
+    except OSError:
+        return None
+
+
 def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
     """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit), values in % (pp for
     differences): its protocol (run.json) supplies them through Task.comparison_rows; `RUN_DIR@system`
@@ -646,7 +673,7 @@ def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
     run_dir, only = split_system(spec)
     task = get_task(load_run_meta(run_dir).get("protocol") or "")
     rows = []
-    for row in task.comparison_rows(Path(run_dir)):
+    for row in run_numbers(task, "comparison_rows", Path(run_dir)):
         if only and row["system"] != only:
             continue
         est = row["estimate"]

@@ -17,6 +17,14 @@ if os.environ.get("FLIPGUARD_TEST_INSTALLED"):  # .ci/run's wheel step: these te
     assert "site-packages" in pathlib.Path(flipguard.__file__).parts, f"flipguard from {flipguard.__file__}, not the wheel"
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml's addopts): a worker per core this process may use, at most 4 (each
+    worker holds torch and the session's models; many tests start processes of their own)."""
+    from flipguard.eval.threads import usable_cores
+
+    return max(1, min(4, usable_cores()))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     from flipguard.eval.embedded.tiny_model import ensure_tiny_model

@@ -157,6 +157,44 @@ def test_a_killed_organism_build_leaves_a_staging_folder_the_next_build_removes(
     _kill_when(argv, env, lambda: any((p / "tokenizer.json").is_file() for p in staged()))  # training has begun
     (leftover,) = staged()
     assert not target.exists()
-    # the next build removes it as it starts (it is killed too: only the clean-up is under test here)
-    _kill_when(argv, env, lambda: not leftover.exists())
-    assert not leftover.exists() and not leftover.with_name(leftover.name + ".lock").exists()
+    lock = leftover.with_name(leftover.name + ".lock")
+    assert lock.exists()
+    # the next build removes both as it starts (it is killed too: only the clean-up is under test here;
+    # the folder goes first, then its lock: the kill waits for both, not for the first)
+    _kill_when(argv, env, lambda: not leftover.exists() and not lock.exists())
+    assert not leftover.exists() and not lock.exists()
+
+
+def test_the_next_build_removes_dead_builds_staging_and_orphan_locks_not_a_live_ones(tmp_path):
+    """clean_stale_staging: a killed build's folder and lock go, a lock whose folder is already
+    gone (killed between the two removals) goes, a folder a live build holds stays."""
+    from flipguard.files import clean_stale_staging
+
+    final = tmp_path / "model"
+    ready = tmp_path / "live-holds"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, pathlib\n"
+        "from flipguard.files import staging_dir\n"
+        "with staging_dir(sys.argv[1]) as tmp:\n"
+        "    pathlib.Path(sys.argv[2]).write_text(tmp.name)\n"
+        "    time.sleep(600)\n"), str(final), str(ready)],
+        env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.is_file():
+            assert holder.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        live = tmp_path / ready.read_text()
+        dead = tmp_path / ".model.dead0000"
+        dead.mkdir()
+        (dead / "model.safetensors").write_bytes(b"partial")
+        (tmp_path / ".model.dead0000.lock").touch()
+        (tmp_path / ".model.gone0000.lock").touch()
+        (tmp_path / "model.lock").write_text("a file of the user's")
+        removed = clean_stale_staging(final)
+        assert sorted(p.name for p in removed) == [".model.dead0000", ".model.gone0000"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["live-holds", "model.lock", live.name,
+                                                                    live.name + ".lock"])
+    finally:
+        holder.kill()
+        holder.wait()

@@ -153,3 +153,31 @@ def test_a_dds_run_under_its_task_flag_gives_its_rows_and_another_tasks_flag_is_
     capsys.readouterr()
     assert cli_main(["compare", "--runs", f"Baseline={base}", "--sos", f"Baseline={base}", "--out", str(out)]) == 2
     assert "is a 'dds' run, not 'sos'" in capsys.readouterr().err
+
+
+def test_a_run_holding_several_systems_is_summarised_once_until_its_records_change(tmp_path):
+    """compare, the transfer report and the page name a multi-system run once per system
+    (`RUN_DIR@system`); its protocol's numbers are computed once per state of its files."""
+    from flipguard.eval.task import Task, run_numbers
+
+    calls = []
+
+    class Counting(Task):
+        name = "counting"
+
+        @classmethod
+        def comparison_rows(cls, run_dir):
+            calls.append(run_dir)
+            return [{"system": s, "n": len(calls)} for s in ("Baseline", "SFT")]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "records.jsonl").write_text('{"key": "a"}\n')
+    first = run_numbers(Counting, "comparison_rows", run)
+    first[0]["n"] = 99  # a caller's change stays its own
+    assert run_numbers(Counting, "comparison_rows", run) == [{"system": "Baseline", "n": 1}, {"system": "SFT", "n": 1}]
+    assert len(calls) == 1
+    with open(run / "records.jsonl", "a") as f:  # the run grew (a resumed eval): computed again
+        f.write('{"key": "b"}\n')
+    assert run_numbers(Counting, "comparison_rows", run)[0]["n"] == 2
+    assert len(calls) == 2

@@ -58,6 +58,7 @@ def test_stages_side_by_side_write_what_one_at_a_time_writes(tmp_path, monkeypat
     assert "[dpo: run, stage" in printed and "(beside sft;" in printed
     # each stage's own output is printed whole, after its start line and before its end line
     assert printed.index("--- output of sft:") < printed.index("--- sft: run in")
+    assert not (two / ".stage-logs").exists()  # the stages' logs go when the study ends
     state_one, state_two = (json.loads((d / "study.json").read_text()) for d in (one, two))
     assert state_two["order"] == state_one["order"]
     assert {n: s["status"] for n, s in state_two["stages"].items()} == {n: "done" for n in state_one["order"]}
@@ -154,11 +155,18 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
-    # 3. the rerun (a short schedule, so the test stays short) finishes every stage
+    # the killed study's stage logs stay in its folder (nothing of it in the system's temp folder)
+    logs = out / ".stage-logs"
+    assert (logs / "sft.log").is_file()
+    (logs / "notes.txt").write_text("the user's own file")
+
+    # 3. the rerun (a short schedule, so the test stays short) finishes every stage and removes the
+    #    logs it and the killed run wrote, not the user's file beside them
     assert cli_main(["study", str(_recipe(tmp_path, "long.yaml")), "--out", str(out), "--jobs", "2"]) == 0
     state = json.loads((out / "study.json").read_text())
     assert {s["status"] for s in state["stages"].values()} == {"done"}
     assert (out / "train" / "sft" / "flipguard_training.json").is_file()
+    assert [p.name for p in logs.iterdir()] == ["notes.txt"]
 
 
 def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():

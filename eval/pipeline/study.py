@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import os
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -63,9 +62,12 @@ from flipguard.eval.pipeline.view import VIEW_FILE, write_view
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
 from flipguard.eval.task import include_tasks, included_task_files, split_includes
 from flipguard.eval.threads import THREADS_HELP, configure_threads, default_threads
-from flipguard.files import atomic_write_text, check_replace, dumps_utf8, remove_owned, written_files
+from flipguard.files import atomic_write_text, check_replace, dumps_utf8, refuse_link, remove_owned, written_files
 
 STUDY_FILE = "study.json"
+# stages run side by side write their output here while they run (the study holds the folder's lock);
+# removed when the study ends, and by the next run after a kill
+STAGE_LOGS = ".stage-logs"
 STUDY_FORMAT = "flipguard-study/1"
 RECIPE_HEADER = "# the effective recipe of this study"
 JOBS_HELP = ("Independent stages run at once, each in its own process (default: 2 on a CPU with 2 free cores per "
@@ -276,7 +278,7 @@ class Study(StudyPlan):
         pending = sorted(self.stages, key=lambda s: -after[s.name])
         running: dict[str, tuple[Stage, str, float, Path]] = {}
         failure: BaseException | None = None
-        logs = tempfile.TemporaryDirectory(prefix="flipguard-stages-")
+        logs = self._stage_logs()
         workers = StageWorkers(jobs, plan_args)
         try:
             while (pending and failure is None) or running:
@@ -291,7 +293,7 @@ class Study(StudyPlan):
                     status = self._decide(order[ready.name], ready)
                     if status in ("skipped", "not run"):
                         continue
-                    log = Path(logs.name) / f"{ready.name}.log"
+                    log = logs / f"{ready.name}.log"
                     self._begin(order[ready.name], ready, status,
                                 f"\n    (beside {', '.join(running) or 'nothing'}; its output when it ends; live: tail -f {log})")
                     workers.submit(ready.name, str(log))
@@ -314,15 +316,36 @@ class Study(StudyPlan):
                     failure = failure or exc
         except BaseException:
             workers.close(terminate=True)
-            logs.cleanup()
+            self._remove_stage_logs(logs)
             raise
         workers.close()
-        logs.cleanup()
+        self._remove_stage_logs(logs)
         self.statuses.sort(key=lambda s: order[s[0]])
         if failure is not None:
             self._mark_stale()
             self._save_state()
             raise failure
+
+    def _stage_logs(self) -> Path:
+        """OUT/.stage-logs, emptied of a killed run's logs (the study holds OUT's lock: no other
+        study writes there)."""
+        logs = self.out / STAGE_LOGS
+        refuse_link(logs)
+        self._remove_stage_logs(logs)
+        logs.mkdir(exist_ok=True)
+        return logs
+
+    def _remove_stage_logs(self, logs: Path) -> None:
+        """The stages' logs, and the folder if nothing else is in it: a file flipguard did not
+        write there stays."""
+        if logs.is_symlink() or not logs.is_dir():
+            return
+        for stage in self.stages:
+            (logs / f"{stage.name}.log").unlink(missing_ok=True)
+        try:
+            logs.rmdir()
+        except OSError:
+            pass
 
     def _work_after(self) -> dict[str, float]:
         """Per stage, seconds on the longest chain from it to the study's end: each stage's time when

@@ -58,7 +58,7 @@ from flipguard.eval.pipeline.capability import PROTOCOL as CAPABILITY
 from flipguard.eval.pipeline.capability import capability_units
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C1_CASES, load_records, load_run_meta
-from flipguard.eval.task import get_task, split_system
+from flipguard.eval.task import get_task, run_numbers, split_system
 from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.train.pair_filters import KIND_KEYS, PairRules, Rule, facets, parse_rule
 
@@ -189,7 +189,7 @@ def protocol_units(spec: str) -> tuple[str, list[dict[str, Any]], tuple[str, ...
     """(protocol, units of the system `RUN_DIR@system` names, the protocol's untargeted framings)."""
     run_dir, system = split_system(spec)
     task = get_task(load_run_meta(run_dir).get("protocol") or "")
-    units = [u for u in task.transfer_units(Path(run_dir)) if system is None or u["system"] == system]
+    units = [u for u in run_numbers(task, "transfer_units", Path(run_dir)) if system is None or u["system"] == system]
     for u in units:
         u.setdefault("judgments", (u["value"],))
     return task.name, units, tuple(task.untargeted_framings)
