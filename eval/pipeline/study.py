@@ -337,11 +337,12 @@ class Study(StudyPlan):
 
     def _remove_stage_logs(self, logs: Path) -> None:
         """The stages' logs, and the folder if nothing else is in it: a file flipguard did not
-        write there stays."""
+        write there stays. The stages study.json records count too: a killed run's stage that the
+        recipe has dropped since."""
         if logs.is_symlink() or not logs.is_dir():
             return
-        for stage in self.stages:
-            (logs / f"{stage.name}.log").unlink(missing_ok=True)
+        for name in {s.name for s in self.stages} | set(self.state["stages"]):
+            (logs / f"{name}.log").unlink(missing_ok=True)
         try:
             logs.rmdir()
         except OSError:
