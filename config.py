@@ -277,6 +277,30 @@ class TrackingArguments:
     tracking_tags: list[str] = dataclasses.field(default_factory=list, metadata={"help": "wandb tags."})
 
 
+# GPU memory profiles by card class, in GiB: what torch reports as the total memory of the smallest
+# card of the class (24GB: L4 / A10G; 40GB: A100 40 GB; 48GB: L40S / A6000; 80GB: A100 / H100 80 GB).
+# The planner fills that less the CUDA context and some slack (train/memory.py).
+MEMORY_PROFILES = {"24GB": 22.0, "40GB": 39.4, "48GB": 44.4, "80GB": 79.1}
+
+
+@dataclasses.dataclass
+class TrainingSpeedArguments:
+    """How a trainer spends its GPU (top level or a trainer's section; command line as is). The
+    recipe's learning settings and effective batch (per_device_train_batch_size x
+    gradient_accumulation_steps) are never changed: only how a step is computed."""
+
+    prefix_sharing: bool = dataclasses.field(
+        default=True, metadata={"help": "Compute each forward packed: shared prompt prefixes once (a DPO pair's "
+                                        "prompt once for chosen and rejected), no padding; the same losses and "
+                                        "gradients as TRL's padded rows (train/packing.py). false: TRL's layout."})
+    memory_budget: str | None = dataclasses.field(
+        default=None, metadata={"help": "GPU memory the trainer may use: a card profile (24GB, 40GB, 48GB, 80GB), an "
+                                        "amount (20GiB), or 'device' (the GPU's own). Micro-batch, accumulation and "
+                                        "how many layers recompute their activations follow from it, the effective "
+                                        "batch kept (train/memory.py). Unset or 'none': the recipe's batch and "
+                                        "gradient_checkpointing as written. Ignored on CPU."})
+
+
 SECTION_CLASSES = {"pairs": PairsArguments, "eval": EvalPlanArguments, "tracking": TrackingArguments}
 
 # eval.<task>_config (flag --eval_plan_<task>_config): the run config of that task's study stage.
@@ -315,9 +339,12 @@ def _fields(cls) -> set[str]:
 
 
 def _trainer_classes():
+    """The registered trainers' TRL configs, and the fields every trainer section and the top level
+    also take: trl's ModelConfig and flipguard's TrainingSpeedArguments."""
     from trl import ModelConfig
 
-    return {name: t.config_class() for name, t in TRAINERS.items()}, ModelConfig
+    shared = dataclasses.make_dataclass("ModelConfig", [], bases=(ModelConfig, TrainingSpeedArguments))
+    return {name: t.config_class() for name, t in TRAINERS.items()}, shared
 
 
 def _top_level_classes(raw: dict[str, Any], trainers: dict[str, Any]) -> list[Any]:

@@ -92,37 +92,42 @@ def test_an_installed_entry_point_wins_over_the_source_tree(monkeypatch):
 
 @pytest.mark.slow
 def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
-    """model, pairs, DDS scoring, SFT and DPO through accelerate launch, merge: the GPU run's
-    scripts and arguments at hidden 64 / 2 layers, 2 optimizer steps each, on CPU."""
+    """model, pairs, DDS scoring (prefix sharing on and off), SFT, DPO and KTO through accelerate
+    launch (the recipe as shipped, and DPO as it was: TRL's padded rows), merge: the GPU run's scripts
+    and arguments at hidden 64 / 2 layers, 2 optimizer steps each, on CPU."""
     ensure_wheels()
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--shape", "tiny", "env", "matmul", "model", "pairs", "dds",
-         "sft", "sft_fast", "dpo", "merge"], cwd=ROOT, text=True, capture_output=True, timeout=1300,
+         "sft", "dpo", "kto", "dpo_asis", "merge"], cwd=ROOT, text=True, capture_output=True, timeout=1300,
         env=env(OUT=str(out), WORK=str(work), FG_SITE=str(tmp_path / "site"), TRAIN_STEPS="2", DDS_BATCHES="8,32",
                 DDS_JUDGMENTS="32", RUN_BUDGET_S="1100", BUDGET_SCALE="4"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "gpu.json").read_text())
     steps = res["steps"]
-    assert set(steps) == {"env", "matmul", "model", "pairs", "dds", "sft", "sft_fast", "dpo", "merge"}
+    assert set(steps) == {"env", "matmul", "model", "pairs", "dds", "sft", "dpo", "kto", "dpo_asis", "merge"}
     failed = {k: v.get("error_tail", "")[-1500:] for k, v in steps.items() if v["rc"] != 0}
     assert not failed, failed
     assert steps["model"]["result"]["config"]["hidden_size"] == 64
     assert steps["pairs"]["result"]["sampled_prompt_tokens"]["max"] <= 768
-    for kind in ("sft", "dpo"):
+    for kind in ("sft", "dpo", "kto", "dpo_asis"):
         r = steps[kind]["result"]
         assert r["optimizer_steps"] == 2 and r["effective_batch"] == 16 and r["samples"] == 32
         assert r["samples_per_s"] > 0 and len(r["losses"]) == 2
         # TRL casts a quantized base's LoRA weights to bf16 (QLoRA paper; trl sft_trainer/dpo_trainer)
         assert r["compute"]["device"] == "cpu" and r["compute"]["trainable_dtypes"] == ["bfloat16"]
         assert r["compute"]["bnb_4bit_compute_dtype"] is not None  # the 4-bit base, as on the GPU
-    # the recipe: 4 x 4 with activation recompute; sft_fast: the same effective batch as one micro-batch, no recompute
-    assert (steps["sft"]["result"]["micro_batch"], steps["sft"]["result"]["gradient_accumulation_steps"]) == (4, 4)
-    assert steps["sft"]["result"]["compute"]["gradient_checkpointing"] is True
-    fast = steps["sft_fast"]["result"]
-    assert (fast["micro_batch"], fast["gradient_accumulation_steps"], fast["effective_batch"]) == (16, 1, 16)
-    assert fast["compute"]["gradient_checkpointing"] is False and fast["optimizer_steps"] == 2
-    assert [row["batch_size"] for row in steps["dds"]["result"]["sweep"]] == [8, 32]
+        # on a CPU the recipe's 24GB budget plans nothing: its own 4 x 4 with activation recompute
+        assert (r["micro_batch"], r["gradient_accumulation_steps"]) == (4, 4)
+        assert r["compute"]["gradient_checkpointing"] is True
+        plan = r["speed"]["memory_plan"]
+        assert plan["as_recipe"] is True and plan.get("why", "").startswith("no GPU") == (kind != "dpo_asis")
+        sharing = r["speed"]["prefix_sharing"]
+        assert sharing["on"] is (kind != "dpo_asis")
+        if sharing["on"]:
+            assert 0 < sharing["packed_tokens"] < sharing["padded_tokens"] and not sharing["unpacked_forwards"]
+    sweep = steps["dds"]["result"]["sweep"]
+    assert [(row["prefix_sharing"], row["batch_size"]) for row in sweep] == [(True, 8), (True, 32), (False, 8), (False, 32)]
     assert steps["dds"]["result"]["full_pass"]["judgments"] == 3244 * 4
     assert steps["merge"]["result"]["merge_gap"]["n_prompts"] == 8
     assert (out / "gpu.log").is_file()

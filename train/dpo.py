@@ -6,21 +6,22 @@
 
 Reads the recipe's top level + `dpo:` section (config.py) and trains a LoRA
 adapter on `pairs.dir/dpo` (prompt / chosen / rejected, one token each). The reference
-policy is the base model with the adapter disabled: no second model in memory.
+policy is the base model with the adapter disabled: no second model in memory. With prefix
+sharing (train/packing.py) a pair's prompt goes through the policy once and through the
+reference once, not twice each.
 """
 
 from __future__ import annotations
 
-from flipguard.train import utils
+from flipguard.train import tokenized, utils
 
 
 def main(argv: list[str], prog: str = "train/dpo.py") -> int:
-    from trl import DPOTrainer
-
-
-    job = utils.prepare(argv, "dpo", prog)  # recipe -> DPOConfig, model, tokenizer, checked pairs, tracking
-    # with a peft_config the reference is the base with the adapter disabled
-    trainer = DPOTrainer(ref_model=None, **job.trainer_kwargs())
+    # recipe -> DPOConfig, model, tokenizer, checked pairs (tokenized once), memory plan, tracking
+    job = utils.prepare(argv, "dpo", prog, tokenize=True)
+    # TRL's DPOTrainer, taking the tokenized pairs as prepared; with a peft_config the reference is
+    # the base with the adapter disabled
+    trainer = tokenized.dpo_trainer_class()(ref_model=None, **job.trainer_kwargs())
     return utils.train_and_save(trainer, job)
 
 

@@ -34,7 +34,6 @@ def kl_needs_a_batch(training_args) -> None:
 def main(argv: list[str], prog: str = "train/kto.py") -> int:
     from trl import KTOTrainer
 
-
     job = utils.prepare(argv, "kto", prog, check=kl_needs_a_batch)  # recipe -> KTOConfig, model, pairs, tracking
     # with a peft_config the reference is the base with the adapter disabled
     trainer = KTOTrainer(ref_model=None, **job.trainer_kwargs())

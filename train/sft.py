@@ -6,7 +6,9 @@
 
 Reads the recipe's top level + `sft:` section (config.py), trains a LoRA
 adapter on the `pairs.dir/sft` prompt/completion dataset with the loss on the answer
-token and its end-of-turn only, and saves the adapter, tokenizer and a model card.
+token and its end-of-turn only, and saves the adapter, tokenizer and a model card. Each step is
+computed with prefix sharing and no padding (train/packing.py; `prefix_sharing: false` for TRL's
+own layout), split to fit `memory_budget` on a GPU (train/memory.py).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ def completion_loss_only(training_args) -> None:
 def main(argv: list[str], prog: str = "train/sft.py") -> int:
     from trl import SFTTrainer
 
-
-    job = utils.prepare(argv, "sft", prog, check=completion_loss_only)  # recipe -> SFTConfig, model, pairs, tracking
+    # recipe -> SFTConfig, model, pairs (tokenized once), memory plan, tracking
+    job = utils.prepare(argv, "sft", prog, check=completion_loss_only, tokenize=True)
     return utils.train_and_save(SFTTrainer(**job.trainer_kwargs()), job)
 
 

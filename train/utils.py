@@ -20,13 +20,21 @@ from typing import Any, Callable
 
 import yaml
 
-from flipguard.config import PairsArguments, TrackingArguments, parse_recipe, resolved_recipe, trainer_entry
+from flipguard.config import (
+    PairsArguments,
+    TrackingArguments,
+    TrainingSpeedArguments,
+    parse_recipe,
+    resolved_recipe,
+    trainer_entry,
+)
 from flipguard.errors import FlipguardError
 from flipguard.eval.backends.adapters import PROVENANCE_FILE
 from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.threads import configure_threads, cpu_fp_path
 from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
 from flipguard.train import pairs as pair_builder
+from flipguard.train import speed, tokenized
 from flipguard.train.conversation_pairs import MULTI_TURN_CASES
 from flipguard.train.pairs import batch_chat_token_ids
 
@@ -62,6 +70,8 @@ class Job:
     config: dict[str, Any]
     run: Any
     checkpoint: str | bool | None
+    speed_args: Any = None
+    memory_plan: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every TRL trainer takes alike (the adapter's LoRA and the 4-bit base)."""
@@ -72,20 +82,23 @@ class Job:
                     quantization_config=get_quantization_config(self.model_args))
 
 
-def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] | None = None) -> Job:
+def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] | None = None,
+            tokenize: bool = False) -> Job:
     """Everything before a registered trainer (config.TRAINERS) trains: its recipe section parsed
     into its TRL config, threads, seed, logging, the checkpoint to resume, the model, the pair set
-    it reads (built when missing, validated, length-checked), provenance and tracking. `check`
+    it reads (built when missing, validated, length-checked; `tokenize`: handed to the trainer
+    tokenized, train/tokenized.py), the GPU memory plan, provenance and tracking. `check`
     refuses training arguments the trainer cannot honour, before anything is recorded."""
     from transformers import set_seed
     from trl import ModelConfig
 
-
     entry = trainer_entry(name, prog)
     parsed, recipe_path, recipe = parse_recipe(
-        argv, (PairsArguments, entry.config_class(), ModelConfig, TrackingArguments), trainer=name, prog=prog
+        argv, (PairsArguments, entry.config_class(), ModelConfig, TrackingArguments, TrainingSpeedArguments),
+        trainer=name, prog=prog,
     )
-    pairs_args, training_args, model_args, tracking_args = parsed
+    pairs_args, training_args, model_args, tracking_args, speed_args = parsed
+    allocator = speed.use_expandable_segments()  # before anything starts CUDA
     configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.eval.threads)
     set_seed(training_args.seed)
     setup_logging(training_args)
@@ -101,17 +114,26 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
 
     ensure_pairs(pairs_args, recipe_path, model_path)
     dataset = load_pair_dataset(pairs_args.pairs_dir, entry.pairs)
-    check_pair_lengths(dataset, tokenizer, training_args.max_length, entry.pairs)
+    columns = tokenized.token_columns(dataset, tokenizer, entry.pairs) if tokenize else None
+    lengths = tokenized.sequence_lengths(columns) if columns else pair_lengths(dataset, tokenizer, entry.pairs)
+    check_pair_lengths(dataset, tokenizer, training_args.max_length, entry.pairs, lengths)
     if check is not None:
         check(training_args)
+    fingerprint = pairs_fingerprint(dataset)  # of the pair set as written, before the token columns
+    if columns:
+        dataset = tokenized.with_token_columns(dataset, columns, tokenizer)
+        if entry.pairs == "sft":  # TRL's SFT takes a dataset with input_ids and labels as prepared
+            training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    memory_plan = speed.plan_memory(speed_args, training_args, model_args, model_path, lengths, name)
 
     config = run_config(recipe_path, recipe, parsed, dataset,
                         {"trainer": name, "base_model": model_path, "lm_head_scores": score_labelled_positions_only(),
-                         **process_layout(training_args)})
+                         "pairs_fingerprint": fingerprint, "pairs_tokenized_by": "flipguard" if columns else "trl",
+                         "cuda_alloc_conf": allocator, **process_layout(training_args)})
     run = init_tracking(training_args, tracking_args, config, name)
     training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
     return Job(pairs_args, training_args, model_args, tracking_args, model_path, tokenizer, dataset, config, run,
-               checkpoint)
+               checkpoint, speed_args, memory_plan)
 
 
 def fp16_adapters_in_fp32(model, training_args) -> int:
@@ -135,10 +157,12 @@ def fp16_adapters_in_fp32(model, training_args) -> int:
 
 def train_and_save(trainer, job: Job) -> int:
     job.config["fp16_trainable_cast_to_fp32"] = fp16_adapters_in_fp32(trainer.model, job.training_args)
+    running = speed.apply(trainer, job.speed_args, job.memory_plan)
     reset_peak_memory()
     timer = step_timer()
     trainer.add_callback(timer)
     trainer.train(resume_from_checkpoint=job.checkpoint)
+    job.config["speed"] = speed.record(running)
     # the logged loss curve (DDP: the mean over processes, gathered by the Trainer) goes into the provenance
     job.config["log_history"] = trainer.state.log_history
     job.config["compute"] = {**computed(trainer.model, job.training_args), "step_seconds": timer.seconds}
@@ -414,33 +438,43 @@ def pairs_fingerprint(dataset) -> str:
     return getattr(dataset, "_fingerprint", None) or "unknown"
 
 
-def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str) -> dict[str, int]:
-    """Refuse pairs that TRL would truncate (answer token or its end-of-turn cut) or drop.
-
-    Both trainers tokenize prompt and prompt+completion with the chat template and cut
-    at max_length; a prompt that fills max_length loses its answer and is trained on
-    with zero loss (SFT) or silently dropped (DPO). Returns the longest lengths seen.
-    """
-    if max_length is None:
-        return {}
-
-    completion_cols = reply_columns(kind)
-    too_long: list[str] = []
-    answer_lost = 0
-    prompts = dataset["prompt"]  # whole columns: rows are read only to name the ones over the limit
+def pair_lengths(dataset, tokenizer, kind: str) -> dict[str, list[int]]:
+    """Per pair, the prompt's tokens (chat template, generation prompt) and each whole sequence's
+    (prompt + reply), as the trainers tokenize them."""
+    prompts = dataset["prompt"]  # whole columns: one batched tokenizer call each
 
     def lengths(conversations, add_generation_prompt: bool) -> list[int]:
         return [len(ids) for ids in batch_chat_token_ids(tokenizer, conversations, add_generation_prompt)]
 
-    prompt_lengths = lengths(prompts, True)
-    full_lengths = {col: lengths([p + c for p, c in zip(prompts, dataset[col])], False) for col in completion_cols}
+    out = {"prompt": lengths(prompts, True)}
+    for col in reply_columns(kind):
+        out[col] = lengths([p + c for p, c in zip(prompts, dataset[col])], False)
+    return out
+
+
+def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str,
+                       lengths: dict[str, list[int]] | None = None) -> dict[str, int]:
+    """Refuse pairs that TRL would truncate (answer token or its end-of-turn cut) or drop.
+
+    Both trainers tokenize prompt and prompt+completion with the chat template and cut
+    at max_length; a prompt that fills max_length loses its answer and is trained on
+    with zero loss (SFT) or silently dropped (DPO). `lengths`: pair_lengths' (or the token
+    columns') when already counted. Returns the longest lengths seen.
+    """
+    if max_length is None:
+        return {}
+    lengths = lengths or pair_lengths(dataset, tokenizer, kind)
+    completion_cols = reply_columns(kind)
+    too_long: list[str] = []
+    answer_lost = 0
+    prompt_lengths = lengths["prompt"]
     longest = {"prompt": max(prompt_lengths, default=0),
-               "sequence": max((n for col_lengths in full_lengths.values() for n in col_lengths), default=0)}
-    for i in range(len(prompts)):
+               "sequence": max((n for col in completion_cols for n in lengths[col]), default=0)}
+    for i in range(len(prompt_lengths)):
         for col in completion_cols:
-            if full_lengths[col][i] > max_length:
-                row = dataset[i]
-                too_long.append(f"{row.get('item_id', f'row {i}')}/{row.get('case', col)} ({full_lengths[col][i]} tokens)")
+            if lengths[col][i] > max_length:
+                row = dataset[i]  # rows are read only to name the ones over the limit
+                too_long.append(f"{row.get('item_id', f'row {i}')}/{row.get('case', col)} ({lengths[col][i]} tokens)")
                 answer_lost += int(prompt_lengths[i] >= max_length)
                 break
     if too_long:

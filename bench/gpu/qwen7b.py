@@ -176,14 +176,15 @@ def cmd_train_stats(args) -> dict:
 
     info = json.loads((Path(args.adapter) / "flipguard_training.json").read_text(encoding="utf-8"))
     final = next((h for h in reversed(info.get("log_history", [])) if "train_runtime" in h), {})
-    data = load_from_disk(str(Path(args.pairs) / args.kind))
+    data = load_from_disk(str(Path(args.pairs) / ("sft" if args.kind == "sft" else "dpo")))
     steps = int(final.get("step") or info.get("resolved", {}).get("max_steps") or 0)
     batch = int(info.get("effective_batch_size") or 0)
-    trainer_config = next((v for k, v in info.get("resolved", {}).items() if k in ("SFTConfig", "DPOConfig")), {})
+    trainer_config = next((v for k, v in info.get("resolved", {}).items() if k in ("SFTConfig", "DPOConfig", "KTOConfig")), {})
     samples = steps * batch
     runtime = final.get("train_runtime")
     # tokens per sample: the prompt's mean length + the reply (answer, end of turn, newline);
-    # DPO runs chosen and rejected, both through the policy (and the reference: adapter off)
+    # DPO runs chosen and rejected, both through the policy (and the reference: adapter off);
+    # a KTO sample is one reply (each pair gives two, unpaired)
     mean_prompt = json.loads((Path(args.pairs_json)).read_text())["sampled_prompt_tokens"]["mean"] if args.pairs_json else None
     seqs = 2 if args.kind == "dpo" else 1
     tokens = (mean_prompt + 3) * samples * seqs if mean_prompt else None
@@ -202,7 +203,7 @@ def cmd_train_stats(args) -> dict:
             "tokens_counted": "mean sampled prompt tokens + 3 reply tokens, x2 for DPO (chosen and rejected)",
             "trainer_samples_per_s": final.get("train_samples_per_second"),
             "losses": [h.get("loss") for h in info.get("log_history", []) if "loss" in h],
-            "compute": info.get("compute")}
+            "compute": info.get("compute"), "speed": info.get("speed")}
 
 
 # ----------------------------------------------------------------------------- DDS scoring
@@ -233,15 +234,15 @@ def cmd_dds(args) -> dict:
     sync()
     t_load = time.perf_counter() - t0
     items = load_items(["all"], split="test")
-    conversations = [build_messages(it, case, fmt="one_token") for it in items for case in CASES]
-    rng = random.Random(0)
-    rng.shuffle(conversations)
-    conversations = conversations[: args.judgments]
+    random.Random(0).shuffle(items)  # items drawn at random, each item's four cases in a row as the runner sends them
+    conversations = [build_messages(it, case, fmt="one_token") for it in items for case in CASES][: args.judgments]
     lengths = backend.prompt_lengths(conversations)
     flops = forward_flops(backend.model.config, lengths)
     backend.choice_probs(conversations[: min(len(conversations), 16)])  # warm-up
     sweep = []
-    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+    settings = [(sharing, int(bs)) for sharing in args.sharing.split(",") for bs in args.batch_sizes.split(",")]
+    for sharing, bs in settings:
+        backend.prefix_sharing = sharing == "on" and backend.computed.get("prefix_sharing", False)
         backend.batch_size = bs
         times = []
         for _ in range(args.repeats):
@@ -253,7 +254,8 @@ def cmd_dds(args) -> dict:
             sync()
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
-        row = {"batch_size": bs, "seconds": [round(x, 3) for x in times], "median_s": round(t, 3),
+        row = {"prefix_sharing": backend.prefix_sharing, "batch_size": bs, "seconds": [round(x, 3) for x in times],
+               "median_s": round(t, 3),
                "judgments_per_s": round(len(conversations) / t, 1), "tflops_achieved": round(flops / t / 1e12, 3),
                "projected_full_pass_s": round(FULL_DDS_ITEMS * CASES_PER_ITEM * t / len(conversations), 1),
                **({"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)} if cuda else {})}
@@ -262,10 +264,16 @@ def cmd_dds(args) -> dict:
         sweep.append(row)
         print(json.dumps(row), flush=True)
     best = max(sweep, key=lambda r: r["judgments_per_s"])
+    best_by_sharing = {str(on): max((r for r in sweep if r["prefix_sharing"] == on), key=lambda r: r["judgments_per_s"])
+                       for on in {r["prefix_sharing"] for r in sweep}}
     floor = flops * FULL_DDS_ITEMS * CASES_PER_ITEM / len(conversations)
     return {"model": args.model, "dtype": backend.computed.get("dtype"), "device_used": backend.computed.get("device"),
             "load_s": round(t_load, 1), "judgments": len(conversations),
-            "prompts_from": "shipped samples, test split, all datasets x 4 cases, shuffled (seed 0)",
+            "prompts_from": "shipped samples, test split, all datasets, items shuffled (seed 0), each item's 4 cases "
+                            "in a row (the runner's order)",
+            "best_by_prefix_sharing": {k: {"batch_size": r["batch_size"], "judgments_per_s": r["judgments_per_s"],
+                                           "projected_full_pass_s": r["projected_full_pass_s"], "mfu": r.get("mfu")}
+                                       for k, r in best_by_sharing.items()},
             "prompt_tokens": {"mean": round(statistics.mean(lengths), 1), "max": max(lengths)},
             "full_pass": {"judgments": FULL_DDS_ITEMS * CASES_PER_ITEM,
                           "from": "the paper's test split: 3,244 items (bench/bench_dds.py TEST_SPLIT_SIZES) x 4 cases, "
@@ -325,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ts.add_argument("--adapter", required=True)
     ts.add_argument("--pairs", required=True)
     ts.add_argument("--pairs_json")
-    ts.add_argument("--kind", choices=["sft", "dpo"], required=True)
+    ts.add_argument("--kind", choices=["sft", "dpo", "kto"], required=True)
     d = sub.add_parser("dds")
     d.add_argument("--model", required=True)
     d.add_argument("--dtype", default="bfloat16")
@@ -333,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--judgments", type=int, default=512)
     d.add_argument("--repeats", type=int, default=2)
     d.add_argument("--peak_tflops", type=float, default=None)
+    d.add_argument("--sharing", default="on,off", help="prefix sharing settings to sweep, in order (on, off)")
     mm = sub.add_parser("matmul")
     mm.add_argument("--n", type=int, default=8192)
     mm.add_argument("--repeats", type=int, default=20)

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# The GPU run of issue 34, as one re-runnable command for the device machine (no network there).
+# The GPU runs, as one re-runnable command for the device machine (no network there).
 #
 #   bench/gpu/prepare.sh                        # here, once: the pinned wheels into .whl/
-#   bench/gpu/run.sh                            # on the device: every step, JSON into $OUT
+#   bench/gpu/run.sh                            # on the device: the training-speed steps, JSON into $OUT
 #   bench/gpu/run.sh dds sft                    # only these steps (model/pairs are made when missing)
+#   bench/gpu/run.sh all                        # every step (more than one 10-minute device call holds)
 #   bench/gpu/run.sh --dry-run                  # here, no CUDA: install the wheels into a temp target and
 #                                               # import every module the GPU steps use (tests/test_gpu_dry_run.py)
 #   bench/gpu/run.sh --shape tiny               # here, on CPU: every step at hidden 64, 2 layers (4-bit NF4 too:
 #                                               # bitsandbytes 0.50 has a CPU backend; --no-4bit loads the base in full)
 #
-# Steps (each under its own `timeout`, a failed one recorded and passed): env matmul builds model pairs sft dpo dds
-# merge (default), organism_cuda organism (a second call), sft_fast (SFT without recompute, batch 16 x 1). builds: the organism CPU builds of issue 31 in the
+# Steps (each under its own `timeout`, a failed one recorded and passed). Training at 7B shape (the default call,
+# bench/training_speed.md): sft, dpo, kto (recipes/qwen7b.yaml as shipped: the 24GB memory profile, prefix sharing),
+# sft_80gb, dpo_80gb, kto_80gb (--memory_budget 80GB), sft_asis, dpo_asis (the recipe's own batch, TRL's padded
+# rows: c90e646's path). Then: dds (the DDS pass, prefix sharing on and off), env matmul builds model pairs merge,
+# organism_cuda organism (a later call), sft_fast (SFT without recompute, batch 16 x 1). builds: the organism CPU builds of issue 31 in the
 # background (bench/gpu/organism_builds.sh; their table and the seed-0 builds come back as organism_build_robustness.*
 # and organisms.tar.gz). Results: $OUT/gpu.json (all steps: rc, seconds, result or the error's last lines, the peak GPU
 # memory nvidia-smi saw), $OUT/gpu.log (everything printed), $OUT/organism_comparison.md (the study's table).
@@ -31,15 +35,17 @@ while (($#)); do
     --shape) SHAPE="$2"; shift ;;
     --no-4bit) QUANT=0 ;;
     -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
-    all) STEPS+=(env matmul builds model pairs sft dpo dds merge organism_cuda organism) ;;
-    env|matmul|builds|model|pairs|dds|sft|sft_fast|dpo|merge|organism_cuda|organism) STEPS+=("$1") ;;
+    all) STEPS+=(env matmul model pairs sft dpo kto sft_80gb dpo_80gb kto_80gb sft_asis dpo_asis dds merge
+                 builds organism_cuda organism) ;;
+    env|matmul|builds|model|pairs|dds|sft|sft_fast|dpo|kto|sft_80gb|dpo_80gb|kto_80gb|sft_asis|dpo_asis|merge|organism_cuda|organism)
+      STEPS+=("$1") ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
 done
 # one 10-minute device call holds the 7B-shaped steps and the CPU builds; the organism's GPU steps are a second
 # call (`bench/gpu/run.sh organism_cuda organism`)
-((${#STEPS[@]})) || STEPS=(env matmul builds model pairs sft dpo dds merge)
+((${#STEPS[@]})) || STEPS=(env model pairs sft_80gb dpo_80gb sft dpo kto_80gb kto)
 
 # accelerate (and the study's `accelerate launch`) from the same environment as $PY
 PATH="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
@@ -122,7 +128,8 @@ exec > >(tee -a "$LOG") 2>&1
 echo "run.sh: steps ${STEPS[*]} shape $SHAPE 4bit $QUANT work $WORK out $OUT gpu $HAVE_GPU $(date -u +%FT%TZ)"
 
 # per-step budgets in seconds, times BUDGET_SCALE (a loaded CPU); a step gets at most what is left before RUN_BUDGET_S
-declare -A BUDGET=([env]=60 [matmul]=60 [builds]=20 [model]=150 [pairs]=60 [dds]=100 [sft]=150 [sft_fast]=150 [dpo]=150 [merge]=200
+declare -A BUDGET=([env]=60 [matmul]=60 [builds]=20 [model]=150 [pairs]=60 [dds]=200 [sft]=110 [sft_fast]=150 [dpo]=110
+                   [kto]=110 [sft_80gb]=110 [dpo_80gb]=110 [kto_80gb]=110 [sft_asis]=150 [dpo_asis]=150 [merge]=200
                    [organism_cuda]=150 [organism]=240)
 TRAIN=(--model_name_or_path "$MODEL" --pairs_dir "$PAIRS" --report_to none --save_strategy no --logging_steps 1
        --max_steps "${TRAIN_STEPS:-6}" --num_train_epochs 1)
@@ -174,7 +181,7 @@ step_pairs() { rm -rf "$PAIRS"; "$PY" bench/gpu/qwen7b.py pairs --tokenizer "$MO
 step_dds() {
   local peak
   peak=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['tflops'])" "$R/matmul.json" 2>/dev/null || echo "")
-  "$PY" bench/gpu/qwen7b.py dds --model "$MODEL" --batch_sizes "${DDS_BATCHES:-8,32,64,128}" \
+  "$PY" bench/gpu/qwen7b.py dds --model "$MODEL" --batch_sizes "${DDS_BATCHES:-32,128}" --sharing on,off \
     --judgments "${DDS_JUDGMENTS:-512}" ${peak:+--peak_tflops "$peak"} --json "$R/dds.json"
 }
 train_step() {  # sft | dpo [result name] [more trainer flags]
@@ -185,6 +192,16 @@ train_step() {  # sft | dpo [result name] [more trainer flags]
       --pairs_json "$R/pairs.json" --json "$R/$name.json"
 }
 step_sft() { train_step sft; }
+# the memory profiles: the recipe's 24GB (as shipped) and an 80 GB card's; KTO has no section in the recipe, so
+# its batch and learning rate are DPO's (4 x 4, 5e-5) and its dtype the recipe's bf16
+KTO=(--per_device_train_batch_size 4 --gradient_accumulation_steps 4 --learning_rate 5e-5 --bf16 true)
+step_sft_80gb() { train_step sft sft_80gb --memory_budget 80GB; }
+step_dpo_80gb() { train_step dpo dpo_80gb --memory_budget 80GB; }
+step_kto() { train_step kto kto "${KTO[@]}"; }
+step_kto_80gb() { train_step kto kto_80gb "${KTO[@]}" --memory_budget 80GB; }
+# the recipe as it was (c90e646): its own batch and checkpointing, TRL's padded rows
+step_sft_asis() { train_step sft sft_asis --memory_budget none --prefix_sharing false; }
+step_dpo_asis() { train_step dpo dpo_asis --memory_budget none --prefix_sharing false; }
 # issue 34's SFT throughput question (4.18 samples/s against a target of 25): the recipe's effective batch 16 as
 # one micro-batch without activation recompute, the cost gradient checkpointing and 4 x 4 accumulation pay for
 # the recipe's memory figure (not the recipe: bench/gpu.md says which figure is which)
@@ -263,7 +280,7 @@ run_step() {
     smi_pid=$!
   fi
   t0=$(date +%s.%N)
-  timeout --kill-after=10 "$budget" bash -c "$(declare -p LAUNCH TRAIN MERGE_ARGS); $(declare -f step_$name train_step); step_$name" \
+  timeout --kill-after=10 "$budget" bash -c "$(declare -p LAUNCH TRAIN MERGE_ARGS KTO); $(declare -f step_$name train_step); step_$name" \
     >"$WORK/$name.log" 2>&1
   rc=$?
   cat "$WORK/$name.log"
@@ -292,10 +309,10 @@ export PY ROOT WORK R MODEL PAIRS OUT SHAPE QUANT HAVE_GPU MERGE_GAP_PROMPTS
 for s in "${STEPS[@]}"; do
   # the later steps need the model and pairs: made first when a rerun names only later steps
   case "$s" in
-    dds|sft|sft_fast|dpo|merge) [[ -f "$MODEL/config.json" ]] || run_step model ;;
+    dds|sft*|dpo*|kto*|merge) [[ -f "$MODEL/config.json" ]] || run_step model ;;
   esac
   case "$s" in
-    sft|sft_fast|dpo|merge) [[ -d "$PAIRS/sft" ]] || run_step pairs ;;
+    sft*|dpo*|kto*|merge) [[ -d "$PAIRS/sft" ]] || run_step pairs ;;
   esac
   run_step "$s"
 done
