@@ -100,8 +100,10 @@ class Shape:
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def saved_bytes_per_token(shape: Shape) -> int:
-    """Bytes autograd keeps per token for one decoder layer (Llama/Qwen2 shape), no recompute."""
+def saved_bytes_per_token(shape: Shape, mlp: bool = True) -> int:
+    """Bytes autograd keeps per token for one decoder layer (Llama/Qwen2 shape), no recompute;
+    `mlp=False`: without its MLP's (the last layer under prefix sharing runs it at the scored
+    positions only)."""
     s, h, i = shape.compute_bytes, shape.hidden, shape.intermediate
     q = shape.heads * shape.head_dim
     dropout = shape.lora_dropout > 0
@@ -119,8 +121,9 @@ def saved_bytes_per_token(shape: Shape) -> int:
     attention = 4 * s * q                   # queries, keys and values (repeated to every head), output
     saved = norms + attention
     saved += lora_inputs(("q_proj", "k_proj", "v_proj"), h) + lora_inputs(("o_proj",), q)
-    saved += 3 * s * i                      # the activation's input, and both factors of gate x up
-    saved += lora_inputs(("gate_proj", "up_proj"), h) + lora_inputs(("down_proj",), i)
+    if mlp:
+        saved += 3 * s * i                  # the activation's input, and both factors of gate x up
+        saved += lora_inputs(("gate_proj", "up_proj"), h) + lora_inputs(("down_proj",), i)
     return saved
 
 
@@ -173,18 +176,22 @@ def micro_batch_tokens(sample_tokens: Sequence[int], micro: int, rows_per_sample
 def plan(shape: Shape, budget: float, effective_batch: int, sample_tokens: Sequence[int], mean_sample_tokens: float,
          packed: bool, rows_per_sample: int = 1, optimizer_states: int = 2) -> Plan:
     """The fastest (micro-batch, recomputed layers) whose estimated peak fits `budget` GiB, with
-    micro-batch x accumulation = effective_batch; refused in one line when none fits."""
+    micro-batch x accumulation = effective_batch; refused in one line when none fits. Packed (prefix
+    sharing), the last layer never recomputes and keeps no MLP activations but at scored positions."""
     usable = (budget - CONTEXT_GIB) * FILL
     static = static_bytes(shape, optimizer_states)
     fixed = sum(static.values())
     per_layer = saved_bytes_per_token(shape)
     kept_input = shape.compute_bytes * shape.hidden  # what a recomputing layer keeps
+    # the layers that may recompute, and what the others beyond them keep
+    recomputable = shape.layers - 1 if packed else shape.layers
+    last = saved_bytes_per_token(shape, mlp=False) if packed else 0
     step_tokens = effective_batch * mean_sample_tokens
     candidates = []
     for micro in (m for m in range(effective_batch, 0, -1) if effective_batch % m == 0):
         tokens = micro_batch_tokens(sample_tokens, micro, rows_per_sample, packed)
-        for k in range(shape.layers + 1):
-            act = tokens * ((shape.layers - k) * per_layer + k * kept_input + (per_layer if k else 0))
+        for k in range(recomputable + 1):
+            act = tokens * ((recomputable - k) * per_layer + last + k * kept_input + (per_layer if k else 0))
             peak = (fixed + act) / GIB
             passes = 2.1 + k / shape.layers  # forward, backward, the recomputed share
             cost = step_tokens * passes + (effective_batch // micro) * MICRO_BATCH_OVERHEAD_TOKENS * passes

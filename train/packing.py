@@ -310,7 +310,6 @@ def install(model, stats: PackingStats | None = None) -> PackingStats:
 
     _register_attention()
     model.config._attn_implementation = ATTENTION
-    NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=model.device)
     original = model.forward
     stats = stats if stats is not None else PackingStats()
     lora = getattr(model, "peft_config", None) or {}
@@ -341,7 +340,8 @@ def install(model, stats: PackingStats | None = None) -> PackingStats:
 
         def call():
             # a 4-D mask is taken as prepared: transformers builds no (T, T) mask the blocks would not read
-            return original(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=NO_MASK,
+            no_mask = packed.input_ids.new_ones((1, 1, 1, 1), dtype=torch.bool)
+            return original(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=no_mask,
                             shift_labels=packed.shift_labels, flipguard_blocks=packed.blocks,
                             use_cache=False, fused_lm_head=True)
 
