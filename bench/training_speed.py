@@ -10,7 +10,7 @@ trainer first and then times its `main()` alone, as the study's stage does (the 
 in a process whose imports are done). Recorded per run: wall seconds, the process's CPU seconds
 (what a loaded machine moves least), the optimizer steps' seconds and the logged losses. The
 summary compares the medians and checks that both checkouts logged the same losses. Writes
-OUT.json and OUT.md (the machine, its load, the commits).
+OUT.json and OUT.md (the machine, its load, the commits); bench/training_speed.md quotes OUT.md.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads a run (the demo's: 1)")
     parser.add_argument("--stages", default="sft,dpo")
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
-    parser.add_argument("--out", default="bench/training_speed")
+    parser.add_argument("--out", default="bench/training_speed_cpu")
     args = parser.parse_args(argv)
     sides = {"base": Path(args.base).resolve(), "new": Path(args.new).resolve()}
     pairs = Path(args.pairs).resolve()

@@ -92,13 +92,13 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
     from transformers import set_seed
     from trl import ModelConfig
 
+    allocator = speed.use_expandable_segments()  # before anything (the config parser included) starts CUDA
     entry = trainer_entry(name, prog)
     parsed, recipe_path, recipe = parse_recipe(
         argv, (PairsArguments, entry.config_class(), ModelConfig, TrackingArguments, TrainingSpeedArguments),
         trainer=name, prog=prog,
     )
     pairs_args, training_args, model_args, tracking_args, speed_args = parsed
-    allocator = speed.use_expandable_segments()  # before anything starts CUDA
     configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.eval.threads)
     set_seed(training_args.seed)
     setup_logging(training_args)
