@@ -81,6 +81,18 @@ def iter_lines(path: str | os.PathLike, error: type[FlipguardError] = UserError)
                 raise _not_utf8(path, raw, exc, error, line_offset=lineno - 1) from None
 
 
+def read_json(path: str | os.PathLike, error: type[FlipguardError] = RecordError, what: str = "JSON file") -> Any:
+    """A whole JSON file flipguard (or a user) wrote: a missing or unreadable file, bytes that are
+    not UTF-8 or text that does not parse (a truncated file, a hand edit) raise `error` naming
+    path:line, never a JSONDecodeError traceback."""
+    text = read_text(path, error, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); the {what} is damaged "
+                    "or cut short: write it again") from None
+
+
 # ---------------------------------------------------------------- writing
 
 

@@ -620,10 +620,7 @@ def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str 
 
 
 def read_pair_counts(pairs_dir: str | None) -> dict[str, Any] | None:
-    if not pairs_dir:
-        return None
-    path = Path(pairs_dir) / "counts.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    return pair_builder.read_counts(pairs_dir)
 
 
 def model_card(config: dict[str, Any], counts: dict[str, Any] | None, metrics: dict[str, Any] | None = None,

@@ -48,7 +48,7 @@ from flipguard.eval.embedded.tiny_model import TINY_MODEL_ALIASES
 from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
 from flipguard.eval.pipeline.capability import run_capability
-from flipguard.eval.pipeline.compare import build_comparison, protocol_rows, write_comparison
+from flipguard.eval.pipeline.compare import build_comparison, protocol_rows, require_whole_runs, write_comparison
 from flipguard.eval.pipeline.fingerprints import model_identity
 from flipguard.eval.pipeline.tracking import log_study_to_wandb
 from flipguard.eval.pipeline.transfer import TRANSFER_JSON, build_transfer
@@ -421,6 +421,7 @@ class StudyPlan:
 
         def run() -> None:
             conditions = {n: str(p) for n, p in self.conditions.items()}
+            require_whole_runs(conditions, self.protocol_runs)
             cmp = build_comparison(conditions, n_boot=self.plan.eval_plan_n_boot, seed=0)
             transfer = build_transfer(conditions, self.protocol_runs, self.pairs.pairs_dir if self.trainers else None,
                                       cmp["reports"], PairRules.from_args(self.pairs), n_boot=self.plan.eval_plan_n_boot,
