@@ -3,9 +3,10 @@
 A stage is skipped on a rerun when its fingerprint matches the one study.json holds: a hash
 of exactly what it reads (its settings, resolved from the recipe), the model's identity and
 its input stages' fingerprints, and when what it wrote is still whole: each run directory's
-records as its run.json lists them, and that run.json the one the stage finished with. A finished study rerun with the same recipe bytes, flags,
-watched files, code version and base model matches its plan key, and is reported up to date
-without building its stages (the quick path of `flipguard study`).
+records as its run.json lists them, and that run.json the one the stage finished with
+(stage_runs_problem). A finished study rerun with the same recipe bytes, flags, watched files,
+code version and base model matches its plan key, and is reported up to date without building
+its stages (the quick path of `flipguard study`).
 """
 
 from __future__ import annotations
