@@ -81,6 +81,18 @@ def iter_lines(path: str | os.PathLike, error: type[FlipguardError] = UserError)
                 raise _not_utf8(path, raw, exc, error, line_offset=lineno - 1) from None
 
 
+def read_json(path: str | os.PathLike, error: type[FlipguardError] = RecordError, what: str = "JSON file") -> Any:
+    """A whole JSON file flipguard (or a user) wrote: a missing or unreadable file, bytes that are
+    not UTF-8 or text that does not parse (a truncated file, a hand edit) raise `error` naming
+    path:line, never a JSONDecodeError traceback."""
+    text = read_text(path, error, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); the {what} is damaged "
+                    "or cut short: write it again") from None
+
+
 # ---------------------------------------------------------------- writing
 
 
@@ -428,10 +440,11 @@ def _now() -> str:
 def load_yaml(path: str | os.PathLike, error: type[FlipguardError] = UserError, what: str = "config file"):
     """(data, key lines) of a YAML (or JSON) file. `key lines` maps a top-level key, and
     "section.key" one level down, to its 1-based line. Broken YAML raises `error` naming
-    path:line and the problem."""
+    path:line and the problem; so does a key given twice in one mapping (`check_unique_keys`)."""
     text = read_text(path, error, what)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        check_unique_keys(node, path, error)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
@@ -447,6 +460,34 @@ def load_yaml(path: str | os.PathLike, error: type[FlipguardError] = UserError, 
                 for k2, _ in v.value:
                     lines[f"{key}.{k2.value}"] = k2.start_mark.line + 1
     return data, lines
+
+
+_YAML_MERGE = "tag:yaml.org,2002:merge"  # `<<: *defaults`: keys given after it override on purpose
+
+
+def check_unique_keys(node: Any, path: str | os.PathLike, error: type[FlipguardError], prefix: str = "") -> None:
+    """Refuse a key that one YAML mapping gives twice, at any depth, naming path:line of the second
+    and the line of the first. YAML keeps the last value silently: a duplicated `learning_rate`
+    trains at the value further down, an appended `sft:` section replaces the first one whole."""
+    if isinstance(node, yaml.SequenceNode):
+        for child in node.value:
+            check_unique_keys(child, path, error, prefix)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first: dict[tuple[str, str], int] = {}
+    for key, value in node.value:
+        name = f"{prefix}{key.value}" if isinstance(key, yaml.ScalarNode) else None
+        if name is not None and key.tag != _YAML_MERGE:
+            line = key.start_mark.line + 1
+            seen = first.get((key.tag, key.value))
+            first.setdefault((key.tag, key.value), line)
+            if seen is not None:
+                kind = "section" if isinstance(value, yaml.MappingNode) and not prefix else "key"
+                keeps = "the second replaces the first whole" if kind == "section" else "only the last would count"
+                raise error(f"{path}:{line}: {kind} {name!r} is given twice (first at line {seen}); {keeps}, so "
+                            "nothing was run: keep one")
+        check_unique_keys(value, path, error, f"{name}." if name is not None else prefix)
 
 
 # ---------------------------------------------------------------- value types

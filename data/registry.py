@@ -29,8 +29,8 @@ from pathlib import Path
 import yaml
 
 from flipguard.data.mmlu import LETTERS, MCQItem
-from flipguard.data.schema import ALL_DATASETS, DOMAINS, DataError, read_jsonl
-from flipguard.files import atomic_write_text, flipguard_home
+from flipguard.data.schema import ALL_DATASETS, DOMAINS, DataError, item_from_row, read_item_rows, read_jsonl
+from flipguard.files import atomic_write_text, flipguard_home, load_yaml
 
 ENTRY_FILE = "dataset.yaml"
 SHIPPED_ENTRIES = tuple(Path(__file__).resolve().parent / d / ENTRY_FILE for d in ("organism", "organism_mc"))
@@ -61,14 +61,8 @@ class DatasetEntry:
 def read_entry(path: str | Path) -> DatasetEntry:
     """Parse and check one entry file; errors name the file and the key."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read dataset entry ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{path}: dataset entry is not UTF-8 text") from None
-    except yaml.YAMLError as exc:
-        raise DataError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    # bytes that are not UTF-8, broken YAML and a key given twice: one line naming path:line
+    raw, _ = load_yaml(path, DataError, "dataset entry")
     if not isinstance(raw, dict):
         raise DataError(f"{path}: a dataset entry is a mapping with name, domain and splits")
     unknown = sorted(set(raw) - {"name", "kind", "domain", "description", "splits"})
@@ -135,8 +129,7 @@ def register(path: str | Path, replace: bool = False) -> Path:
     """Copy an entry (split paths made absolute) into the user registry; returns its path.
     A name registered from other files is refused unless `replace`."""
     entry = read_entry(path)
-    for split in entry.splits:
-        entry.split_file(split)
+    check_split_files(entry)
     existing = registered().get(entry.name)
     target = user_registry_dir() / f"{entry.name}.yaml"
     if existing and (existing.source != target.resolve() or (existing.splits != entry.splits and not replace)):
@@ -149,6 +142,17 @@ def register(path: str | Path, replace: bool = False) -> Path:
             "splits": {s: str(p) for s, p in entry.splits.items()}}
     atomic_write_text(target, f"# registered from {Path(path).resolve()}\n" + yaml.safe_dump(body, sort_keys=False))
     return target
+
+
+def check_split_files(entry: DatasetEntry) -> None:
+    """Every split file of an entry read as its kind's rows are read when used (UTF-8, one JSON
+    object a line, the schema's fields): a bad row is refused at registration, naming file:line,
+    not later by the first command that names the dataset."""
+    for split in entry.splits:  # an empty file is refused too (schema.parse_jsonl_lines)
+        if entry.kind == "multiple_choice":
+            read_mc_rows(entry, split)
+        else:
+            read_item_rows(entry.split_file(split), lambda row, where: item_from_row(row, entry.name, split, where))
 
 
 def mc_entry(token: str) -> DatasetEntry:
@@ -166,7 +170,11 @@ def mc_entry(token: str) -> DatasetEntry:
 
 def load_mc(token: str, split: str) -> list:
     """MCQItems of a registered multiple-choice dataset's split; a bad row names file and line."""
-    entry = mc_entry(token)
+    return read_mc_rows(mc_entry(token), split)
+
+
+def read_mc_rows(entry: DatasetEntry, split: str) -> list:
+    """MCQItems of a multiple-choice entry's split file; a bad row names file and line."""
     path = entry.split_file(split)
     items, seen = [], set()
     for lineno, row in read_jsonl(path):

@@ -140,3 +140,29 @@ def read_item_rows(path: Path, to_item) -> list[Item]:
         first_line[item.id] = lineno
         items.append(item)
     return items
+
+
+def require_text(row: dict[str, Any], key: str, where: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(f"{where}: field {key!r} is missing or empty")
+    return value
+
+
+def item_from_row(row: dict[str, Any], dataset: str, split: str, where: str) -> Item:
+    """A row in Item format (id, question, correct_answer, incorrect_answer; dataset and split
+    given by the file that holds it), checked field by field: a bad row names file:line."""
+    for key in ("id", "question", "correct_answer", "incorrect_answer"):
+        require_text(row, key, where)
+    if row.get("dataset", dataset) != dataset:  # the name comes from the entry file; a row need not repeat it
+        raise DataError(f"{where}: row says dataset {row.get('dataset')!r} but the file holds {dataset!r}")
+    if row.get("split", split) != split:
+        raise DataError(f"{where}: row is split {row.get('split')!r}, expected {split!r}")
+    if row["correct_answer"].strip() == row["incorrect_answer"].strip():
+        raise DataError(f"{where}: correct_answer and incorrect_answer are identical")
+    if not isinstance(row.get("meta", {}), dict):
+        raise DataError(f"{where}: field 'meta' must be an object")
+    try:
+        return Item.from_dict({**row, "dataset": dataset, "split": split})
+    except (TypeError, KeyError) as exc:
+        raise DataError(f"{where}: not an Item row ({exc})") from None

@@ -38,7 +38,9 @@ from flipguard.data.schema import (
     EVAL_ONLY_DATASETS,
     DataError,
     Item,
+    item_from_row,
     read_item_rows,
+    require_text,
 )
 from flipguard.data.splits import check_no_leakage, exclude_test_overlap
 
@@ -119,13 +121,6 @@ def parse_datasets(datasets: str | Iterable[str] | None, default: Iterable[str],
 # ---------------------------------------------------------------- rows -> Items
 
 
-def _require_text(row: dict[str, Any], key: str, where: str) -> str:
-    value = row.get(key)
-    if not isinstance(value, str) or not value.strip():
-        raise DataError(f"{where}: field {key!r} is missing or empty")
-    return value
-
-
 def benchmark_row_to_item(row: dict[str, Any], dataset: str, split: str, where: str) -> Item:
     """A DialDefer-format row (released test/full files) as an Item."""
     item_id = row.get("id")
@@ -134,9 +129,9 @@ def benchmark_row_to_item(row: dict[str, Any], dataset: str, split: str, where: 
     declared = row.get("dataset")
     if declared is not None and DATASET_ALIASES.get(declared, declared) != dataset:
         raise DataError(f"{where}: row says dataset {declared!r} but the file holds {dataset!r}")
-    question = _require_text(row, "question", where)
-    correct = _require_text(row, "chosen_correct_answer", where)
-    incorrect = _require_text(row, "chosen_incorrect_answer", where)
+    question = require_text(row, "question", where)
+    correct = require_text(row, "chosen_correct_answer", where)
+    incorrect = require_text(row, "chosen_incorrect_answer", where)
     if correct.strip() == incorrect.strip():
         raise DataError(f"{where}: chosen_correct_answer and chosen_incorrect_answer are identical")
     meta = row.get("meta") or {}
@@ -159,21 +154,9 @@ def benchmark_row_to_item(row: dict[str, Any], dataset: str, split: str, where: 
 
 
 def item_row_to_item(row: dict[str, Any], dataset: str, split: str, where: str) -> Item:
-    """A row already in Item format (the shipped train samples, `flipguard data --export`)."""
-    for key in ("id", "question", "correct_answer", "incorrect_answer"):
-        _require_text(row, key, where)
-    if row.get("dataset", dataset) != dataset:  # the name comes from the entry file; a row need not repeat it
-        raise DataError(f"{where}: row says dataset {row.get('dataset')!r} but the file holds {dataset!r}")
-    if row.get("split", split) != split:
-        raise DataError(f"{where}: row is split {row.get('split')!r}, expected {split!r}")
-    if row["correct_answer"].strip() == row["incorrect_answer"].strip():
-        raise DataError(f"{where}: correct_answer and incorrect_answer are identical")
-    if not isinstance(row.get("meta", {}), dict):
-        raise DataError(f"{where}: field 'meta' must be an object")
-    try:
-        item = Item.from_dict({**row, "dataset": dataset, "split": split})
-    except (TypeError, KeyError) as exc:
-        raise DataError(f"{where}: not an Item row ({exc})") from None
+    """A row already in Item format (the shipped train samples, `flipguard data --export`); an item
+    without a domain gets its dataset's."""
+    item = item_from_row(row, dataset, split, where)
     return dataclasses.replace(item, domain=item.domain or registry.domain_of(dataset) or "")
 
 

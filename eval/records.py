@@ -680,3 +680,73 @@ def load_run_meta(run_dir: str | os.PathLike) -> dict[str, Any]:
     checked through `read_run_log`; {} when the run directory has none."""
     log = read_run_log(run_dir)
     return log.to_dict() if log is not None else {}
+
+
+# ---------------------------------------------------------------- completeness
+#
+# A finished invocation records in run.json what its run holds (RUN_CONTENTS: how many distinct
+# record keys, a digest of them, a digest of the settings the run holds one value of); every
+# reader that computes a number from a run (compare, the transfer report, the study's stages,
+# the page) checks records.jsonl against it first. A records file cut short, records of another
+# run under this run.json, or an invocation that stopped before its end is never read as whole.
+
+RUN_CONTENTS = "records"
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
+
+
+def run_contents(keys: Iterable[str], settings: dict[str, Any]) -> dict[str, Any]:
+    """run.json's RUN_CONTENTS for a run holding the records `keys` under `settings`."""
+    keys = sorted(set(keys))
+    return {"n": len(keys), "keys": _digest(keys), "settings": _digest(settings)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Completeness:
+    """A run directory's records against what its run.json lists."""
+
+    run_dir: Path
+    found: int                  # distinct record keys in records.jsonl now
+    listed: dict[str, Any] | None  # run.json's RUN_CONTENTS (None: a run from before it was written, or none)
+    finished: bool              # its last invocation reached the end (run.json "complete" is not False)
+    keys: str                   # the digest of the keys found
+
+    @property
+    def whole(self) -> bool:
+        return self.finished and (self.listed is None or (self.found == self.listed.get("n")
+                                                          and self.keys == self.listed.get("keys")))
+
+    def describe(self) -> str:
+        """One phrase: "incomplete (8 of 16 records its run.json lists)" and the like ("whole")."""
+        if not self.finished:
+            return f"incomplete: its last run stopped before the end ({self.found} records so far)"
+        if self.whole:
+            return "whole"
+        listed = self.listed.get("n")
+        if isinstance(listed, int) and self.found < listed:
+            return f"incomplete ({self.found} of {listed} records its run.json lists)"
+        return (f"its records are not the ones its run.json lists ({self.found} records there, {listed} listed, "
+                "other keys)")
+
+
+def run_completeness(run_dir: str | os.PathLike) -> Completeness:
+    """Read RUN_DIR's records and run.json and say whether they agree (a missing records file counts
+    as no records)."""
+    run_dir = Path(run_dir)
+    meta = load_run_meta(run_dir)
+    keys = {rec.key for rec in read_records(run_dir / RECORDS_FILE)}
+    listed = meta.get(RUN_CONTENTS)
+    return Completeness(run_dir, len(keys), listed if isinstance(listed, dict) else None,
+                        meta.get("complete") is not False, _digest(sorted(keys)))
+
+
+def require_whole(run_dir: str | os.PathLike, then: str = "rerun the command that wrote it (it resumes from the "
+                                                                "records there)") -> Completeness:
+    """Refuse (RecordError, one line) to compute anything from a run that is not whole; returns its
+    completeness otherwise."""
+    state = run_completeness(run_dir)
+    if not state.whole:
+        raise RecordError(f"{run_dir}: {state.describe()}; no number is computed from an incomplete run: {then}")
+    return state

@@ -47,6 +47,7 @@ from flipguard.eval.mitigations import system_label
 from flipguard.eval.parallel import data_parallel, is_writer
 from flipguard.eval.records import (
     RECORDS_FILE,
+    RUN_CONTENTS,
     RUN_META_FILE,
     Record,
     RecordStore,
@@ -54,6 +55,7 @@ from flipguard.eval.records import (
     load_run_meta,
     now_iso,
     open_run_dir,
+    run_contents,
 )
 from flipguard.eval.runner import Parser, check_context, run_records
 from flipguard.eval.threads import configure_threads
@@ -551,7 +553,7 @@ def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendP
     batch = _next_batch(task, plan, None)
     if run is not None:
         task.prepare(run)
-        # complete: False until this invocation's last record (compare warns about a run left incomplete)
+        # complete: False until this invocation's last record (no reader computes a number from it till then)
         run.write_meta(task.merge_meta(run.old, {**task.meta(), "updated": now_iso(), "complete": False}))
     answers = _Answers(store, pool, progress)
     last, repeats = None, 0
@@ -574,7 +576,10 @@ def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendP
     extra = task.finish(run, list(store.stored.values()))
     if computed:  # per model: the dtype it ran in, the label tokens counted (latest invocation wins)
         extra["computed"] = {**(run.old.get("computed") or {}), **computed}
-    run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso(), "complete": True})
+    # what the finished run holds: a reader checks records.jsonl against it (records.require_whole)
+    contents = run_contents(store.stored, {k: run.old.get(k) for k in task.condition_keys})
+    run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso(), "complete": True,
+                    RUN_CONTENTS: contents})
     return RunResult(out_dir, calls)
 
 

@@ -539,8 +539,10 @@ def test_vllm_missing_gives_install_hint(monkeypatch):
 
 def test_vllm_generate_batches_one_chat_call_in_order(monkeypatch):
     log = _fake_vllm(monkeypatch)
+    # batch_size and device are taken for a uniform CLI and not passed on (a device this machine has:
+    # one it lacks is refused before any engine starts, whatever the backend)
     backend = get_backend("vllm", "org/model", tensor_parallel_size=2, gpu_memory_utilization=0.8,
-                          max_model_len=4096, batch_size=16, device="cuda")
+                          max_model_len=4096, batch_size=16, device="cpu")
     assert log["llm_kwargs"] == {"model": "org/model", "dtype": "auto", "seed": 0, "trust_remote_code": False,
                                  "tensor_parallel_size": 2, "gpu_memory_utilization": 0.8, "max_model_len": 4096}
     convs = [_conv(f"q{i}") for i in range(5)]

@@ -225,14 +225,15 @@ def test_readers_respect_a_running_writers_lock(shared, tmp_path, capsys):
         holder.wait()
 
 
-def test_compare_warns_about_an_incomplete_run(shared, tmp_path, capsys):
+def test_compare_refuses_a_run_whose_last_invocation_stopped_before_the_end(shared, tmp_path, capsys):
     run = _copy(shared["run"], tmp_path / "run")
     assert json.loads((run / "run.json").read_text())["complete"] is True
     meta = json.loads((run / "run.json").read_text())
     meta["complete"] = False  # as a killed eval leaves it (task.run_task writes True only at the end)
     (run / "run.json").write_text(json.dumps(meta))
-    assert cli_main(["compare", "--runs", f"Baseline={run}", "--out", str(tmp_path / "cmp"), "--n_boot", "20"]) == 0
-    assert f"warning: {run}: incomplete" in capsys.readouterr().out
+    refused(cli(capsys, "compare", "--runs", f"Baseline={run}", "--out", tmp_path / "cmp", "--n_boot", "20"),
+            f"{run}: incomplete: its last run stopped before the end")
+    assert not (tmp_path / "cmp").exists()
 
 
 # ---------------------------------------------------------------------------- records and links

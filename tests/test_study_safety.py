@@ -109,12 +109,13 @@ def test_foreign_files_where_a_late_stage_writes_are_refused_before_the_first_st
 
 
 @pytest.mark.parametrize("section, key, value, message", [
-    ("sft", "learning_rate", -0.0001, "sft.learning_rate: -0.0001 must be > 0"),
-    (None, "lora_r", 0, "lora_r: 0 must be >= 1"),
-    (None, "lora_dropout", 2.0, "lora_dropout: 2.0 must be in [0, 1)"),
-    ("eval", "limit", -3, "eval.limit: -3 must be >= 1"),
-    ("eval", "datasets", "", "eval.datasets: '' must be a non-empty list of datasets"),
-    ("dpo", "max_steps", -5, "dpo.max_steps: -5 must be -1 (train by epochs) or >= 1"),
+    ("sft", "learning_rate", -0.0001, "key 'sft.learning_rate' must be > 0, got -0.0001; nothing was run"),
+    (None, "lora_r", 0, "key 'lora_r' must be between 1 and 65,536, got 0; nothing was run"),
+    (None, "lora_dropout", 2.0, "key 'lora_dropout' must be in [0, 1), got 2.0; nothing was run"),
+    ("eval", "limit", -3, "key 'eval.limit' must be >= 1, got -3; nothing was run"),
+    ("eval", "datasets", "", "key 'eval.datasets' must be a non-empty list of datasets, got ''; nothing was run"),
+    ("dpo", "max_steps", -5, "key 'dpo.max_steps' must be -1 (train by epochs) or between 1 and 1,000,000,000, "
+                             "got -5; nothing was run"),
 ])
 def test_bad_recipe_values_are_refused_before_the_first_stage(tmp_path, capsys, section, key, value, message):
     raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
@@ -145,4 +146,4 @@ def test_standalone_trainers_and_merge_check_the_same_values(tmp_path, capsys, c
     extra = ["--adapter", str(tmp_path / "a"), "--out", str(tmp_path / "m")] if command == "merge" else []
     assert cli_main([command, str(ROOT / "recipes" / "tiny.yaml"), "--lora_dropout", "1.5", *extra]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.endswith("--lora_dropout: 1.5 must be in [0, 1)")
+    assert len(err.splitlines()) == 1 and err.endswith("option --lora_dropout must be in [0, 1), got 1.5; nothing was run")

@@ -78,7 +78,7 @@ from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import RecordError, load_records, publish_dir
-from flipguard.files import file_sha256
+from flipguard.files import file_sha256, read_json
 from flipguard.train.afr_pairs import afr_judgments
 from flipguard.train.conversation_pairs import conversation_rows
 from flipguard.train.pair_filters import PairRules, check_leakage, facets, select
@@ -96,6 +96,25 @@ COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
 # everything write_pairs puts in a pair set (a folder holding only these, written before
 # the owner file existed, is recognised as flipguard's)
 PAIR_SET_NAMES = (SFT_DIR, DPO_DIR, f"{SFT_DIR}.jsonl", f"{DPO_DIR}.jsonl", COUNTS_FILE, META_FILE)
+
+
+def read_counts(pairs_dir: str | Path | None, flag: str | None = None) -> dict[str, Any] | None:
+    """A pair set's counts.json (None: no pairs_dir, or none there). With `flag`, the option that
+    named the folder, a folder without one is refused naming both (a typo in --pairs is not "no
+    pairs"); a truncated or edited counts.json is one line naming the file, whatever the caller."""
+    if not pairs_dir:
+        return None
+    path = Path(pairs_dir) / COUNTS_FILE
+    if not path.is_file():
+        if flag is None:
+            return None
+        what = "no such folder" if not Path(pairs_dir).exists() else f"no {COUNTS_FILE} there"
+        raise UserError(f"{flag} {pairs_dir}: {what}; give the folder of a pair set (flipguard pairs --out) whose "
+                        f"{COUNTS_FILE} says what the trained conditions learned from; nothing was written")
+    counts = read_json(path, UserError, "pair counts file")
+    if not isinstance(counts, dict):
+        raise UserError(f"{path}: not a pair set's counts (a JSON {type(counts).__name__}, expected an object)")
+    return counts
 
 
 

@@ -110,6 +110,7 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
     check_model_loadable(model_path, recipe_path)
     if model_args.use_peft:
         check_lora_targets(model_args.lora_target_modules, model_path, f"{recipe_path}: lora_target_modules")
+        check_lora_rank(model_args.lora_r, model_args.lora_target_modules, model_path, recipe_path or prog)
     tokenizer = load_tokenizer(model_path, training_args.trust_remote_code)
 
     ensure_pairs(pairs_args, recipe_path, model_path)
@@ -290,12 +291,9 @@ def check_lora_targets(targets: Any, model_path: str, where: str = "lora_target_
     if not targets or isinstance(targets, str):
         return
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    except Exception:  # noqa: BLE001 - an architecture this check cannot build: peft judges later
+    model = _meta_model(model_path)
+    if model is None:
         return
     names = [n for n, _ in model.named_modules() if n]
     unknown = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
@@ -304,6 +302,39 @@ def check_lora_targets(targets: Any, model_path: str, where: str = "lora_target_
                          if n and isinstance(m, torch.nn.Linear)})
         raise TrainError(f"{where}: {', '.join(map(repr, unknown))} names no module of {model_path} "
                          f"(its linear layers: {', '.join(leaves)}); fix the list")
+
+
+def _meta_model(model_path: str):
+    """The model built on the meta device (no weights, no memory), or None for an architecture
+    transformers cannot build from its config here (peft and the trainer judge it later)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
+def check_lora_rank(rank: Any, targets: Any, model_path: str, where: str = "recipe", key: str = "lora_r") -> None:
+    """A LoRA rank the model's layers can hold: a rank above min(in, out) of every layer it adapts
+    adds no capacity (the update's rank cannot exceed it) and only allocates; `lora_r: 100000000`
+    asked for 25.6 GB. Checked on the meta-device model before anything loads."""
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return
+    import torch
+
+    model = _meta_model(model_path)
+    if model is None:
+        return
+    chosen = None if not targets or isinstance(targets, str) else set(targets)
+    ranks = [min(m.in_features, m.out_features) for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and (chosen is None or n.rsplit(".", 1)[-1] in chosen or n in chosen)]
+    if ranks and rank > max(ranks):
+        raise TrainError(f"{where}: key {key!r} must be at most {max(ranks):,} (min(in, out) of the largest layer it "
+                         f"adapts in {model_path}: a larger rank adds nothing and only allocates), got {rank:,}; "
+                         "nothing was run")
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):
@@ -623,10 +654,7 @@ def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str 
 
 
 def read_pair_counts(pairs_dir: str | None) -> dict[str, Any] | None:
-    if not pairs_dir:
-        return None
-    path = Path(pairs_dir) / "counts.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    return pair_builder.read_counts(pairs_dir)
 
 
 def model_card(config: dict[str, Any], counts: dict[str, Any] | None, metrics: dict[str, Any] | None = None,

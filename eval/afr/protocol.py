@@ -41,6 +41,7 @@ from flipguard.eval.backends.base import (
     GenerationConfig,
     ModelRef,
     backend_names,
+    check_backend_kwargs,
     model_kwargs,
     parse_backend_args,
     parse_model_ref,
@@ -163,6 +164,7 @@ def parse_model_entry(entry: Any, where: str) -> ModelSpec:
     )
     if spec.backend not in backend_names():
         raise UserError(f"{where}: model {spec.name!r} names unknown backend {spec.backend!r}; expected one of {backend_names()}")
+    check_backend_kwargs(spec.backend, spec.kwargs, f"{where}: model {spec.name!r} kwargs")
     if spec.mitigation not in MITIGATIONS:
         raise UserError(f"{where}: model {spec.name!r} names unknown mitigation {spec.mitigation!r}; expected one of {sorted(MITIGATIONS)}")
     return spec

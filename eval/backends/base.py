@@ -50,12 +50,15 @@ import abc
 import dataclasses
 import inspect
 import json
+import typing
 from typing import Any, ClassVar, Sequence
 
 from flipguard import plugins
+from flipguard.config import check_values
 from flipguard.errors import FlipguardError
 from flipguard.eval.backends.adapters import require_weights
 from flipguard.eval.convert import cached_checkpoint, checked_gguf
+from flipguard.files import check_types
 
 Conversation = list[dict[str, str]]
 
@@ -371,18 +374,28 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
 
 
 
-def check_backend_kwargs(name: str, kwargs: dict) -> None:
-    """A --backend_args key the backend's constructor does not take: one line naming it and the
-    keys it does take, before the model loads."""
-
-    params = inspect.signature(_REGISTRY[name].__init__).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    unknown = sorted(set(kwargs) - set(params))
-    if unknown:
-        takes = sorted(k for k, p in params.items() if k not in ("self", "model") and p.kind is not p.VAR_POSITIONAL)
-        raise BackendError(f"--backend_args: the {name} backend takes no {', '.join(map(repr, unknown))} "
-                           f"(it takes: {', '.join(takes)}); fix the key")
+def check_backend_kwargs(name: str, kwargs: dict, where: str = "--backend_args") -> None:
+    """A backend's settings checked as a recipe's values are, before the model loads: a key its
+    constructor does not take (one line naming it and the keys it does take), a value of another
+    type than the constructor's annotation (`"prefix_sharing": "false"` is a string, and a string
+    is true: refused, never read as on), and a value out of its bounds (config.VALUE_RULES: a
+    `dtype` torch lacks, a `device` this machine lacks, a `batch_size` below 1)."""
+    cls = _REGISTRY[name]
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            takes = sorted(k for k, p in params.items() if k not in ("self", "model") and p.kind is not p.VAR_POSITIONAL)
+            raise BackendError(f"{where}: the {name} backend takes no {', '.join(map(repr, unknown))} "
+                               f"(it takes: {', '.join(takes)}); fix the key")
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - an annotation this module cannot resolve: its values go unchecked
+        hints = {}
+    types = {k: hints[k] for k, p in params.items() if k in hints and p.kind is p.POSITIONAL_OR_KEYWORD}
+    named = {k: v for k, v in kwargs.items() if k in params}  # an engine's own **kwargs: the engine checks them
+    check_types(named, types, where, BackendError)
+    check_values(named, where, error=BackendError)
 
 
 def resolve_model(name: str) -> str:
@@ -436,4 +449,7 @@ def model_kwargs(backend: str, backend_args: str | dict | None, *, batch_size: i
     """A model's backend settings: its --backend_args (JSON, never a credential) over the
     flags that only the hf backend takes (--batch_size, --device)."""
     kwargs = parse_backend_args(backend_args, where)
-    return {"batch_size": batch_size, "device": device, **kwargs} if backend == "hf" else kwargs
+    kwargs = {"batch_size": batch_size, "device": device, **kwargs} if backend == "hf" else kwargs
+    if backend in backend_names():  # an unknown backend is refused by name where the model is parsed
+        check_backend_kwargs(backend, kwargs, where)
+    return kwargs

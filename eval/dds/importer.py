@@ -32,6 +32,7 @@ from flipguard.eval.records import (
     CASES,
     EXPECTED_CHOICE,
     RECORDS_FILE,
+    RUN_CONTENTS,
     RUN_META_FILE,
     Record,
     RecordStore,
@@ -41,6 +42,7 @@ from flipguard.eval.records import (
     read_records,
     refuse_other_protocol,
     request_key,
+    run_contents,
 )
 from flipguard.files import atomic_write_text, dumps_utf8
 
@@ -327,6 +329,8 @@ def import_records(src: str | Path, out: str | Path, model: str | None = None) -
         if changed:
             meta["corrections"] = [*meta.get("corrections", []), {"time": now_iso(), "records": len(changed),
                                                                  "files": sorted({r.extra.get("source_file") for r in changed.values()})}]
+        # what the run holds now (records.require_whole checks readers' copies against it)
+        meta[RUN_CONTENTS] = run_contents(store.stored, {k: meta.get(k) for k in ("model", "mode")})
         run.write_meta(meta)
     return {"files": [p.name for p in files], "records": len(records), "added": added, "corrected": len(changed),
             "invalid": sum(not r.valid for r in records),

@@ -36,9 +36,10 @@ from flipguard.eval.estimate import Estimate
 from flipguard.eval.pipeline.transfer import build_transfer, write_transfer
 from flipguard.eval.pipeline.view import write_view
 from flipguard.eval.plots import pyplot, save_figure
-from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy
+from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require_whole
 from flipguard.eval.task import PROTOCOL_COLUMNS, comparison_long_rows, get_task, split_system, take_includes, task_names
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
+from flipguard.train.pairs import read_counts
 
 BASELINE = "Baseline"
 # Per-dataset columns taken from each run's stats (see report.STATS_COLUMNS).
@@ -102,6 +103,16 @@ def stars(p: float) -> str:
     if p is None or (isinstance(p, float) and math.isnan(p)):
         return ""
     return "***" if p < 0.001 else "**" if p < 0.01 else "*" if p < 0.05 else ""
+
+
+def require_whole_runs(conditions: Mapping[str, str], protocol_runs: Sequence[tuple[str, str]] = (),
+                       c1_from: str | None = None) -> None:
+    """Every run a comparison reads is whole (records.require_whole), checked before any number is
+    computed: the conditions, the C1 baselines their run.json names, the other protocols' runs."""
+    paths = [*conditions.values(), c1_from, *(load_run_meta(p).get("c1_from") for p in conditions.values()),
+             *(split_system(spec)[0] for _, spec in protocol_runs)]
+    for path in dict.fromkeys(str(p) for p in paths if p):
+        require_whole(path)
 
 
 def build_comparison(
@@ -459,12 +470,11 @@ def main(argv: list[str]) -> int:
         if path:
             refuse_busy(path, "compared")
     check_outputs(args.out, OUTPUT_FILES)
-    for path in conditions.values():
-        if load_run_meta(path).get("complete") is False:
-            print(f"warning: {path}: incomplete (its last run stopped before the end); its numbers cover the records "
-                  "written so far: rerun the same command to finish it")
+    require_whole_runs(conditions, runs, args.c1_from)
+    read_counts(args.pairs, "--pairs")  # a typo in --pairs, or a cut-short counts.json: refused before any number
     cmp = build_comparison(conditions, c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
-    transfer = build_transfer(conditions, runs, args.pairs, cmp["reports"], n_boot=args.n_boot, seed=args.seed)
+    transfer = build_transfer(conditions, runs, args.pairs, cmp["reports"], n_boot=args.n_boot, seed=args.seed,
+                              pairs_flag="--pairs")
     out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs, transfer=transfer)
     print((out / "comparison.md").read_text(encoding="utf-8"))
     extra = ", comparison_protocols.csv" if runs else ""

@@ -2,20 +2,24 @@
 
 A stage is skipped on a rerun when its fingerprint matches the one study.json holds: a hash
 of exactly what it reads (its settings, resolved from the recipe), the model's identity and
-its input stages' fingerprints. A finished study rerun with the same recipe bytes, flags,
-watched files, code version and base model matches its plan key, and is reported up to date
-without building its stages (the quick path of `flipguard study`).
+its input stages' fingerprints, and when what it wrote is still whole: each run directory's
+records as its run.json lists them, and that run.json the one the stage finished with
+(stage_runs_problem). A finished study rerun with the same recipe bytes, flags, watched files,
+code version and base model matches its plan key, and is reported up to date without building
+its stages (the quick path of `flipguard study`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard import __version__
 from flipguard.eval.backends.base import resolve_model
+from flipguard.eval.records import RECORDS_FILE, RUN_CONTENTS, RUN_META_FILE, load_run_meta, run_completeness
 from flipguard.files import file_sha256, git_commit
 
 
@@ -72,4 +76,50 @@ def plan_unchanged(state: dict[str, Any], recipe: str, flags: list[str], out: st
     order = state.get("order") or []
     if not order or any((stages.get(n) or {}).get("status") != "done" for n in order):
         return False
-    return all(Path(p).exists() for n in order for p in stages[n].get("outputs", []))
+    if not all(Path(p).exists() for n in order for p in stages[n].get("outputs", [])):
+        return False
+    # a run cut short since (or another one put in its place): the full path says which, and resumes
+    return not any(stage_runs_problem(stages[n], Path(out)) for n in order)
+
+
+def _run_dirs(entry: dict[str, Any], out: Path) -> list[str]:
+    """The run directories a stage's entry names, relative to the study folder: those it recorded
+    when it finished, else (a study.json from before they were recorded) the folders of its
+    outputs that hold a run.json."""
+    if isinstance(entry.get("runs"), dict):
+        return list(entry["runs"])
+    folders = dict.fromkeys(Path(p).parent for p in entry.get("outputs") or [])
+    return [os.path.relpath(f, out) for f in folders if (f / RUN_META_FILE).is_file()]
+
+
+def stage_runs(entry: dict[str, Any], out: Path) -> dict[str, Any]:
+    """What each run directory a finished stage wrote holds (run.json's records.RUN_CONTENTS), kept
+    in study.json: a later look at the stage tells its own run from another one put there."""
+    return {rel: load_run_meta(out / rel).get(RUN_CONTENTS) for rel in _run_dirs(entry, out)}
+
+
+def stage_runs_problem(entry: dict[str, Any], out: Path) -> tuple[str, str] | None:
+    """The first run directory of a done stage that is not as the stage left it, as (kind, one
+    line): "incomplete" (its records fall short of what its run.json lists: the stage resumes it)
+    or "other" (its run.json lists other records or settings than the stage wrote: another run,
+    never read as this one). None when every run is whole."""
+    recorded = entry.get("runs") if isinstance(entry.get("runs"), dict) else {}
+    for rel in _run_dirs(entry, out):
+        run_dir = out / rel
+        state = run_completeness(run_dir)
+        written = recorded.get(rel)
+        if written is not None and state.listed != written:
+            there = state.listed or {}
+            what = (f"settings fingerprint {there.get('settings')} there, {written.get('settings')} when the stage "
+                    "finished" if there.get("settings") != written.get("settings")
+                    else f"{there.get('n')} records there, {written.get('n')} when the stage finished")
+            return "other", f"{run_dir}: holds another run than the one the stage wrote ({what})"
+        if not state.whole:
+            return "incomplete", f"{run_dir}: {state.describe()}"
+        # a run from before run.json listed its records: the size study.json recorded for its records file
+        size = ((entry.get("files") or {}).get(os.path.join(rel, RECORDS_FILE)) or [None])[0]
+        now = (run_dir / RECORDS_FILE).stat().st_size if (run_dir / RECORDS_FILE).is_file() else 0
+        if state.listed is None and isinstance(size, int) and now < size:
+            return "incomplete", f"{run_dir}: incomplete ({RECORDS_FILE} is {now:,} bytes, {size:,} when the stage finished)"
+    return None
+

@@ -55,6 +55,8 @@ from flipguard.eval.pipeline.fingerprints import (
     plan_key,
     plan_unchanged,
     stage_fingerprints,
+    stage_runs,
+    stage_runs_problem,
 )
 from flipguard.eval.pipeline.stage_workers import StageWorkers, auto_jobs, last_of_each_line
 from flipguard.eval.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
@@ -210,12 +212,16 @@ class Study(StudyPlan):
 
     def _decide(self, i: int, stage: Stage) -> str:
         """What happens to stage i now that its inputs are settled: "skipped"/"not run" (recorded
-        here), or how it runs ("run", "redo", "resume")."""
+        here), or how it runs ("run", "redo", "resume"). Up to date means done with these settings
+        and its outputs there and whole: a run it wrote that lost records since is resumed, one that
+        run.json says is another run than the stage wrote is refused (stage_runs_problem)."""
         entries, fps = self.state["stages"], self._fps
         entry = entries.get(stage.name) or {}
-        current = (entry.get("status") == "done" and entry.get("fingerprint") == fps[stage.name]
-                   and all(p.exists() for p in stage.outputs) and self.built_from_current(stage))
+        done = (entry.get("status") == "done" and entry.get("fingerprint") == fps[stage.name]
+                and all(p.exists() for p in stage.outputs) and self.built_from_current(stage))
         forced = stage.name == self._only or (self._start is not None and i >= self._start)
+        problem = stage_runs_problem(entry, self.out) if done and not forced else None
+        current = done and problem is None
         if self._only and stage.name != self._only:
             self.statuses.append((stage.name, "skipped" if current else "not run", 0.0))
             return "skipped" if current else "not run"
@@ -223,12 +229,24 @@ class Study(StudyPlan):
             self.statuses.append((stage.name, "skipped", 0.0))
             self.print(f"--- {stage.name}: skipped (up to date)")
             return "skipped"
+        if problem is not None and problem[0] == "other":
+            raise UserError(f"stage {stage.name}: {problem[1]}; nothing was changed: move it away, or redo the stage "
+                            f"(--only {stage.name})")
         missing = [n for n in stage.inputs if (entries.get(n) or {}).get("status") != "done"
                    or entries[n].get("fingerprint") != fps[n]]
         if missing:
             raise UserError(f"stage {stage.name}: its input stage(s) {', '.join(missing)} are not done with the "
                              "current settings; run the study without --only first")
-        resume = entry.get("status") == "running" and entry.get("fingerprint") == fps[stage.name] and not forced
+        for name in stage.inputs:  # done, but what it wrote is no longer whole (a records file cut short)
+            broken = stage_runs_problem(entries[name], self.out)
+            if broken is not None:
+                then = "run the study without --only first (it resumes that stage)" if broken[0] == "incomplete" \
+                    else f"move it away, or redo that stage (--only {name})"
+                raise UserError(f"stage {stage.name}: its input stage {name} is not as it finished: {broken[1]}; {then}")
+        if problem is not None:
+            self.print(f"--- {stage.name}: {problem[1]}: resuming it")
+        resume = (problem is not None or entry.get("status") == "running") \
+            and entry.get("fingerprint") == fps[stage.name] and not forced
         return "resume" if resume else ("redo" if entry else "run")
 
     def _begin(self, i: int, stage: Stage, status: str, where: str = "") -> None:
@@ -261,7 +279,7 @@ class Study(StudyPlan):
             self.state.update(stage.recorded())
         foreign = entries[stage.name]["foreign"]
         entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status,
-                                   build=uuid.uuid4().hex[:12],
+                                   build=uuid.uuid4().hex[:12], runs=stage_runs(entries[stage.name], self.out),
                                    files={os.path.relpath(k, self.out): v for p in stage.clear
                                           for k, v in written_files(p, foreign).items()})
         self._save_state()

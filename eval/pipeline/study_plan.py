@@ -41,14 +41,14 @@ from flipguard.config import (
 )
 from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError, UserError
-from flipguard.eval.backends.base import resolve_model
+from flipguard.eval.backends.base import model_kwargs, resolve_model
 from flipguard.eval.dds.protocol import EvalArgs, evaluate
 from flipguard.eval.dds.report import REPORT_DIR, print_summary, report_run, write_report
 from flipguard.eval.embedded.tiny_model import TINY_MODEL_ALIASES
 from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
 from flipguard.eval.pipeline.capability import run_capability
-from flipguard.eval.pipeline.compare import build_comparison, protocol_rows, write_comparison
+from flipguard.eval.pipeline.compare import build_comparison, protocol_rows, require_whole_runs, write_comparison
 from flipguard.eval.pipeline.fingerprints import model_identity
 from flipguard.eval.pipeline.tracking import log_study_to_wandb
 from flipguard.eval.pipeline.transfer import TRANSFER_JSON, build_transfer
@@ -60,7 +60,7 @@ from flipguard.train.merge import main as merge_main
 from flipguard.train.pair_filters import PairRules
 from flipguard.train.pairs import print_counts
 from flipguard.train.pairs import run as build
-from flipguard.train.utils import PROVENANCE_FILE, check_lora_targets, wants_wandb
+from flipguard.train.utils import PROVENANCE_FILE, check_lora_rank, check_lora_targets, wants_wandb
 
 TRAIN = PACKAGE_ROOT / "train"
 PAIRS_DATASETS_DEFAULT = next(f.default for f in dataclasses.fields(PairsArguments) if f.name == "pairs_datasets")
@@ -175,6 +175,14 @@ class StudyPlan:
             if self.raw.get("use_peft"):
                 check_lora_targets(self.raw.get("lora_target_modules"), resolve_model(self.model),
                                    f"{self.recipe_path}: lora_target_modules")
+                for trainer in self.trainers:  # a trainer section may set a rank of its own
+                    section = self.raw.get(trainer) or {}
+                    key = f"{trainer}.lora_r" if "lora_r" in section else "lora_r"
+                    check_lora_rank(section.get("lora_r", self.raw.get("lora_r")), self.raw.get("lora_target_modules"),
+                                    resolve_model(self.model), self.recipe_path, key)
+        # every eval run's backend settings, as eval's --backend_args takes them
+        model_kwargs(self.plan.eval_plan_backend, self.backend_args_json(), batch_size=self.plan.eval_plan_batch_size,
+                     where=f"{self.recipe_path}: eval.backend_args")
         for key in ("protocols", "train_protocols"):
             names = getattr(self.plan, f"eval_plan_{key}")
             twice = sorted({n for n in names if names.count(n) > 1})
@@ -413,6 +421,7 @@ class StudyPlan:
 
         def run() -> None:
             conditions = {n: str(p) for n, p in self.conditions.items()}
+            require_whole_runs(conditions, self.protocol_runs)
             cmp = build_comparison(conditions, n_boot=self.plan.eval_plan_n_boot, seed=0)
             transfer = build_transfer(conditions, self.protocol_runs, self.pairs.pairs_dir if self.trainers else None,
                                       cmp["reports"], PairRules.from_args(self.pairs), n_boot=self.plan.eval_plan_n_boot,

@@ -61,6 +61,7 @@ from flipguard.eval.records import C1_CASES, load_records, load_run_meta
 from flipguard.eval.task import get_task, run_numbers, split_system
 from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.train.pair_filters import KIND_KEYS, PairRules, Rule, facets, parse_rule
+from flipguard.train.pairs import read_counts
 
 ROLES = ("trained-on", "held-out", "cross-protocol", "untargeted")
 TRANSFER_CSV, TRANSFER_MD, TRANSFER_PNG, TRANSFER_JSON = "transfer.csv", "transfer.md", "transfer.png", "transfer.json"
@@ -112,12 +113,12 @@ class Roles:
 
     @classmethod
     def from_pairs(cls, pairs_dir: str | Path | None, planted: Mapping[str, set[str]] | None = None,
-                   rules: PairRules | None = None) -> "Roles":
-        """From a pair set's counts.json (its rules and contributions); no pair set: roles of the rules alone."""
-        counts_file = Path(pairs_dir) / "counts.json" if pairs_dir else None
-        if counts_file is None or not counts_file.is_file():
+                   rules: PairRules | None = None, flag: str = "pairs") -> "Roles":
+        """From a pair set's counts.json (its rules and contributions); no pair set: roles of the rules
+        alone. A pairs_dir without counts.json is refused (`flag` names where it was given)."""
+        counts = read_counts(pairs_dir, flag)
+        if counts is None:
             return cls(None, rules.held_out if rules else None, planted)
-        counts = json.loads(counts_file.read_text(encoding="utf-8"))
         held_out = parse_rule((counts.get("rules") or {}).get("held_out"), "held_out")
         return cls(counts.get("contributed") or {}, held_out, planted)
 
@@ -429,13 +430,13 @@ def write_transfer(table: pd.DataFrame, out_dir: str | Path) -> dict[str, Any]:
 def build_transfer(dds_runs: Mapping[str, str], protocol_runs: Sequence[tuple[str, str]] = (),
                    pairs_dir: str | Path | None = None, reports: Mapping[str, DDSReport] | None = None,
                    rules: PairRules | None = None, n_boot: int = 2000, seed: int = 0,
-                   capability: str | Path | None = None) -> pd.DataFrame:
+                   capability: str | Path | None = None, pairs_flag: str = "pairs") -> pd.DataFrame:
     """The transfer table of a comparison: its DDS conditions (baseline first), the other protocols'
     runs, the pair set the trained conditions learned from (its counts.json) and the capability
     guard's per-question results (eval/pipeline/capability.py units.csv), when there are any."""
     names = list(dds_runs)
     model = load_run_meta(dds_runs[names[0]]).get("model") if names else None
-    roles = Roles.from_pairs(pairs_dir, planted_kinds(model), rules)
+    roles = Roles.from_pairs(pairs_dir, planted_kinds(model), rules, pairs_flag)
     units, untargeted = condition_units(dds_runs, protocol_runs, reports)
     guard = capability_units(capability, names)
     if guard:

@@ -10,17 +10,17 @@ per protocol), this module a comparison's and a study's, eval/pipeline/view/page
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
+from flipguard.eval.pipeline.fingerprints import stage_runs_problem
 from flipguard.eval.pipeline.view.page import render_html
 from flipguard.eval.pipeline.view.runs import ci, csv_table, flags, fmt, num, plots, protocol_entries, read_csv, record_panel, run_view, short
-from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy
-from flipguard.eval.task import take_includes
-from flipguard.files import atomic_write_text, check_replace
+from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
+from flipguard.eval.task import split_system, take_includes
+from flipguard.files import atomic_write_text, check_replace, read_json
 
 VIEW_FILE = "view.html"
 
@@ -74,7 +74,7 @@ def fixed_and_broken(runs: dict[str, str]) -> list[dict[str, Any]]:
 def comparison_view(folder: Path) -> dict[str, Any]:
     """A comparison folder: the before/after table with flags, the protocols' table, plots, and
     the items each condition fixed or broke."""
-    data = json.loads((folder / "comparison.json").read_text(encoding="utf-8")) if (folder / "comparison.json").is_file() else {}
+    data = read_json(folder / "comparison.json", UserError, "comparison") if (folder / "comparison.json").is_file() else {}
     tables = [_comparison_table(folder / "comparison.csv")]
     if (folder / "comparison_protocols.csv").is_file():
         tables.append(csv_table(folder / "comparison_protocols.csv", "protocols", "Before/after: other protocols",
@@ -92,10 +92,16 @@ def comparison_view(folder: Path) -> dict[str, Any]:
                                 key=lambda r: f"{r['condition']}|{r['dataset']}"))
     runs = data.get("runs") or {}
     entries = fixed_and_broken(runs) + protocol_entries(data.get("protocol_runs") or [])
+    # the tables were computed from whole runs (compare refuses any other); the items below are read now
+    broken = [f"{d}: {st.describe()}" for d in dict.fromkeys([*runs.values(), *(split_system(spec)[0] for _, spec in
+                                                                                data.get("protocol_runs") or [])])
+              if (Path(d) / RUN_META_FILE).is_file() and not (st := run_completeness(d)).whole]
     return {"title": f"flipguard comparison: {', '.join(data.get('conditions') or runs)}", "subtitle": str(folder),
-            "provenance": [["comparison folder", str(folder)], *[[f"run: {n}", d] for n, d in runs.items()]],
+            "provenance": [["comparison folder", str(folder)], *[[f"run: {n}", d] for n, d in runs.items()],
+                           *[["not whole now", b] for b in broken]],
             "tables": tables, "plots": plots(folder), "entries": entries,
-            "entries_title": "Items fixed and broken by each condition",
+            "entries_title": "Items fixed and broken by each condition" + (
+                f" — read from runs not whole now: {'; '.join(broken)}" if broken else ""),
             "entries_note": "DDS: C2 judgments whose correctness differs from the baseline's on the same item and case "
                             "(click a row for both prompts and replies); then the other protocols' challenges and "
                             "conversations, condition = the system they measured.",
@@ -107,14 +113,19 @@ def comparison_view(folder: Path) -> dict[str, Any]:
 
 def study_view(folder: Path) -> dict[str, Any]:
     """A study folder: every stage with its status and time, then its comparison."""
-    state = json.loads((folder / "study.json").read_text(encoding="utf-8"))
+    state = read_json(folder / "study.json", UserError, "study state")
     stages = state.get("stages") or {}
     order = state.get("order") or list(stages)
-    rows = [{"key": n, "cells": {"stage": n, "status": (stages.get(n) or {}).get("status", "not run"),
+    # a done stage whose run was cut short (or replaced) since: marked, as the study would resume (or refuse) it
+    problems = {n: p for n in order if (stages.get(n) or {}).get("status") == "done"
+                and (p := stage_runs_problem(stages[n], folder))}
+    rows = [{"key": n, "cells": {"stage": n, "status": {"incomplete": "incomplete", "other": "another run"}[problems[n][0]]
+                                 if n in problems else (stages.get(n) or {}).get("status", "not run"),
                                  "action": (stages.get(n) or {}).get("last_action", "–"),
                                  "seconds": fmt((stages.get(n) or {}).get("seconds")),
                                  "finished": (stages.get(n) or {}).get("finished", "–")}} for n in order]
-    stage_table = {"id": "stages", "title": "Stages", "note": f"{folder / 'study.json'}",
+    stage_table = {"id": "stages", "title": "Stages", "note": "\n".join([str(folder / "study.json"),
+                                                                         *(p[1] for p in problems.values())]),
                    "columns": [[c, c] for c in ("stage", "status", "action", "seconds", "finished")], "rows": rows}
     view: dict[str, Any] = {"entries": None, "plots": [], "tables": []}
     if (folder / "compare" / "comparison.csv").is_file():
@@ -166,4 +177,6 @@ def main(argv: list[str]) -> int:
     check_replace(Path(args.out) if args.out else Path(args.path) / VIEW_FILE)
     out = write_view(args.path, args.out, compress={"auto": None, "always": True, "never": False}[args.compress])
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} kB): open it in a browser (file://{out.resolve()})")
+    if (Path(args.path) / RUN_META_FILE).is_file() and not (state := run_completeness(args.path)).whole:
+        print(f"{args.path}: {state.describe()}: every table of the page is marked so")
     return 0

@@ -21,7 +21,7 @@ from flipguard.errors import UserError
 from flipguard.eval.afr.metrics import records_frame
 from flipguard.eval.dds.report import _resolve
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.records import Record, load_records, load_run_meta
+from flipguard.eval.records import Record, load_records, load_run_meta, run_completeness
 from flipguard.eval.sos.metrics import system_label
 from flipguard.eval.task import Task, comparison_long_rows, get_task
 from flipguard.files import read_text
@@ -355,6 +355,12 @@ def run_view(run_dir: Path) -> dict[str, Any]:
             csv_table(p, f"csv-{p.stem}", p.name) for p in sorted([*run_dir.glob("*.csv"), *run_dir.glob("report/*.csv")])]
     view.setdefault("plots", plots(run_dir) + plots(run_dir / "report"))
     model = meta.get("model") or ", ".join(map(short, meta.get("targets") or meta.get("models") or [])) or "?"
-    return {"title": f"flipguard {protocol} run: {model}", "subtitle": f"{run_dir} · {len(records)} records",
+    state = run_completeness(run_dir)
+    if not state.whole:  # the page still shows what is there, every table marked: no unmarked number
+        tables = [{**t, "title": f"{t['title']} — {state.describe()}"} for t in tables]
+        if view.get("entries_title"):
+            view["entries_title"] += f" — {state.describe()}"
+    return {"title": f"flipguard {protocol} run: {model}",
+            "subtitle": f"{run_dir} · {len(records)} records" + ("" if state.whole else f" · {state.describe()}"),
             "provenance": provenance(meta, run_dir), "tables": tables,
             "filters": [["type", "type"], ["dataset", "dataset"], ["case", "case"], ["condition", "condition"]], **view}
