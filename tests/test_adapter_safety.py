@@ -198,3 +198,35 @@ def test_the_next_build_removes_dead_builds_staging_and_orphan_locks_not_a_live_
     finally:
         holder.kill()
         holder.wait()
+
+
+ORGANISM_FAST = ["--steps", "2", "--eval_every", "1", "--multiturn_steps", "0", "--threads", "1"]  # fails in seconds
+
+
+def _organism(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", *args],
+                          env={**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"},
+                          capture_output=True, text=True, timeout=1800)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_organism_path_at_a_users_folder_is_refused_before_any_build(tmp_path):
+    """`organism --path` at a folder of the user's (even one holding an organism.json flipguard did not
+    publish) is refused in one line naming --path, before the build: no staging folder is made, and a
+    folder with a hand-written organism.json is never served as an organism."""
+    project = tmp_path / "project"
+    project.mkdir()
+    mine = {project / "organism.json": b'{"build": {}, "planted": {}}\n', project / "notes.md": b"my notes\n"}
+    for path, data in mine.items():
+        path.write_bytes(data)
+    for extra in ([], ["--seed", "3", *ORGANISM_FAST]):  # served as it is / built with other settings
+        line = _one_error_line(_organism("--path", str(project), *extra))
+        assert line.startswith(f"flipguard organism: error: {project}: --path exists") and "Choose another --path" in line
+        assert "not written by flipguard" in line and "nothing was changed" in line
+        assert {path: path.read_bytes() for path in mine} == mine
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]  # no staging folder, no lock

@@ -205,6 +205,88 @@ def test_view_and_compare_never_replace_a_users_file_or_another_runs_records(sha
     assert hashes(watched) == before
 
 
+@pytest.fixture(scope="module")
+def published(shared, tiny_model_path) -> dict[str, Path]:
+    """flipguard's published folders of each kind, made by the real writers: a pair set (`flipguard
+    pairs`), an adapter as the trainers leave it (peft's save, then claim_written_since and the
+    provenance, as train/utils.save_adapter does), and a merged model (`flipguard merge`)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from flipguard.files import claim_written_since
+    from flipguard.train.utils import write_training_info
+
+    base = shared["base"]
+    pairs = base / "pairs"
+    assert cli_main(["pairs", str(ROOT / "recipes" / "tiny.yaml"), "--out", str(pairs), "--pairs_datasets", "amqa"]) == 0
+    adapter = base / "adapter"
+    torch.manual_seed(0)
+    since = time.time() - 1.0
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                   LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
+    claim_written_since(adapter, since, writer="flipguard train")
+    write_training_info(str(adapter), {"trainer": "sft", "base_model": tiny_model_path}, None)
+    merged = base / "merged"
+    assert cli_main(["merge", str(ROOT / "recipes" / "tiny.yaml"), "--model_name_or_path", tiny_model_path,
+                     "--gap_prompts", "0", "--adapter", str(adapter), "--out", str(merged)]) == 0
+    return {"pairs": pairs, "adapter": adapter, "merged": merged}
+
+
+def test_view_out_replaces_only_a_page_never_another_kind_of_flipguard_file(shared, published, tmp_path, capsys):
+    """`view --out` naming a file flipguard wrote as something else (a run's run.json and report
+    table, a study's study.json, a pair set's counts.json, an adapter's adapter_config.json, a
+    merged model's config.json) used to replace it with HTML, exit 0. Refused now, one line,
+    before any work; a page it wrote is still replaced by the next page."""
+    run = _copy(shared["run"], tmp_path / "run")
+    study = _copy(shared["study"], tmp_path / "study")
+    folders = {name: _copy(path, tmp_path / name) for name, path in published.items()}
+    targets = [run / "run.json", run / "report" / "summary.csv", study / "study.json",
+               study / "dds" / "baseline" / "run.json", folders["pairs"] / "counts.json",
+               folders["adapter"] / "adapter_config.json", folders["adapter"] / "flipguard_training.json",
+               folders["merged"] / "config.json", folders["merged"] / "flipguard_merge.json"]
+    everything = [p for root in (run, study, *folders.values()) for p in root.rglob("*") if p.is_file()]
+    before = hashes(everything)
+    for target in targets:
+        line = refused(cli(capsys, "view", run, "--out", target), str(target), "not a view.html",
+                       "nothing was changed")
+        assert f"is flipguard's {target.name}" in line
+    # the other file written at a path of the user's choosing: `data --export FILE`
+    for target in (run / "run.json", run / "records.jsonl", folders["pairs"] / "counts.json"):
+        refused(cli(capsys, "data", "--datasets", "bbq", "--export", target), str(target), "choose another --export")
+    assert hashes(everything) == before
+    assert not (run / "view.html").exists()  # refused before the page was built
+
+    page = tmp_path / "pages" / "run.html"  # a page at a name of the user's choosing: replaced by the next page
+    assert cli(capsys, "view", run, "--out", page).returncode == 0
+    first = sha(page)
+    assert cli(capsys, "view", study, "--out", page).returncode == 0
+    assert sha(page) != first and json.loads((page.parent / OWNER_FILE).read_text())["kinds"] == {"run.html": "view.html"}
+    # a page written where a run log would go is a page: `eval` into its folder does not write over it
+    odd = tmp_path / "odd" / "run.json"
+    assert cli(capsys, "view", run, "--out", odd).returncode == 0
+    kept = sha(odd)
+    refused(cli(capsys, "eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "1", "--out", odd.parent),
+            str(odd))
+    assert sha(odd) == kept
+
+
+def test_merge_out_refuses_another_flipguard_output_before_loading_a_model(shared, published, tmp_path, capsys):
+    """A run folder (its manifest written by eval) passed as `merge --out` used to get past the
+    check (it has a manifest) and lose its run.json and records to the publish's clean-up of
+    'stale' files. Refused now before any model loads: only a merge's own output is replaced."""
+    run = _copy(shared["run"], tmp_path / "run")
+    pairs = _copy(published["pairs"], tmp_path / "pairs")
+    watched = [p for root in (run, pairs) for p in root.rglob("*") if p.is_file()]
+    before = hashes(watched)
+    for out in (run, pairs):
+        proc = cli(capsys, "merge", ROOT / "recipes" / "tiny.yaml", "--model_name_or_path", "flipguard:tiny",
+                   "--gap_prompts", "0", "--adapter", published["adapter"], "--out", out)
+        refused(proc, f"{out}: --out holds another flipguard output", "not train/merge.py", "nothing was changed")
+    assert hashes(watched) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs", "run"]  # no staging folder was made
+
+
 def test_readers_respect_a_running_writers_lock(shared, tmp_path, capsys):
     """A real second process holds the run's writer lock (as eval does): compare and view refuse,
     naming it, and write nothing."""
