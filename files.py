@@ -20,7 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
-import re
+import random
 import shutil
 import subprocess
 import tempfile
@@ -613,36 +613,75 @@ def check_types(values: dict[str, Any], types_: dict[str, Any], path, error: typ
 
 
 # ---------------------------------------------------------------- staging folders
+#
+# A build (a merged model, an embedded model, a worker's temp folder) is made in a staging
+# folder beside its final path, `.NAME.XXXXXXXX`, and published by rename. A build killed
+# mid-way leaves it behind, so the next build of NAME removes it, but only by proof, never by
+# its name: the lock beside it, `.NAME.XXXXXXXX.lock`, holds a marker flipguard wrote (JSON
+# naming the folder and its final name) and is flock'ed while the build runs; the folder's
+# manifest (OWNER_FILE) carries the same marker ("staging_for"). A folder or lock of the user's
+# named like one has neither and is never touched.
+
+STAGING_MARK = "staging_for"
 
 
 def _staging_lock(tmp: Path) -> Path:
     return tmp.with_name(tmp.name + ".lock")  # beside the folder: never published with it
 
 
+def _lock_marker(fd: int) -> dict[str, Any] | None:
+    """The marker a staging lock holds (read through its open fd), or None when it holds none."""
+    try:
+        data = os.pread(fd, 4096, 0)
+        doc = json.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("written_by") == "flipguard" else None
+
+
+def is_staging(tmp: Path, final_name: str) -> bool:
+    """Whether TMP is a staging folder flipguard made for FINAL_NAME (its manifest's marker)."""
+    if tmp.is_symlink() or not tmp.is_dir():
+        return False
+    doc = read_manifest(tmp)
+    return doc is not None and doc.get(STAGING_MARK) == final_name
+
+
 def clean_stale_staging(final: str | os.PathLike) -> list[Path]:
     """Remove the staging folders of killed builds of `final` (`.NAME.XXXXXXXX` beside it, as
-    staging_dir makes them): one whose lock no live process holds, or one from before staging
-    locks. A staging folder in use by a running build is left alone."""
+    staging_dir makes them): those whose lock holds flipguard's marker naming the folder and
+    `final`, and that no live process holds. A folder that is not marked as a staging folder of
+    `final` is removed only when empty (a build killed between making it and marking it); a
+    lock whose folder is gone goes too. Anything named alike without the marker is kept."""
     final = Path(final)
-    pattern = re.compile(rf"\.{re.escape(final.name)}\.[a-z0-9_]{{8}}")
-    removed = []
+    removed: list[Path] = []
     if not final.parent.is_dir():
         return removed
-    for tmp in sorted(final.parent.iterdir()):
-        if not os.path.lexists(tmp):  # a folder's lock, removed with it above
+    prefix = f".{final.name}."
+    for lock in sorted(final.parent.iterdir()):
+        name = lock.name
+        if not (name.startswith(prefix) and name.endswith(".lock")) or lock.is_symlink() or not lock.is_file():
             continue
-        if tmp.name.endswith(".lock") and pattern.fullmatch(tmp.name[:-5]) and not tmp.with_suffix("").exists():
-            tmp = tmp.with_suffix("")  # the lock of a folder already removed (a build killed between the two)
-        elif not tmp.is_dir() or not pattern.fullmatch(tmp.name):
-            continue
-        lock = _staging_lock(tmp)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a build still writing it
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:  # removed meanwhile, or not ours to open
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a build still writing it
+            marker = _lock_marker(fd)
+            tmp = lock.with_name(name[: -len(".lock")])
+            if marker is None or marker.get("folder") != tmp.name or marker.get(STAGING_MARK) != final.name:
+                continue  # not a lock staging_dir wrote for this folder
+            if os.path.lexists(tmp):
+                if is_staging(tmp, final.name):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                elif tmp.is_dir() and not tmp.is_symlink() and not any(tmp.iterdir()):
+                    tmp.rmdir()
+                else:
+                    continue  # something else stands at its name: kept, and so is the lock naming it
             lock.unlink(missing_ok=True)
             removed.append(tmp)
         finally:
@@ -650,23 +689,66 @@ def clean_stale_staging(final: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def _new_staging(final: Path) -> tuple[Path, int]:
+    """A staging folder for `final` with its lock, both marked: the lock is made first (O_EXCL),
+    locked, then marked; the folder after it, then its manifest. A kill at any point leaves
+    only what clean_stale_staging can prove."""
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789_"
+    rng = random.SystemRandom()
+    for _ in range(100):
+        tmp = final.parent / f".{final.name}.{''.join(rng.choice(chars) for _ in range(8))}"
+        lock = _staging_lock(tmp)
+        if os.path.lexists(tmp):
+            continue
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            marker = {"written_by": "flipguard", "folder": tmp.name, STAGING_MARK: final.name, "pid": os.getpid()}
+            os.write(fd, json.dumps(marker).encode("utf-8"))
+            os.fsync(fd)
+            try:
+                os.mkdir(tmp, 0o700)
+            except FileExistsError:  # made meanwhile by someone else: not ours, try another name
+                lock.unlink(missing_ok=True)
+                os.close(fd)
+                continue
+            write_manifest(tmp, {"written_by": "flipguard", "time": _now(), "files": [], "sha256": {}, "logs": [],
+                                 STAGING_MARK: final.name})
+            return tmp, fd
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            os.close(fd)
+            raise RecordError(f"{tmp}: cannot make a staging folder ({exc.strerror or exc})") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            os.close(fd)
+            raise
+    raise RecordError(f"{final.parent}: no free name for a staging folder of {final.name}")
+
+
 @contextlib.contextmanager
 def staging_dir(final: str | os.PathLike) -> Iterator[Path]:
     """A folder beside `final` (same filesystem: publishing renames from it) to build `final` in,
     locked while this process uses it and removed afterwards; a killed build's leftover is
-    removed by the next one (clean_stale_staging)."""
+    removed by the next one (clean_stale_staging). Its manifest carries the staging marker:
+    publish_dir writes the published folder's own manifest over it."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RecordError(f"{final.parent}: cannot make the folder ({exc.strerror or exc})") from None
     clean_stale_staging(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    lock = _staging_lock(tmp)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    tmp, fd = _new_staging(final)
     try:
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        lock.unlink(missing_ok=True)
+        _staging_lock(tmp).unlink(missing_ok=True)
         os.close(fd)
 
 
