@@ -416,7 +416,7 @@ def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = No
     or one in `also` (path -> [size, mtime_ns], a study's record of what a stage wrote) that is
     unchanged. Symbolic links are kept, never followed; a folder left empty (but for the
     manifest and lock) is removed; a folder that keeps a user's file keeps its manifest, pruned
-    (or none, when nothing of flipguard's is left in it)."""
+    (a trainer's output_dir that keeps the user's files is still a folder flipguard made)."""
     root = Path(root)
     also = also or {}
     kept: list[Path] = []
@@ -463,10 +463,7 @@ def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = No
                 doc["kinds"] = {n: k for n, k in doc["kinds"].items() if n not in gone}
                 for name in gone:
                     _set_replacing(doc, name, None)
-                if doc["files"]:
-                    write_manifest(folder, _tidy(doc))
-                else:  # nothing of flipguard's is left: the folder is the user's again, with no file of ours
-                    (folder / OWNER_FILE).unlink(missing_ok=True)
+                write_manifest(folder, _tidy(doc))
     return sorted(kept)
 
 
@@ -704,6 +701,8 @@ def _new_staging(final: Path) -> tuple[Path, int]:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except FileExistsError:
             continue
+        except OSError as exc:  # a read-only or full folder: one line, nothing made
+            raise RecordError(f"{lock}: cannot make a staging lock for {final} ({exc.strerror or exc})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             marker = {"written_by": "flipguard", "folder": tmp.name, STAGING_MARK: final.name, "pid": os.getpid()}

@@ -21,6 +21,7 @@ import pickle
 import re
 import signal
 import sys
+import tempfile
 import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -218,6 +219,7 @@ class StageWorkers:
             proc = self.ctx.Process(target=_worker_main, args=(child, self.plan_args), daemon=True)
             tmp = contextlib.ExitStack()
             folder = tmp.enter_context(staging_dir(self.tmp_final))
+            tempfile.gettempdir()  # this process's own temp folder, settled before $TMPDIR changes for the start
             try:
                 with _environ(TMPDIR=str(folder)):  # a spawned process reads $TMPDIR before any code of ours runs
                     proc.start()

@@ -69,6 +69,7 @@ from flipguard.files import (
     claim,
     clean_stale_staging,
     dumps_utf8,
+    read_manifest,
     refuse_link,
     remove_owned,
     written_files,
@@ -377,6 +378,10 @@ class Study(StudyPlan):
             return
         clean_stale_staging(logs / WORKER_TMP)
         remove_owned(logs)
+        # a folder of the user's files only keeps no manifest of ours (it lists nothing now)
+        doc = read_manifest(logs) if logs.is_dir() else None
+        if doc is not None and not doc["files"]:
+            (logs / OWNER_FILE).unlink(missing_ok=True)
 
     def _work_after(self) -> dict[str, float]:
         """Per stage, seconds on the longest chain from it to the study's end: each stage's time when
