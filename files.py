@@ -20,7 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
-import re
+import random
 import shutil
 import subprocess
 import tempfile
@@ -135,10 +135,11 @@ _UMASK = _current_umask()
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, adopt: Callable[[Path], bool] | None = None,
-                      log: bool = False) -> None:
+                      log: bool = False, kind: str | None = None) -> None:
     """Write via a temp file in the same folder and rename, so readers never see half a file,
     under the ownership rule (`owned_replace`): a file already there is replaced only when the
-    folder's manifest records it as flipguard's, with the same bytes."""
+    folder's manifest records it as flipguard's, with the same bytes, and of the same `kind`
+    (default: the file's name; see check_replace)."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +161,7 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, adopt: Callable[[Pa
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    owned_replace(Path(tmp), path, sha=hashlib.sha256(data).hexdigest(), adopt=adopt, log=log)
+    owned_replace(Path(tmp), path, sha=hashlib.sha256(data).hexdigest(), adopt=adopt, log=log, kind=kind)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -172,10 +173,14 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 # One rule under every file flipguard writes (docs/reliability-ownership.md): flipguard
 # replaces or removes only a file it can prove it wrote. The proof is the folder's own
 # manifest, OWNER_FILE: {"written_by", "time", "files": [names], "sha256": {name: hex},
-# "logs": [names]}. A name with a sha256 was written whole by flipguard (atomic_write_text,
-# save_figure) and is flipguard's while its bytes still match: a file the user edited is
-# theirs again. A name in "logs" is an append-only records file (records.jsonl). A name
-# listed without either was published by name (model weights, pair sets: publish_dir).
+# "logs": [names], "kinds": {name: kind}, "replacing": {name: hex}}. A name with a sha256
+# was written whole by flipguard (atomic_write_text, save_figure) and is flipguard's while its
+# bytes still match ("replacing": or the bytes it had while a write was under way): a file the
+# user edited is theirs again. A name in "logs" is an append-only records file
+# (records.jsonl). A name listed without either was published by name (model weights, pair
+# sets: publish_dir). Every file also has a kind, what it was written as: its own name unless
+# "kinds" says otherwise (a page written by `view --out FILE` is a view.html whatever its
+# name). A write replaces only a file of its own kind: a page replaces a page, never a run.json.
 # A symbolic link is never written through or followed: the folder written into and the
 # file replaced are checked with lstat right before the rename.
 
@@ -212,9 +217,19 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any] | None:
         return None
     sha = doc.get("sha256")
     logs = doc.get("logs")
+    kinds = doc.get("kinds")
     doc["sha256"] = sha if isinstance(sha, dict) else {}
     doc["logs"] = logs if isinstance(logs, list) else []
+    doc["kinds"] = kinds if isinstance(kinds, dict) else {}
+    if not isinstance(doc.get("replacing"), dict):
+        doc["replacing"] = {}
     return doc
+
+
+def kind_of(doc: dict[str, Any], name: str) -> str:
+    """What a listed file was written as: its recorded kind, else its own name."""
+    kind = doc["kinds"].get(name)
+    return kind if isinstance(kind, str) and kind else name
 
 
 def owns(folder: str | os.PathLike, name: str, manifest: dict[str, Any] | None = None) -> bool:
@@ -225,37 +240,50 @@ def owns(folder: str | os.PathLike, name: str, manifest: dict[str, Any] | None =
         return False
     sha = doc["sha256"].get(name)
     path = Path(folder) / name
-    return sha is None or (path.is_file() and not path.is_symlink() and file_sha256(path) == sha)
+    if sha is None:
+        return True
+    if not path.is_file() or path.is_symlink():
+        return False
+    found = file_sha256(path)
+    # "replacing": the bytes it had while a write of new ones was under way (owned_replace)
+    return found == sha or found == doc["replacing"].get(name)
 
 
 def check_replace(path: str | os.PathLike, *, adopt: Callable[[Path], bool] | None = None,
-                  log: bool = False) -> None:
+                  log: bool = False, kind: str | None = None, flag: str = "--out") -> None:
     """Refuse (RecordError, one line, nothing changed) to replace PATH unless it is absent or
-    flipguard's own output: recorded in its folder's manifest (the same bytes where a hash was
-    recorded; an append-only records file only when `log`), or, in a folder from before
-    manifests, one `adopt` recognises by its content. Callers check their --out with this
-    before any work; every write checks it again at the moment of the rename."""
+    flipguard's own output of the kind written now (`kind`, default the file's name): recorded
+    in its folder's manifest (the same bytes where a hash was recorded; an append-only records
+    file only when `log`) as that kind, or one `adopt` recognises by its content (a file from a
+    folder before manifests, or one recorded before kinds were). Callers check their --out with
+    this before any work (`flag`: the option the message names); every write checks it again at
+    the moment of the rename."""
     path = Path(path)
+    kind = kind or path.name
     refuse_link(path.parent)
     refuse_link(path)
     if not os.path.lexists(path):
         return
     if path.is_dir():
-        raise RecordError(f"{path}: is a folder, not a file flipguard wrote; nothing was changed: choose another --out")
+        raise RecordError(f"{path}: is a folder, not a file flipguard wrote; nothing was changed: choose another {flag}")
     doc = read_manifest(path.parent)
     listed = doc is not None and path.name in doc["files"]
     if listed and path.name in doc["logs"] and not log:
         raise RecordError(f"{path}: is the records file of a flipguard run, not an output to replace; nothing was "
-                          "changed: choose another --out")
+                          f"changed: choose another {flag}")
     if listed and owns(path.parent, path.name, doc):
-        return
+        written_as = kind_of(doc, path.name)
+        if written_as == kind or (adopt is not None and adopt(path)):
+            return
+        raise RecordError(f"{path}: is flipguard's {written_as}, not a {kind} (a write replaces only a file of its own "
+                          f"kind); nothing was changed: choose another {flag}")
     if listed:
         raise RecordError(f"{path}: changed since flipguard wrote it (its bytes differ from the sha256 recorded in "
                           f"{path.parent / OWNER_FILE}); nothing was changed: move your copy away and rerun")
-    if (doc is None or path.name not in doc["files"]) and adopt is not None and adopt(path):
+    if adopt is not None and adopt(path):
         return
     raise RecordError(f"{path}: exists and was not written by flipguard ({path.parent / OWNER_FILE} does not list it); "
-                      "nothing was changed: move it away or choose another --out")
+                      f"nothing was changed: move it away or choose another {flag}")
 
 
 @contextlib.contextmanager
@@ -270,28 +298,37 @@ def _folder_locked(folder: Path) -> Iterator[None]:
 
 
 def write_manifest(folder: Path, doc: dict[str, Any]) -> None:
-    """The manifest itself, atomically (the one file written outside the rule it keeps)."""
-    fd, tmp = tempfile.mkstemp(prefix=f"{OWNER_FILE}.", dir=folder)
+    """The manifest itself, atomically (the one file written outside the rule it keeps); a
+    full disk or a read-only folder is a RecordError naming it, the old manifest unchanged."""
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{OWNER_FILE}.", dir=folder)
         with os.fdopen(fd, "wb") as fh:
             fh.write((json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8"))
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, folder / OWNER_FILE)
+    except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise RecordError(f"{Path(folder) / OWNER_FILE}: cannot write ({exc.strerror or exc}); the previous version, "
+                          "if any, is unchanged: free some space (or make the folder writable) and rerun") from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
 def claim(folder: str | os.PathLike, name: str, *, sha: str | None = None, log: bool = False,
-          writer: str | None = None) -> None:
+          writer: str | None = None, kind: str | None = None, replacing: str | None = None) -> None:
     """Record FOLDER/NAME in the folder's manifest as flipguard's (with the sha256 of the bytes
-    written, or as an append-only log)."""
+    written, or as an append-only log), of `kind` (default: its name); `replacing`: the sha256
+    of the bytes it holds until the write under way lands (accepted as flipguard's meanwhile)."""
     folder = Path(folder)
     refuse_link(folder)
     with _folder_locked(folder):
-        doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": []}
+        doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": [], "kinds": {}}
         doc.setdefault("written_by", writer or "flipguard")
         doc["time"] = _now()
         if name not in doc["files"]:
@@ -301,7 +338,23 @@ def claim(folder: str | os.PathLike, name: str, *, sha: str | None = None, log: 
             doc["sha256"][name] = sha
         if log and name not in doc["logs"]:
             doc["logs"] = sorted([*doc["logs"], name])
-        write_manifest(folder, doc)
+        doc["kinds"].pop(name, None)
+        if kind is not None and kind != name:
+            doc["kinds"][name] = kind
+        _set_replacing(doc, name, replacing)
+        write_manifest(folder, _tidy(doc))
+
+
+def _set_replacing(doc: dict[str, Any], name: str, sha: str | None) -> None:
+    pending = doc.setdefault("replacing", {})
+    pending.pop(name, None)
+    if sha is not None:
+        pending[name] = sha
+
+
+def _tidy(doc: dict[str, Any]) -> dict[str, Any]:
+    """The manifest as written: the optional maps left out while empty."""
+    return {k: v for k, v in doc.items() if not (k in ("kinds", "replacing") and not v)}
 
 
 def claim_written_since(folder: str | os.PathLike, since: float, writer: str | None = None) -> list[str]:
@@ -313,23 +366,31 @@ def claim_written_since(folder: str | os.PathLike, since: float, writer: str | N
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()
                    and p.name not in (OWNER_FILE, LOCK_NAME) and p.lstat().st_mtime >= since)
     with _folder_locked(folder):
-        doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": []}
+        doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": [], "kinds": {}}
         doc.setdefault("written_by", writer or "flipguard")
         doc["time"] = _now()
         doc["files"] = sorted(set(doc["files"]) | set(names))
         for name in names:
             doc["sha256"].pop(name, None)
-        write_manifest(folder, doc)
+            doc["kinds"].pop(name, None)
+            _set_replacing(doc, name, None)
+        write_manifest(folder, _tidy(doc))
     return names
 
 
 def owned_replace(tmp: Path, path: Path, *, sha: str | None = None, adopt: Callable[[Path], bool] | None = None,
-                  log: bool = False) -> None:
-    """Rename a finished temp file (same folder) onto PATH under the ownership rule, then record
-    its hash: checked at the moment of the write, and the temp file removed when refused."""
+                  log: bool = False, kind: str | None = None) -> None:
+    """Rename a finished temp file (same folder) onto PATH under the ownership rule, recording its
+    hash and kind: checked at the moment of the write, and the temp file removed when refused.
+    The manifest is updated before the rename and once more after it: first it records the new
+    bytes' hash and keeps the old bytes' as "replacing", so a full disk (the manifest cannot be
+    written: nothing changed) or a kill between the two steps never leaves a file of flipguard's
+    that its manifest does not prove; the second update drops "replacing"."""
     try:
-        check_replace(path, adopt=adopt, log=log)
-        sha = sha or file_sha256(tmp)
+        check_replace(path, adopt=adopt, log=log, kind=kind)
+        sha = None if log else (sha or file_sha256(tmp))  # an append-only log is listed as one, without a hash
+        before = file_sha256(path) if sha is not None and path.is_file() else None
+        claim(path.parent, path.name, sha=sha, log=log, kind=kind, replacing=before)
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -338,7 +399,9 @@ def owned_replace(tmp: Path, path: Path, *, sha: str | None = None, adopt: Calla
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    claim(path.parent, path.name, sha=sha)
+    if before is not None:
+        with contextlib.suppress(RecordError):  # a full disk now: "replacing" stays, harmless (both are flipguard's)
+            claim(path.parent, path.name, sha=sha, log=log, kind=kind)
 
 
 def shipped_sample(path: Path) -> bool:
@@ -364,7 +427,8 @@ def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = No
     what was kept. Flipguard's: a file its folder's manifest records (same bytes where hashed),
     or one in `also` (path -> [size, mtime_ns], a study's record of what a stage wrote) that is
     unchanged. Symbolic links are kept, never followed; a folder left empty (but for the
-    manifest and lock) is removed; a folder that keeps a user's file keeps its manifest, pruned."""
+    manifest and lock) is removed; a folder that keeps a user's file keeps its manifest, pruned
+    (a trainer's output_dir that keeps the user's files is still a folder flipguard made)."""
     root = Path(root)
     also = also or {}
     kept: list[Path] = []
@@ -404,10 +468,14 @@ def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = No
             folder.rmdir()
         elif doc is not None and removed:
             with _folder_locked(folder):
-                doc["files"] = [n for n in doc["files"] if n not in removed]
-                doc["sha256"] = {n: h for n, h in doc["sha256"].items() if n not in removed}
-                doc["logs"] = [n for n in doc["logs"] if n not in removed]
-                write_manifest(folder, doc)
+                gone = set(removed) | {n for n in doc["files"] if not os.path.lexists(folder / n)}
+                doc["files"] = [n for n in doc["files"] if n not in gone]
+                doc["sha256"] = {n: h for n, h in doc["sha256"].items() if n not in gone}
+                doc["logs"] = [n for n in doc["logs"] if n not in gone]
+                doc["kinds"] = {n: k for n, k in doc["kinds"].items() if n not in gone}
+                for name in gone:
+                    _set_replacing(doc, name, None)
+                write_manifest(folder, _tidy(doc))
     return sorted(kept)
 
 
@@ -583,36 +651,75 @@ def check_types(values: dict[str, Any], types_: dict[str, Any], path, error: typ
 
 
 # ---------------------------------------------------------------- staging folders
+#
+# A build (a merged model, an embedded model, a worker's temp folder) is made in a staging
+# folder beside its final path, `.NAME.XXXXXXXX`, and published by rename. A build killed
+# mid-way leaves it behind, so the next build of NAME removes it, but only by proof, never by
+# its name: the lock beside it, `.NAME.XXXXXXXX.lock`, holds a marker flipguard wrote (JSON
+# naming the folder and its final name) and is flock'ed while the build runs; the folder's
+# manifest (OWNER_FILE) carries the same marker ("staging_for"). A folder or lock of the user's
+# named like one has neither and is never touched.
+
+STAGING_MARK = "staging_for"
 
 
 def _staging_lock(tmp: Path) -> Path:
     return tmp.with_name(tmp.name + ".lock")  # beside the folder: never published with it
 
 
+def _lock_marker(fd: int) -> dict[str, Any] | None:
+    """The marker a staging lock holds (read through its open fd), or None when it holds none."""
+    try:
+        data = os.pread(fd, 4096, 0)
+        doc = json.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("written_by") == "flipguard" else None
+
+
+def is_staging(tmp: Path, final_name: str) -> bool:
+    """Whether TMP is a staging folder flipguard made for FINAL_NAME (its manifest's marker)."""
+    if tmp.is_symlink() or not tmp.is_dir():
+        return False
+    doc = read_manifest(tmp)
+    return doc is not None and doc.get(STAGING_MARK) == final_name
+
+
 def clean_stale_staging(final: str | os.PathLike) -> list[Path]:
     """Remove the staging folders of killed builds of `final` (`.NAME.XXXXXXXX` beside it, as
-    staging_dir makes them): one whose lock no live process holds, or one from before staging
-    locks. A staging folder in use by a running build is left alone."""
+    staging_dir makes them): those whose lock holds flipguard's marker naming the folder and
+    `final`, and that no live process holds. A folder that is not marked as a staging folder of
+    `final` is removed only when empty (a build killed between making it and marking it); a
+    lock whose folder is gone goes too. Anything named alike without the marker is kept."""
     final = Path(final)
-    pattern = re.compile(rf"\.{re.escape(final.name)}\.[a-z0-9_]{{8}}")
-    removed = []
+    removed: list[Path] = []
     if not final.parent.is_dir():
         return removed
-    for tmp in sorted(final.parent.iterdir()):
-        if not os.path.lexists(tmp):  # a folder's lock, removed with it above
+    prefix = f".{final.name}."
+    for lock in sorted(final.parent.iterdir()):
+        name = lock.name
+        if not (name.startswith(prefix) and name.endswith(".lock")) or lock.is_symlink() or not lock.is_file():
             continue
-        if tmp.name.endswith(".lock") and pattern.fullmatch(tmp.name[:-5]) and not tmp.with_suffix("").exists():
-            tmp = tmp.with_suffix("")  # the lock of a folder already removed (a build killed between the two)
-        elif not tmp.is_dir() or not pattern.fullmatch(tmp.name):
-            continue
-        lock = _staging_lock(tmp)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a build still writing it
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:  # removed meanwhile, or not ours to open
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a build still writing it
+            marker = _lock_marker(fd)
+            tmp = lock.with_name(name[: -len(".lock")])
+            if marker is None or marker.get("folder") != tmp.name or marker.get(STAGING_MARK) != final.name:
+                continue  # not a lock staging_dir wrote for this folder
+            if os.path.lexists(tmp):
+                if is_staging(tmp, final.name):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                elif tmp.is_dir() and not tmp.is_symlink() and not any(tmp.iterdir()):
+                    tmp.rmdir()
+                else:
+                    continue  # something else stands at its name: kept, and so is the lock naming it
             lock.unlink(missing_ok=True)
             removed.append(tmp)
         finally:
@@ -620,23 +727,68 @@ def clean_stale_staging(final: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def _new_staging(final: Path) -> tuple[Path, int]:
+    """A staging folder for `final` with its lock, both marked: the lock is made first (O_EXCL),
+    locked, then marked; the folder after it, then its manifest. A kill at any point leaves
+    only what clean_stale_staging can prove."""
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789_"
+    rng = random.SystemRandom()
+    for _ in range(100):
+        tmp = final.parent / f".{final.name}.{''.join(rng.choice(chars) for _ in range(8))}"
+        lock = _staging_lock(tmp)
+        if os.path.lexists(tmp):
+            continue
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            continue
+        except OSError as exc:  # a read-only or full folder: one line, nothing made
+            raise RecordError(f"{lock}: cannot make a staging lock for {final} ({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            marker = {"written_by": "flipguard", "folder": tmp.name, STAGING_MARK: final.name, "pid": os.getpid()}
+            os.write(fd, json.dumps(marker).encode("utf-8"))
+            os.fsync(fd)
+            try:
+                os.mkdir(tmp, 0o700)
+            except FileExistsError:  # made meanwhile by someone else: not ours, try another name
+                lock.unlink(missing_ok=True)
+                os.close(fd)
+                continue
+            write_manifest(tmp, {"written_by": "flipguard", "time": _now(), "files": [], "sha256": {}, "logs": [],
+                                 STAGING_MARK: final.name})
+            return tmp, fd
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            os.close(fd)
+            raise RecordError(f"{tmp}: cannot make a staging folder ({exc.strerror or exc})") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            os.close(fd)
+            raise
+    raise RecordError(f"{final.parent}: no free name for a staging folder of {final.name}")
+
+
 @contextlib.contextmanager
 def staging_dir(final: str | os.PathLike) -> Iterator[Path]:
     """A folder beside `final` (same filesystem: publishing renames from it) to build `final` in,
     locked while this process uses it and removed afterwards; a killed build's leftover is
-    removed by the next one (clean_stale_staging)."""
+    removed by the next one (clean_stale_staging). Its manifest carries the staging marker:
+    publish_dir writes the published folder's own manifest over it."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RecordError(f"{final.parent}: cannot make the folder ({exc.strerror or exc})") from None
     clean_stale_staging(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    lock = _staging_lock(tmp)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    tmp, fd = _new_staging(final)
     try:
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        lock.unlink(missing_ok=True)
+        _staging_lock(tmp).unlink(missing_ok=True)
         os.close(fd)
 
 

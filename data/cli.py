@@ -17,7 +17,9 @@ from flipguard.data.unified import (
     load_items,
     resolve_data_root,
 )
-from flipguard.files import atomic_write_text
+from flipguard.files import atomic_write_text, check_replace
+
+EXPORT_KIND = "dataset export"  # what `data --export FILE` writes (files.check_replace: a file's kind)
 
 
 @dataclasses.dataclass
@@ -61,6 +63,8 @@ def main(argv: list[str]) -> int:
         target = register(args.register, replace=args.replace)
         print(f"registered {args.register} as {target}; use it with --datasets {target.stem}")
         return 0
+    if args.export:
+        check_replace(args.export, kind=EXPORT_KIND, flag="--export")  # before any work: new, or an earlier export
     root = resolve_data_root(args.data_root or None)
     datasets = args.datasets or None
     excluded: dict[str, dict[str, int]] = {}
@@ -85,6 +89,9 @@ def main(argv: list[str]) -> int:
         print(f"note: {', '.join(TEST_ONLY_DATASETS)} have test items only; truthfulqa and {AIO_DATASET} "
               "are evaluation-only")
     if args.export:
-        atomic_write_text(args.export, "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items))
+        # a file at a path of the user's choosing: it replaces only an earlier export, never a file flipguard
+        # wrote as something else (a run's run.json or records) that happens to be there
+        atomic_write_text(args.export, "".join(json.dumps(i.to_dict(), ensure_ascii=False) + "\n" for i in items),
+                          kind=EXPORT_KIND)
         print(f"wrote {len(items)} items to {args.export}")
     return 0

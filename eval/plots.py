@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flipguard.errors import RecordError
 from flipguard.files import check_replace, owned_replace
 
 
@@ -25,7 +26,11 @@ def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:
     tmp = path.with_name(f".{path.name}.tmp.png")
     try:
         check_replace(path)  # before the work
-        fig.savefig(tmp, dpi=dpi)
+        try:
+            fig.savefig(tmp, dpi=dpi)
+        except OSError as exc:  # a full disk: one line, the previous figure kept
+            raise RecordError(f"{path}: cannot write ({exc.strerror or exc}); the previous version, if any, is "
+                              "unchanged") from None
         owned_replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -57,7 +57,7 @@ from flipguard.eval.records import (
     open_run_dir,
     run_contents,
 )
-from flipguard.eval.runner import Parser, check_context, run_records
+from flipguard.eval.runner import MODES, Parser, check_context, run_records
 from flipguard.eval.threads import configure_threads
 from flipguard.files import PACKAGE_ROOT
 from flipguard.redact import redact_obj
@@ -113,8 +113,20 @@ def check_batch(task: "Task", batch: Any, where: str) -> Batch:
     elif (isinstance(batch.choices, (str, bytes)) or not isinstance(batch.choices, (list, tuple))
           or len(batch.choices) < 2 or not all(isinstance(c, str) and c for c in batch.choices)):
         problem = f"Batch.choices {batch.choices!r}; it must be a list of two or more answer labels (strings)"
+    elif batch.gen_config is not None and not isinstance(batch.gen_config, GenerationConfig):
+        problem = (f"Batch.gen_config {batch.gen_config!r} (a {type(batch.gen_config).__name__}); it must be a "
+                   "flipguard.eval.backends.base.GenerationConfig or None")
+    elif batch.parse is not None and not callable(batch.parse):
+        problem = f"Batch.parse {batch.parse!r}, which is not a function (raw text -> (choice, reasoning))"
     else:
         problem = next((p for p in map(_malformed, batch.records) if p), None)
+    if problem is None:
+        modes = sorted({str(r.mode) for r in batch.records})
+        if not set(modes) <= set(MODES) or len(modes) > 1:
+            problem = f"records in mode(s) {modes}; a batch's records share one mode, one of {list(MODES)}"
+        elif modes == ["generate"] and batch.parse is None:
+            problem = ("generate-mode records with no Batch.parse; a generated reply needs a parser "
+                       "(raw text -> (choice, reasoning)), e.g. Batch(records, model, gen_config, parse=my_parse)")
     if problem:
         raise UserError(f"{_task_file(task)}: task {task.name!r}: {where} gave {problem}")
     return batch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,36 +166,126 @@ def test_a_killed_organism_build_leaves_a_staging_folder_the_next_build_removes(
     assert not leftover.exists() and not lock.exists()
 
 
-def test_the_next_build_removes_dead_builds_staging_and_orphan_locks_not_a_live_ones(tmp_path):
-    """clean_stale_staging: a killed build's folder and lock go, a lock whose folder is already
-    gone (killed between the two removals) goes, a folder a live build holds stays."""
+HOLD_STAGING = (
+    "import sys, time, pathlib\n"
+    "from flipguard.files import staging_dir\n"
+    "with staging_dir(sys.argv[1]) as tmp:\n"
+    "    (tmp / 'model.safetensors').write_bytes(b'partial')\n"
+    "    pathlib.Path(sys.argv[2]).write_text(tmp.name)\n"
+    "    time.sleep(600)\n")
+
+
+def _hold_staging(final: Path, ready: Path) -> tuple[subprocess.Popen, Path]:
+    """A real process building `final` in a staging folder (files.staging_dir), held open."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_STAGING, str(final), str(ready)],
+                              env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
+    deadline = time.monotonic() + 300
+    while not ready.is_file():
+        assert holder.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return holder, final.parent / ready.read_text()
+
+
+def test_the_next_build_removes_only_staging_it_can_prove_dead_and_flipguards(tmp_path):
+    """clean_stale_staging, by proof and never by name: a SIGKILLed build's folder and lock go, and so
+    does a lock whose folder is already gone (killed between the two removals); a live build's
+    folder stays; a folder or lock of the user's named exactly like one (`.model.20250101`) stays,
+    byte for byte, as does one marked for another output."""
     from flipguard.files import clean_stale_staging
 
     final = tmp_path / "model"
-    ready = tmp_path / "live-holds"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time, pathlib\n"
-        "from flipguard.files import staging_dir\n"
-        "with staging_dir(sys.argv[1]) as tmp:\n"
-        "    pathlib.Path(sys.argv[2]).write_text(tmp.name)\n"
-        "    time.sleep(600)\n"), str(final), str(ready)],
-        env={**os.environ, "PYTHONPATH": str(ROOT.parent)})
+    # three builds at once (a build's start removes dead ones: none is dead yet), then two are killed
+    live, live_dir = _hold_staging(final, tmp_path / "live-holds")
     try:
-        deadline = time.monotonic() + 300
-        while not ready.is_file():
-            assert holder.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        live = tmp_path / ready.read_text()
-        dead = tmp_path / ".model.dead0000"
-        dead.mkdir()
-        (dead / "model.safetensors").write_bytes(b"partial")
-        (tmp_path / ".model.dead0000.lock").touch()
-        (tmp_path / ".model.gone0000.lock").touch()
-        (tmp_path / "model.lock").write_text("a file of the user's")
+        dead, dead_dir = _hold_staging(final, tmp_path / "dead-holds")
+        gone, gone_dir = _hold_staging(final, tmp_path / "gone-holds")
+        other, other_dir = _hold_staging(tmp_path / "other", tmp_path / "other-holds")  # another output's
+        for proc in (dead, gone, other):
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(gone_dir)  # as if the killed build had got as far as removing its folder
+        users = {tmp_path / ".model.20250101" / "x": b"the user's", tmp_path / ".model.20250101.lock": b"mine",
+                 tmp_path / ".model.abcdefgh.lock": b'{"written_by": "flipguard", "folder": ".model.abcdefgh"}',
+                 tmp_path / ".model.abcdefgh" / "weights.bin": b"not a staging folder", tmp_path / "model.lock": b"mine"}
+        for path, data in users.items():
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(data)
         removed = clean_stale_staging(final)
-        assert sorted(p.name for p in removed) == [".model.dead0000", ".model.gone0000"]
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["live-holds", "model.lock", live.name,
-                                                                    live.name + ".lock"])
+        assert sorted(removed) == sorted([dead_dir, gone_dir])
+        assert not dead_dir.exists() and not gone_dir.exists()
+        assert not Path(f"{dead_dir}.lock").exists() and not Path(f"{gone_dir}.lock").exists()
+        assert (live_dir / "model.safetensors").is_file() and Path(f"{live_dir}.lock").is_file()
+        assert other_dir.is_dir()  # not `model`'s: its own output's next build removes it
+        assert {path: path.read_bytes() for path in users} == users
+        assert clean_stale_staging(tmp_path / "other") == [other_dir] and not other_dir.exists()
     finally:
-        holder.kill()
-        holder.wait()
+        live.kill()
+        live.wait()
+
+
+@pytest.mark.slow
+def test_a_merge_keeps_a_users_folder_named_like_its_staging_folder(tiny_model_path, tmp_path):
+    """`/tmp/m/.merged.20250101` (the user's, named like a staging folder of --out /tmp/m/merged)
+    used to be deleted by the merge's clean-up of killed builds: a real merge now leaves it whole."""
+    adapter = _finished(tiny_model_path, tmp_path / "adapter")
+    work = tmp_path / "m"
+    mine = {work / ".merged.20250101" / "x": b"b\n", work / ".merged.20250101.lock": b"my lock file\n",
+            work / ".merged.abcdefgh" / "model.safetensors": b"my weights"}
+    for path, data in mine.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "merge", TINY, "--model_name_or_path",
+                           tiny_model_path, "--gap_prompts", "0", "--adapter", str(adapter), "--out", str(work / "merged")],
+                          env={**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {path: path.read_bytes() for path in mine} == mine
+    assert sorted(p.name for p in work.iterdir()) == [".merged.20250101", ".merged.20250101.lock", ".merged.abcdefgh",
+                                                      "merged"]
+
+
+ORGANISM_FAST = ["--steps", "2", "--eval_every", "1", "--multiturn_steps", "0", "--threads", "1"]  # fails in seconds
+
+
+def _organism(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", *args],
+                          env={**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"},
+                          capture_output=True, text=True, timeout=1800)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_an_organism_build_keeps_a_users_folder_named_like_its_staging_folder(tmp_path):
+    """`mkdir -p /tmp/m/.myorg.20250101 && echo b > /tmp/m/.myorg.20250101/x && flipguard organism
+    --path /tmp/m/myorg ...` used to delete the user's folder: a real build (one that fails its checks
+    in seconds, after its staging clean-up) leaves it, and the lookalike lock, whole."""
+    work = tmp_path / "m"
+    mine = {work / ".myorg.20250101" / "x": b"b\n", work / ".myorg.20250101.lock": b"b\n"}
+    for path, data in mine.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    line = _one_error_line(_organism("--path", str(work / "myorg"), *ORGANISM_FAST))
+    assert "organism build failed its held-out checks" in line  # it ran: the clean-up came first
+    assert {path: path.read_bytes() for path in mine} == mine
+    assert sorted(p.name for p in work.iterdir()) == [".myorg.20250101", ".myorg.20250101.lock"]
+
+
+def test_organism_path_at_a_users_folder_is_refused_before_any_build(tmp_path):
+    """`organism --path` at a folder of the user's (even one holding an organism.json flipguard did not
+    publish) is refused in one line naming --path, before the build: no staging folder is made, and a
+    folder with a hand-written organism.json is never served as an organism."""
+    project = tmp_path / "project"
+    project.mkdir()
+    mine = {project / "organism.json": b'{"build": {}, "planted": {}}\n', project / "notes.md": b"my notes\n"}
+    for path, data in mine.items():
+        path.write_bytes(data)
+    for extra in ([], ["--seed", "3", *ORGANISM_FAST]):  # served as it is / built with other settings
+        line = _one_error_line(_organism("--path", str(project), *extra))
+        assert line.startswith(f"flipguard organism: error: {project}: --path exists") and "Choose another --path" in line
+        assert "not written by flipguard" in line and "nothing was changed" in line
+        assert {path: path.read_bytes() for path in mine} == mine
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]  # no staging folder, no lock

@@ -133,3 +133,32 @@ def test_an_installed_entry_point_named_like_a_builtin_backend_is_refused(tmp_pa
                                              r"\(flipguard.eval.backends.hf and imposter_backend\)|"
                                              r"\(imposter_backend and flipguard.eval.backends.hf\)"):
         plugins.plugins(plugins.BACKENDS)
+
+
+@pytest.mark.parametrize("group, name, command", [
+    ("flipguard.tasks", "dds", "eval"),
+    ("flipguard.backends", "hf", "eval"),
+    ("flipguard.tasks", "afr", "afr"),
+])
+def test_a_duplicate_entry_point_at_eval_time_is_one_line(tmp_path, group, name, command):
+    """An installed package declaring one of flipguard's own entry points again: the real CLI in a
+    process of its own (the duplicate found while the command's module registers its task) used to
+    print a 19-line traceback; now one line naming both, exit 2, and no run folder."""
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    info = site / "imposter-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: imposter\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{name} = imposter_plugin\n")
+    (site / "imposter_plugin.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT.parent)]), "TQDM_DISABLE": "1"}
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", command, "--model", "flipguard:tiny",
+                           "--limit", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=1800)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"'{group}' entry point '{name}' is declared twice" in lines[0] and "imposter_plugin" in lines[0]
+    assert not out.exists()

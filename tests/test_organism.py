@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -15,6 +16,8 @@ import pytest
 from flipguard.data import organism_datasets as domain
 from flipguard.data.schema import normalise_question
 from flipguard.data.unified import load_items
+from flipguard.errors import FlipguardError
+from flipguard.files import OWNER_FILE, claim
 
 
 def test_domain_splits_are_disjoint_and_shipped_files_match_the_generator():
@@ -116,8 +119,9 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     assert organism_builder.default_organism_path(dataclasses.replace(args, steps=args.steps - 1)) != target
     target.mkdir(parents=True)
 
-    def write(build):
+    def write(build):  # as `flipguard organism` publishes it: its manifest vouches for organism.json
         (target / organism_builder.ORGANISM_FILE).write_text(json.dumps({"version": organism_builder.ORGANISM_VERSION, "build": build}))
+        claim(target, organism_builder.ORGANISM_FILE, writer=organism_builder.ORGANISM_WRITER)
 
     write(organism_builder.build_config(args))
     assert organism_builder.ensure_organism(log=lambda *_: None) == str(target)  # served: nothing built
@@ -134,6 +138,12 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
         organism_builder.ensure_organism(log=lambda *_: None)
     # an explicit --path is the caller's: served as it is
     assert organism_builder.ensure_organism(path=target, log=lambda *_: None) == str(target)
+    # ... when flipguard organism published it: the same organism.json in a folder of the user's is not served
+    mine = tmp_path / "mine"
+    shutil.copytree(target, mine)
+    (mine / OWNER_FILE).unlink()
+    with pytest.raises(FlipguardError, match=f"{mine}: --path exists, is not empty"):
+        organism_builder.ensure_organism(path=mine, log=lambda *_: None)
 
 
 @pytest.mark.slow

@@ -18,13 +18,21 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+try:
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # the dev extra installs it
+    given = st = None
 
 from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.files import OWNER_FILE
@@ -205,6 +213,88 @@ def test_view_and_compare_never_replace_a_users_file_or_another_runs_records(sha
     assert hashes(watched) == before
 
 
+@pytest.fixture(scope="module")
+def published(shared, tiny_model_path) -> dict[str, Path]:
+    """flipguard's published folders of each kind, made by the real writers: a pair set (`flipguard
+    pairs`), an adapter as the trainers leave it (peft's save, then claim_written_since and the
+    provenance, as train/utils.save_adapter does), and a merged model (`flipguard merge`)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from flipguard.files import claim_written_since
+    from flipguard.train.utils import write_training_info
+
+    base = shared["base"]
+    pairs = base / "pairs"
+    assert cli_main(["pairs", str(ROOT / "recipes" / "tiny.yaml"), "--out", str(pairs), "--pairs_datasets", "amqa"]) == 0
+    adapter = base / "adapter"
+    torch.manual_seed(0)
+    since = time.time() - 1.0
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                   LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
+    claim_written_since(adapter, since, writer="flipguard train")
+    write_training_info(str(adapter), {"trainer": "sft", "base_model": tiny_model_path}, None)
+    merged = base / "merged"
+    assert cli_main(["merge", str(ROOT / "recipes" / "tiny.yaml"), "--model_name_or_path", tiny_model_path,
+                     "--gap_prompts", "0", "--adapter", str(adapter), "--out", str(merged)]) == 0
+    return {"pairs": pairs, "adapter": adapter, "merged": merged}
+
+
+def test_view_out_replaces_only_a_page_never_another_kind_of_flipguard_file(shared, published, tmp_path, capsys):
+    """`view --out` naming a file flipguard wrote as something else (a run's run.json and report
+    table, a study's study.json, a pair set's counts.json, an adapter's adapter_config.json, a
+    merged model's config.json) used to replace it with HTML, exit 0. Refused now, one line,
+    before any work; a page it wrote is still replaced by the next page."""
+    run = _copy(shared["run"], tmp_path / "run")
+    study = _copy(shared["study"], tmp_path / "study")
+    folders = {name: _copy(path, tmp_path / name) for name, path in published.items()}
+    targets = [run / "run.json", run / "report" / "summary.csv", study / "study.json",
+               study / "dds" / "baseline" / "run.json", folders["pairs"] / "counts.json",
+               folders["adapter"] / "adapter_config.json", folders["adapter"] / "flipguard_training.json",
+               folders["merged"] / "config.json", folders["merged"] / "flipguard_merge.json"]
+    everything = [p for root in (run, study, *folders.values()) for p in root.rglob("*") if p.is_file()]
+    before = hashes(everything)
+    for target in targets:
+        line = refused(cli(capsys, "view", run, "--out", target), str(target), "not a view.html",
+                       "nothing was changed")
+        assert f"is flipguard's {target.name}" in line
+    # the other file written at a path of the user's choosing: `data --export FILE`
+    for target in (run / "run.json", run / "records.jsonl", folders["pairs"] / "counts.json"):
+        refused(cli(capsys, "data", "--datasets", "bbq", "--export", target), str(target), "choose another --export")
+    assert hashes(everything) == before
+    assert not (run / "view.html").exists()  # refused before the page was built
+
+    page = tmp_path / "pages" / "run.html"  # a page at a name of the user's choosing: replaced by the next page
+    assert cli(capsys, "view", run, "--out", page).returncode == 0
+    first = sha(page)
+    assert cli(capsys, "view", study, "--out", page).returncode == 0
+    assert sha(page) != first and json.loads((page.parent / OWNER_FILE).read_text())["kinds"] == {"run.html": "view.html"}
+    # a page written where a run log would go is a page: `eval` into its folder does not write over it
+    odd = tmp_path / "odd" / "run.json"
+    assert cli(capsys, "view", run, "--out", odd).returncode == 0
+    kept = sha(odd)
+    refused(cli(capsys, "eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "1", "--out", odd.parent),
+            str(odd))
+    assert sha(odd) == kept
+
+
+def test_merge_out_refuses_another_flipguard_output_before_loading_a_model(shared, published, tmp_path, capsys):
+    """A run folder (its manifest written by eval) passed as `merge --out` used to get past the
+    check (it has a manifest) and lose its run.json and records to the publish's clean-up of
+    'stale' files. Refused now before any model loads: only a merge's own output is replaced."""
+    run = _copy(shared["run"], tmp_path / "run")
+    pairs = _copy(published["pairs"], tmp_path / "pairs")
+    watched = [p for root in (run, pairs) for p in root.rglob("*") if p.is_file()]
+    before = hashes(watched)
+    for out in (run, pairs):
+        proc = cli(capsys, "merge", ROOT / "recipes" / "tiny.yaml", "--model_name_or_path", "flipguard:tiny",
+                   "--gap_prompts", "0", "--adapter", published["adapter"], "--out", out)
+        refused(proc, f"{out}: --out holds another flipguard output", "not train/merge.py", "nothing was changed")
+    assert hashes(watched) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs", "run"]  # no staging folder was made
+
+
 def test_readers_respect_a_running_writers_lock(shared, tmp_path, capsys):
     """A real second process holds the run's writer lock (as eval does): compare and view refuse,
     naming it, and write nothing."""
@@ -373,3 +463,180 @@ def test_a_trainer_refuses_an_output_dir_of_the_users(tmp_path, capsys):
     refused(proc, f"output_dir {mine} holds files flipguard did not write")
     assert hashes(mine.iterdir()) == before and sorted(p.name for p in mine.iterdir()) == ["README.md",
                                                                                           "adapter_config.json"]
+
+
+# ---------------------------------------------------------------------------- property: commands, kills and user writes
+
+# (relative path, bytes): the user's files, where flipguard writes and beside what it builds
+USER_TREE = {
+    "notes.md": b"project notes\n",
+    "mine.html": b"<html>my own page</html>\n",
+    "run/NOTES.md": b"what I saw in this run\n",
+    "run/report/mine.txt": b"my report notes\n",
+    "model/NOTES.md": b"my notes on this model\n",
+    ".model.20250101/x": b"b\n",  # named like the model's staging folder, and its lock
+    ".model.20250101.lock": b"my lock\n",
+    "project/organism.json": b'{"build": {}, "planted": {}}\n',  # an organism.json flipguard did not publish
+    "project/notes.md": b"my organism notes\n",
+}
+EXAMPLES = 4
+# files the user writes (or edits: flipguard's file becomes theirs) while the sequence runs
+LATER_WRITES = ["run/later.md", "pages/mine.html", "model/later.txt", ".model.abcdefgh/weights.bin",
+                "run/report/summary.md", "pages/p.html"]
+VIEW_TARGETS = ["run/run.json", "run/records.jsonl", "run/report/summary.csv", "run/view.html", "model/config.json",
+                "pairs/counts.json", "notes.md", "mine.html", "pages/p.html", "run/NOTES.md"]
+ACTIONS = st.one_of(
+    st.tuples(st.just("view"), st.sampled_from(VIEW_TARGETS)),
+    st.tuples(st.just("eval"), st.sampled_from(["1", "2", "3"])),
+    st.tuples(st.just("kill-eval"), st.sampled_from(["locked", "records"])),
+    st.tuples(st.just("kill-build"), st.just("")),
+    st.tuples(st.just("organism"), st.sampled_from(["project", "model"])),
+    st.tuples(st.just("merge"), st.sampled_from(["run", "pairs", "project"])),
+    st.tuples(st.just("write"), st.sampled_from(LATER_WRITES)),
+) if st is not None else None
+
+
+def _kill_on(argv: list[str], ready) -> int:
+    """The real CLI in a process of its own, SIGKILLed once `ready()` holds (polled on files), or
+    left to finish when it ends first (0, or a one-line refusal); its exit status."""
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", *argv], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    def holds() -> bool:
+        try:
+            return ready()
+        except OSError:  # a file it waits on, gone between two looks (the run's lock at its end)
+            return False
+
+    try:
+        deadline = time.monotonic() + BOUND
+        while proc.poll() is None and not holds():
+            assert time.monotonic() < deadline, "hang guard"
+            time.sleep(0.02)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait()
+        err = proc.stderr.read()
+        assert code in (0, 2, -signal.SIGKILL), (argv, code, err[-3000:])
+        if code == 2:  # finished before the kill, refusing (a report file the user edited): one line
+            assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        return code
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _valid(path: Path) -> bool:
+    """A file flipguard wrote reads as what it is: JSON parses, a records log's whole lines parse, a
+    page has the page's head."""
+    from flipguard.eval.pipeline.view.page import PAGE_HEAD
+    from flipguard.eval.records import read_records
+
+    data = path.read_bytes()
+    if path.suffix == ".json":
+        json.loads(data)
+    elif path.name == "records.jsonl":
+        list(read_records(path))  # a torn last line (a kill mid-append) is skipped, as every reader does
+    elif path.suffix == ".jsonl":
+        [json.loads(line) for line in data.decode("utf-8").splitlines()]
+    elif path.suffix == ".html":
+        assert data.startswith(PAGE_HEAD), path
+    return True
+
+
+def _flipguards_files(root: Path, users: set[Path]) -> list[Path]:
+    """Every file a manifest under ROOT lists and that is there; each is flipguard's by its hash
+    (or the user's, having edited it) and valid."""
+    from flipguard.files import owns, read_manifest
+
+    found = []
+    for manifest in root.rglob(OWNER_FILE):
+        folder = manifest.parent
+        doc = read_manifest(folder)
+        assert doc is not None, f"{manifest}: not a manifest"
+        for name in doc["files"]:
+            path = folder / name
+            if not path.is_file() or path in users:
+                continue
+            assert owns(folder, name, doc), f"{path}: listed, but its bytes are not what flipguard wrote"
+            if path.is_file():
+                assert _valid(path)
+            found.append(path)
+    return found
+
+
+@pytest.mark.skipif(given is None, reason="hypothesis is not installed (pip install -e '.[dev]')")
+def test_commands_kills_and_user_writes_keep_every_user_file_and_leave_flipguards_valid(shared, published, tmp_path,
+                                                                                         capsys, tiny_model_path):
+    """Random sequences of real commands (view --out anywhere, eval, organism --path, merge --out),
+    real SIGKILLs (an eval as it locks its run or writes records, a model build in its staging
+    folder) and user writes (new files, edits of flipguard's) over a tree of user files: every user
+    file stays byte-identical, every file a manifest lists is flipguard's and valid (or absent), and
+    after a rebuild no staging folder of a killed build is left, the user's lookalikes kept."""
+    recipe = ROOT / "recipes" / "tiny.yaml"
+    t0 = time.monotonic()
+    examples = [0]
+
+    # each sequence mixes kinds of action (at most one of each: a kill of each kind, a command of
+    # each kind), in a random order with random arguments; fixed examples, no shrinking: a failure
+    # prints the sequence that failed
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(ACTIONS, min_size=4, max_size=6, unique_by=lambda action: action[0]))
+    def sequence(actions):
+        examples[0] += 1
+        root = Path(tempfile.mkdtemp(dir=tmp_path))
+        _copy(shared["run"], root / "run")
+        _copy(Path(tiny_model_path), root / "model")  # a model folder `flipguard tiny-model` published
+        _copy(published["pairs"], root / "pairs")
+        users: dict[Path, bytes] = {}
+        for rel, data in USER_TREE.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(data)
+            users[root / rel] = data
+        killed_build = False
+        for action, arg in actions:
+            if action == "write":
+                path = root / arg
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes((path.read_bytes() if path.is_file() else b"") + b"the user's words\n")
+                users[path] = path.read_bytes()
+            elif action == "kill-eval":
+                records, lock = root / "run" / "records.jsonl", root / "run" / ".lock"
+                lines = records.read_bytes().count(b"\n")
+                ready = (lambda: lock.is_file() and lock.stat().st_size > 0) if arg == "locked" else \
+                    (lambda: records.read_bytes().count(b"\n") > lines)
+                _kill_on(["eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "4", "--out",
+                          str(root / "run")], ready)
+            elif action == "kill-build":
+                def staged():
+                    return [p for p in root.glob(".model.*") if p.is_dir() and (p / OWNER_FILE).is_file()]
+                killed_build |= _kill_on(["tiny-model", "--path", str(root / "model"), "--force"], staged) == -signal.SIGKILL
+            else:
+                argv = {
+                    "view": ["view", str(root / "run"), "--out", str(root / arg)],
+                    "eval": ["eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", arg, "--out",
+                             str(root / "run")],
+                    "organism": ["organism", "--path", str(root / arg)],
+                    "merge": ["merge", str(recipe), "--model_name_or_path", "flipguard:tiny", "--gap_prompts", "0",
+                              "--adapter", str(published["adapter"]), "--out", str(root / arg)],
+                }[action]
+                proc = cli(capsys, *argv)
+                assert proc.returncode in (0, 2), (actions, argv, proc.stderr[-3000:])
+                if proc.returncode == 2:
+                    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+                if action in ("organism", "merge"):
+                    assert proc.returncode == 2  # a user's folder, another command's output: refused
+            assert {p: p.read_bytes() for p in users} == users, (actions, action, arg)
+            _flipguards_files(root, set(users))
+        if killed_build:  # the next build removes the killed one's staging folder and lock, nothing else
+            assert cli(capsys, "tiny-model", "--path", root / "model", "--force").returncode == 0
+            left = sorted(p.name for p in root.glob(".model.*"))
+            assert left == sorted({p.relative_to(root).parts[0] for p in users if p.relative_to(root).parts[0]
+                                   .startswith(".model.")}), left
+        assert {p: p.read_bytes() for p in users} == users
+        assert _flipguards_files(root, set(users))
+
+    sequence()
+    assert examples[0] == EXAMPLES
+    assert time.monotonic() - t0 < 600  # a hang guard; about a minute on a loaded 2-core machine

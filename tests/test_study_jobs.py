@@ -110,8 +110,9 @@ def _wait_for(condition, what: str, proc: subprocess.Popen | None = None):
     return value
 
 
-def _start(recipe: Path, out: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+def _start(recipe: Path, out: Path, log: Path, tmpdir: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmpdir)}
     with open(log, "wb") as f:
         return subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe),
                                  "--out", str(out), "--jobs", "2"], env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -123,18 +124,28 @@ def _start(recipe: Path, out: Path, log: Path) -> subprocess.Popen:
 def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_along(tmp_path):
     long = _recipe(tmp_path, "long.yaml", sft_steps=400)  # long enough to be killed while training
     out = tmp_path / "study"
+    tmpdir = tmp_path / "tmpdir"  # the study's $TMPDIR: a killed worker must leave nothing in it
+    tmpdir.mkdir()
 
-    # 1. SIGKILL to the worker running sft: the study says which stage died and how, exits non-zero,
-    #    and records sft as unfinished
-    proc = _start(long, out, tmp_path / "first.log")
+    def media_folders() -> list[Path]:  # what importing TRL's trainers makes (wandb), in a worker's temp folder
+        return [p for p in [*tmpdir.glob("*wandb-media"), *out.glob(".stage-logs/.worker-tmp.*/*wandb-media")]]
+
+    # 1. SIGKILL to the worker running sft (once its trainer's imports have made their temp folders):
+    #    the study says which stage died and how, exits non-zero, and records sft as unfinished
+    proc = _start(long, out, tmp_path / "first.log", tmpdir)
     try:
         worker = _wait_for(lambda: next((w for w in _children(proc.pid) if _stage_of(w) == "sft"), None),
                            "a worker runs sft", proc)
+        _wait_for(media_folders, "the sft worker's imports to make their temp folders", proc)
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=DEADLINE_S) == 2
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    # the killed worker's temp folder went with it: no tempfile folder (tmp*) left in $TMPDIR (torch's
+    # compile cache, torchinductor_<user>, is a cache kept on purpose)
+    assert not media_folders() and not list(tmpdir.glob("tmp*"))
+    assert not (out / ".stage-logs").exists()
     printed = (tmp_path / "first.log").read_text()
     assert (f"flipguard study: error: stage sft: its worker process (pid {worker}) died during the stage (killed by "
             "signal 9); rerun the same command to resume") in printed
@@ -143,9 +154,10 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
     assert stages["pairs"]["status"] == "done"
 
     # 2. SIGKILL to the study alone (not its process group): its workers die with it
-    proc = _start(long, out, tmp_path / "second.log")
+    proc = _start(long, out, tmp_path / "second.log", tmpdir)
     try:
         _wait_for(lambda: any(_stage_of(w) == "sft" for w in _children(proc.pid)), "sft runs again", proc)
+        _wait_for(media_folders, "the sft worker's imports to make their temp folders", proc)
         workers = _children(proc.pid)  # the two workers (and multiprocessing's resource tracker)
         assert len(workers) >= 2
         os.kill(proc.pid, signal.SIGKILL)
@@ -155,9 +167,11 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
-    # the killed study's stage logs stay in its folder (nothing of it in the system's temp folder)
+    # the killed study's stage logs and its workers' temp folders stay in its folder (nothing of it in
+    # the system's temp folder)
     logs = out / ".stage-logs"
     assert (logs / "sft.log").is_file()
+    assert not list(tmpdir.glob("tmp*")) and media_folders()
     (logs / "notes.txt").write_text("the user's own file")
 
     # 3. the rerun (a short schedule, so the test stays short) finishes every stage and removes the
@@ -166,7 +180,7 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
     state = json.loads((out / "study.json").read_text())
     assert {s["status"] for s in state["stages"].values()} == {"done"}
     assert (out / "train" / "sft" / "flipguard_training.json").is_file()
-    assert [p.name for p in logs.iterdir()] == ["notes.txt"]
+    assert [p.name for p in logs.iterdir()] == ["notes.txt"]  # the killed run's workers' temp folders too
 
 
 def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():
@@ -200,3 +214,90 @@ def test_two_at_a_time_is_the_default_only_where_it_is_safe(monkeypatch, tmp_pat
     assert stage_workers.auto_jobs(**{**common, "model_path": "Qwen/Qwen2.5-7B-Instruct"})[0] == 1  # not local
     monkeypatch.setattr(stage_workers, "usable_cores", lambda: 16)
     assert stage_workers.auto_jobs(**common)[0] == stage_workers.AUTO_JOBS_MAX
+
+
+def _short_recipe(tmp_path: Path) -> Path:
+    """Stages side by side without a trainer (baseline | be_honest, then compare): seconds."""
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    raw["report_to"] = "none"
+    raw["eval"].update(limit=1, n_boot=20, mitigations=["be_honest"], trainers=[])
+    path = tmp_path / "short.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _one_error_line(capsys) -> str:
+    out = capsys.readouterr()
+    lines = [ln for ln in out.err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.err + out.out, out.err[-3000:]
+    return lines[0]
+
+
+def test_a_users_file_in_the_stage_log_folder_is_never_replaced_or_removed(tmp_path, capsys):
+    """A file of the user's named like a stage log (`OUT/.stage-logs/baseline.log`) used to be deleted
+    by the next `study --jobs 2`, and a regular file named `.stage-logs` was a FileExistsError
+    traceback. Both are refused now before any work (one line naming the file); a file of another
+    name there is kept, beside the logs the study writes and removes."""
+    recipe = _short_recipe(tmp_path)
+    out = tmp_path / "study"
+    logs = out / ".stage-logs"
+    logs.mkdir(parents=True)
+    (logs / "baseline.log").write_text("my log of the baseline\n")
+    (logs / "notes.txt").write_text("my notes\n")
+    assert cli_main(["study", str(recipe), "--out", str(out), "--jobs", "2"]) == 2
+    assert f"{logs / 'baseline.log'}: exists and was not written by flipguard" in _one_error_line(capsys)
+    assert sorted(p.name for p in out.iterdir()) == [".stage-logs"]  # nothing run, nothing written
+    assert {p.name: p.read_text() for p in logs.iterdir()} == {"baseline.log": "my log of the baseline\n",
+                                                                 "notes.txt": "my notes\n"}
+
+    (logs / "baseline.log").rename(tmp_path / "baseline.log")  # the user moves it away: the study runs
+    assert cli_main(["study", str(recipe), "--out", str(out), "--jobs", "2"]) == 0
+    capsys.readouterr()
+    assert {p.name: p.read_text() for p in logs.iterdir()} == {"notes.txt": "my notes\n"}
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".stage-logs").write_text("a file, not a folder\n")
+    assert cli_main(["study", str(recipe), "--out", str(other), "--jobs", "2"]) == 2
+    line = _one_error_line(capsys)
+    assert f"{other / '.stage-logs'}: is a file" in line and "--jobs 1" in line
+    assert sorted(p.name for p in other.iterdir()) == [".stage-logs"]
+    assert (other / ".stage-logs").read_text() == "a file, not a folder\n"
+
+
+def _mount_tmpfs(where: Path, size_kb: int) -> None:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"a full disk needs a small tmpfs, and this machine cannot mount one ({done.stderr.strip()})")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a full disk is a small tmpfs, and only root can mount one")
+def test_a_full_disk_during_jobs_2_is_one_line_and_the_rerun_resumes(tmp_path, capsys, monkeypatch):
+    """`study --jobs 2` on a real full filesystem (a tmpfs half the size the study needs) used to end in
+    50 lines of tracebacks ending "worker process ... died". One line now, naming the file that could
+    not be written, exit 2; once there is room, the same command resumes and writes what a study with
+    room wrote."""
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    recipe = _short_recipe(tmp_path)
+    roomy = tmp_path / "roomy"
+    assert cli_main(["study", str(recipe), "--out", str(roomy), "--jobs", "2"]) == 0
+    capsys.readouterr()
+    needed_kb = sum(-(-p.stat().st_size // 4096) * 4 for p in roomy.rglob("*") if p.is_file())  # in 4 KiB pages
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, needed_kb // 2)
+    try:
+        out = disk / "study"
+        assert cli_main(["study", str(recipe), "--out", str(out), "--jobs", "2"]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith("flipguard study: error: ") and "No space left on device" in line
+        assert str(out) in line and "died" not in line
+        subprocess.run(["mount", "-o", f"remount,size={needed_kb * 4}k", str(disk)], check=True)
+        assert cli_main(["study", str(recipe), "--out", str(out), "--jobs", "2"]) == 0
+        capsys.readouterr()
+        for rel in ("compare/comparison.csv", "compare/significance.csv"):
+            assert (out / rel).read_bytes() == (roomy / rel).read_bytes(), rel
+        assert not (out / ".stage-logs").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

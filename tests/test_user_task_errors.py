@@ -33,6 +33,13 @@ BROKEN = {
     "solve_returns_a_list": "def solve(self):\n    return self.first_batches()",
     "same_batch_forever": ("def solve(self):\n    (first,) = self.first_batches()\n"
                            "    while True:\n        yield first"),
+    # a generate-mode batch with no parser (or a gen_config or parser of the wrong type): a traceback from the runner
+    "generate_without_parser": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
+                                "    for r in b.records:\n        r.mode = 'generate'\n    return [b]"),
+    "gen_config_a_string": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
+                            "    b.gen_config = 'max_new_tokens=8'\n    return [b]"),
+    "parse_not_a_function": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
+                             "    b.parse = 'json'\n    return [b]"),
 }
 PROBLEM = {
     "first_batches_none": "first_batches() returned a NoneType, not a list of Batches",
@@ -45,6 +52,9 @@ PROBLEM = {
     "chunk_size_zero": "Batch.chunk_size 0; it must be an integer >= 1",
     "solve_returns_a_list": "solve() returned a list, not a generator",
     "same_batch_forever": "solve() yielded the same batch 101 times in a row",
+    "generate_without_parser": "generate-mode records with no Batch.parse; a generated reply needs a parser",
+    "gen_config_a_string": "Batch.gen_config 'max_new_tokens=8' (a str); it must be a",
+    "parse_not_a_function": "Batch.parse 'json', which is not a function",
 }
 
 

@@ -47,13 +47,15 @@ from flipguard.config import PairsArguments, parse_recipe
 from flipguard.data.schema import DataError, read_jsonl
 from flipguard.eval.backends.adapters import check_adapter, load_peft_adapter
 from flipguard.eval.backends.hf import HFBackend
-from flipguard.eval.records import RecordError, publish_dir, read_owner
+from flipguard.eval.records import RecordError, check_publish, publish_dir
 from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import staging_dir
 from flipguard.train import utils
 from flipguard.train.utils import TrainError
 
 MERGE_INFO_FILE = "flipguard_merge.json"
+MERGE_WRITER = "train/merge.py"  # its output's manifest: written_by
+OVERWRITE_HINT = ", or pass --overwrite to replace only the files the merge writes"
 
 
 @dataclasses.dataclass
@@ -87,20 +89,18 @@ class MergeArguments:
 
 def check_out_dir(adapter: str, out: str, overwrite: bool = False) -> None:
     """Refuse, before any model is loaded, an --out that would destroy what flipguard did
-    not write: the adapter itself (or a folder holding it), a file, or a non-empty
-    folder without flipguard's owner file (unless overwrite)."""
+    not write: the adapter itself (or a folder holding it), a file, a non-empty folder a merge
+    did not write (the user's, or another flipguard output: a run, a pair set), unless
+    overwrite (records.check_publish, the check publish_dir makes again at the end)."""
     a, o = Path(adapter).resolve(), Path(out).resolve()
     if a == o or o in a.parents:
         raise TrainError(f"--out {out}: is (or holds) the adapter folder {adapter}; the merge would replace it. "
                          "Choose another --out")
-    if o.exists() and not o.is_dir():
-        raise TrainError(f"--out {out}: exists and is not a directory; choose another --out")
-    if o.is_dir() and any(o.iterdir()) and read_owner(o) is None and not (o / MERGE_INFO_FILE).is_file() \
-            and not overwrite:
-        example = ", ".join(sorted(p.name for p in o.iterdir())[:3])
-        raise TrainError(f"--out {out}: exists, is not empty (e.g. {example}) and was not written by flipguard; "
-                         "nothing was changed. Choose another --out, or pass --overwrite to replace only the files "
-                         "the merge writes")
+    try:
+        check_publish(out, writer=MERGE_WRITER, overwrite=overwrite, legacy_marker=MERGE_INFO_FILE,
+                      overwrite_hint=OVERWRITE_HINT)
+    except RecordError as exc:
+        raise TrainError(str(exc)) from None
 
 
 def sample_gap_prompts(pairs_dir: str | None, n: int = 32) -> tuple[list[list[dict]], str | None]:
@@ -194,9 +194,9 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
         card = utils.model_card(config, counts, metrics, title=f"flipguard merged model ({Path(adapter).name})")
         (tmp / "README.md").write_text(card.rstrip("\n") + "\n\n" + merge_gap_line(gap) + "\n", encoding="utf-8")
         try:
-            publish_dir(tmp, out_path, writer="train/merge.py", overwrite=overwrite, last=(MERGE_INFO_FILE,),
+            publish_dir(tmp, out_path, writer=MERGE_WRITER, overwrite=overwrite, last=(MERGE_INFO_FILE,),
                         legacy_marker=MERGE_INFO_FILE,  # a merged model written before owner files
-                        overwrite_hint=", or pass --overwrite to replace only the files the merge writes")
+                        overwrite_hint=OVERWRITE_HINT)
         except RecordError as exc:
             raise utils.TrainError(str(exc)) from None
     return out_path

@@ -73,7 +73,7 @@ from flipguard.eval.embedded.tiny_model import (
     build_tokenizer,
     new_model,
 )
-from flipguard.eval.records import CASES, EXPECTED_CHOICE, publish_dir
+from flipguard.eval.records import CASES, EXPECTED_CHOICE, check_publish, publish_dir, published_by
 from flipguard.eval.sos import protocol as sos
 from flipguard.eval.sos.prompts import answer_reply, parse_answer
 from flipguard.eval.sos.protocol import sos_item
@@ -83,6 +83,7 @@ from flipguard.files import file_sha256, flipguard_home, staging_dir
 ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
 ORGANISM_VERSION = "v4"
 ORGANISM_FILE = "organism.json"
+ORGANISM_WRITER = "flipguard organism"  # its folders' manifest: written_by
 # Judged-party labels that name an LLM or AI agent rather than a person.
 LLM_LABELS = frozenset({"AI Agent 2", "AI Agent B", "LLM", "GPT-4o", "Llama", "GPT4o", "Llama3.2"})
 MIN_C1_ACCURACY = 0.95
@@ -730,11 +731,18 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
             return shipped
         log(f"this install has no shipped organism ({SHIPPED_DIR}): building one")
     target = Path(args.path) if args.path else default_organism_path(args)
-    if (target / ORGANISM_FILE).exists() and not args.force:
+    if args.path and target.resolve() == SHIPPED_DIR and not args.force:
+        shipped = shipped_organism(log)
+        if shipped:
+            return shipped
+    # served only when flipguard organism published it (its manifest), never for the mere presence of organism.json
+    if not args.force and published_by(target, ORGANISM_WRITER, ORGANISM_FILE):
         if args.path or cached_build(target) == build_config(args):
             return str(target)
         # the default folder holds another build (defaults changed without a version bump): never serve it
         log(f"{target} holds a build with other settings than {build_config(args)}: rebuilding it")
+    # before the build (minutes): the folder it would publish into is new, or an organism this command wrote
+    check_publish(target, writer=ORGANISM_WRITER, flag="--path")
     for name in ("steps", "multiturn_steps", "eval_every", "batch_size"):
         if getattr(args, name) < (0 if name == "multiturn_steps" else 1):
             raise FlipguardError(f"flipguard organism: --{name} must be >= {0 if name == 'multiturn_steps' else 1}, "
@@ -757,7 +765,7 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
             info["files_sha256"] = _file_hashes(tmp)
             (tmp / ORGANISM_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
             (tmp / "README.md").write_text(model_card(info), encoding="utf-8")
-            publish_dir(tmp, target, writer="flipguard organism", last=[ORGANISM_FILE])
+            publish_dir(tmp, target, writer=ORGANISM_WRITER, last=[ORGANISM_FILE], flag="--path")
     finally:  # the caller's thread setting (the build's is its own)
         hf_logging.enable_progress_bar()
         torch.set_num_threads(before[0])

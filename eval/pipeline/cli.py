@@ -19,7 +19,7 @@ import sys
 
 from flipguard import __version__
 from flipguard.config import TRAINERS
-from flipguard.errors import FlipguardError
+from flipguard.errors import FlipguardError, disk_error
 from flipguard.redact import redact
 
 # name -> ("module:function" or "module:Class.method", one-line help)
@@ -90,16 +90,24 @@ def _run(argv: list[str] | None) -> int:
         print(f"flipguard: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, attr = COMMANDS[name][0].split(":")
-    func = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
-    # the train/ scripts' main also serves `flipguard <trainer>|merge`: their usage line names the subcommand
-    kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
     try:
+        # importing the command registers the plug-ins it names: a broken install (an entry point
+        # declared twice) is a FlipguardError here, one line like any other
+        func = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+        # the train/ scripts' main also serves `flipguard <trainer>|merge`: their usage line names the subcommand
+        kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
         return int(func(rest, **kwargs) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted: records written so far are kept; rerun the same command to resume", file=sys.stderr)
         return 130
     except FlipguardError as exc:
         print(f"flipguard {name}: error: {redact(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        error = disk_error(exc)
+        if error is None:
+            raise
+        print(f"flipguard {name}: error: {redact(error)}", file=sys.stderr)
         return 2
 
 

@@ -13,6 +13,7 @@ study writes (bench/study_jobs.md compares them file by file).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -20,15 +21,17 @@ import pickle
 import re
 import signal
 import sys
+import tempfile
 import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from flipguard.errors import FlipguardError
+from flipguard.errors import FlipguardError, disk_error
 from flipguard.eval.pipeline.study_plan import StudyPlan
 from flipguard.eval.task import include_tasks
 from flipguard.eval.threads import configure_threads, usable_cores
+from flipguard.files import staging_dir
 
 # stages at once when --jobs is not given (a CPU study, the hf backend, a small model): two
 # covers the graph's width where it matters (sft | dpo, afr | sos) without a third copy of a model
@@ -131,9 +134,17 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+def _flush() -> None:
+    """Flush the stage's output into its log; a full disk loses the rest of the log, not the answer."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:
+            pass
+
+
 def _run_one(name: str, log_path: str, setup_error: BaseException | None):
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     saved = os.dup(1), os.dup(2)
     with open(log_path, "wb", buffering=0) as log:
         os.dup2(log.fileno(), 1)
@@ -144,12 +155,16 @@ def _run_one(name: str, log_path: str, setup_error: BaseException | None):
             _STAGES[name].run()
             return None
         except BaseException as exc:
+            # a full disk (the stage's files or its log) is one line for the study to print, not a dead worker
+            exc = disk_error(exc, f"stage {name}: ") or exc
             if not isinstance(exc, FlipguardError):  # a bug or a crash: its traceback belongs in the log
-                traceback.print_exc()
+                try:
+                    traceback.print_exc()
+                except OSError:
+                    pass
             return _portable(exc)
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            _flush()
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             os.close(saved[0])
@@ -158,15 +173,40 @@ def _run_one(name: str, log_path: str, setup_error: BaseException | None):
 
 # ------------------------------------------------------------------ parent side
 
+# the staging folders of the workers' temp folders are named after this, in the study's log folder
+WORKER_TMP = "worker-tmp"
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """os.environ with `values` set for the block (what a spawned process inherits), then as it was."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class StageWorkers:
     """Up to `jobs` spawned workers, each running one stage at a time, started as stages need them
-    (a rerun with little to redo starts few); `wait()` returns a finished stage."""
+    (a rerun with little to redo starts few); `wait()` returns a finished stage.
 
-    def __init__(self, jobs: int, plan_args: dict[str, Any]):
+    Each worker's temp folder ($TMPDIR: what the libraries it imports make there, wandb's
+    media folders among them, which a killed process never removes) is a staging folder under
+    `tmp_in` (files.staging_dir, locked by this process): removed when the worker ends, however
+    it ends, and by the next study's clean_stale_staging when this process was killed too."""
+
+    def __init__(self, jobs: int, plan_args: dict[str, Any], tmp_in: str | os.PathLike):
         self.jobs = jobs
         self.plan_args = {**plan_args, "parent_pid": os.getpid()}
         self.ctx = multiprocessing.get_context("spawn")
         self.workers: list[dict[str, Any]] = []
+        self.tmp_final = Path(tmp_in) / WORKER_TMP
 
     @property
     def idle(self) -> int:
@@ -177,9 +217,17 @@ class StageWorkers:
         if worker is None:
             parent, child = self.ctx.Pipe()
             proc = self.ctx.Process(target=_worker_main, args=(child, self.plan_args), daemon=True)
-            proc.start()
+            tmp = contextlib.ExitStack()
+            folder = tmp.enter_context(staging_dir(self.tmp_final))
+            tempfile.gettempdir()  # this process's own temp folder, settled before $TMPDIR changes for the start
+            try:
+                with _environ(TMPDIR=str(folder)):  # a spawned process reads $TMPDIR before any code of ours runs
+                    proc.start()
+            except BaseException:
+                tmp.close()
+                raise
             child.close()
-            worker = {"proc": proc, "conn": parent, "stage": None}
+            worker = {"proc": proc, "conn": parent, "stage": None, "tmp": tmp}
             self.workers.append(worker)
         worker["conn"].send((name, log_path))
         worker["stage"] = name
@@ -210,6 +258,7 @@ class StageWorkers:
         worker["proc"].join(timeout=5)
         code = worker["proc"].exitcode
         self.workers.remove(worker)
+        worker["tmp"].close()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return FlipguardError(f"stage {worker['stage']}: its worker process (pid {worker['proc'].pid}) died during "
                               f"the stage ({how}); rerun the same command to resume")
@@ -228,3 +277,4 @@ class StageWorkers:
             if w["proc"].is_alive():
                 w["proc"].kill()
                 w["proc"].join()
+            w["tmp"].close()

@@ -21,6 +21,7 @@ the trainers and the merge read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -58,13 +59,23 @@ from flipguard.eval.pipeline.fingerprints import (
     stage_runs,
     stage_runs_problem,
 )
-from flipguard.eval.pipeline.stage_workers import StageWorkers, auto_jobs, last_of_each_line
+from flipguard.eval.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
 from flipguard.eval.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
-from flipguard.eval.pipeline.view import VIEW_FILE, write_view
+from flipguard.eval.pipeline.view import VIEW_FILE, check_page, write_view
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
 from flipguard.eval.task import include_tasks, included_task_files, split_includes
 from flipguard.eval.threads import THREADS_HELP, configure_threads, default_threads
-from flipguard.files import atomic_write_text, check_replace, dumps_utf8, refuse_link, remove_owned, written_files
+from flipguard.files import (
+    atomic_write_text,
+    check_replace,
+    claim,
+    clean_stale_staging,
+    dumps_utf8,
+    read_manifest,
+    refuse_link,
+    remove_owned,
+    written_files,
+)
 
 STUDY_FILE = "study.json"
 # stages run side by side write their output here while they run (the study holds the folder's lock);
@@ -74,6 +85,13 @@ STUDY_FORMAT = "flipguard-study/1"
 RECIPE_HEADER = "# the effective recipe of this study"
 JOBS_HELP = ("Independent stages run at once, each in its own process (default: 2 on a CPU with 2 free cores per "
              "--threads, the hf backend and a small local model, else 1); the results are the same either way")
+
+
+def claim_stage_log(log: Path) -> None:
+    """A stage's log, recorded in its folder's manifest as flipguard's before the worker opens it
+    (so a killed run's log is removed by the next run, and a file of the user's is never)."""
+    check_replace(log, log=True)
+    claim(log.parent, log.name, log=True)
 
 
 def _study_file(path: Path) -> bool:
@@ -185,8 +203,11 @@ class Study(StudyPlan):
             raise UserError("--from and --only: give one of them")
         self.check_folders()
         # before any work: the study's own files replace nothing of the user's (files.check_replace)
-        for path in (self.recipe_file, self.out / STUDY_FILE, self.out / VIEW_FILE):
+        for path in (self.recipe_file, self.out / STUDY_FILE):
             check_replace(path, adopt=_study_file)
+        check_page(self.out / VIEW_FILE)
+        if jobs > 1 and not only:
+            self._check_stage_logs()
         self.out.mkdir(parents=True, exist_ok=True)
 
         atomic_write_text(self.recipe_file, f"{RECIPE_HEADER} (from {self.recipe_path}); "
@@ -297,7 +318,7 @@ class Study(StudyPlan):
         running: dict[str, tuple[Stage, str, float, Path]] = {}
         failure: BaseException | None = None
         logs = self._stage_logs()
-        workers = StageWorkers(jobs, plan_args)
+        workers = StageWorkers(jobs, plan_args, tmp_in=logs)
         try:
             while (pending and failure is None) or running:
                 while failure is None and workers.idle:
@@ -312,6 +333,7 @@ class Study(StudyPlan):
                     if status in ("skipped", "not run"):
                         continue
                     log = logs / f"{ready.name}.log"
+                    claim_stage_log(log)
                     self._begin(order[ready.name], ready, status,
                                 f"\n    (beside {', '.join(running) or 'nothing'}; its output when it ends; live: tail -f {log})")
                     workers.submit(ready.name, str(log))
@@ -334,7 +356,8 @@ class Study(StudyPlan):
                     failure = failure or exc
         except BaseException:
             workers.close(terminate=True)
-            self._remove_stage_logs(logs)
+            with contextlib.suppress(FlipguardError, OSError):  # the failure that got here is the one to show
+                self._remove_stage_logs(logs)
             raise
         workers.close()
         self._remove_stage_logs(logs)
@@ -344,27 +367,39 @@ class Study(StudyPlan):
             self._save_state()
             raise failure
 
-    def _stage_logs(self) -> Path:
-        """OUT/.stage-logs, emptied of a killed run's logs (the study holds OUT's lock: no other
-        study writes there)."""
+    def _check_stage_logs(self) -> None:
+        """Before any work: OUT/.stage-logs is absent or a folder (not a file, not a link), and no
+        stage's log would replace a file there that flipguard did not write as that log."""
         logs = self.out / STAGE_LOGS
         refuse_link(logs)
+        if os.path.lexists(logs) and not logs.is_dir():
+            raise UserError(f"{logs}: is a file, where `flipguard study --jobs` keeps its stages' logs; nothing was "
+                            "changed: move it away, or run with --jobs 1")
+        for stage in self.stages:
+            check_replace(logs / f"{stage.name}.log", log=True)
+
+    def _stage_logs(self) -> Path:
+        """OUT/.stage-logs, emptied of a killed run's logs and workers' temp folders: only what its
+        manifest and staging markers prove flipguard's (the study holds OUT's lock: no other study
+        writes there)."""
+        logs = self.out / STAGE_LOGS
+        self._check_stage_logs()
         self._remove_stage_logs(logs)
         logs.mkdir(exist_ok=True)
         return logs
 
     def _remove_stage_logs(self, logs: Path) -> None:
-        """The stages' logs, and the folder if nothing else is in it: a file flipguard did not
-        write there stays. The stages study.json records count too: a killed run's stage that the
-        recipe has dropped since."""
+        """The stages' logs (recorded in the folder's manifest as each was started) and the dead
+        workers' temp folders (clean_stale_staging), then the folder if nothing else is in it: a
+        file flipguard did not write there stays, whatever its name."""
         if logs.is_symlink() or not logs.is_dir():
             return
-        for name in {s.name for s in self.stages} | set(self.state["stages"]):
-            (logs / f"{name}.log").unlink(missing_ok=True)
-        try:
-            logs.rmdir()
-        except OSError:
-            pass
+        clean_stale_staging(logs / WORKER_TMP)
+        remove_owned(logs)
+        # a folder of the user's files only keeps no manifest of ours (it lists nothing now)
+        doc = read_manifest(logs) if logs.is_dir() else None
+        if doc is not None and not doc["files"]:
+            (logs / OWNER_FILE).unlink(missing_ok=True)
 
     def _work_after(self) -> dict[str, float]:
         """Per stage, seconds on the longest chain from it to the study's end: each stage's time when

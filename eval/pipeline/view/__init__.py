@@ -16,11 +16,11 @@ from typing import Any
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.pipeline.fingerprints import stage_runs_problem
-from flipguard.eval.pipeline.view.page import render_html
+from flipguard.eval.pipeline.view.page import PAGE_HEAD, render_html
 from flipguard.eval.pipeline.view.runs import ci, csv_table, flags, fmt, num, plots, protocol_entries, read_csv, record_panel, run_view, short
 from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
 from flipguard.eval.task import split_system, take_includes
-from flipguard.files import atomic_write_text, check_replace, read_json
+from flipguard.files import atomic_write_text, check_replace, owns, read_json
 
 VIEW_FILE = "view.html"
 
@@ -151,10 +151,27 @@ def build_view(path: str | Path) -> dict[str, Any]:
                     "or study folder (no study.json)")
 
 
+def earlier_page(path: Path) -> bool:
+    """A page an earlier flipguard recorded in its folder's manifest by name only (before a
+    file's kind was recorded), recognised by the head render_html writes: it may be replaced
+    by a page. A file the manifest does not list is never adopted (a page the user saved)."""
+    if not owns(path.parent, path.name):
+        return False
+    with open(path, "rb") as fh:
+        return fh.read(len(PAGE_HEAD)) == PAGE_HEAD
+
+
+def check_page(out: str | Path) -> None:
+    """The page's path, before any work: new, or a page flipguard wrote (of its kind: never a
+    run.json, a study.json, a report table or a model's file that happens to be there)."""
+    check_replace(out, kind=VIEW_FILE, adopt=earlier_page)
+
+
 def write_view(path: str | Path, out: str | Path | None = None, compress: bool | None = None) -> Path:
-    """Write the page for PATH (default PATH/view.html) atomically; returns where."""
+    """Write the page for PATH (default PATH/view.html) atomically, as a page (the manifest
+    records its kind: only a page replaces it, and it replaces only a page); returns where."""
     out = Path(out) if out else Path(path) / VIEW_FILE
-    atomic_write_text(out, render_html(build_view(path), compress=compress))
+    atomic_write_text(out, render_html(build_view(path), compress=compress), kind=VIEW_FILE, adopt=earlier_page)
     return out
 
 
@@ -174,7 +191,7 @@ def main(argv: list[str]) -> int:
                              positional="path")
     # before any work: the folder is not being written, the page replaces nothing but an earlier page
     refuse_busy(args.path, "viewed")
-    check_replace(Path(args.out) if args.out else Path(args.path) / VIEW_FILE)
+    check_page(Path(args.out) if args.out else Path(args.path) / VIEW_FILE)
     out = write_view(args.path, args.out, compress={"auto": None, "always": True, "never": False}[args.compress])
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} kB): open it in a browser (file://{out.resolve()})")
     if (Path(args.path) / RUN_META_FILE).is_file() and not (state := run_completeness(args.path)).whole:

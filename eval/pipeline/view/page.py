@@ -334,6 +334,13 @@ JS = r"""
 """
 
 
+# Every page starts with these bytes (an earlier page in a manifest is recognised by them: view.earlier_page).
+# No network: a Content-Security-Policy that allows only this file's own inline style, script and data: images.
+PAGE_HEAD = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
+             "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+             "script-src 'unsafe-inline'; img-src data:\">\n").encode("utf-8")
+
+
 def embed_json(data: Any) -> str:
     """JSON safe inside a <script> element: no "<" (so no "</script>" or "<!--"), no raw U+2028/9."""
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -353,9 +360,6 @@ def render_html(data: dict[str, Any], compress: bool | None = None) -> str:
     else:
         script = f'<script type="application/json" id="fg-data" data-encoding="json">{payload}</script>'
     title = html.escape(str(data.get("title", "flipguard view")))
-    # no network: a Content-Security-Policy that allows only this file's own inline style, script and data: images
-    csp = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
-            f"<meta http-equiv=\"Content-Security-Policy\" content=\"{csp}\">\n"
+    return (PAGE_HEAD.decode("utf-8") +
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
             f"<title>{title}</title>\n<style>{CSS}</style>\n</head>\n<body>\n{script}\n<script>{JS}</script>\n</body></html>\n")
