@@ -13,6 +13,7 @@ follow the embedded tokenizer, not Qwen's. `--shape tiny` makes the same model a
     python bench/gpu/qwen7b.py train-stats --adapter runs/sft --pairs /tmp/pairs --kind sft --json sft.json
     python bench/gpu/qwen7b.py dds    --model /dev/shm/q7 --batch_sizes 8,32,64,128 --json dds.json
     python bench/gpu/qwen7b.py matmul --json matmul.json
+    python bench/gpu/qwen7b.py plan   --tokenizer /dev/shm/q7 --pairs /tmp/pairs   # the memory plans (CPU)
 """
 
 from __future__ import annotations
@@ -206,6 +207,33 @@ def cmd_train_stats(args) -> dict:
             "compute": info.get("compute"), "speed": info.get("speed")}
 
 
+def cmd_plan(args) -> dict:
+    """What train/memory.py plans for recipes/qwen7b.yaml at 7B shape on these pairs, per trainer and
+    memory profile (its estimate; CPU only: no GPU is needed to plan)."""
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer, Qwen2Config
+    from trl import ModelConfig
+
+    from flipguard.config import MEMORY_PROFILES
+    from flipguard.train import memory, tokenized
+    from flipguard.train.speed import sample_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    model_args = ModelConfig(model_name_or_path="qwen7b", load_in_4bit=True, use_bnb_nested_quant=True, use_peft=True,
+                             lora_r=64, lora_dropout=0.05,
+                             lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    out = {}
+    for trainer, pairs, trainable_bytes in (("sft", "sft", 2), ("dpo", "dpo", 4), ("kto", "dpo", 2)):
+        lengths = tokenized.sequence_lengths(tokenized.token_columns(load_from_disk(str(Path(args.pairs) / pairs)),
+                                                                     tokenizer, pairs))
+        shape = memory.Shape.of(Qwen2Config(**QWEN25_7B), model_args, 2, trainable_bytes)
+        for profile in ("24GB", "80GB"):
+            tokens, rows = sample_tokens(lengths, trainer, packed=True)
+            plan = memory.plan(shape, MEMORY_PROFILES[profile], 16, tokens, sum(tokens) / len(tokens), True, rows)
+            out[f"{trainer} {profile}"] = {k: v for k, v in plan.as_record().items() if k != "candidates"}
+    return out
+
+
 # ----------------------------------------------------------------------------- DDS scoring
 
 
@@ -342,14 +370,17 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--repeats", type=int, default=2)
     d.add_argument("--peak_tflops", type=float, default=None)
     d.add_argument("--sharing", default="on,off", help="prefix sharing settings to sweep, in order (on, off)")
+    pl = sub.add_parser("plan", help=cmd_plan.__doc__)
+    pl.add_argument("--tokenizer", required=True)
+    pl.add_argument("--pairs", required=True)
     mm = sub.add_parser("matmul")
     mm.add_argument("--n", type=int, default=8192)
     mm.add_argument("--repeats", type=int, default=20)
-    for s in (m, pr, ts, d, mm):
+    for s in (m, pr, ts, d, pl, mm):
         s.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
     fn = {"model": cmd_model, "pairs": cmd_pairs, "train-stats": cmd_train_stats, "dds": cmd_dds,
-          "matmul": cmd_matmul}[args.cmd]
+          "plan": cmd_plan, "matmul": cmd_matmul}[args.cmd]
     write_json(args.json, fn(args))
     return 0
 
