@@ -11,13 +11,17 @@ import csv
 import hashlib
 import importlib.util
 import json
+import os
 import sys
+import urllib.parse
+import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 from fixture_runs import unpack_run
 from scipy.stats import binomtest
+from served import ServerProcess
 
 from flipguard.eval.pipeline.cli import main as cli_main
 
@@ -49,6 +53,25 @@ def offline_tool_homes(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+class InspectView(ServerProcess):
+    """`inspect view --log-dir DIR`, inspect_ai's own log viewer, as a real server process."""
+
+    name = "inspect view"
+    ready_path = "/api/log-files"
+
+    def __init__(self, server_dir: Path, log_dir: Path):
+        super().__init__(server_dir, env={**os.environ})
+        self.served = log_dir
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "inspect_ai", "view", "--log-dir", str(self.served), "--host", "127.0.0.1",
+                "--port", str(self.port)]
+
+    def get(self, path: str):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=60) as resp:
+            return json.loads(resp.read().decode("utf-8"))
 
 
 def _lines(path: Path) -> list[dict]:
@@ -287,6 +310,13 @@ def test_a_flipguard_run_exported_opens_in_inspect_ai(name, tmp_path, capsys):
     listing = json.loads((tmp_path / "bundle" / "logs" / "listing.json").read_text())
     assert {(v["task"], v["status"]) for v in listing.values()} == {(f"flipguard/{protocol}", "success")}
     assert sorted(listing) == sorted(p.name for p in logs)
+    if protocol == "dds":  # and `inspect view` itself serves them: the list, then a whole log as the page loads it
+        with InspectView(tmp_path / "view-server", out) as view:
+            files = [f["name"] for f in view.get("/api/log-files")["files"]]
+            assert sorted(Path(urllib.parse.urlparse(f).path).name for f in files) == sorted(p.name for p in logs)
+            served = view.get("/api/logs/" + urllib.parse.quote(str(logs[0].resolve()), safe=""))
+            assert (served["status"], served["eval"]["model"], len(served["samples"])) == (
+                "success", read_eval_log(str(logs[0])).eval.model, len(read_eval_log(str(logs[0])).samples))
     # a second export replaces flipguard's own logs; a file of the user's where a log goes is refused
     assert cli_main(["export", "--format", "inspect", str(run), "--out", str(out)]) == 0
     (out / logs[0].name).write_text("mine")

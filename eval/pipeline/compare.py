@@ -353,7 +353,7 @@ def render_protocols_markdown(names: Sequence[str], sections: Sequence[str]) -> 
     """comparison.md of a comparison without DDS runs: each protocol's numbers, then the paired changes."""
     head = ["# Before/after comparison", "",
             f"Conditions: {', '.join(names)} (changes against **{names[0] if names else '–'}**, on the same items).", ""]
-    return "\n".join(head + [line for section in sections for line in (section, "")])
+    return "\n".join(head + [section.strip() + "\n" for section in sections]).rstrip() + "\n"
 
 
 PROTOCOLS_CSV = "comparison_protocols.csv"
