@@ -82,19 +82,17 @@ def adjust(pvalues: Sequence[float], correction: str = "holm") -> np.ndarray:
     return out
 
 
-def minimal_detectable_difference(se: float, n_units: int, binary: bool) -> float:
+def minimal_detectable_difference(se: float, n_units: int) -> float:
     """The smallest true change (in the unit of `se`, pp in the comparison) that a two-sided test at
-    ALPHA finds with probability POWER: (z(1 - ALPHA/2) + z(POWER)) x the standard error of the
-    paired change (the bootstrap's). For 0/1 outcomes never below what the exact McNemar test can
-    show at all: MIN_DISCORDANT units of n_units all changed the same way (x100: pp). Where no unit
-    changed the standard error is 0, and the floor is all there is."""
+    ALPHA finds with probability POWER: (z(1 - ALPHA/2) + z(POWER)) x the standard error of the paired
+    change (the bootstrap's), never below MIN_DISCORDANT of n_units changed by a whole unit (x100: pp),
+    the fewest changed units an exact paired test (McNemar's) can tell from chance. Where no unit
+    changed the standard error is 0, and that floor is all there is: zero changes seen in a few units
+    say little."""
     if n_units <= 0 or se is None or math.isnan(se):
         return math.nan
     z = norm.ppf(1 - ALPHA / 2) + norm.ppf(POWER)
-    mdd = z * se
-    if binary:
-        mdd = max(mdd, 100.0 * MIN_DISCORDANT / n_units)
-    return float(mdd)
+    return float(max(z * se, 100.0 * MIN_DISCORDANT / n_units))
 
 
 def verdict(p_adjusted: float, mdd: float, smallest_change: float) -> str:

@@ -44,11 +44,12 @@ def test_holm_and_benjamini_hochberg_by_hand():
 
 
 def test_minimal_detectable_difference():
-    # 0/1 units: never below 6 of n changed one way (8 units: 75 pp), whatever the standard error
-    assert P.minimal_detectable_difference(0.0, 8, binary=True) == pytest.approx(75.0)
-    assert P.minimal_detectable_difference(2.0, 1000, binary=True) == pytest.approx(2.0 * Z, rel=1e-5)
-    assert P.minimal_detectable_difference(2.0, 5, binary=False) == pytest.approx(2.0 * Z, rel=1e-5)
-    assert math.isnan(P.minimal_detectable_difference(math.nan, 8, binary=True))
+    # never below 6 of n units changed (8 units: 75 pp), whatever the standard error; no change seen: that floor
+    assert P.minimal_detectable_difference(0.0, 8) == pytest.approx(75.0)
+    assert P.minimal_detectable_difference(20.0, 8) == pytest.approx(75.0)
+    assert P.minimal_detectable_difference(30.0, 8) == pytest.approx(30.0 * Z, rel=1e-5)
+    assert P.minimal_detectable_difference(2.0, 1000) == pytest.approx(2.0 * Z, rel=1e-5)  # floor 0.6 pp
+    assert math.isnan(P.minimal_detectable_difference(math.nan, 8))
 
 
 def test_verdicts():
@@ -84,6 +85,17 @@ def test_transfer_rows_tell_no_change_from_too_few_items():
     assert got.loc["small", "mdd"] == pytest.approx(60.0)  # 6 of 10 items, the exact test's floor
     assert got["verdict"].to_dict() == {"balanced": "no change", "better": "changed", "small": "too few items to tell"}
     assert (table[table["condition"] == "before"]["verdict"] == "").all()  # the baseline is not tested against itself
+
+
+def test_units_of_two_judgments_are_tested_by_the_bootstrap():
+    # a DDS unit (two C2 judgments per item) is not one 0/1 outcome, even where its values happen to be 0 or 1
+    rows = [{"condition": c, "protocol": "dds", "system": c, "dataset": "d", "kind": "", "framing": "c2", "metric": "dds",
+             "key": str(i), "cluster": str(i), "value": 1.0 if c == "A" else 0.0, "judgments": (1.0, 0.0)}
+            for c in ("A", "B") for i in range(10)]
+    row = T.transfer_table(pd.DataFrame(rows), {}, T.Roles(None), n_boot=200).iloc[-1]
+    assert (row["condition"], row["test"], row["change"]) == ("B", "bootstrap", -100.0)
+    assert row["p_adjusted"] == row["p_boot"] == 0.0  # every replicate at -100: none crosses 0
+    assert row["mdd"] == pytest.approx(60.0) and row["verdict"] == "changed"
 
 
 def test_units_of_other_items_are_refused_not_paired():

@@ -232,7 +232,7 @@ def paired_change(base: pd.DataFrame, cur: pd.DataFrame, n_boot: int, seed: int 
                   ) -> dict[str, float]:
     """Baseline and condition value (x100), the paired change with its 95% CI and bootstrap p (items
     resampled as clusters, eval/bootstrap.py), McNemar's exact p of the paired 0/1 judgments, the test
-    whose p the comparison corrects (McNemar where every unit is 0/1, else the bootstrap's) and the
+    whose p the comparison corrects (McNemar where every unit is one 0/1 outcome, else the bootstrap's) and the
     minimal detectable difference at these units' n (eval/paired.py). A unit without a value on either
     side (an imported sample its tool did not score) is left out of the pairs."""
     merged = base.merge(cur, on="key", suffixes=("_b", "_c"))
@@ -247,14 +247,16 @@ def paired_change(base: pd.DataFrame, cur: pd.DataFrame, n_boot: int, seed: int 
     lo, hi = B.percentile_ci(dist) if dist is not None else (math.nan, math.nan)
     jb = np.concatenate([np.asarray(j, float) for j in merged["judgments_b"]])
     jc = np.concatenate([np.asarray(j, float) for j in merged["judgments_c"]])
-    binary = bool(np.isin(b, (0.0, 1.0)).all() and np.isin(c, (0.0, 1.0)).all())
+    # a 0/1 outcome per unit (accuracy, capitulation, a pass/fail score), not a DDS unit's two judgments
+    binary = bool(all(len(j) == 1 for j in (*merged["judgments_b"], *merged["judgments_c"]))
+                  and np.isin(b, (0.0, 1.0)).all() and np.isin(c, (0.0, 1.0)).all())
     se = 100 * float(B.sd(dist)) if dist is not None else math.nan
     return {"n_units": len(merged), "n_items": int(pd.unique(clusters).size), "baseline": 100 * b.mean(),
             "value": 100 * c.mean(), "change": 100 * delta.mean(), "ci_low": 100 * float(lo), "ci_high": 100 * float(hi),
             "p_boot": B.two_sided_p(dist) if dist is not None else math.nan,
             "mcnemar_p": M.mcnemar_pair(jb.astype(bool), jc.astype(bool))["pvalue"],
             "test": "mcnemar" if binary else "bootstrap",
-            "mdd": P.minimal_detectable_difference(se, len(merged), binary)}
+            "mdd": P.minimal_detectable_difference(se, len(merged))}
 
 
 def cell_flags(metric: str, framing: str, role: str, s: Mapping[str, float]) -> str:
@@ -397,10 +399,10 @@ def paired_tests_markdown(table: pd.DataFrame, correction: str = "holm", smalles
     method = {"holm": "Holm", "bh": "Benjamini-Hochberg"}[correction]
     out = ["## Paired tests", "",
            f"Each condition against the baseline, cell by cell: the change (pp) with its paired 95% CI; the test's p "
-           f"(McNemar's exact test where every unit is 0/1, else the paired bootstrap's) and that p adjusted across the "
-           f"{len(tested)} test{'s' * (len(tested) != 1)} of this comparison ({method}); MDD: the smallest change these units could show "
-           f"(80% power, two-sided {P.ALPHA:g}; for 0/1 units never below {P.MIN_DISCORDANT} of n changed one way, the "
-           f"fewest an exact McNemar test can call). Verdict: **changed** (adjusted p < {P.ALPHA:g}), **no change** "
+           f"(McNemar's exact test where every unit is one 0/1 outcome, else the paired bootstrap's) and that p adjusted "
+           f"across the {len(tested)} test{'s' * (len(tested) != 1)} of this comparison ({method}); MDD: the smallest "
+           f"change these units could show (80% power, two-sided {P.ALPHA:g}; never below {P.MIN_DISCORDANT} of the n "
+           f"units changed, the fewest an exact McNemar test can call). Verdict: **changed** (adjusted p < {P.ALPHA:g}), **no change** "
            f"(not significant, MDD ≤ {smallest_change:g} pp), **too few items to tell** (not significant, MDD > "
            f"{smallest_change:g} pp).", ""]
     if tested.empty:
