@@ -75,16 +75,21 @@ def unit_scale(records: Iterable[Record]) -> dict[str, str]:
     reasons: dict[str, str] = {}
     for r in records:
         for name, value in (r.extra.get("scores") or {}).items():
-            if value is None or name in reasons:
+            if _unscored(value) or name in reasons:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            if not isinstance(value, (int, float)):  # a bool is 0 or 1
                 reasons[name] = f"not a number ({type(value).__name__})"
             elif not 0.0 <= value <= 1.0:
                 reasons[name] = f"values outside 0-1 (e.g. {value:g})"
     for r in records:
         scores = r.extra.get("scores") or {}
-        r.extra["scores"] = {k: (None if v is None else float(v)) for k, v in scores.items() if k not in reasons}
+        r.extra["scores"] = {k: (None if _unscored(v) else float(v)) for k, v in scores.items() if k not in reasons}
     return reasons
+
+
+def _unscored(value: Any) -> bool:
+    """No score for this sample (an error, a scorer that gave none): left out of its pairs, not a zero."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def signatures(records: Iterable[Record]) -> dict[tuple[str, str], dict[str, dict[str, str]]]:
