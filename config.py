@@ -772,3 +772,22 @@ def parse_dataclasses(argv: list[str], *types, prog: str, description: str, posi
     # the flags (the config's values were checked above, naming its lines)
     check_parsed_values(out, "command line", skip=config)
     return out if len(types) > 1 else out[0]
+
+
+def positionals_as(argv: list[str], option: str) -> list[str]:
+    """argv with its positional arguments (neither an option nor an option's value, wherever they stand:
+    `flipguard export --format inspect RUN`, `flipguard import inspect A.eval B.json --out RUN`) given as
+    `--option ARG...`, so that none is read as a run config (an inspect log ends in .json). For commands
+    whose every option takes one value (`--name value` or `--name=value`); -h/--help take none."""
+    given, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-"):
+            rest.append(arg)
+            if "=" not in arg and arg not in ("-h", "--help") and i + 1 < len(argv):
+                rest.append(argv[i + 1])
+                i += 1
+        else:
+            given.append(arg)
+        i += 1
+    return ([f"--{option}", *given] if given else []) + rest

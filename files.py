@@ -422,6 +422,19 @@ def check_outputs(folder: str | os.PathLike, names: Iterable[str], flag: str = "
         check_replace(folder / name)
 
 
+def check_own_folder(folder: str | os.PathLike, flag: str = "--out") -> None:
+    """A folder a command is about to write into, checked before any work: absent, empty, or one flipguard
+    wrote (its manifest is there). A folder of anyone else's is refused whole, not file by file."""
+    folder = Path(folder)
+    check_outputs(folder, (), flag)
+    if folder.is_dir() and read_manifest(folder) is None:
+        present = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
+        if present:
+            raise RecordError(f"{folder}: {flag} exists, is not empty ({len(present)} entries, e.g. "
+                              f"{', '.join(present[:3])}) and was not written by flipguard; nothing was changed: "
+                              "choose another folder")
+
+
 def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = None) -> list[Path]:
     """Remove what flipguard wrote under ROOT (a file or folder), keep everything else, and return
     what was kept. Flipguard's: a file its folder's manifest records (same bytes where hashed),

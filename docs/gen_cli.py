@@ -22,6 +22,7 @@ import sys
 import unittest.mock
 from pathlib import Path
 
+from flipguard.eval.interop.importer import TOOLS as IMPORT_TOOLS
 from flipguard.eval.pipeline import cli
 from flipguard.files import PACKAGE_ROOT, flipguard_home
 
@@ -33,7 +34,8 @@ HEADER = """# Command reference
 Generated from the parsers by `python docs/gen_cli.py` (do not edit by hand;
 `tests/test_docs.py` fails when this file and the parsers disagree). Paths in
 defaults are written as `<flipguard>` (the installed package's folder), `<FLIPGUARD_HOME>`
-(the cache, default `~/.cache/flipguard`) and `~`.
+(the cache, default `~/.cache/flipguard`) and `~`. Runs of inspect_ai and lm-evaluation-harness
+(`flipguard import`, `flipguard export`) on a worked example: [interop.md](interop.md).
 """
 
 
@@ -94,8 +96,12 @@ def render() -> str:
     os.environ["COLUMNS"] = str(COLUMNS)  # argparse wraps to the terminal: fix the width
     try:
         sections = [HEADER, "## flipguard\n\n```text\n" + _help(["--help"]).rstrip() + "\n```\n"]
+        # `flipguard import TOOL`: each tool's form has options of its own
+        forms = {"import": [[tool] for tool in IMPORT_TOOLS]}
         for name in cli.COMMANDS:
-            sections.append(f"## flipguard {name}\n\n```text\n" + _help([name, "--help"]).rstrip() + "\n```\n")
+            for form in [[], *forms.get(name, [])]:
+                sections.append(f"## flipguard {' '.join([name, *form])}\n\n```text\n"
+                                + _help([name, *form, "--help"]).rstrip() + "\n```\n")
     finally:
         if saved is None:
             os.environ.pop("COLUMNS", None)

@@ -101,6 +101,11 @@ PROTOCOL_FIELDS: dict[str, ProtocolFields] = {
                           frozenset({"scenario", "turn", "repeat", "seed", "branch", "n_turns", "target",
                                      "options_shown", "roles", "offered"})),
 }
+# Runs another tool made, read in by `flipguard import` (eval/interop): the sample's scores mapped to
+# 0-1 and as the tool kept them, what pairs it (unit, signature) and what the tool keeps per sample
+IMPORTED_EXTRA = frozenset({"unit", "signature", "scores", "score_values", "explanations", "metadata", "target",
+                            "epoch", "error", "doc", "filter", "source_file", "source_line"})
+PROTOCOL_FIELDS.update({"inspect": ProtocolFields(extra=IMPORTED_EXTRA), "lm-eval": ProtocolFields(extra=IMPORTED_EXTRA)})
 
 
 @dataclasses.dataclass

@@ -151,6 +151,9 @@ class Task:
     accumulate_keys: ClassVar[tuple[str, ...]] = ()
     # what the first requests are, for the progress line ("judgments", "first-turn requests")
     unit: ClassVar[str] = "requests"
+    # False: the task's runs are made elsewhere and read in (`flipguard import`): compared and viewed,
+    # never run (`flipguard run` neither lists nor runs it)
+    runnable: ClassVar[bool] = True
 
     # the dataclass of the task's command-line flags / YAML keys (`flipguard run NAME --help`)
     args_class: ClassVar[type]
@@ -633,7 +636,7 @@ def run_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         for path in includes:
             include_tasks(path)
-        names = task_names()
+        names = [n for n in task_names() if get_task(n).runnable]
         print("usage: flipguard run [--include my_tasks.py] TASK [options]   (flipguard run TASK --help)\n\n"
               "Run a registered task (protocol) into a run directory: records.jsonl, run.json, report.\n"
               "--include imports a Python file whose @register_task classes become runnable; installed\n"
@@ -642,7 +645,10 @@ def run_main(argv: list[str]) -> int:
     for path in includes:
         include_tasks(path)
     name, rest = argv[0], argv[1:]
-    return int(get_task(name).main(rest, prog=f"flipguard run {name}") or 0)
+    task = get_task(name)
+    if not task.runnable:
+        raise UserError(f"task {name!r} is not run by flipguard: its runs are read in (flipguard import {name} --help)")
+    return int(task.main(rest, prog=f"flipguard run {name}") or 0)
 
 
 # ---------------------------------------------------------------- comparison rows

@@ -66,7 +66,7 @@ def test_dry_run_installs_the_wheels_into_a_temp_target_and_imports_every_gpu_mo
     for name in ("trl", "datasets", "bitsandbytes", "peft"):  # imported from the temp target, not this venv
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"ok {name} "))
         assert str(tmp_path / "site") in line
-    assert "ok entry points flipguard.tasks ['afr', 'dds', 'sos']" in proc.stdout
+    assert "ok entry points flipguard.tasks ['afr', 'dds', 'inspect', 'lm-eval', 'sos']" in proc.stdout
 
 
 def test_a_checkout_without_install_metadata_reads_pyprojects_entry_points(monkeypatch):

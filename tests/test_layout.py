@@ -3,7 +3,7 @@
     root utilities (errors, files, config, redact, plugins)
     <- data/
     <- eval core (eval/: task, records, runner, backends/, bootstrap, estimate, ...)
-    <- protocols (eval/dds, eval/afr, eval/sos: none imports another)
+    <- protocols (eval/dds, eval/afr, eval/sos, and eval/interop for runs other tools made: none imports another)
     <- embedded models (eval/embedded: the tiny model, the organism) | trainers and pairs (train/)
     <- the pipeline (eval/pipeline: study, compare, view, demo, cli; and `python -m flipguard`)
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository root is the `flipgu
 NOT_PACKAGE = ("tests", "bench", "docs", "examples", ".ci", ".git", "build", "dist", "runs", "wandb")
 ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.config", "flipguard.redact",
                   "flipguard.plugins"}
-PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos")
+PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos", "flipguard.eval.interop")
 EMBEDDED = "flipguard.eval.embedded"
 PIPELINE = ("flipguard.eval.pipeline", "flipguard.__main__")
 CLI = "flipguard.eval.pipeline.cli"
@@ -47,7 +47,10 @@ HEAVY = {
     "openai": "the client of --backend openai (and the taxonomy judge) only",
     "wandb": "tracking only when a recipe asks for it; a slow import",
     "matplotlib": "plots only; the Agg backend must be chosen before pyplot loads (eval/plots.py)",
-    "lm_eval": "an optional extra ([capability]); imported only by the study's capability stage",
+    "lm_eval": "an optional extra ([capability], [interop]); imported only by the study's capability stage and "
+               "`flipguard import lm-eval` (its file-name helpers)",
+    "inspect_ai": "an optional extra ([interop]); imported only by `flipguard import inspect` and "
+                  "`flipguard export --format inspect` (its log reader, writer and types)",
 }
 
 def module_name(path: Path) -> str:
@@ -217,7 +220,7 @@ def test_every_builtin_entry_point_names_a_module_of_its_layer():
         for name, value in declared[group].items():
             module = value.split(":")[0]
             assert module in MODULES and check(module), f"{group} {name} = {value}"
-    assert set(declared["flipguard.tasks"]) == {"dds", "afr", "sos"}
+    assert set(declared["flipguard.tasks"]) == {"dds", "afr", "sos", "inspect", "lm-eval"}
     assert set(declared["flipguard.backends"]) == {"hf", "vllm", "openai"}
 
 

@@ -467,3 +467,33 @@ def test_view_of_a_folder_that_is_nothing_is_one_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(run / "report" / "summary.csv") in err and f"flipguard report {run}" in err
     assert not (tmp_path / "page.html").exists()
+
+
+def test_a_comparison_of_imported_inspect_runs_shows_its_paired_tests_and_the_samples_that_moved(browser, tmp_path):
+    """docs/interop.md's worked example: two real inspect_ai runs (`python examples/inspect_arith.py LOGS`, its own
+    process: inspect_ai runs an event loop, as playwright does here), imported and compared. The page holds the
+    paired tests as transfer.csv wrote them and lists exactly the samples whose score moved, both sides open."""
+    pytest.importorskip("inspect_ai")
+    import subprocess
+    import sys
+
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / "inspect_arith.py"), str(logs)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "xdg")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run, out = tmp_path / "runs" / "arith", tmp_path / "cmp"
+    assert cli_main(["import", "inspect", f"before={logs / 'before'}", f"after={logs / 'after'}", "--out", str(run)]) == 0
+    assert cli_main(["compare", "--runs", f"before={run}@before,after={run}@after", "--out", str(out), "--n_boot", "50"]) == 0
+    page = Page(browser, out / "view.html")
+    for r in _csv(out / "transfer.csv"):
+        for col in ("change", "p_adjusted", "mdd", "verdict"):
+            assert _shown(page.cell("transfer", f"{r['condition']}|{r['cell']}", col)) == r[col]
+    # before misses every third question of 40, after only 10, 20, 30 and 40
+    page.page.select_option("#filter-type", "better")
+    assert page.rows().count() == 12  # 3, 6, ..., 39 but 30
+    page.page.select_option("#filter-type", "worse")
+    assert page.rows().count() == 3  # 10, 20, 40
+    page.rows().first.click()
+    assert page.page.locator("#detail .panel h3").all_text_contents() == ["before: epoch 1", "after: epoch 1"]
+    assert page.page.locator("#detail pre.reply").all_text_contents() == ["20", "no idea"]
+    page.close()

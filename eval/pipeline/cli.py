@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("flipguard.eval.dds.protocol:DDSTask.main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
     "report": ("flipguard.eval.dds.report:main", "summary table (paper Table 20 layout) from a run directory"),
     "import-records": ("flipguard.eval.dds.importer:main", "read DialDefer-format per-item records into a run directory"),
+    "import": ("flipguard.eval.interop.importer:main", "read inspect_ai eval logs or lm-evaluation-harness --log_samples output into a run folder"),
+    "export": ("flipguard.eval.interop.export:main", "write a run as inspect_ai eval logs (inspect view, read_eval_log)"),
     "data": ("flipguard.data.cli:main", "inspect, validate and export dataset splits; register your own dataset"),
     "organism": ("flipguard.eval.embedded.organism_builder:main", "build (once, cached) the planted-bias judge organism the demo measures"),
     "convert": ("flipguard.eval.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),

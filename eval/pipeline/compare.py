@@ -30,10 +30,11 @@ from flipguard.config import parse_dataclasses, with_optional_fields
 from flipguard.data.registry import domain_of
 from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
+from flipguard.eval import paired as P
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.pipeline.transfer import build_transfer, write_transfer
+from flipguard.eval.pipeline.transfer import build_transfer, paired_tests_markdown, write_transfer
 from flipguard.eval.pipeline.view import write_view
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require_whole
@@ -312,40 +313,58 @@ def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
     save_figure(fig, path, dpi=130)
 
 
-def write_comparison(cmp: dict[str, Any], out_dir: str | Path, extra_sections: list[str] = (),
+def write_comparison(cmp: dict[str, Any] | None, out_dir: str | Path, extra_sections: list[str] = (),
                      protocols: pd.DataFrame | None = None, protocol_runs: Sequence[tuple[str, str]] = (),
-                     transfer: pd.DataFrame | None = None) -> Path:
+                     transfer: pd.DataFrame | None = None, correction: str = "holm",
+                     smallest_change: float = 10.0) -> Path:
     """comparison.md/csv/json, significance.csv, the plots and view.html; with protocol rows
     (protocol_rows of `protocol_runs`) also comparison_protocols.csv and a section per protocol; with a
-    transfer table (eval/pipeline/transfer.build_transfer) transfer.md/csv/json/png and its summary."""
+    transfer table (eval/pipeline/transfer.build_transfer, built with `correction` and `smallest_change`)
+    transfer.md/csv/json/png, its summary and its paired tests. `cmp` None: a comparison without DDS runs
+    (other protocols', imported runs): no DDS tables or plots."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if transfer is not None:
-        info = write_transfer(transfer, out)
+        info = write_transfer(transfer, out, correction, smallest_change)
+        roles = set(transfer["role"]) - {"–"}  # none: runs compared, no mitigation's cells (imported runs)
         extra_sections = [*extra_sections, "## Transfer and side effects\n\nPer cell (protocol x dataset or kind x "
                           "framing) with its role and a paired 95% CI: transfer.md, transfer.csv, transfer.png.\n\n"
-                          + "\n".join(f"- **{c}**: " + "; ".join(f"{k}: {v}" for k, v in line.items())
-                                      for c, line in info["summary"].items())]
+                          + "\n".join(f"- **{c}**: " + "; ".join(f"{k}: {v}" for k, v in line.items() if roles or v != "–")
+                                      for c, line in info["summary"].items()),
+                          paired_tests_markdown(transfer, correction, smallest_change)]
     if protocols is not None and not protocols.empty:
         atomic_write_text(out / PROTOCOLS_CSV, protocols.to_csv(index=False, columns=PROTOCOL_COLUMNS, float_format="%.4f"))
-        extra_sections = [*extra_sections, *protocol_sections(protocols)]
-    atomic_write_text(out / "comparison.csv", cmp["table"].to_csv(index=False, float_format="%.4f"))
-    atomic_write_text(out / "significance.csv", cmp["significance"].to_csv(index=False, float_format="%.6g"))
-    atomic_write_text(out / "comparison.md", render_markdown(cmp, extra_sections))
+        extra_sections = [*protocol_sections(protocols), *extra_sections] if cmp is None else \
+            [*extra_sections, *protocol_sections(protocols)]
+    names = cmp["conditions"] if cmp is not None else list(dict.fromkeys(name for name, _ in protocol_runs))
+    if cmp is not None:
+        atomic_write_text(out / "comparison.csv", cmp["table"].to_csv(index=False, float_format="%.4f"))
+        atomic_write_text(out / "significance.csv", cmp["significance"].to_csv(index=False, float_format="%.6g"))
+        atomic_write_text(out / "comparison.md", render_markdown(cmp, extra_sections))
+    else:
+        atomic_write_text(out / "comparison.md", render_protocols_markdown(names, extra_sections))
     atomic_write_json(out / "comparison.json", {
-        "conditions": cmp["conditions"],
+        "conditions": names,
         # each condition's run directory and the other protocols' runs: flipguard view lists their items
-        "runs": cmp.get("runs") or {},
+        "runs": (cmp or {}).get("runs") or {},
         "protocol_runs": [[name, str(Path(run_dir).resolve()) + (f"@{system}" if system else "")]
                           for name, spec in protocol_runs for run_dir, system in [split_system(spec)]],
-        "table": cmp["table"].replace({np.nan: None}).to_dict(orient="records"),
-        "significance": cmp["significance"].replace({np.nan: None}).to_dict(orient="records"),
+        "table": cmp["table"].replace({np.nan: None}).to_dict(orient="records") if cmp is not None else [],
+        "significance": cmp["significance"].replace({np.nan: None}).to_dict(orient="records") if cmp is not None else [],
     })
-    plot_heatmap(cmp, out / "dds_heatmap.png")
-    plot_before_after(cmp, out / "before_after.png")
+    if cmp is not None:
+        plot_heatmap(cmp, out / "dds_heatmap.png")
+        plot_before_after(cmp, out / "before_after.png")
 
     write_view(out)  # view.html: the same tables, the plots and the items behind them, in one page
     return out
+
+
+def render_protocols_markdown(names: Sequence[str], sections: Sequence[str]) -> str:
+    """comparison.md of a comparison without DDS runs: each protocol's numbers, then the paired changes."""
+    head = ["# Before/after comparison", "",
+            f"Conditions: {', '.join(names)} (changes against **{names[0] if names else '–'}**, on the same items).", ""]
+    return "\n".join(head + [section.strip() + "\n" for section in sections]).rstrip() + "\n"
 
 
 PROTOCOLS_CSV = "comparison_protocols.csv"
@@ -411,7 +430,10 @@ class CompareArgs:
     """Before/after comparison report across baseline, prompting and fine-tuned runs."""
 
     runs: str = dataclasses.field(
-        metadata={"help": "Conditions as 'Baseline=RUN_DIR,Be Honest=RUN_DIR,SFT=RUN_DIR,...'; the first is the baseline."}
+        metadata={"help": "Conditions as 'Baseline=RUN_DIR,Be Honest=RUN_DIR,SFT=RUN_DIR,...'; the first is the baseline. "
+                          "DDS runs make the DDS tables; a run of another protocol (an afr or sos run, a run that "
+                          "`flipguard import` wrote) is compared as --protocols compares it ('Name=RUN_DIR@system' "
+                          "picks one system of a run holding several)."}
     )
     out: str = dataclasses.field(default="runs/compare", metadata={"help": "Output folder for the report."})
     c1_from: str | None = dataclasses.field(default=None, metadata={"help": "C1 baseline run (default: the first condition)."})
@@ -423,6 +445,14 @@ class CompareArgs:
     )
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Bootstrap seed."})
+    correction: str = dataclasses.field(
+        default="holm", metadata={"help": "Multiple-comparison correction of the paired tests across the comparison's "
+                                          "cells: holm (family-wise error) or bh (Benjamini-Hochberg, false discovery "
+                                          "rate).", "choices": sorted(P.CORRECTIONS)})
+    smallest_change: float = dataclasses.field(
+        default=10.0, metadata={"help": "The smallest change (pp) worth detecting: a cell without a significant change "
+                                        "reads 'no change' when its minimal detectable difference is at most this, "
+                                        "else 'too few items to tell'."})
     pairs: str | None = dataclasses.field(
         default=None, metadata={"help": "The pair set the fine-tuned conditions learned from (its counts.json): gives each "
                                         "cell of transfer.md its role (trained-on, held-out, cross-protocol)."})
@@ -460,11 +490,28 @@ def protocol_runs_of(args: Any, tasks: Sequence[str]) -> list[tuple[str, str]]:
     return runs
 
 
+def split_protocols(conditions: Mapping[str, str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """--runs as (the DDS conditions, the runs of other protocols): a run whose run.json names another
+    protocol (an afr or sos run, an imported run) is compared as a --protocols run."""
+    dds, others = {}, []
+    for name, spec in conditions.items():
+        protocol = load_run_meta(split_system(spec)[0]).get("protocol")
+        if protocol in (None, "dds") and split_system(spec)[1] is None:
+            dds[name] = spec
+        else:
+            others.append((name, spec))
+    return dds, others
+
+
 def main(argv: list[str]) -> int:
     argv = take_includes(argv)  # a user's tasks: --include my_tasks.py
     tasks = task_names()
     args = parse_dataclasses(argv, compare_arguments(tasks), prog="flipguard compare", description=CompareArgs.__doc__)
-    conditions, runs = parse_conditions(args.runs), protocol_runs_of(args, tasks)
+    conditions, others = split_protocols(parse_conditions(args.runs))
+    runs = others + protocol_runs_of(args, tasks)
+    for name, spec in runs:
+        if not (Path(split_system(spec)[0]) / "run.json").is_file():
+            raise UserError(f"{name}={spec}: {Path(split_system(spec)[0]) / 'run.json'} not found: not a run folder")
     # before any work: the inputs are not being written, the outputs are flipguard's to replace
     for path in [*conditions.values(), *(split_system(spec)[0] for _, spec in runs), args.c1_from, args.out]:
         if path:
@@ -472,12 +519,15 @@ def main(argv: list[str]) -> int:
     check_outputs(args.out, OUTPUT_FILES)
     require_whole_runs(conditions, runs, args.c1_from)
     read_counts(args.pairs, "--pairs")  # a typo in --pairs, or a cut-short counts.json: refused before any number
-    cmp = build_comparison(conditions, c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed)
-    transfer = build_transfer(conditions, runs, args.pairs, cmp["reports"], n_boot=args.n_boot, seed=args.seed,
-                              pairs_flag="--pairs")
-    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs, transfer=transfer)
+    cmp = build_comparison(conditions, c1_from=args.c1_from, n_boot=args.n_boot, seed=args.seed) if conditions else None
+    transfer = build_transfer(conditions, runs, args.pairs, cmp["reports"] if cmp else None, n_boot=args.n_boot,
+                              seed=args.seed, pairs_flag="--pairs", correction=args.correction,
+                              smallest_change=args.smallest_change)
+    out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs, transfer=transfer,
+                           correction=args.correction, smallest_change=args.smallest_change)
     print((out / "comparison.md").read_text(encoding="utf-8"))
-    extra = ", comparison_protocols.csv" if runs else ""
-    print(f"\ncomparison written to {out}/ (comparison.md, comparison.csv{extra}, significance.csv, dds_heatmap.png, "
-          "before_after.png, transfer.md/csv/png, view.html)")
+    written = ["comparison.md", *(["comparison.csv"] if cmp else []), *(["comparison_protocols.csv"] if runs else []),
+               *(["significance.csv", "dds_heatmap.png", "before_after.png"] if cmp else []), "transfer.md/csv/png",
+               "view.html"]
+    print(f"\ncomparison written to {out}/ ({', '.join(written)})")
     return 0

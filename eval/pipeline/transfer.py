@@ -43,7 +43,9 @@ from flipguard.data.organism_datasets import DATASET as ORGANISM_DATASET
 from flipguard.data.organism_datasets import MC_DATASET as ORGANISM_MC_DATASET
 from flipguard.data.schema import AIO_DATASET, DataError
 from flipguard.data.unified import load_items
+from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
+from flipguard.eval import paired as P
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import DDSReport
 from flipguard.eval.embedded.organism_builder import (
@@ -66,7 +68,8 @@ from flipguard.train.pairs import read_counts
 ROLES = ("trained-on", "held-out", "cross-protocol", "untargeted")
 TRANSFER_CSV, TRANSFER_MD, TRANSFER_PNG, TRANSFER_JSON = "transfer.csv", "transfer.md", "transfer.png", "transfer.json"
 COLUMNS = ["condition", "cell", "protocol", "dataset", "kind", "framing", "metric", "role", "n_units", "n_items",
-           "baseline", "value", "change", "ci_low", "ci_high", "p_boot", "mcnemar_p", "flags", "note"]
+           "baseline", "value", "change", "ci_low", "ci_high", "p_boot", "mcnemar_p", "flags", "note",
+           "test", "p_adjusted", "mdd", "verdict"]
 BIAS_METRICS = ("dds", "capitulation")  # lower is better; the targets of a mitigation
 # ‡: the harmful change (pp) beyond which a cell whose CI excludes 0 is marked
 DAMAGE_PP = {"c1": M.C1_DAMAGE_PP, "first": 10.0, "correct_switch": 10.0, "bias": 5.0}
@@ -216,7 +219,7 @@ def condition_units(dds_runs: Mapping[str, str], protocol_runs: Sequence[tuple[s
         untargeted[protocol] = framings
         rows += [{"condition": name, "protocol": protocol, **u} for u in units]
     columns = ["condition", "protocol", "system", "dataset", "kind", "framing", "metric", "key", "cluster", "value",
-               "judgments"]
+               "judgments", "match"]
     return pd.DataFrame(rows, columns=columns), untargeted
 
 
@@ -229,8 +232,12 @@ def cell_name(protocol: str, dataset: str, kind: str, framing: str) -> str:
 def paired_change(base: pd.DataFrame, cur: pd.DataFrame, n_boot: int, seed: int | np.random.Generator
                   ) -> dict[str, float]:
     """Baseline and condition value (x100), the paired change with its 95% CI and bootstrap p (items
-    resampled as clusters, eval/bootstrap.py), and McNemar's exact p of the paired 0/1 judgments."""
+    resampled as clusters, eval/bootstrap.py), McNemar's exact p of the paired 0/1 judgments, the test
+    whose p the comparison corrects (McNemar where every unit is one 0/1 outcome, else the bootstrap's) and the
+    minimal detectable difference at these units' n (eval/paired.py). A unit without a value on either
+    side (an imported sample its tool did not score) is left out of the pairs."""
     merged = base.merge(cur, on="key", suffixes=("_b", "_c"))
+    merged = merged[np.isfinite(merged["value_b"].to_numpy(float)) & np.isfinite(merged["value_c"].to_numpy(float))]
     if merged.empty:
         return {"n_units": 0, "n_items": 0}
     b = merged["value_b"].to_numpy(float)
@@ -241,10 +248,16 @@ def paired_change(base: pd.DataFrame, cur: pd.DataFrame, n_boot: int, seed: int 
     lo, hi = B.percentile_ci(dist) if dist is not None else (math.nan, math.nan)
     jb = np.concatenate([np.asarray(j, float) for j in merged["judgments_b"]])
     jc = np.concatenate([np.asarray(j, float) for j in merged["judgments_c"]])
+    # a 0/1 outcome per unit (accuracy, capitulation, a pass/fail score), not a DDS unit's two judgments
+    binary = bool(all(len(j) == 1 for j in (*merged["judgments_b"], *merged["judgments_c"]))
+                  and np.isin(b, (0.0, 1.0)).all() and np.isin(c, (0.0, 1.0)).all())
+    se = 100 * float(B.sd(dist)) if dist is not None else math.nan
     return {"n_units": len(merged), "n_items": int(pd.unique(clusters).size), "baseline": 100 * b.mean(),
             "value": 100 * c.mean(), "change": 100 * delta.mean(), "ci_low": 100 * float(lo), "ci_high": 100 * float(hi),
             "p_boot": B.two_sided_p(dist) if dist is not None else math.nan,
-            "mcnemar_p": M.mcnemar_pair(jb.astype(bool), jc.astype(bool))["pvalue"]}
+            "mcnemar_p": M.mcnemar_pair(jb.astype(bool), jc.astype(bool))["pvalue"],
+            "test": "mcnemar" if binary else "bootstrap",
+            "mdd": P.minimal_detectable_difference(se, len(merged))}
 
 
 def cell_flags(metric: str, framing: str, role: str, s: Mapping[str, float]) -> str:
@@ -263,9 +276,27 @@ def cell_flags(metric: str, framing: str, role: str, s: Mapping[str, float]) -> 
     return marks
 
 
+def same_items(cell: str, base: pd.DataFrame, cur: pd.DataFrame, names: tuple[str, str]) -> None:
+    """Units that carry their item's signature (`match`: imported runs, eval/interop) are paired only
+    when both runs hold the same items with the same prompts, targets and task version: another
+    set is refused in one line naming what differs, never paired on what happens to overlap."""
+    if "match" not in base.columns or base.empty or cur.empty:
+        return
+    signatures = [{k: m for k, m in zip(frame["key"], frame["match"]) if isinstance(m, Mapping)} for frame in (base, cur)]
+    if not signatures[0] or not signatures[1]:
+        return
+    problem = P.item_mismatch(*signatures, names=names)
+    if problem:
+        raise UserError(f"{cell}: {names[1]} is not paired with {names[0]} (not the same items): {problem}; "
+                        "nothing was written")
+
+
 def transfer_table(units: pd.DataFrame, untargeted: Mapping[str, tuple], roles: Roles, n_boot: int = 2000,
-                   seed: int = 0) -> pd.DataFrame:
-    """One row per (condition, cell), the baseline (first condition) against itself included (change 0)."""
+                   seed: int = 0, correction: str = "holm", smallest_change: float = 10.0) -> pd.DataFrame:
+    """One row per (condition, cell), the baseline (first condition) against itself included (change 0).
+    Every other row's test p (McNemar for 0/1 units, else the bootstrap's) is adjusted across all of
+    them (`correction`: holm or bh) and read with its minimal detectable difference (`verdict`: a
+    change, no change larger than `smallest_change` pp, or too few items to tell)."""
     if units.empty:
         return pd.DataFrame(columns=COLUMNS)
     conditions = list(dict.fromkeys(units["condition"]))
@@ -278,6 +309,7 @@ def transfer_table(units: pd.DataFrame, untargeted: Mapping[str, tuple], roles: 
         base = cell[cell["condition"] == baseline]
         for condition in conditions:
             cur = cell[cell["condition"] == condition]
+            same_items(name, base, cur, (baseline, condition))
             s = paired_change(base, cur, n_boot, B.rng_for(seed, f"{name}|{condition}"))
             if not s["n_units"]:
                 continue
@@ -286,6 +318,10 @@ def transfer_table(units: pd.DataFrame, untargeted: Mapping[str, tuple], roles: 
                          "flags": "" if condition == baseline else cell_flags(metric, framing, role, s),
                          "note": NOTES.get(dataset, "")})
     table = pd.DataFrame(rows, columns=COLUMNS)
+    tested = table["condition"] != baseline
+    p = np.where(table["test"] == "mcnemar", table["mcnemar_p"], table["p_boot"]).astype(float)
+    table["p_adjusted"] = P.adjust(np.where(tested, p, math.nan), correction)
+    table["verdict"] = [P.verdict(q, mdd, smallest_change) for q, mdd in zip(table["p_adjusted"], table["mdd"])]
     # within a protocol (in the order measured), cells by role (trained-on, held-out, cross-protocol,
     # untargeted), then name: a row of the report reads from what was trained to what should not move
     protocols = {p: i for i, p in enumerate(dict.fromkeys(table["protocol"]))}
@@ -338,6 +374,8 @@ def summaries(table: pd.DataFrame) -> dict[str, dict[str, str]]:
                                          f"{worst.flags}")
         marked = rows[rows["flags"] != ""]
         line["marked cells"] = ", ".join(f"{r.cell}{r.flags}" for r in marked.itertuples()) or "none"
+        verdicts = rows["verdict"].value_counts()
+        line["paired tests"] = ", ".join(f"{verdicts[v]} {v}" for v in P.VERDICTS if v in verdicts) or "–"
         out[condition] = line
     return out
 
@@ -351,7 +389,37 @@ def _cell_text(r: Any) -> str:
     return f"{r.change:+.1f}{ci}{r.flags}"
 
 
-def render_markdown(table: pd.DataFrame, lines: Mapping[str, Mapping[str, str]]) -> str:
+def _p(x: float) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:.3g}"
+
+
+def paired_tests_markdown(table: pd.DataFrame, correction: str = "holm", smallest_change: float = 10.0) -> str:
+    """Every condition's cells but the baseline's, one row each: the change with its CI, the test's p,
+    the p adjusted across the comparison, the minimal detectable difference and the verdict."""
+    tested = table[table["p_adjusted"].notna()] if not table.empty else table
+    method = {"holm": "Holm", "bh": "Benjamini-Hochberg"}[correction]
+    out = ["## Paired tests", "",
+           f"Each condition against the baseline, cell by cell: the change (pp) with its paired 95% CI; the test's p "
+           f"(McNemar's exact test where every unit is one 0/1 outcome, else the paired bootstrap's) and that p adjusted "
+           f"across the {len(tested)} test{'s' * (len(tested) != 1)} of this comparison ({method}); MDD: the smallest "
+           f"change these units could show (80% power, two-sided {P.ALPHA:g}; never below {P.MIN_DISCORDANT} of the n "
+           f"units changed, the fewest an exact McNemar test can call). Verdict: **changed** (adjusted p < {P.ALPHA:g}), **no change** "
+           f"(not significant, MDD ≤ {smallest_change:g} pp), **too few items to tell** (not significant, MDD > "
+           f"{smallest_change:g} pp).", ""]
+    if tested.empty:
+        return "\n".join(out + ["No tests: no condition beside the baseline shares units with it.", ""])
+    out += ["| Condition | Cell | n | change [95% CI] | test | p | adjusted p | MDD | verdict |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in tested.itertuples():
+        ci = "" if math.isnan(r.ci_low) else f" [{r.ci_low:+.1f}, {r.ci_high:+.1f}]"
+        p = r.mcnemar_p if r.test == "mcnemar" else r.p_boot
+        out.append(f"| {r.condition} | {r.cell} | {r.n_units} | {r.change:+.1f}{ci}{r.flags} | {r.test} | {_p(p)} "
+                   f"| {_p(r.p_adjusted)} | {_p(r.mdd) if math.isnan(r.mdd) else f'{r.mdd:.1f}'} | {r.verdict} |")
+    return "\n".join(out + [""])
+
+
+def render_markdown(table: pd.DataFrame, lines: Mapping[str, Mapping[str, str]], correction: str = "holm",
+                    smallest_change: float = 10.0) -> str:
     out = ["# Transfer and side effects", "",
            "Each cell: the change against the baseline on the same units (pp; DDS paper protocol, fixed C1), with a "
            "paired 95% bootstrap CI (items resampled); the baseline row gives its level (DDS in pp, rates in %). "
@@ -381,6 +449,7 @@ def render_markdown(table: pd.DataFrame, lines: Mapping[str, Mapping[str, str]])
         for condition, line in lines.items():
             out.append(f"- **{condition}**: " + "; ".join(f"{k}: {v}" for k, v in line.items()))
         out.append("")
+    out.append(paired_tests_markdown(table, correction, smallest_change))
     notes = sorted({n for n in table["note"] if n})
     out += [f"Note: {n}." for n in notes] + ([""] if notes else [])
     return "\n".join(out)
@@ -391,7 +460,9 @@ def plot_transfer(table: pd.DataFrame, path: Path) -> None:
     plt = pyplot()
     conditions = list(dict.fromkeys(table["condition"]))[1:]
     cells = list(dict.fromkeys(table["cell"]))
-    fig, ax = plt.subplots(figsize=(2.0 + 0.75 * max(len(cells), 1), 1.4 + 0.5 * max(len(conditions), 1)))
+    longest = max((len(c) for c in cells), default=0)  # the rotated names need room below the cells
+    fig, ax = plt.subplots(figsize=(2.0 + 0.75 * max(len(cells), 1),
+                                    1.4 + 0.5 * max(len(conditions), 1) + 0.07 * max(0, longest - 25)))
     values = np.full((len(conditions), len(cells)), np.nan)
     marks = [["" for _ in cells] for _ in conditions]
     for r in table[table["condition"].isin(conditions)].itertuples():
@@ -413,14 +484,18 @@ def plot_transfer(table: pd.DataFrame, path: Path) -> None:
     save_figure(fig, path, dpi=130)
 
 
-def write_transfer(table: pd.DataFrame, out_dir: str | Path) -> dict[str, Any]:
-    """transfer.csv, transfer.md, transfer.json and transfer.png in out_dir; returns the json's content."""
+def write_transfer(table: pd.DataFrame, out_dir: str | Path, correction: str = "holm",
+                   smallest_change: float = 10.0) -> dict[str, Any]:
+    """transfer.csv, transfer.md, transfer.json and transfer.png in out_dir (`correction` and
+    `smallest_change`: those the table was built with, named in its notes); returns the json's content."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = summaries(table)
     atomic_write_text(out / TRANSFER_CSV, table.to_csv(index=False, columns=COLUMNS, float_format="%.4f"))
-    atomic_write_text(out / TRANSFER_MD, render_markdown(table, lines))
-    info = {"cells": {r.cell: r.role for r in table.drop_duplicates("cell").itertuples()}, "summary": lines}
+    atomic_write_text(out / TRANSFER_MD, render_markdown(table, lines, correction, smallest_change))
+    info = {"cells": {r.cell: r.role for r in table.drop_duplicates("cell").itertuples()}, "summary": lines,
+            "paired_tests": {"correction": correction, "smallest_change": smallest_change, "alpha": P.ALPHA,
+                             "power": P.POWER}}
     atomic_write_json(out / TRANSFER_JSON, info)
     if table["condition"].nunique() > 1:  # a change needs a condition beside the baseline
         plot_transfer(table, out / TRANSFER_PNG)
@@ -430,10 +505,12 @@ def write_transfer(table: pd.DataFrame, out_dir: str | Path) -> dict[str, Any]:
 def build_transfer(dds_runs: Mapping[str, str], protocol_runs: Sequence[tuple[str, str]] = (),
                    pairs_dir: str | Path | None = None, reports: Mapping[str, DDSReport] | None = None,
                    rules: PairRules | None = None, n_boot: int = 2000, seed: int = 0,
-                   capability: str | Path | None = None, pairs_flag: str = "pairs") -> pd.DataFrame:
+                   capability: str | Path | None = None, pairs_flag: str = "pairs", correction: str = "holm",
+                   smallest_change: float = 10.0) -> pd.DataFrame:
     """The transfer table of a comparison: its DDS conditions (baseline first), the other protocols'
     runs, the pair set the trained conditions learned from (its counts.json) and the capability
-    guard's per-question results (eval/pipeline/capability.py units.csv), when there are any."""
+    guard's per-question results (eval/pipeline/capability.py units.csv), when there are any;
+    `correction` and `smallest_change` as transfer_table takes them."""
     names = list(dds_runs)
     model = load_run_meta(dds_runs[names[0]]).get("model") if names else None
     roles = Roles.from_pairs(pairs_dir, planted_kinds(model), rules, pairs_flag)
@@ -442,4 +519,4 @@ def build_transfer(dds_runs: Mapping[str, str], protocol_runs: Sequence[tuple[st
     if guard:
         units = pd.concat([units, pd.DataFrame(guard, columns=units.columns)], ignore_index=True)
         untargeted[CAPABILITY] = (CAPABILITY_FRAMING,)
-    return transfer_table(units, untargeted, roles, n_boot, seed)
+    return transfer_table(units, untargeted, roles, n_boot, seed, correction, smallest_change)

@@ -17,7 +17,20 @@ from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.pipeline.fingerprints import stage_runs_problem
 from flipguard.eval.pipeline.view.page import PAGE_HEAD, render_html
-from flipguard.eval.pipeline.view.runs import ci, csv_table, flags, fmt, num, plots, protocol_entries, read_csv, record_panel, run_view, short
+from flipguard.eval.pipeline.view.runs import (
+    changed_samples,
+    ci,
+    csv_table,
+    flags,
+    fmt,
+    num,
+    plots,
+    protocol_entries,
+    read_csv,
+    record_panel,
+    run_view,
+    short,
+)
 from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
 from flipguard.eval.task import split_system, take_includes
 from flipguard.files import atomic_write_text, check_replace, owns, read_json
@@ -75,7 +88,8 @@ def comparison_view(folder: Path) -> dict[str, Any]:
     """A comparison folder: the before/after table with flags, the protocols' table, plots, and
     the items each condition fixed or broke."""
     data = read_json(folder / "comparison.json", UserError, "comparison") if (folder / "comparison.json").is_file() else {}
-    tables = [_comparison_table(folder / "comparison.csv")]
+    # a comparison of other protocols' runs alone (imported runs) has no DDS table
+    tables = [_comparison_table(folder / "comparison.csv")] if data.get("runs") or not data else []
     if (folder / "comparison_protocols.csv").is_file():
         tables.append(csv_table(folder / "comparison_protocols.csv", "protocols", "Before/after: other protocols",
                                 key=lambda r: "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric")),
@@ -86,15 +100,19 @@ def comparison_view(folder: Path) -> dict[str, Any]:
                                 note="transfer.csv (transfer.md: the same as a table per protocol with a summary per "
                                      "condition). role: trained-on / held-out / cross-protocol / untargeted; change in pp "
                                      "with a paired 95% CI (items resampled); mcnemar_p: exact McNemar of the 0/1 "
-                                     "judgments; † over-correction, ‡ damage."))
+                                     "judgments; † over-correction, ‡ damage. test: the p corrected across the cells "
+                                     "(McNemar where every unit is 0/1, else the bootstrap's), p_adjusted (Holm or "
+                                     "Benjamini-Hochberg: transfer.md), mdd: the minimal detectable difference (pp) at "
+                                     "the cell's n, verdict: changed / no change / too few items to tell."))
     if (folder / "significance.csv").is_file():
         tables.append(csv_table(folder / "significance.csv", "significance", "McNemar: C2 judgments against the baseline's",
                                 key=lambda r: f"{r['condition']}|{r['dataset']}"))
     runs = data.get("runs") or {}
-    entries = fixed_and_broken(runs) + protocol_entries(data.get("protocol_runs") or [])
+    protocol_runs = data.get("protocol_runs") or []
+    entries = fixed_and_broken(runs) + changed_samples(protocol_runs) + protocol_entries(protocol_runs)
     # the tables were computed from whole runs (compare refuses any other); the items below are read now
     broken = [f"{d}: {st.describe()}" for d in dict.fromkeys([*runs.values(), *(split_system(spec)[0] for _, spec in
-                                                                                data.get("protocol_runs") or [])])
+                                                                                protocol_runs)])
               if (Path(d) / RUN_META_FILE).is_file() and not (st := run_completeness(d)).whole]
     return {"title": f"flipguard comparison: {', '.join(data.get('conditions') or runs)}", "subtitle": str(folder),
             "provenance": [["comparison folder", str(folder)], *[[f"run: {n}", d] for n, d in runs.items()],
@@ -103,8 +121,9 @@ def comparison_view(folder: Path) -> dict[str, Any]:
             "entries_title": "Items fixed and broken by each condition" + (
                 f" — read from runs not whole now: {'; '.join(broken)}" if broken else ""),
             "entries_note": "DDS: C2 judgments whose correctness differs from the baseline's on the same item and case "
-                            "(click a row for both prompts and replies); then the other protocols' challenges and "
-                            "conversations, condition = the system they measured.",
+                            "(click a row for both prompts and replies); imported runs: samples whose score differs from "
+                            "the baseline's (better / worse); then the other protocols' challenges, conversations and "
+                            "samples, condition = the system they measured.",
             "filters": [["protocol", "protocol"], ["type", "type"], ["dataset", "dataset"], ["case", "case"],
                         ["condition", "condition"]]}
 
@@ -143,11 +162,11 @@ def build_view(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if (path / "study.json").is_file():
         return study_view(path)
-    if (path / "comparison.csv").is_file():
+    if (path / "comparison.csv").is_file() or (path / "comparison.json").is_file():
         return comparison_view(path)
     if (path / RUN_META_FILE).is_file():
         return run_view(path)
-    raise UserError(f"{path}: not a run directory (no {RUN_META_FILE}), comparison folder (no comparison.csv) "
+    raise UserError(f"{path}: not a run directory (no {RUN_META_FILE}), comparison folder (no comparison.json) "
                     "or study folder (no study.json)")
 
 

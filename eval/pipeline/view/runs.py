@@ -28,7 +28,7 @@ from flipguard.files import read_text
 
 MAX_PLOT_BYTES = 3 * 1024 * 1024  # a larger PNG is named, not embedded
 MAX_TABLE_ROWS = 500  # rows of a report CSV shown in full; longer ones are cut with a note
-PROVENANCE_KEYS = ("protocol", "command", "git_commit", "model", "models", "backend", "mode", "template", "speakers",
+PROVENANCE_KEYS = ("protocol", "tool", "command", "git_commit", "model", "models", "backend", "mode", "template", "speakers",
                    "mitigation", "mitigations", "dataset", "datasets", "split", "data_root", "c1_from", "min_label_mass",
                    "generation", "created", "updated", "flipguard_version")
 
@@ -80,6 +80,12 @@ def provenance(meta: dict[str, Any], run_dir: Path) -> list[list[str]]:
     rows += [[k, short(meta[k])] for k in PROVENANCE_KEYS if k in meta]
     settings = meta.get("settings") or {}
     rows += [[f"settings.{k}", short(v)] for k, v in settings.items() if k not in meta and not isinstance(v, dict)]
+    for src in meta.get("sources") or []:  # an imported run: what each system came from (AFR's are model names)
+        if not isinstance(src, dict):
+            continue
+        files = ", ".join(f"{f.get('path')} (sha256 {str(f.get('sha256'))[:12]})" for f in src.get("files") or [])
+        rows.append([f"source: {src.get('label')}", f"{src.get('tool')} {src.get('tool_version') or ''}, model "
+                                                    f"{src.get('model')}, {short(src.get('tasks'))}: {files}"])
     for label, c in (meta.get("computed") or {}).items():
         rows.append([f"computed ({label})", ", ".join(f"{k} {c[k]}" for k in ("backend", "dtype", "device") if c.get(k))])
     invocations = meta.get("invocations") or []
@@ -299,8 +305,79 @@ def generic_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> 
     return {"entries": entries, "entries_title": "Records"}
 
 
+def _scores_text(r: Record) -> str:
+    return ", ".join(f"{k} {'–' if v is None else f'{v:g}'}" for k, v in ((r.extra or {}).get("scores") or {}).items())
+
+
+def sample_panel(title: str, r: Record) -> dict[str, Any]:
+    """An imported sample: the record's panel with its scores (0-1, and as the tool kept them), the scorers'
+    explanations and the sample's metadata."""
+    panel = record_panel(title, r)
+    e = r.extra or {}
+    facts = [["scores", _scores_text(r) or "–"], ["as logged", short(e.get("score_values"))]]
+    facts += [[f"explanation ({k})", str(v)] for k, v in (e.get("explanations") or {}).items()]
+    facts += [["metadata", short(e.get("metadata") or e.get("doc"))], ["error", e["error"]] if e.get("error") else None]
+    panel["facts"] = [f for f in facts if f] + panel["facts"]
+    return panel
+
+
+def imported_view(run_dir: Path, meta: dict[str, Any], records: list[Record]) -> dict[str, Any]:
+    """Runs another tool made (flipguard import): every sample with its scores, named by its system."""
+    entries = []
+    for r in records:
+        values = [v for v in ((r.extra or {}).get("scores") or {}).values() if v is not None]
+        kind = ("error" if not r.valid else "unscored" if not values else "all 1" if min(values) == 1
+                else "all 0" if max(values) == 0 else "mixed")
+        entries.append({"id": f"sample-{r.key}", "type": kind, "dataset": r.dataset, "case": r.case,
+                        "condition": r.model, "item": r.item_id,
+                        "summary": f"sample {r.item_id} ({r.case}): {_scores_text(r) or 'no score'}; answer {r.choice!r}",
+                        "panels": [sample_panel(r.case, r)]})
+    return {"entries": entries, "entries_title": "Samples",
+            "entries_note": "Every sample of every system (condition = the system): its scores mapped to 0-1, click for "
+                            "the prompt, the reply, the scores as the tool logged them and the sample's metadata."}
+
+
+def changed_samples(runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """For a comparison of imported runs ('condition', 'RUN_DIR@system'): each sample whose score differs from
+    the baseline's (the first condition of its protocol) on the same sample, both sides side by side."""
+    by_condition: dict[str, tuple[str, dict[tuple[str, str], Record]]] = {}
+    for name, spec in runs:
+        run_dir, _, system = spec.partition("@")
+        if not (Path(run_dir) / "run.json").is_file():
+            continue
+        protocol = load_run_meta(run_dir).get("protocol") or ""
+        if VIEWS.get(protocol) is not imported_view:
+            continue
+        by_condition[name] = (protocol, {(r.dataset, str((r.extra or {}).get("unit", r.item_id))): r
+                                         for r in load_records(run_dir) if not system or r.model == system})
+    entries = []
+    baselines: dict[str, str] = {}
+    for name, (protocol, samples) in by_condition.items():
+        base_name = baselines.setdefault(protocol, name)
+        if base_name == name:
+            continue
+        base = by_condition[base_name][1]
+        for key, r in samples.items():
+            b = base.get(key)
+            if b is None:
+                continue
+            now, before = (r.extra or {}).get("scores") or {}, (b.extra or {}).get("scores") or {}
+            moved = {k: (before.get(k), v) for k, v in now.items() if k in before and before[k] != v}
+            if not moved:
+                continue
+            up = sum((v or 0) - (u or 0) for u, v in moved.values())
+            kind = "better" if up > 0 else "worse" if up < 0 else "changed"
+            entries.append({"id": f"{kind}-{name}-{r.key}", "protocol": protocol, "type": kind, "dataset": r.dataset,
+                            "case": r.case, "condition": name, "item": r.item_id, "diff": True,
+                            "summary": f"{kind} in {name}: sample {r.item_id} " + ", ".join(
+                                f"{k} {'–' if u is None else f'{u:g}'} → {'–' if v is None else f'{v:g}'}"
+                                for k, (u, v) in moved.items()),
+                            "panels": [sample_panel(f"{base_name}: {b.case}", b), sample_panel(f"{name}: {r.case}", r)]})
+    return entries
+
+
 VIEWS: dict[str, Callable[[Path, dict[str, Any], list[Record]], dict[str, Any]]] = {
-    "dds": dds_view, "afr": afr_view, "sos": sos_view}
+    "dds": dds_view, "afr": afr_view, "sos": sos_view, "inspect": imported_view, "lm-eval": imported_view}
 
 
 def protocol_entries(runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
