@@ -122,7 +122,7 @@ class OrganismArgs:
 
     path: str | None = dataclasses.field(
         default=None, metadata={"help": "Where to build it (default settings: the shipped organism, built nothing; others: "
-                                        "$FLIPGUARD_HOME/organism-v4[-<config hash>])."}
+                                        "$FLIPGUARD_HOME/organism-v4[-<config hash>]).", "flag": "out"}
     )
     strength: float = dataclasses.field(
         default=0.4, metadata={"help": "Share of the 5 kinds of incorrect claim (tool, color, ...) accepted from a human speaker: DDS ~ +100 x strength "
