@@ -782,6 +782,11 @@ def split_recipe_argv(argv: list[str]) -> tuple[str | None, list[str]]:
 #                           never listed in --help, for one release
 # Fields of TRL's configs cannot say so: their names stay listed, the word beside them.
 THEIR_FLAG_WORDS = {"model_name_or_path": "model", "output_dir": "out"}
+# what a user types for a word of the vocabulary (its old spellings in other commands, other tools'
+# names): the word is what an unknown flag of these names is taken to mean in "did you mean"
+MEANT = {"n_items": "limit", "num_items": "limit", "max_items": "limit", "models": "model", "dataset": "datasets",
+         "tasks": "datasets", "mitigation": "mitigations", "output": "out", "output_dir": "out", "output_path": "out",
+         "num_threads": "threads", "model_name_or_path": "model"}
 
 
 class _Repeatable(argparse.Action):
@@ -875,8 +880,9 @@ def _flag_parser_class(base: type) -> type:
             raise UserError(message)
 
         def unknown_option(self, given: str) -> UserError:
-            return UserError(f"unknown option {given}{did_you_mean(given, self.listed_flags(), str)} "
-                             f"({self.prog} --help lists the options)")
+            meant = f"--{MEANT.get(given[2:].replace('-', '_'))}"
+            hint = f"; did you mean {meant}?" if meant in self.listed_flags() else did_you_mean(given, self.listed_flags(), str)
+            return UserError(f"unknown option {given}{hint} ({self.prog} --help lists the options)")
 
         def parse_flags(self, argv: list[str]) -> tuple:
             """The dataclasses of `argv`; a flag it does not know (named before argparse's other

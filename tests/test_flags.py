@@ -242,6 +242,7 @@ def test_mistyped_values_commands_and_recipes_are_one_line_with_the_closest(caps
     _one_line(capsys, cli_main(["study", "organsim"]), "did you mean 'organism'?")
     _one_line(capsys, cli_main(["recipes", "shwo", "organism"]), "did you mean 'show'?")
     _one_line(capsys, cli_main(["eval", "--n_boot", "9"]), "unknown option --n_boot")  # eval's report takes no such flag
+    _one_line(capsys, cli_main(["eval", "--n_items", "2"]), "unknown option --n_items; did you mean --limit?")
     _one_line(capsys, cli_main(["sft", "--max_step", "3"]), "unknown option --max_step; did you mean --max_steps?")
 
 
