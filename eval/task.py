@@ -639,27 +639,6 @@ def command_line(*names: str) -> list[str] | None:
     return redact_obj(["flipguard", *sys.argv[1:]]) if sys.argv[1:2] and sys.argv[1] in names else None
 
 
-def run_main(argv: list[str]) -> int:
-    """`flipguard run [--include FILE ...] NAME [task options]`: any registered task."""
-    includes = []
-    while len(argv) >= 2 and argv[0] == "--include":
-        includes.append(argv[1])
-        argv = argv[2:]
-    if not argv or argv[0] in ("-h", "--help"):
-        for path in includes:
-            include_tasks(path)
-        names = task_names()
-        print("usage: flipguard run [--include my_tasks.py] TASK [options]   (flipguard run TASK --help)\n\n"
-              "Run a registered task (protocol) into a run directory: records.jsonl, run.json, report.\n"
-              "--include imports a Python file whose @register_task classes become runnable; installed\n"
-              f"packages register through the '{ENTRY_POINT_GROUP}' entry point group.\n\ntasks: {', '.join(names)}")
-        raise SystemExit(0)  # as argparse's --help does for every other command
-    for path in includes:
-        include_tasks(path)
-    name, rest = argv[0], argv[1:]
-    return int(get_task(name).main(rest, prog=f"flipguard run {name}") or 0)
-
-
 @dataclasses.dataclass
 class ReportArgs:
     """`flipguard report RUN_DIR`: rebuild a run's report from its records, no model, into RUN_DIR/report/
@@ -694,6 +673,27 @@ def report_main(argv: list[str]) -> int:
             raise UserError(f"{flag}: an option of DDS reports; {run_dir} holds a {protocol!r} run")
     print(f"report: {get_task(protocol).rebuild_report(run_dir, args)}")
     return 0
+
+
+def run_main(argv: list[str]) -> int:
+    """`flipguard run [--include FILE ...] NAME [task options]`: any registered task."""
+    includes = []
+    while len(argv) >= 2 and argv[0] == "--include":
+        includes.append(argv[1])
+        argv = argv[2:]
+    if not argv or argv[0] in ("-h", "--help"):
+        for path in includes:
+            include_tasks(path)
+        names = task_names()
+        print("usage: flipguard run [--include my_tasks.py] TASK [options]   (flipguard run TASK --help)\n\n"
+              "Run a registered task (protocol) into a run directory: records.jsonl, run.json, report.\n"
+              "--include imports a Python file whose @register_task classes become runnable; installed\n"
+              f"packages register through the '{ENTRY_POINT_GROUP}' entry point group.\n\ntasks: {', '.join(names)}")
+        raise SystemExit(0)  # as argparse's --help does for every other command
+    for path in includes:
+        include_tasks(path)
+    name, rest = argv[0], argv[1:]
+    return int(get_task(name).main(rest, prog=f"flipguard run {name}") or 0)
 
 
 # ---------------------------------------------------------------- comparison rows

@@ -169,10 +169,12 @@ def parse_model_entry(entry: Any, where: str) -> ModelSpec:
         mitigation=str(entry.get("mitigation", "none")),
     )
     if spec.backend not in backend_names():
-        raise UserError(f"{where}: model {spec.name!r} names unknown backend {spec.backend!r}; expected one of {backend_names()}")
+        raise UserError(f"{where}: model {spec.name!r} names unknown backend {spec.backend!r}; expected one of {backend_names()}"
+                        f"{did_you_mean(spec.backend, backend_names())}")
     check_backend_kwargs(spec.backend, spec.kwargs, f"{where}: model {spec.name!r} kwargs")
     if spec.mitigation not in MITIGATIONS:
-        raise UserError(f"{where}: model {spec.name!r} names unknown mitigation {spec.mitigation!r}; expected one of {sorted(MITIGATIONS)}")
+        raise UserError(f"{where}: model {spec.name!r} names unknown mitigation {spec.mitigation!r}; expected one of {sorted(MITIGATIONS)}"
+                        f"{did_you_mean(spec.mitigation, MITIGATIONS)}")
     return spec
 
 
