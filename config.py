@@ -37,17 +37,21 @@ The recipe path may be given positionally, exactly as typed
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
+import functools
 import importlib
 import math
 import os
+import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from flipguard.errors import FlipguardError, UserError
-from flipguard.files import check_types, field_types, load_yaml
+from flipguard.files import PACKAGE_ROOT, check_types, field_types, load_yaml
 from flipguard.redact import redact_values
 
 
@@ -202,13 +206,14 @@ class EvalPlanArguments:
     """The before/after plan `flipguard study` runs (`eval:`): what is measured, how, and
     which mitigations are compared against the baseline."""
 
-    eval_plan_datasets: str = dataclasses.field(default="all", metadata={"help": "Test datasets to evaluate (names, groups or comma list)."})
+    eval_plan_datasets: str = dataclasses.field(default="all", metadata={"help": "Test datasets to evaluate (names, groups or comma list).",
+                                                                          "flag": "datasets"})
     eval_plan_data_root: str | None = dataclasses.field(
         default=None, metadata={"help": "Data root (default: $FLIPGUARD_DATA, else the shipped samples)."}
     )
     eval_plan_mitigations: list[str] = dataclasses.field(
         default_factory=lambda: ["be_honest", "dehumanizing"],
-        metadata={"help": "Prompting mitigations run on the base model (the baseline, 'none', always runs)."},
+        metadata={"help": "Prompting mitigations run on the base model (the baseline, 'none', always runs).", "flag": "mitigations"},
     )
     eval_plan_trainers: list[str] | None = dataclasses.field(
         default=None, metadata={"help": "Trainers whose merged models are measured (registered: config.TRAINERS; "
@@ -220,15 +225,17 @@ class EvalPlanArguments:
     eval_plan_extra_modes: list[str] = dataclasses.field(
         default_factory=list, metadata={"help": "The baseline is also measured in these decision modes (own reports; the comparison uses `mode`)."}
     )
-    eval_plan_backend: str = dataclasses.field(default="hf", metadata={"help": "Backend for the eval runs (hf, vllm, openai)."})
-    eval_plan_batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
+    eval_plan_backend: str = dataclasses.field(default="hf", metadata={"help": "Backend for the eval runs (hf, vllm, openai).",
+                                                                       "flag": "backend"})
+    eval_plan_batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size.", "flag": "batch_size"})
     eval_plan_backend_args: dict | str | None = dataclasses.field(
         default=None, metadata={"help": "Settings for every eval run's backend, as eval's --backend_args takes them (a "
                                         "mapping in the recipe, JSON on the command line): for vllm tensor_parallel_size, "
                                         "data_parallel_size, pipeline_parallel_size, distributed_executor_backend, "
-                                        "gpu_memory_utilization ...; for openai base_url ..."}
+                                        "gpu_memory_utilization ...; for openai base_url ...", "flag": "backend_args"}
     )
-    eval_plan_limit: int | None = dataclasses.field(default=None, metadata={"help": "Items per dataset, test and train split (None: all)."})
+    eval_plan_limit: int | None = dataclasses.field(default=None, metadata={"help": "Items per dataset, test and train split (None: all).",
+                                                                            "flag": "limit"})
     eval_plan_generate_limit: int | None = dataclasses.field(
         default=None, metadata={"help": "generate mode: items per dataset (default: limit)."}
     )
@@ -318,11 +325,11 @@ def is_task_config_key(key: str) -> bool:
     return key.endswith(TASK_CONFIG_SUFFIX) and "eval_plan_" + key not in _fields(EvalPlanArguments)
 
 
-def with_optional_fields(base: type, helps: dict[str, str]) -> type:
-    """`base` with an optional string field (default None) for each name -> help that is not already
+def with_optional_fields(base: type, helps: dict[str, str], type_: Any = Optional[str]) -> type:
+    """`base` with an optional field of `type_` (default None) for each name -> help that is not already
     one of its fields: a per-task option added to a command's arguments (same class name)."""
     have = _fields(base)
-    extra = [(name, Optional[str], dataclasses.field(default=None, metadata={"help": text}))
+    extra = [(name, type_, dataclasses.field(default=None, metadata={"help": text}))
              for name, text in helps.items() if name not in have]
     return dataclasses.make_dataclass(base.__name__, extra, bases=(base,)) if extra else base
 
@@ -355,17 +362,118 @@ def _top_level_classes(raw: dict[str, Any], trainers: dict[str, Any]) -> list[An
     return present or list(trainers.values())
 
 
+def _edits(a: str, b: str) -> int:
+    """Edits from a to b: insertions, deletions, substitutions and swaps of two neighbours (a typo's)."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def closest(given: str, choices: Iterable[str]) -> str | None:
+    """The choice a mistyped `given` most likely meant (fewest typo edits, the same letters first),
+    or None when none is close."""
+    given, choices = str(given), list(dict.fromkeys(str(c) for c in choices))
+    if not given or not choices:
+        return None
+    near = [(_edits(given, c), sorted(given) != sorted(c), c) for c in choices]
+    best = min(near)
+    if best[0] <= max(1, len(given) // 4):
+        return best[2]
+    close = difflib.get_close_matches(given, choices, n=1, cutoff=0.8)  # a longer name, a few letters off
+    return close[0] if close else None
+
+
+def did_you_mean(given: str, choices: Iterable[str], show=repr) -> str:
+    """"; did you mean 'x'?" for the choice closest to a mistyped `given` (closest), or "" when none is."""
+    close = closest(given, choices)
+    return f"; did you mean {show(close)}?" if close is not None else ""
+
+
 def _unknown(path: str, where: str, key: str, valid: Iterable[str]) -> UserError:
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return UserError(f"{path}: unknown key {key!r} in {where}{hint}")
+    return UserError(f"{path}: unknown key {key!r} in {where}{did_you_mean(key, valid)}")
+
+
+# ---------------------------------------------------------------- shipped recipes
+
+# the recipes and run configs shipped in the package (pyproject's package-data): found by name
+# from any folder, and by the path they have in a clone (recipes/NAME.yaml) where that is no file
+SHIPPED_RECIPES = PACKAGE_ROOT / "recipes"
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """name -> file of every shipped recipe and run config (accelerate configs as accelerate_configs/NAME)."""
+    found = {p.stem: p for p in sorted(SHIPPED_RECIPES.glob("*.yaml"))}
+    found |= {f"{p.parent.name}/{p.stem}": p for p in sorted(SHIPPED_RECIPES.glob("accelerate_configs/*.yaml"))}
+    return found
+
+
+def find_recipe(given: str | os.PathLike, what: str = "recipe") -> str:
+    """A recipe or run config as given when it is a file; else the shipped one it names
+    (`organism`, `afr_tiny.yaml`, or `recipes/afr_tiny.yaml` from a folder that is not a clone);
+    else one line naming the shipped ones."""
+    given = str(given)
+    if Path(given).is_file():
+        return given
+    path = Path(given)
+    name = path.name[: -len(path.suffix)] if path.suffix in RECIPE_SUFFIXES else path.name
+    shipped = shipped_recipes()
+    if path.parent in (Path("."), Path("recipes")) and name in shipped:
+        return str(shipped[name])
+    if path.exists():
+        raise UserError(f"{given}: a {what} is a YAML file, not a folder")
+    names = [n for n in shipped if "/" not in n]
+    raise UserError(f"{given}: no such {what} (not a file, nor a shipped one: {', '.join(names)}; "
+                    f"`flipguard recipes` lists them){did_you_mean(name, names)}")
+
+
+def recipe_title(path: Path) -> str:
+    """A recipe file's first comment line (what it is), without the '#'."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            return line.lstrip("#").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def recipes_main(argv: list[str]) -> int:
+    """`flipguard recipes [show NAME]`: the shipped recipes and run configs, or one of them."""
+    usage = ("usage: flipguard recipes [show NAME]\n\nThe recipes and run configs shipped with flipguard, each with its "
+             "first comment line;\n`show NAME` prints one (flipguard recipes show organism > my.yaml, then edit it).\n"
+             "Every command that takes a recipe or run config takes NAME too, from any folder.")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        raise SystemExit(0)  # as argparse's --help does for every other command
+    if argv in ([], ["list"]):
+        shipped = shipped_recipes()
+        width = max(map(len, shipped))
+        for name, path in shipped.items():
+            print(f"{name.ljust(width)}  {recipe_title(path)}")
+        print(f"\n(in {SHIPPED_RECIPES}; flipguard recipes show NAME prints one)")
+        return 0
+    if argv[0] == "show" and len(argv) == 2:
+        shipped = shipped_recipes()
+        key = argv[1][: -len(Path(argv[1]).suffix)] if Path(argv[1]).suffix in RECIPE_SUFFIXES else argv[1]
+        key = key.removeprefix("recipes/")
+        if key not in shipped:
+            raise UserError(f"show {argv[1]}: no shipped recipe of that name (flipguard recipes lists them)"
+                            f"{did_you_mean(key, shipped)}")
+        sys.stdout.write(shipped[key].read_text(encoding="utf-8"))
+        return 0
+    raise UserError(f"unexpected arguments {argv}; usage: flipguard recipes [show NAME]"
+                    f"{did_you_mean(argv[0], ['show', 'list'])}")
 
 
 def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
-    """The YAML mapping of a recipe file, validated: every key known, sections are mappings."""
-    path = str(path)
-    if not Path(path).is_file():
-        raise UserError(f"{path}: recipe file not found")
+    """The YAML mapping of a recipe file, validated: every key known, sections are mappings.
+    `path` may name a shipped recipe (find_recipe)."""
+    path = find_recipe(path)
     # bytes that are not UTF-8 and broken YAML: one line naming path:line
     raw, lines = load_yaml(path, UserError, "recipe file")
     if raw is None or raw == {}:
@@ -567,16 +675,17 @@ def check_recipe_values(raw: dict[str, Any], path: str = "<recipe>", lines: dict
                      lines)
 
 
-def check_parsed_values(objs: Iterable[Any], where: str, skip: dict[str, Any] | None = None) -> None:
+def check_parsed_values(objs: Iterable[Any], where: str, skip: dict[str, Any] | None = None,
+                        flag: Callable[[str], str] = lambda field: f"--{field}") -> None:
     """The same rules on parsed dataclasses: command-line flags override a recipe's or a run config's
     values. `skip`: values already checked where they were written (a run config's), unless a flag
-    changed them."""
+    changed them; `flag`: how a field's option is named."""
     skip = skip or {}
     for obj in objs:
         if dataclasses.is_dataclass(obj):
             fields = [f.name for f in dataclasses.fields(obj)]
             check_values({n: getattr(obj, n, None) for n in fields
-                          if n not in skip or skip[n] != getattr(obj, n, None)}, where, {n: f"--{n}" for n in fields})
+                          if n not in skip or skip[n] != getattr(obj, n, None)}, where, {n: flag(n) for n in fields})
 
 
 def _check_keys(raw: dict[str, Any], path: str) -> None:
@@ -635,16 +744,13 @@ def flatten_recipe(raw: dict[str, Any], trainer: str | None) -> dict[str, Any]:
     return flat
 
 
-def is_recipe_path(arg: str) -> bool:
-    return not arg.startswith("-") and arg.endswith(RECIPE_SUFFIXES)
-
-
 def split_recipe_argv(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(recipe path, remaining flags): a leading positional .yaml path, or --config FILE."""
+    """(recipe path, remaining flags): a leading positional (a path, or a shipped recipe's name:
+    find_recipe), or --config FILE."""
     argv = list(argv)
     recipe = None
-    if argv and is_recipe_path(argv[0]):
-        recipe = argv.pop(0)
+    if argv and not argv[0].startswith("-"):
+        recipe = find_recipe(argv.pop(0))
     for flag in ("--config",):
         for i, arg in enumerate(argv):
             if arg == flag:
@@ -652,23 +758,158 @@ def split_recipe_argv(argv: list[str]) -> tuple[str | None, list[str]]:
                     raise UserError("--config needs a recipe file path")
                 if recipe is not None:
                     raise UserError(f"two recipes given: {recipe!r} and {argv[i + 1]!r}")
-                recipe = argv[i + 1]
+                recipe = find_recipe(argv[i + 1])
                 del argv[i : i + 2]
                 break
             if arg.startswith(flag + "="):
                 if recipe is not None:
                     raise UserError(f"two recipes given: {recipe!r} and {arg.split('=', 1)[1]!r}")
-                recipe = arg.split("=", 1)[1]
+                recipe = find_recipe(arg.split("=", 1)[1])
                 del argv[i]
                 break
     return recipe, argv
 
 
+# ---------------------------------------------------------------- the flag vocabulary
+#
+# One word for one setting in every command, in its flags and in its run config's keys: --model
+# (one spec; a list where several models are compared, and repeatable), --backend, --backend_args,
+# --device, --batch_size, --datasets, --limit, --mitigations, --out, --seed, --threads. A field says
+# how it relates to them in its metadata:
+#   "flag": WORD            its flag is --WORD, though the field keeps its name (a recipe section's
+#                           prefix: eval_plan_limit is --limit); --FIELD is no longer listed
+#   "renamed_from": (OLD,)  it was called OLD: --OLD and a run config's OLD: key are still read,
+#                           never listed in --help, for one release
+# Fields of TRL's configs cannot say so: their names stay listed, the word beside them.
+THEIR_FLAG_WORDS = {"model_name_or_path": "model", "output_dir": "out"}
+# what a user types for a word of the vocabulary (its old spellings in other commands, other tools'
+# names): the word is what an unknown flag of these names is taken to mean in "did you mean"
+MEANT = {"n_items": "limit", "num_items": "limit", "max_items": "limit", "models": "model", "dataset": "datasets",
+         "tasks": "datasets", "mitigation": "mitigations", "output": "out", "output_dir": "out", "output_path": "out",
+         "num_threads": "threads", "model_name_or_path": "model"}
+
+
+class _Repeatable(argparse.Action):
+    """A list option given twice adds up (`--model a --model b`); its first use replaces the
+    default (or the run config's value)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        values = list(values)
+        if getattr(self, "_namespace", None) is namespace:
+            values = list(getattr(namespace, self.dest) or []) + values
+        self._namespace = namespace
+        setattr(namespace, self.dest, values)
+
+
+_CHOICE = re.compile(r"invalid choice: '?(?P<given>.*?)'? \(choose from (?P<choices>.*)\)$")
+
+
+def field_aliases(*types: type) -> dict[str, str]:
+    """A run config's key -> the field it sets, where the two differ: a field's flag word and its
+    old names (the metadata above)."""
+    out: dict[str, str] = {}
+    for cls in types:
+        for f in dataclasses.fields(cls):
+            for alias in (f.metadata.get("flag"), *f.metadata.get("renamed_from", ())):
+                if alias and alias != f.name:
+                    out[alias] = f.name
+    return out
+
+
+@functools.cache  # one class per base, however many commands parse
+def _flag_parser_class(base: type) -> type:
+    """`base` (TRL's TrlParser, or transformers' HfArgumentParser) speaking the vocabulary: a field
+    under its flag word, its old names read but not listed, list options repeatable; and every
+    mistake (an unknown flag, a bad value, a missing argument) a UserError of one line with the
+    closest option or value, never argparse's usage and exit or a ValueError's traceback."""
+
+    class FlagParser(base):
+        def __init__(self, dataclass_types, **kwargs):
+            # no abbreviations: `--max_step 3` is a typo named as one, never a silent --max_steps
+            kwargs.setdefault("allow_abbrev", False)
+            self.hidden: dict[str, str] = {}  # a spelling not listed -> the flag it stands for
+            super().__init__(dataclass_types, **kwargs)
+            dests = {a.dest for a in self._actions}
+            for field, word in THEIR_FLAG_WORDS.items():
+                if field in dests and word not in dests and f"--{word}" not in self._option_string_actions:
+                    action = next(a for a in self._actions if a.dest == field and a.option_strings)
+                    action.option_strings = [*action.option_strings, f"--{word}"]
+                    self._option_string_actions[f"--{word}"] = action
+
+        def add_argument(self, *args, **kwargs):
+            word, old = kwargs.pop("flag", None), kwargs.pop("renamed_from", ())
+            if kwargs.get("nargs") == "+" and "action" not in kwargs:
+                kwargs["action"] = _Repeatable
+            action = super().add_argument(*args, **kwargs)
+            if args and str(args[0]).startswith("--no_"):  # a boolean's complement: its field's word is done
+                return action
+            if word:  # the field's own spellings become hidden ones of its word
+                for string in action.option_strings:
+                    del self._option_string_actions[string]
+                self.hidden |= dict.fromkeys(action.option_strings, f"--{word}")
+                action.option_strings = [f"--{word}"]
+                if action.metavar is None and action.nargs != 0:
+                    action.metavar = word.upper()
+                self._option_string_actions[f"--{word}"] = action
+            for name in old:
+                self.hidden |= dict.fromkeys((f"--{name}", f"--{name.replace('_', '-')}"), action.option_strings[0])
+            return action
+
+        def flag(self, field: str) -> str:
+            """How messages name a field's option: its (first) flag."""
+            return next((a.option_strings[0] for a in self._actions if a.dest == field and a.option_strings),
+                        f"--{field}")
+
+        def listed_flags(self) -> list[str]:
+            return sorted({s for a in self._actions if a.help != argparse.SUPPRESS
+                           for s in a.option_strings if s.startswith("--")})
+
+        def parse_known_args(self, args=None, namespace=None):
+            args = list(sys.argv[1:] if args is None else args)
+            return super().parse_known_args([self._unhide(a) for a in args], namespace)
+
+        def _unhide(self, arg: str) -> str:
+            head, sep, value = arg.partition("=")
+            return self.hidden[head] + sep + value if arg.startswith("--") and head in self.hidden else arg
+
+        def error(self, message: str):
+            match = _CHOICE.search(message)
+            if match:
+                choices = [c.strip().strip("'") for c in match["choices"].split(",")]
+                message += did_you_mean(match["given"], choices)
+            raise UserError(message)
+
+        def unknown_option(self, given: str) -> UserError:
+            meant = f"--{MEANT.get(given[2:].replace('-', '_'))}"
+            hint = f"; did you mean {meant}?" if meant in self.listed_flags() else did_you_mean(given, self.listed_flags(), str)
+            return UserError(f"unknown option {given}{hint} ({self.prog} --help lists the options)")
+
+        def parse_flags(self, argv: list[str]) -> tuple:
+            """The dataclasses of `argv`; a flag it does not know (named before argparse's other
+            complaints, a missing required option among them) or anything left over is one line."""
+            for arg in argv:
+                head = arg.split("=", 1)[0]
+                if arg.startswith("--") and arg != "--" and head not in self._option_string_actions \
+                        and head not in self.hidden:
+                    raise self.unknown_option(head)
+            *parsed, rest = self.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+            if rest:
+                flags = [a for a in rest if a.startswith("-")]
+                if flags:
+                    raise self.unknown_option(flags[0].split("=")[0])
+                raise UserError(f"unexpected argument {rest[0]!r}: options are given as --name value"
+                                + (" and a run config or recipe goes first" if rest[0] != argv[0] else ""))
+            return tuple(parsed)
+
+    FlagParser.__name__ = FlagParser.__qualname__ = f"Flag{base.__name__}"
+    return FlagParser
+
+
 def _trl_parser_class():
     from trl import TrlParser
 
-    class RecipeParser(TrlParser):
-        """TrlParser that reads flipguard's sectioned recipe (positional path or --config)."""
+    class RecipeParser(_flag_parser_class(TrlParser)):
+        """TrlParser that reads flipguard's sectioned recipe (positional path or name, or --config)."""
 
         def __init__(self, dataclass_types, trainer: str | None = None, **kwargs):
             if trainer is not None:
@@ -694,10 +935,10 @@ def _trl_parser_class():
                 # env names only, never their values (they may be keys)
                 self.recipe_path, self.recipe = recipe_path, public_recipe(raw)
             try:
-                parsed = self.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
-            except ValueError as exc:
+                parsed = self.parse_flags(argv)
+            except ValueError as exc:  # the configs' own checks (TRL's __post_init__) too
                 raise UserError(f"{recipe_path or 'command line'}: {exc}") from None
-            check_parsed_values(parsed, f"{recipe_path or 'command line'} (with its flags)")
+            check_parsed_values(parsed, f"{recipe_path or 'command line'} (with its flags)", flag=self.flag)
             return parsed
 
     return RecipeParser
@@ -710,7 +951,7 @@ def RecipeParser(dataclass_types, trainer: str | None = None, **kwargs):
 
 def parse_recipe(argv: list[str], dataclass_types, trainer: str | None = None, prog: str | None = None,
                  description: str | None = None):
-    """Parse argv (recipe path + flag overrides) into the dataclasses; returns
+    """Parse argv (recipe path or name + flag overrides) into the dataclasses; returns
     (tuple of dataclass instances, recipe path or None, raw recipe mapping)."""
     parser = RecipeParser(dataclass_types, trainer=trainer, prog=prog, description=description)
     out = parser.parse_args_and_config(argv)
@@ -735,42 +976,74 @@ def _command_parser_class():
     except ImportError:
         from transformers import HfArgumentParser
 
-        return HfArgumentParser
+        return _flag_parser_class(HfArgumentParser)
 
 
 # a command's first argument ending so is a run config (YAML, or JSON)
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
+def leading_config(argv: list[str], positional: str | None = None) -> str | None:
+    """The run config a command's argv starts with, found (find_recipe), or None: its first
+    argument when that is no flag (for a command with a positional option, one that ends in
+    .yaml/.yml/.json)."""
+    if not argv or argv[0].startswith("-") or (positional and not argv[0].endswith(CONFIG_SUFFIXES)):
+        return None
+    return find_recipe(argv[0], "run config")
+
+
+def _takes_list(tp: Any) -> bool:
+    """A list field (list[str], Optional[list[int]] ...)."""
+    return typing.get_origin(tp) is list or any(typing.get_origin(a) is list for a in typing.get_args(tp))
+
+
+def read_run_config(path: str, types: Iterable[type]) -> dict[str, Any]:
+    """A run config's mapping as the command's fields: every key known (the closest named when
+    not), a field's flag word or old name as its field (field_aliases), a single value for a list field as a list,
+    each value of its field's type and within its bounds (naming path:line and the key as written)."""
+    # broken YAML, bytes that are not UTF-8, an unknown key or a value of the wrong
+    # type: one line naming the file (line) and key, before anything runs or is written
+    config, lines = load_yaml(path, UserError, "run config")
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: a run config must be a YAML mapping of option: value, got {type(config).__name__}")
+    aliases, types = field_aliases(*types), field_types(*types)
+    written: dict[str, str] = {}  # field -> the key as written
+    for key in list(config):
+        new = aliases.get(str(key))
+        if new in types and key not in types:
+            if new in config:
+                raise UserError(f"{path}:{lines.get(key, '?')}: {key!r} and {new!r} name the same setting; keep {new!r}")
+            config[new], written[new] = config.pop(key), str(key)
+    for key, value in config.items():
+        if key not in types:
+            raise UserError(f"{path}{f':{lines[key]}' if key in lines else ''}: unknown key {str(key)!r}"
+                            f"{did_you_mean(key, types)}")
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and _takes_list(types[key]):
+            config[key] = [value]  # `model: flipguard:tiny` for a list of models
+    check_types(config, types, path, UserError, lines, written)
+    check_values(config, path, written, lines)
+    return config
+
+
 def parse_dataclasses(argv: list[str], *types, prog: str, description: str, positional: str | None = None):
-    """Parse a command's argv into the given dataclasses; a single YAML/JSON path first is
-    read as a run config (TRL/alignment-handbook style) and later flags override it.
-    `positional`: the option that leading arguments before any flag give
+    """Parse a command's argv into the given dataclasses; a YAML/JSON path (or a shipped run
+    config's name) first is read as a run config (TRL/alignment-handbook style) and later flags
+    override it. `positional`: the option that leading arguments before any flag give
     (`flipguard report RUN_DIR` = `--run_dir RUN_DIR`)."""
     parser = _command_parser_class()(types, prog=prog, description=description)
     argv = list(argv)
     config: dict[str, Any] = {}
-    if positional and argv and not argv[0].startswith("-") and not argv[0].endswith(CONFIG_SUFFIXES):
+    path = leading_config(argv, positional)
+    if path is None and positional and argv and not argv[0].startswith("-"):
         argv = [f"--{positional}", *argv]
-    if argv and not argv[0].startswith("-") and argv[0].endswith(CONFIG_SUFFIXES):
-        # broken YAML, bytes that are not UTF-8, an unknown key or a value of the wrong
-        # type: one line naming the file (line) and key, before anything runs or is written
-        config, lines = load_yaml(argv[0], UserError, "run config")
-        config = {} if config is None else config
-        if not isinstance(config, dict):
-            raise UserError(f"{argv[0]}: a run config must be a YAML mapping of option: value, "
-                            f"got {type(config).__name__}")
-        known = {f for t in types for f in t.__dataclass_fields__}
-        unknown = sorted(set(config) - known, key=str)
-        if unknown:
-            raise UserError(f"{argv[0]}: unknown key(s) {unknown}")
-        check_types(config, field_types(*types), argv[0], UserError, lines)
-        check_values(config, argv[0], lines=lines)
+    if path is not None:
+        config = read_run_config(path, types)
         parser.set_defaults(**config)
         argv = argv[1:]
-    out = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
+    out = parser.parse_flags(argv)
     # the flags (the config's values were checked above, naming its lines)
-    check_parsed_values(out, "command line", skip=config)
+    check_parsed_values(out, "command line", skip=config, flag=parser.flag)
     return out if len(types) > 1 else out[0]
 
 

@@ -118,8 +118,7 @@ def pass_flops(config, tokens: int, attn_pairs: int, projections: int) -> float:
 
 def afr_config(model: str, sharing: bool, folder: Path, per_subject: int) -> Path:
     recipe = yaml.safe_load((ROOT / "recipes" / "afr_organism.yaml").read_text())
-    recipe["models"][0]["model"] = model
-    recipe["models"][0]["kwargs"] = {"device": "cpu", "batch_size": 8, "prefix_sharing": sharing}
+    recipe.update(model=[f"organism={model}"], device="cpu", batch_size=8, backend_args={"prefix_sharing": sharing})
     recipe["scripted_arguments"] = str(ROOT / "data" / "organism_mc" / "arguments.jsonl")
     recipe["n_boot"] = 0
     recipe["per_subject"] = per_subject

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from flipguard.config import did_you_mean
 from flipguard.data.mmlu import LETTERS, MCQItem
 from flipguard.data.schema import ALL_DATASETS, DOMAINS, DataError, item_from_row, read_item_rows, read_jsonl
 from flipguard.files import atomic_write_text, flipguard_home, load_yaml
@@ -162,7 +163,7 @@ def mc_entry(token: str) -> DatasetEntry:
         mc = [n for n, e in registered().items() if e.kind == "multiple_choice"]
         raise DataError(f"unknown dataset {token!r}: not a built-in multiple-choice dataset (medqa, medmcqa, mmlu) "
                         f"nor a registered one ({', '.join(mc) or 'none'}); or give the path of a dataset entry with "
-                        "kind: multiple_choice (see flipguard data --help)")
+                        f"kind: multiple_choice (see flipguard data --help){did_you_mean(token, ['medqa', 'medmcqa', 'mmlu', *mc])}")
     if entry.kind != "multiple_choice":
         raise DataError(f"{entry.source}: dataset {entry.name!r} is not multiple-choice (add kind: multiple_choice)")
     return entry

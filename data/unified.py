@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable
 
+from flipguard.config import did_you_mean
 from flipguard.data import converters, registry
 from flipguard.data.aio import read_aio_file
 from flipguard.data.roots import (  # noqa: F401  (re-exported: the loaders' callers name them here)
@@ -104,10 +105,11 @@ def parse_datasets(datasets: str | Iterable[str] | None, default: Iterable[str],
                     f"unknown dataset {token!r}; valid datasets: {', '.join(ALL_DATASETS)}; "
                     f"registered: {', '.join(registry.registered()) or 'none'}; groups: {', '.join(DATASET_GROUPS)}; "
                     f"or a path to a dataset entry ({registry.ENTRY_FILE}, see flipguard data --help)"
+                    + did_you_mean(token, [*ALL_DATASETS, *registry.registered(), *DATASET_GROUPS])
                 )
             if entry.kind != "claims":
                 raise DataError(f"{entry.source}: dataset {entry.name!r} is {entry.kind.replace('_', '-')}: "
-                                f"use it with flipguard afr/sos --dataset, not as DDS claims")
+                                f"use it with flipguard afr/sos --datasets, not as DDS claims")
             expanded = [entry.name]
             _LOOKED_UP[entry.name] = entry
         for name in expanded:

@@ -64,6 +64,9 @@ from flipguard.redact import redact
 RECORDS_FILE = "records.jsonl"
 RUN_META_FILE = "run.json"
 LOCK_FILE = ".lock"
+# every protocol's report of a run: RUN/report/summary.md and the tables and figures beside it
+REPORT_DIR = "report"
+REPORT_SUMMARY = f"{REPORT_DIR}/summary.md"
 
 # The four DDS cases, in the paper's order, with the answer that is right in each.
 CASES = ("c1_true", "c1_false", "c2_correct", "c2_incorrect")
@@ -734,14 +737,15 @@ def load_run_meta(run_dir: str | os.PathLike) -> dict[str, Any]:
 RUN_CONTENTS = "records"
 
 
-def _digest(obj: Any) -> str:
+def content_digest(obj: Any) -> str:
+    """16 hex digits of the JSON of `obj` (keys sorted): the same content, the same digest."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
 
 
 def run_contents(keys: Iterable[str], settings: dict[str, Any]) -> dict[str, Any]:
     """run.json's RUN_CONTENTS for a run holding the records `keys` under `settings`."""
     keys = sorted(set(keys))
-    return {"n": len(keys), "keys": _digest(keys), "settings": _digest(settings)}
+    return {"n": len(keys), "keys": content_digest(keys), "settings": content_digest(settings)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -780,7 +784,7 @@ def run_completeness(run_dir: str | os.PathLike) -> Completeness:
     keys = {rec.key for rec in read_records(run_dir / RECORDS_FILE)}
     listed = meta.get(RUN_CONTENTS)
     return Completeness(run_dir, len(keys), listed if isinstance(listed, dict) else None,
-                        meta.get("complete") is not False, _digest(sorted(keys)))
+                        meta.get("complete") is not False, content_digest(sorted(keys)))
 
 
 def require_whole(run_dir: str | os.PathLike, then: str = "rerun the command that wrote it (it resumes from the "

@@ -37,10 +37,10 @@ import inspect
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Generator, Iterable, Optional, Sequence
 
 from flipguard import plugins
-from flipguard.config import CONFIG_SUFFIXES, parse_dataclasses
+from flipguard.config import did_you_mean, leading_config, parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import Backend, GenerationConfig, ModelRef, check_backend
 from flipguard.eval.mitigations import system_label
@@ -52,6 +52,7 @@ from flipguard.eval.records import (
     Record,
     RecordStore,
     RunDir,
+    content_digest,
     load_run_meta,
     now_iso,
     open_run_dir,
@@ -59,7 +60,6 @@ from flipguard.eval.records import (
 )
 from flipguard.eval.runner import MODES, Parser, check_context, run_records
 from flipguard.eval.threads import configure_threads
-from flipguard.files import PACKAGE_ROOT
 from flipguard.redact import redact_obj
 
 
@@ -165,6 +165,10 @@ class Task:
     # (eval/pipeline/cli.py names `TaskClass.main`). A task declares what differs: `args_class` (its flags,
     # a YAML config first), `default_out`, `from_args`, and where it has them `report_only` and `after_run`.
 
+    # args_class fields that change neither what a run asks nor what its report says: left out of
+    # the settings' fingerprint that names a default run directory
+    not_settings: ClassVar[tuple[str, ...]] = ("out", "threads", "progress", "report", "report_only")
+
     @classmethod
     def from_args(cls, args: Any, where: str = "command line") -> "Task":
         """The task of parsed flags; `where` names their source in errors (the config file, or the command line)."""
@@ -172,12 +176,15 @@ class Task:
 
     @classmethod
     def default_out(cls, args: Any) -> Path:
+        """The readable part of the default run directory (out_dir adds the settings' fingerprint)."""
         return Path("runs") / cls.name
 
     @classmethod
     def out_dir(cls, args: Any, where: str) -> Path:
-        """The run directory: --out, else `default_out`."""
-        return Path(args.out) if getattr(args, "out", None) else cls.default_out(args)
+        """The run directory: --out, else `default_out` named for the settings (settings_folder)."""
+        if getattr(args, "out", None):
+            return Path(args.out)
+        return settings_folder(cls.default_out(args), cls.name, args, cls.not_settings)
 
     @classmethod
     def report_only(cls, args: Any, out: Path) -> Path | None:
@@ -188,13 +195,20 @@ class Task:
         """A line of the task's own once the run is done (before the report); nothing by default."""
 
     @classmethod
+    def rebuild_report(cls, run_dir: Path, args: "ReportArgs") -> Path:
+        """`flipguard report RUN_DIR`: the run's report rebuilt from its records into RUN_DIR/report/, no
+        model (args.n_boot, args.seed: None = the run's own); returns its main file."""
+        raise UserError(f"{run_dir}: a {cls.name!r} run; task {cls.name!r} ({_class_file(cls)}) does not rebuild "
+                        "its report: define the classmethod rebuild_report(run_dir, args)")
+
+    @classmethod
     def main(cls, argv: list[str], prog: str | None = None) -> int:
-        """The task's command: parse `args_class` (a YAML path first is a config, later flags override
-        it), run or resume into the run directory, write the report. Flags `out`, `report`, `progress`
-        and `threads` are used when `args_class` has them."""
+        """The task's command: parse `args_class` (a YAML path first, or a shipped run config's name, is
+        a config; later flags override it), run or resume into the run directory, write the report.
+        Flags `out`, `report`, `progress` and `threads` are used when `args_class` has them."""
         args = parse_dataclasses(argv, cls.args_class, prog=prog or f"flipguard run {cls.name}",
                                  description=cls.args_class.__doc__ or cls.__doc__ or "")
-        where = argv[0] if argv and argv[0].endswith(CONFIG_SUFFIXES) else "command line"
+        where = leading_config(argv) or "command line"
         configure_threads(getattr(args, "threads", None))
         out = cls.out_dir(args, where)
         report = cls.report_only(args, out)
@@ -205,6 +219,10 @@ class Task:
         result = run_task(task, out, progress=getattr(args, "progress", True))
         if is_writer():  # data-parallel: rank 0 alone says it and reports
             task.after_run(result)
+            if result.others:  # --out named a run directory that earlier invocations filled too
+                print(f"note: {out} also holds {result.others} records of earlier invocations with other settings; "
+                      "its report covers them too (leave out --out for a run directory of these settings alone)",
+                      file=sys.stderr)
             if getattr(args, "report", True):
                 task.write_report(out)  # says what it wrote
         return 0
@@ -288,6 +306,15 @@ class Task:
         return merged
 
 
+def settings_folder(stem: Path, command: str, args: Any, not_settings: Iterable[str] = Task.not_settings) -> Path:
+    """STEM-<8 hex digits of every setting of the invocation> (its dataclass's fields, less
+    `not_settings`): the folder a command writes when no --out names one, so that it holds one
+    invocation's settings (the same settings again resume it; any other value goes to another
+    folder, never into its records and report)."""
+    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in set(not_settings)}
+    return stem.with_name(f"{stem.name}-{content_digest({'task': command, 'settings': settings})[:8]}")
+
+
 # ---------------------------------------------------------------- the study's hook
 
 @dataclasses.dataclass(frozen=True)
@@ -332,10 +359,6 @@ class StudyRun:
     # (condition, "RUN_DIR[@system]") pairs whose Task.comparison_rows go to the comparison
     comparison: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     report: Path | None = None  # listed among the study's artefacts
-
-
-# the shipped run configs a task's study stage uses when the recipe names none (eval.<task>_config)
-SHIPPED_RECIPES = PACKAGE_ROOT / "recipes"
 
 
 def _class_file(cls: type) -> str:
@@ -428,7 +451,7 @@ def task_names() -> list[str]:
 def get_task(name: str) -> type[Task]:
     plugins.load_plugins(plugins.TASKS)
     if name not in _TASKS:
-        raise UserError(f"unknown task {name!r}; registered: {sorted(_TASKS)}")
+        raise UserError(f"unknown task {name!r}; registered: {sorted(_TASKS)}{did_you_mean(name, _TASKS)}")
     return _TASKS[name]
 
 
@@ -471,6 +494,7 @@ class BackendPool:
 class RunResult:
     out_dir: Path
     calls: dict[str, int]  # requests sent by this invocation, per batch description
+    others: int = 0  # records in the run directory that this invocation did not ask for (earlier ones')
 
     @property
     def sent(self) -> int:
@@ -484,8 +508,10 @@ class _Answers:
     def __init__(self, store: RecordStore, pool: BackendPool, progress: bool):
         self.store, self.pool, self.progress = store, pool, progress
         self.calls: Counter = Counter()
+        self.asked: set[str] = set()  # every request key of the plan, stored or sent
 
     def __call__(self, batch: Batch) -> list[Record]:
+        self.asked.update(r.key for r in batch.records)
         pending = list({r.key: r for r in batch.records if r.key not in self.store}.values())
         if pending:  # run_records appends each answered record to the store
             n = run_records(self.store, pending, self.pool.get(batch.model), gen_config=batch.gen_config,
@@ -582,9 +608,10 @@ def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendP
         last = keys
         batch = _next_batch(task, plan, answers(batch))
     calls = dict(answers.calls)
+    others = len(set(store.stored) - answers.asked)
     computed = pool.computed if dp is None else merge_computed(dp, pool.computed)
     if run is None:
-        return RunResult(out_dir, calls)
+        return RunResult(out_dir, calls, others)
     history = list(run.old.get("invocations") or []) + [
         {"time": now_iso(), "calls": calls, "calls_total": sum(calls.values()),
          **({"processes": dp.num_processes} if dp is not None else {})}]
@@ -595,7 +622,7 @@ def _run_plan(task: Task, run: RunDir | None, store: RecordStore, pool: BackendP
     contents = run_contents(store.stored, {k: run.old.get(k) for k in task.condition_keys})
     run.write_meta({**run.old, **extra, "invocations": history, "updated": now_iso(), "complete": True,
                     RUN_CONTENTS: contents})
-    return RunResult(out_dir, calls)
+    return RunResult(out_dir, calls, others)
 
 
 def merge_computed(dp, computed: dict[str, dict]) -> dict[str, dict]:
@@ -627,6 +654,42 @@ def command_line(*names: str) -> list[str] | None:
     return redact_obj(["flipguard", *sys.argv[1:]]) if sys.argv[1:2] and sys.argv[1] in names else None
 
 
+@dataclasses.dataclass
+class ReportArgs:
+    """`flipguard report RUN_DIR`: rebuild a run's report from its records, no model, into RUN_DIR/report/
+    (summary.md and the protocol's tables), for a run of any task (DDS, AFR, stick-or-switch, a user's)."""
+
+    run_dir: str = dataclasses.field(metadata={"help": "run directory holding records.jsonl and run.json"})
+    n_boot: Optional[int] = dataclasses.field(
+        default=None, metadata={"help": "bootstrap replicates (0 = no CIs; default: the run's own, else 2000)"})
+    seed: Optional[int] = dataclasses.field(default=None, metadata={"help": "bootstrap seed (default: the run's own, else 0)"})
+    c1_from: Optional[str] = dataclasses.field(
+        default=None,
+        metadata={"help": "DDS: baseline run directory whose C1 records score this run's C2 records "
+                          "(fixed C1 baseline for mitigation / fine-tuned runs); default: run.json c1_from"},
+    )
+    allow_cross_mode_c1: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "DDS: accept a --c1_from baseline evaluated in another decision mode (paper Tables "
+                          "5/21 protocol: one-token C2 against JSON C1); default: run.json allow_cross_mode_c1"},
+    )
+
+
+def report_main(argv: list[str]) -> int:
+    """`flipguard [--include FILE] report RUN_DIR`: the report of a run of any registered task (run.json's
+    protocol; a run without one is DDS, as records of the first format were)."""
+    argv = take_includes(argv)
+    args = parse_dataclasses(argv, ReportArgs, prog="flipguard report", description=ReportArgs.__doc__,
+                             positional="run_dir")
+    run_dir = Path(args.run_dir)
+    protocol = load_run_meta(run_dir).get("protocol") or "dds"
+    for flag, value in (("--c1_from", args.c1_from), ("--allow_cross_mode_c1", args.allow_cross_mode_c1)):
+        if value and protocol != "dds":
+            raise UserError(f"{flag}: an option of DDS reports; {run_dir} holds a {protocol!r} run")
+    print(f"report: {get_task(protocol).rebuild_report(run_dir, args)}")
+    return 0
+
+
 def run_main(argv: list[str]) -> int:
     """`flipguard run [--include FILE ...] NAME [task options]`: any registered task."""
     includes = []
@@ -654,6 +717,24 @@ def run_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------- comparison rows
 
 PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n"]
+
+
+def named_runs(values: str | Sequence[str], what: str = "--runs") -> list[tuple[str | None, str]]:
+    """`[Name=]RUN_DIR` entries (compare's --runs, cross-model's) -> (NAME or None, RUN_DIR), in order.
+    An entry of several Name=RUN_DIR separated by commas (the `--runs "A=x,B=y"` form of before) is
+    split; a NAME holds no '/' (so a folder with '=' in its path is a RUN_DIR)."""
+    out: list[tuple[str | None, str]] = []
+    for value in [values] if isinstance(values, str) else values:
+        parts = [p.strip() for p in str(value).split(",") if p.strip()]
+        for entry in parts if len(parts) > 1 and all("=" in p for p in parts) else [str(value).strip()]:
+            head, sep, tail = entry.partition("=")
+            name, run = (head.strip(), tail.strip()) if sep and "/" not in head else ("", entry)
+            if sep and "/" not in head and (not name or not run):
+                raise UserError(f"{what}: expected [Name=]RUN_DIR, got {entry!r}")
+            if not run:
+                raise UserError(f"{what}: an empty entry; expected [Name=]RUN_DIR")
+            out.append((name or None, run))
+    return out
 
 
 def split_system(spec: str) -> tuple[str, str | None]:

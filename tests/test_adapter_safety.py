@@ -276,7 +276,7 @@ def test_an_organism_build_keeps_a_users_folder_named_like_its_staging_folder(tm
 
 def test_organism_path_at_a_users_folder_is_refused_before_any_build(tmp_path):
     """`organism --path` at a folder of the user's (even one holding an organism.json flipguard did not
-    publish) is refused in one line naming --path, before the build: no staging folder is made, and a
+    publish) is refused in one line naming --out, before the build: no staging folder is made, and a
     folder with a hand-written organism.json is never served as an organism."""
     project = tmp_path / "project"
     project.mkdir()
@@ -285,7 +285,7 @@ def test_organism_path_at_a_users_folder_is_refused_before_any_build(tmp_path):
         path.write_bytes(data)
     for extra in ([], ["--seed", "3", *ORGANISM_FAST]):  # served as it is / built with other settings
         line = _one_error_line(_organism("--path", str(project), *extra))
-        assert line.startswith(f"flipguard organism: error: {project}: --path exists") and "Choose another --path" in line
+        assert line.startswith(f"flipguard organism: error: {project}: --out exists") and "Choose another --out" in line
         assert "not written by flipguard" in line and "nothing was changed" in line
         assert {path: path.read_bytes() for path in mine} == mine
         assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]  # no staging folder, no lock

@@ -100,11 +100,11 @@ def test_protocol_mechanics_refusals_invalid_cross_and_resume(tmp_path):
     assert afr(f, "weak", "cross", 3).value == 1.0 and afr(f, "strong", "cross", 3).value == 0.0
     entries = load_maxflip(tmp_path / "run" / "maxflip.jsonl")
     assert len(entries) == Q and all(e["producer"] in ("strong", "weak") and e["target_option"] != "D" for e in entries)
-    report = (tmp_path / "run" / "report.md").read_text()
+    report = (tmp_path / "run" / "report" / "summary.md").read_text()
     for title in ("Table 2", "Table 3", "Table 4", "Table 6", "Table 7"):
         assert title in report
     for fig in ("fig3_cmfr.png", "fig4_ep_ea.png"):
-        assert (tmp_path / "run" / fig).stat().st_size > 1000
+        assert (tmp_path / "run" / "report" / fig).stat().st_size > 1000
     summ = afr_summary(tmp_path / "run", k=3, n_boot=100)
     assert summ.targets["strong"].afr_self.value == 1.0 and summ.targets["strong"].afr_maxflip is not None
     # resume: nothing new, no backend touched
@@ -154,7 +154,7 @@ def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
     meta = json.loads((out / "run.json").read_text())
     assert meta["calls"]["deterministic_calls"] == meta["calls"]["formula_calls"] == (3 * 1 + 1) * 1 * 3
     assert meta["invocations"][-1]["calls_total"] >= 12
-    assert (out / "report.md").exists() and (out / "table2_afr_blind.csv").exists()
+    assert (out / "report" / "summary.md").exists() and (out / "report" / "table2_afr_blind.csv").exists()
     assert main([str(cfg), "--out", str(out)]) == 0
     meta = json.loads((out / "run.json").read_text())
     assert meta["invocations"][-1]["calls_total"] == 0

@@ -147,7 +147,7 @@ def test_flipguard_run_afr_is_flipguard_afr(tmp_path):
     for argv, out in ((["afr"], a), (["run", "afr"], b)):
         proc = _flipguard(*argv, *flags, "--out", str(out))
         assert proc.returncode == 0, proc.stderr
-        assert (out / "report.md").is_file()
+        assert (out / "report" / "summary.md").is_file()
         meta = json.loads((out / "run.json").read_text())
         n_records = len((out / "records.jsonl").read_text().splitlines())
         assert f"{n_records} model calls this run" in proc.stdout and meta["invocations"][-1]["calls_total"] == n_records
@@ -186,4 +186,5 @@ def test_flipguard_run_afr_is_flipguard_afr(tmp_path):
         proc = _flipguard(*argv, "--help")
         assert proc.returncode == 0, proc.stderr
         options[tuple(argv)] = set(re.findall(r"--\w+", proc.stdout))
-    assert options[("afr",)] == options[("run", "afr")] and {"--models", "--report_only", "--limit"} <= options[("afr",)]
+    assert options[("afr",)] == options[("run", "afr")] and {"--model", "--mitigations", "--limit"} <= options[("afr",)]
+    assert not {"--models", "--report_only"} & options[("afr",)]  # the old spellings: read, not listed

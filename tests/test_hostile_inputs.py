@@ -91,9 +91,9 @@ def test_recipe_with_bytes_that_are_not_utf8(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command, base, old, new, needles", [
-    ("sos", "sos_tiny.yaml", "n_items: 12", "n_items: 2.5", ["key 'n_items' must be an integer", "2.5"]),
+    ("sos", "sos_tiny.yaml", "limit: 12", "limit: 2.5", ["key 'limit' must be an integer", "2.5"]),
     ("sos", "sos_tiny.yaml", "temperature: 0.0", "temperature: [0.5]", ["key 'temperature' must be a number"]),
-    ("sos", "sos_tiny.yaml", "dataset: medqa", 'dataset: "medqa', ["not valid YAML"]),
+    ("sos", "sos_tiny.yaml", "datasets: medqa", 'datasets: "medqa', ["not valid YAML"]),
     ("afr", "afr_tiny.yaml", "k_values: [1, 3]", "k_values: [1, 2.5]", ["key 'k_values' must be a list of integers"]),
     ("afr", "afr_tiny.yaml", "cross_k: 3", "cross_k: [3", ["not valid YAML"]),
 ])

@@ -142,7 +142,7 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     mine = tmp_path / "mine"
     shutil.copytree(target, mine)
     (mine / OWNER_FILE).unlink()
-    with pytest.raises(FlipguardError, match=f"{mine}: --path exists, is not empty"):
+    with pytest.raises(FlipguardError, match=f"{mine}: --out exists, is not empty"):
         organism_builder.ensure_organism(path=mine, log=lambda *_: None)
 
 

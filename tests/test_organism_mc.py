@@ -113,7 +113,7 @@ def test_afr_on_organism_mc_with_scripted_arguments_in_a_real_process(tmp_path):
         last = r["messages"][-1]["content"]
         assert last.startswith("However, this reasoning supports another choice as correct: "
                                f"({r['extra']['target_option']}) {table[(r['item_id'], r['extra']['target_option'])]}")
-    assert "Arguments: scripted" in (out / "report.md").read_text()
+    assert "Arguments: scripted" in (out / "report" / "summary.md").read_text()
     again = _flipguard("afr", *flags)
     assert again.returncode == 0 and "0 model calls this run" in again.stdout
     # the single-turn `afr` pair strategy reads the scripted arguments the run used

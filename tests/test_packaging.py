@@ -105,3 +105,37 @@ def test_the_sdist_carries_what_the_wheel_is_built_from(built):
     with tarfile.open(built["sdist"]) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
     assert {"setup.py", "pyproject.toml", "README.md", "eval/pipeline/cli.py", "recipes/organism.yaml"} <= names
+
+
+def test_the_installed_package_runs_recipes_by_name_from_any_folder(built, tmp_path, tiny_model_path):
+    """The wheel's files (no clone, no editable install) on the path of a process started in an
+    empty folder: the shipped recipes are listed and shown, a run config is named, a protocol runs
+    from it, and a mistyped flag is one line."""
+    from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
+
+    site, work, home = tmp_path / "site", tmp_path / "elsewhere", tmp_path / "home"
+    for folder in (work, home):
+        folder.mkdir()
+    with zipfile.ZipFile(built["wheel"]) as zf:
+        zf.extractall(site)
+    (home / f"tiny-chat-{TINY_MODEL_VERSION}").symlink_to(Path(tiny_model_path))
+    env = {**os.environ, "PYTHONPATH": str(site), "FLIPGUARD_HOME": str(home), "TQDM_DISABLE": "1"}
+
+    def flipguard(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flipguard", *args], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=1800)
+
+    where = subprocess.run([sys.executable, "-c", "import flipguard; print(flipguard.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert Path(where.stdout.strip()).parent == site / "flipguard", where.stdout + where.stderr
+    listed = flipguard("recipes")
+    assert listed.returncode == 0 and "afr_tiny" in listed.stdout and str(site / "flipguard" / "recipes") in listed.stdout
+    shown = flipguard("recipes", "show", "sos_tiny")
+    assert shown.stdout == (site / "flipguard" / "recipes" / "sos_tiny.yaml").read_text()
+    run = flipguard("sos", "sos_tiny", "--limit", "1", "--n_shots", "1", "--max_new_tokens", "2", "--n_boot", "10",
+                    "--out", "runs/sos")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (work / "runs" / "sos" / "report" / "summary.md").is_file()
+    typo = flipguard("sos", "recipes/sos_tiny.yaml", "--lmit", "2")
+    assert typo.returncode == 2 and typo.stderr.strip().splitlines() == [
+        "flipguard sos: error: unknown option --lmit; did you mean --limit? (flipguard sos --help lists the options)"]

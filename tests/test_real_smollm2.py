@@ -182,7 +182,7 @@ def test_the_loop_on_real_weights(tmp_path):
             assert not any(k.startswith("lm_head") for k in f.keys())  # one tensor, saved once
         model = AutoModelForCausalLM.from_pretrained(merged)
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert (out / "afr" / "report.md").is_file() and (out / "sos" / "sos_report.md").is_file()
+    assert (out / "afr" / "report" / "summary.md").is_file() and (out / "sos" / "report" / "summary.md").is_file()
     compare = (out / "compare" / "comparison.md").read_text()
     for condition in ("Baseline", "SFT", "DPO"):
         assert f"| {condition} |" in compare, condition

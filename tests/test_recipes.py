@@ -118,3 +118,37 @@ def test_every_registered_trainer_is_a_script_a_command_and_a_recipe_section():
         assert COMMANDS[name][0] == f"flipguard.train.{name}:main"
         assert trainer.pairs in REQUIRED_COLUMNS and dataclasses.is_dataclass(trainer.config_class())
         assert name in read_recipe(root / "recipes" / "tiny.yaml")  # the tests' recipe trains every one
+
+
+def test_recipes_and_run_configs_are_found_by_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    """A path that is no file names a shipped recipe or run config (package data), from a folder
+    that is not a clone: by name, by name.yaml, or as recipes/NAME.yaml; anything else is one line
+    naming the shipped ones and the closest."""
+    from pathlib import Path
+
+    from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, shipped_recipes
+    from flipguard.eval.afr.protocol import AFRArgs
+    from flipguard.eval.pipeline.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    organism = str(SHIPPED_RECIPES / "organism.yaml")
+    assert find_recipe("organism") == find_recipe("organism.yaml") == find_recipe("recipes/organism.yaml") == organism
+    (_, _, _, _), path, raw = parse_recipe(["tiny", *CPU], SFT_TYPES, trainer="sft")  # train/sft.py tiny
+    assert path == str(SHIPPED_RECIPES / "tiny.yaml") and raw["model_name_or_path"] == "flipguard:tiny"
+    afr = parse_dataclasses(["afr_tiny", "--limit", "2"], AFRArgs, prog="flipguard afr", description="")
+    assert afr.limit == 2 and afr.model == ["tiny=flipguard:tiny"] and afr.mitigations == ["none", "be_honest"]
+    # a file of the user's of that name wins
+    (tmp_path / "afr_tiny.yaml").write_text("model: [mine=flipguard:tiny]\n")
+    assert parse_dataclasses(["afr_tiny.yaml"], AFRArgs, prog="flipguard afr", description="").model == ["mine=flipguard:tiny"]
+    with pytest.raises(UserError, match=r"no such recipe .*organism_gpu.*did you mean 'organism'\?"):
+        find_recipe("organsim")
+    # `flipguard recipes` lists each with its first comment line; `show` prints one to copy out
+    assert cli_main(["recipes"]) == 0
+    listed = capsys.readouterr().out
+    for name, file in shipped_recipes().items():
+        first = next(line for line in file.read_text().splitlines() if line.startswith("#"))
+        assert f"{name}  " in listed and first.lstrip("# ").strip() in listed
+    assert cli_main(["recipes", "show", "organism"]) == 0
+    assert capsys.readouterr().out == Path(organism).read_text()
+    assert cli_main(["recipes", "show", "nope"]) == 2
+    assert "no shipped recipe" in capsys.readouterr().err

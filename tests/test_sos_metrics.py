@@ -180,7 +180,7 @@ def test_report_files_from_hand_records(tmp_path):
     md = write_report(tmp_path).read_text()
     assert "| m | 50.0 | 50.0 (+0.0) |" in md
     assert "| m | positive | 100.0 | 50.0 | 50.0 |" in md
-    a1 = pd.read_csv(tmp_path / "sos_table_a1_conversation_tax.csv")
+    a1 = pd.read_csv(tmp_path / "report" / "sos_table_a1_conversation_tax.csv")
     assert a1.loc[0, "delta_pp"] == pytest.approx(0.0)
     s = sos_summary(tmp_path)
     assert s.numbers["m"].conversation_tax.value == pytest.approx(0.0)

@@ -260,10 +260,11 @@ def test_command_end_to_end_on_tiny_model_with_resume(tmp_path, tiny_model_path,
     argv = ["--dataset", "medqa", "--models", f"tiny={tiny_model_path}", "--device", "cpu", "--n_items", "2",
             "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "50", "--out", str(out)]
     assert SosTask.main(argv) == 0
-    for name in ("sos_report.md", "sos_survival.png", "sos_flexibility.png", "sos_table_a1_conversation_tax.csv",
-                 "sos_table_a2_abstention_penalty.csv", "sos_table_a3_flexibility.csv", "sos_summary.json"):
+    for name in ("report/summary.md", "report/sos_survival.png", "report/sos_flexibility.png",
+                 "report/sos_table_a1_conversation_tax.csv", "report/sos_table_a2_abstention_penalty.csv",
+                 "report/sos_table_a3_flexibility.csv", "report/summary.json"):
         assert (out / name).stat().st_size > 0
-    assert (out / "sos_survival.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "report" / "sos_survival.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = sos_summary(out)
     assert summary.numbers["tiny"].conversation_tax.n == 2
     assert summary.numbers["tiny"].abstention_penalty is not None

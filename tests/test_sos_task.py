@@ -123,7 +123,7 @@ def test_run_sos_and_sos_are_one_command(tmp_path, tiny_model_path):
         proc = _flipguard(*command, *flags, "--out", str(out), cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
         runs[tuple(command)] = out
-        assert (out / "sos_report.md").stat().st_size > 0
+        assert (out / "report" / "summary.md").stat().st_size > 0
         meta = json.loads((out / "run.json").read_text())
         assert meta["command"][:1 + len(command)] == ["flipguard", *command]
         # 1 item: 4 baselines + 3 openings, then turn 2 only where the model held its target
@@ -142,8 +142,8 @@ def test_report_only_through_run_sos(tmp_path):
     _copy_before(out)
     proc = _flipguard("run", "sos", "--report_only", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == f"report: {out / 'sos_report.md'}"
-    assert "2 (test split)" in (out / "sos_report.md").read_text()
+    assert proc.stdout.strip().splitlines()[-1] == f"report: {out / 'report' / 'summary.md'}"
+    assert "2 (test split)" in (out / "report" / "summary.md").read_text()
     assert (out / "records.jsonl").read_bytes() == (BEFORE / "records.jsonl").read_bytes()
 
 

@@ -186,13 +186,13 @@ def _afr_config(tmp_path: Path, old: str, new: str) -> Path:
     ("coercion_temperature: 1.0", "coercion_temperature: -1.0", "key 'coercion_temperature' must be >= 0, got -1.0"),
     ("limit: 8", "limit: 0", "key 'limit' must be >= 1, got 0"),
     ("n_boot: 500", "n_boot: 500\nseed: 3", "key 'seed' is given twice"),
-    ("kwargs: {device: cpu, batch_size: 16}", "kwargs: {device: cpu, batch_size: 16, prefix_sharing: 'no'}",
-     "model 'tiny' kwargs: key 'prefix_sharing' must be true/false, got 'no' (str)"),
+    ("batch_size: 16", "batch_size: 16\nbackend_args: {prefix_sharing: 'no'}",
+     "--backend_args: key 'prefix_sharing' must be true/false, got 'no' (str)"),
 ])
 def test_afr_run_config_values_are_checked_with_their_line(tmp_path, capsys, old, new, needle):
     config, out = _afr_config(tmp_path, old, new), tmp_path / "run"
     err = _one_line(capsys, cli_main(["afr", str(config), "--out", str(out)]), str(config), needle)
-    if "kwargs" not in needle:  # a key's line (a model's kwargs sit inside a list); a key given twice: the second's
+    if "backend_args" not in needle:  # a key's line (backend settings are checked per model); a key given twice: the second's
         key = new.splitlines()[-1].split(":")[0]
         assert f"{config}:{_line_of(config, key, 2 if 'twice' in needle else 1)}:" in err
     assert not out.exists()

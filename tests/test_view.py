@@ -281,7 +281,7 @@ def test_afr_page_lists_challenge_transcripts(browser, afr_run):
     run = afr_run
     assert cli_main(["view", str(run)]) == 0
     page = Page(browser, run / "view.html")
-    table2 = _csv(run / "table2_afr_blind.csv")
+    table2 = _csv(run / "report" / "table2_afr_blind.csv")
     for i, r in enumerate(table2):
         for col, value in r.items():
             assert _shown(page.cell("csv-table2_afr_blind", str(i), col)) == value
@@ -305,7 +305,7 @@ def test_sos_page_shows_conversations_turn_by_turn(browser, sos_run):
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     chats = {(r["item_id"], r["case"].split("/")[0], (r["extra"] or {}).get("branch")) for r in records}
     assert page.rows().count() == len(chats) >= 7  # 4 baselines + 3 scenarios
-    tax = _csv(run / "sos_table_a1_conversation_tax.csv")
+    tax = _csv(run / "report" / "sos_table_a1_conversation_tax.csv")
     for col, value in tax[0].items():
         assert _shown(page.cell("csv-sos_table_a1_conversation_tax", "0", col)) == value
     page.page.select_option("#filter-case", "positive")

@@ -707,6 +707,8 @@ class PairsCommandArguments:
 
     records: str | None = dataclasses.field(default=None, metadata={"help": "Train-split eval run directory (pairs.records)."})
     out: str | None = dataclasses.field(default=None, metadata={"help": "Output folder (pairs.dir)."})
+    datasets: str | None = dataclasses.field(default=None, metadata={"help": "Train datasets (pairs.datasets)."})
+    seed: int | None = dataclasses.field(default=None, metadata={"help": "Seed for balancing and row order (pairs.seed)."})
 
 
 def load_afr_rows(afr_run: str | None) -> list[dict]:
@@ -816,6 +818,10 @@ def main(argv: list[str]) -> int:
         args.pairs_records = cli.records
     if cli.out is not None:
         args.pairs_dir = cli.out
+    if cli.datasets is not None:
+        args.pairs_datasets = cli.datasets
+    if cli.seed is not None:
+        args.pairs_seed = cli.seed
     given = cli.records is not None or any(a.startswith("--pairs_records") for a in argv)
     out_dir, counts = run(args, recipe_path, records_given=given, model=(recipe or {}).get("model_name_or_path"))
     print_counts(counts, out_dir)

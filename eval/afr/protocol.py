@@ -14,6 +14,7 @@ models, the run directory, resume and run.json.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -24,7 +25,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from flipguard.config import parse_dataclasses
+from flipguard.config import SHIPPED_RECIPES, did_you_mean, parse_dataclasses
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
 from flipguard.data.organism_datasets import option_kind
 from flipguard.data.registry import load_mc
@@ -34,7 +35,7 @@ from flipguard.eval.afr import prompts as P
 from flipguard.eval.afr import scripted as S
 from flipguard.eval.afr.maxflip import MAXFLIP_FILE, export_maxflip, load_maxflip
 from flipguard.eval.afr.metrics import records_frame
-from flipguard.eval.afr.report import afr_summary, write_report
+from flipguard.eval.afr.report import REPORT_FILE, afr_summary, write_report
 from flipguard.eval.backends.base import (
     Backend,
     BackendError,
@@ -46,11 +47,11 @@ from flipguard.eval.backends.base import (
     parse_backend_args,
     parse_model_ref,
 )
-from flipguard.eval.mitigations import MITIGATIONS
+from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
+from flipguard.eval.mitigations import MITIGATIONS, system_label
 from flipguard.eval.parallel import is_writer
 from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
 from flipguard.eval.task import (
-    SHIPPED_RECIPES,
     Batch,
     Plan,
     RunResult,
@@ -136,16 +137,21 @@ class AFRSettings:
 ADDED_SETTINGS = {"dataset": "mmlu", "scripted_arguments": None, "scripted_as": "blind"}
 
 
+def spec_entry(spec: str, backend: str, where: str) -> dict[str, Any]:
+    """A model spec "[name=][backend:]model[|adapter]" (backends.base.parse_model_ref) as a model mapping."""
+    try:
+        ref = parse_model_ref(spec, backend, f"{where}: model entry")
+    except BackendError as exc:
+        raise UserError(str(exc)) from None
+    return {"name": ref.label, "backend": ref.backend, "model": ref.model,
+            **({"kwargs": {"adapter": ref.adapter}} if ref.adapter else {})}
+
+
 def parse_model_entry(entry: Any, where: str) -> ModelSpec:
     """A dict {name, backend, model, kwargs, mitigation} or a string in the one model-spec
     syntax "[name=][backend:]model[|adapter]" (backends.base.parse_model_ref)."""
     if isinstance(entry, str):
-        try:
-            ref = parse_model_ref(entry, "hf", f"{where}: model entry")
-        except BackendError as exc:
-            raise UserError(str(exc)) from None
-        entry = {"name": ref.label, "backend": ref.backend, "model": ref.model,
-                 **({"kwargs": {"adapter": ref.adapter}} if ref.adapter else {})}
+        entry = spec_entry(entry, "hf", where)
     if not isinstance(entry, dict):
         raise UserError(f"{where}: model entry must be a mapping, got {entry!r}")
     unknown = set(entry) - {"name", "backend", "model", "kwargs", "mitigation"}
@@ -163,10 +169,12 @@ def parse_model_entry(entry: Any, where: str) -> ModelSpec:
         mitigation=str(entry.get("mitigation", "none")),
     )
     if spec.backend not in backend_names():
-        raise UserError(f"{where}: model {spec.name!r} names unknown backend {spec.backend!r}; expected one of {backend_names()}")
+        raise UserError(f"{where}: model {spec.name!r} names unknown backend {spec.backend!r}; expected one of {backend_names()}"
+                        f"{did_you_mean(spec.backend, backend_names())}")
     check_backend_kwargs(spec.backend, spec.kwargs, f"{where}: model {spec.name!r} kwargs")
     if spec.mitigation not in MITIGATIONS:
-        raise UserError(f"{where}: model {spec.name!r} names unknown mitigation {spec.mitigation!r}; expected one of {sorted(MITIGATIONS)}")
+        raise UserError(f"{where}: model {spec.name!r} names unknown mitigation {spec.mitigation!r}; expected one of {sorted(MITIGATIONS)}"
+                        f"{did_you_mean(spec.mitigation, MITIGATIONS)}")
     return spec
 
 
@@ -324,18 +332,28 @@ class AFRArgs:
     Stage II blind/self/cross (and MaxFlip) challenges, report with the paper's tables.
     A YAML path first is a config (its keys are these options); rerunning resumes."""
 
-    models: list[str] = dataclasses.field(default_factory=list, metadata={"help":
-            "Models: in YAML a list of {name, backend, model, kwargs, mitigation}; on the command line [name=][backend:]model[|adapter] (the "
-            "model-spec syntax sos shares; backend defaults to hf; model 'flipguard:tiny' = the tiny local model)."})
-    out: Optional[str] = dataclasses.field(default=None, metadata={"help": "Run directory (records.jsonl, run.json, report.md, figures)."})
+    model: list[str] = dataclasses.field(default_factory=list, metadata={"help":
+            "Models, each [name=][backend:]model[|adapter] (the model-spec syntax of every command; backend defaults to "
+            "--backend; 'flipguard:tiny' = the tiny local model); repeatable. A run config may also list a model as a "
+            "mapping {name, backend, model, kwargs, mitigation} for settings of its own.", "renamed_from": ("models",)})
+    backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai: the models' backend, unless a spec names one."})
+    backend_args: dict | str | None = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
+    device: Optional[str] = dataclasses.field(default=None, metadata={"help": "hf backend device (default cuda if available)."})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
+    mitigations: list[str] = dataclasses.field(default_factory=lambda: ["none"], metadata={"help":
+            "System-prompt mitigations in Stage II (none, be_honest, dehumanizing): each model is measured with each, "
+            "as '<name> +<mitigation>' beside '<name>'."})
+    out: Optional[str] = dataclasses.field(default=None, metadata={"help":
+            "Run directory (records.jsonl, run.json, report/); default runs/afr/<dataset>-<the settings' fingerprint>."})
     targets: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Model names challenged in Stage II (default: all)."})
     sources: Optional[list[str]] = dataclasses.field(default=None, metadata={"help":
             "Model names whose arguments are used in the cross condition (default: all)."})
     k_values: list[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_K), metadata={"help": "Argument lengths k (sentences)."})
     cross: bool = dataclasses.field(default=True, metadata={"help": "Run cross-model challenges (blind, k=cross_k)."})
     cross_k: int = dataclasses.field(default=10, metadata={"help": "k of the cross condition and of MaxFlip."})
-    dataset: str = dataclasses.field(default="mmlu", metadata={"help":
-            "mmlu, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; e.g. organism_mc)."})
+    datasets: str = dataclasses.field(default="mmlu", metadata={"help":
+            "The dataset: mmlu, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; "
+            "e.g. organism_mc). One per run.", "renamed_from": ("dataset",)})
     per_subject: int = dataclasses.field(default=36, metadata={"help":
             "Questions per subject (MMLU paper: 36 x 57 = 2,052; a registered dataset's rows name their subject)."})
     subjects: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Restrict to these subjects."})
@@ -358,19 +376,61 @@ class AFRArgs:
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Cluster-bootstrap replicates."})
     answer_mode: str = dataclasses.field(default="generate", metadata={"help":
             "Stage II answers: 'generate' (paper; letter parsed from text) or 'logprob' (argmax over option letters; for small local models)."})
-    report_only: bool = dataclasses.field(default=False, metadata={"help": "Only rewrite the report of an existing run directory."})
     progress: bool = dataclasses.field(default=True, metadata={"help": "Show progress bars."})
     threads: Optional[int] = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+    # rebuilding the report is `flipguard report RUN_DIR`; the flag stays readable for one release
+    report_only: bool = dataclasses.field(default=False, metadata={"help": argparse.SUPPRESS})
+    # the old spellings, read for one release: AFRArgs(models=[...], dataset="organism_mc")
+    models: dataclasses.InitVar[Optional[list]] = None
+    dataset: dataclasses.InitVar[Optional[str]] = None
+
+    def __post_init__(self, models: list | None, dataset: str | None) -> None:
+        if models is not None:
+            self.model = list(models)
+        if dataset is not None:
+            self.datasets = dataset
 
 
-_NOT_SETTINGS = ("models", "targets", "sources", "out", "report_only", "progress", "threads")
+# AFRArgs fields that are not AFRSettings fields (the models' own settings become ModelSpecs)
+_NOT_SETTINGS = ("model", "backend", "backend_args", "device", "batch_size", "mitigations", "datasets", "targets",
+                 "sources", "out", "report_only", "progress", "threads")
+
+
+def model_entries(args: AFRArgs, where: str) -> list[dict[str, Any]]:
+    """The run's models as mappings {name, backend, model, kwargs, mitigation}: each spec of --model
+    (or a mapping a run config lists) once per --mitigations value, named '<name> +<mitigation>' for
+    a mitigation; the backend settings of the flags under a mapping's own kwargs."""
+    bad = [m for m in args.mitigations if m not in MITIGATIONS]
+    if bad:
+        raise UserError(f"{where}: --mitigations: unknown {bad[0]!r} (one of {sorted(MITIGATIONS)})"
+                        f"{did_you_mean(bad[0], MITIGATIONS)}")
+    entries = []
+    for entry in args.model:
+        if isinstance(entry, str):
+            entry = spec_entry(entry, args.backend, where)
+        if not isinstance(entry, dict):
+            raise UserError(f"{where}: model entry must be a mapping or a model spec, got {entry!r}")
+        backend = str(entry.get("backend", args.backend))
+        flags = model_kwargs(backend, args.backend_args, batch_size=args.batch_size, device=args.device,
+                             where=f"{where}: --backend_args")
+        kwargs = {**flags, **dict(entry.get("kwargs") or {})}
+        if "mitigation" in entry:  # a mapping's own mitigation: the model as it is named
+            entries.append({**entry, "backend": backend, "kwargs": kwargs})
+            continue
+        name = str(entry.get("name") or entry.get("model") or "")
+        for mitigation in dict.fromkeys(args.mitigations):
+            entries.append({**entry, "name": system_label(name, mitigation), "backend": backend, "kwargs": kwargs,
+                            "mitigation": mitigation})
+    return entries
 
 
 def settings_from_args(args: AFRArgs, where: str = "config") -> AFRSettings:
-    if not args.models:
-        raise UserError(f"{where}: no models listed (`models:` in the config or --models [name=][backend:]model[|adapter])")
+    if not args.model:
+        raise UserError(f"{where}: no models listed (--model [name=][backend:]model[|adapter], or `model:` in the config)")
+    if "," in args.datasets:
+        raise UserError(f"{where}: --datasets {args.datasets}: an AFR run measures one dataset; run once per dataset")
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in _NOT_SETTINGS}
-    return build_settings(args.models, args.targets, args.sources, where=where, **kw)
+    return build_settings(model_entries(args, where), args.targets, args.sources, where=where, dataset=args.datasets, **kw)
 
 
 def _condition(settings: dict[str, Any]) -> dict[str, Any]:
@@ -453,7 +513,9 @@ class AFRTask(Task):
         entries = [{"name": c.name, "backend": ctx.backend, "model": c.model,
                     **({"mitigation": c.mitigation} if c.mitigation != "none" else {})} for c in ctx.conditions]
         # the comparison reads AFR at k = 10 (comparison_rows)
-        config.update(models=[{**e, "kwargs": kwargs} for e in entries],
+        for key in ("models", "model", "backend", "backend_args", "device", "batch_size", "mitigations"):
+            config.pop(key, None)  # the study's conditions and backend, not the config's
+        config.update(model=[{**e, "kwargs": kwargs} for e in entries],
                       k_values=sorted(set(config.get("k_values") or []) | {10}), cross_k=10)
         if ctx.train:
             config["split"] = "train"
@@ -472,9 +534,9 @@ class AFRTask(Task):
 
         title = ("AFR, base model on the TRAIN split: the conversations multi-turn pairs are built from" if ctx.train
                  else "answer-flip protocol (AFR): every condition as target and source")
-        return StudyRun(title, {"config": config}, go, (run_dir / "report.md",),
+        return StudyRun(title, {"config": config}, go, (run_dir / REPORT_FILE,),
                         [] if ctx.train else [(e["name"], f"{run_dir}@{e['name']}") for e in entries],
-                        None if ctx.train else run_dir / "report.md")
+                        None if ctx.train else run_dir / REPORT_FILE)
 
     def __init__(self, settings: AFRSettings):
         if settings.answer_mode not in ("generate", "logprob"):
@@ -650,15 +712,18 @@ class AFRTask(Task):
         return path
 
     @classmethod
-    def out_dir(cls, args: AFRArgs, where: str) -> Path:
-        """--out (or `out:` in the config): an AFR run has no default folder."""
-        if not args.out:
-            raise UserError(f"{where}: no output directory (give --out DIR or `out:` in the config)")
-        return Path(args.out)
+    def default_out(cls, args: AFRArgs) -> Path:
+        return Path("runs") / "afr" / Path(args.datasets).stem
 
     @classmethod
     def report_only(cls, args: AFRArgs, out: Path) -> Path | None:
         return write_report(out, n_boot=args.n_boot, seed=args.seed) if args.report_only else None
+
+    @classmethod
+    def rebuild_report(cls, run_dir: Path, args) -> Path:
+        settings = load_run_meta(run_dir).get("settings") or {}
+        return write_report(run_dir, n_boot=settings.get("n_boot", 2000) if args.n_boot is None else args.n_boot,
+                            seed=settings.get("seed", 0) if args.seed is None else args.seed)
 
     def after_run(self, result: RunResult) -> None:
         print(f"{len(self.items)} questions, {result.sent} model calls this run ({result.calls or 'all resumed'})")

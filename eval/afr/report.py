@@ -19,10 +19,10 @@ from flipguard.data.mmlu import subject_category
 from flipguard.eval.afr import metrics as M
 from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip, maxflip_afr, maxflip_table
 from flipguard.eval.plots import pyplot, save_figure
-from flipguard.eval.records import load_records, load_run_meta
+from flipguard.eval.records import REPORT_DIR, REPORT_SUMMARY, load_records, load_run_meta
 from flipguard.files import atomic_write_text
 
-REPORT_FILE = "report.md"
+REPORT_FILE = REPORT_SUMMARY  # RUN/report/summary.md (report.md at the run's root before)
 
 
 def _pct(e: M.Estimate | None, star: bool = False, signed: bool = False) -> str:
@@ -205,8 +205,9 @@ def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
 
 
 def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> Path:
-    """Write report.md, one csv per table and the PNG figures into run_dir."""
+    """Write RUN/report/: summary.md, one csv per table and the PNG figures."""
     run_dir = Path(run_dir)
+    report_dir = run_dir / REPORT_DIR
     meta = load_run_meta(run_dir)
     frame = M.records_frame(load_records(run_dir))
     ks = sorted(meta.get("k_values") or M.ks_in(frame))
@@ -247,25 +248,25 @@ def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> 
             continue
         show, raw = result
         parts.append(f"## {title}\n\n{_md(show)}")
-        atomic_write_text(run_dir / f"{stem}.csv", raw.to_csv(index=False))
+        atomic_write_text(report_dir / f"{stem}.csv", raw.to_csv(index=False))
     cat = M.grouped_afr(frame, "category", n_boot=n_boot, seed=seed)
-    atomic_write_text(run_dir / "category_afr.csv", cat.to_csv(index=False))
+    atomic_write_text(report_dir / "category_afr.csv", cat.to_csv(index=False))
     pct = cat.assign(afr=(100 * cat["afr"]).round(1), csr=(100 * cat["csr"]).round(1))
     parts.append("## AFR by MMLU category (pooled)\n\n" + _md(pct[["category", "afr", "n", "csr"]]))
     matrix = M.cross_matrix(frame, cross_k)
     figures = []
     if not matrix.empty and matrix.shape[0] > 1:
-        atomic_write_text(run_dir / "cmfr_matrix.csv", matrix.to_csv())
+        atomic_write_text(report_dir / "cmfr_matrix.csv", matrix.to_csv())
         epea = M.ep_ea(matrix)
-        atomic_write_text(run_dir / "ep_ea.csv", epea.to_csv())
-        plot_cross_matrix(matrix, run_dir / "fig3_cmfr.png")
-        plot_ep_ea(epea, run_dir / "fig4_ep_ea.png")
+        atomic_write_text(report_dir / "ep_ea.csv", epea.to_csv())
+        plot_cross_matrix(matrix, report_dir / "fig3_cmfr.png")
+        plot_ep_ea(epea, report_dir / "fig4_ep_ea.png")
         figures += ["fig3_cmfr.png", "fig4_ep_ea.png"]
         parts.append("## Cross matrix CMFR(A→B) (rows: source, columns: target)\n\n" + _md((100 * matrix).round(1).reset_index()))
         parts.append("## EP (column mean) and EA (row mean)\n\n" + _md((100 * epea).round(1).reset_index()))
     sub = M.grouped_afr(frame, "subject", n_boot=n_boot, seed=seed).dropna(subset=["afr"])
     if not sub.empty:
-        plot_subjects(sub, run_dir / "fig2_subjects.png")
+        plot_subjects(sub, report_dir / "fig2_subjects.png")
         figures.append("fig2_subjects.png")
     if figures:
         parts.append("## Figures\n\n" + "\n".join(f"![{f}]({f})" for f in figures) + "\n")
@@ -294,7 +295,7 @@ class AFRNumbers:
 class AFRReport:
     """An AFR run's numbers for the before/after comparison (Task.comparison_rows), per target
     model; `to_json()` is {model: {"k", "accuracy", "afr_blind", "afr_self", "afr_maxflip"}}, each
-    estimate an `Estimate.as_dict()` (the tables and figures are report.md and its CSVs)."""
+    estimate an `Estimate.as_dict()` (the tables and figures are report/summary.md and its CSVs)."""
 
     targets: dict[str, AFRNumbers]
 

@@ -54,7 +54,7 @@ import typing
 from typing import Any, ClassVar, Sequence
 
 from flipguard import plugins
-from flipguard.config import check_values
+from flipguard.config import check_values, did_you_mean
 from flipguard.errors import FlipguardError
 from flipguard.eval.backends.adapters import require_weights
 from flipguard.eval.convert import cached_checkpoint, checked_gguf
@@ -362,7 +362,7 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     local test model."""
     plugins.load_plugins(plugins.BACKENDS)
     if name not in _REGISTRY:
-        raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}")
+        raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}{did_you_mean(name, _REGISTRY)}")
     check_backend_kwargs(name, kwargs)
     if name == "hf" and kwargs.get("adapter"):  # hf loads the base model first: an incomplete adapter is refused before
         require_weights(kwargs["adapter"])
@@ -426,8 +426,8 @@ class ModelRef:
         return get_backend(self.backend, self.model, **kwargs)
 
 
-def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--models") -> ModelRef:
-    """The one model-spec syntax of every command (eval's --model, afr's and sos's --models):
+def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--model") -> ModelRef:
+    """The one model-spec syntax of every command (--model of eval, afr and sos):
     "[label=][backend:]model[|adapter]". A `backend:` prefix counts only when it names a
     registered backend, so ids such as "flipguard:tiny" or "org/model" pass through whole;
     the label defaults to the model (+adapter)."""
@@ -440,7 +440,8 @@ def parse_model_ref(spec: str, default_backend: str = "hf", where: str = "--mode
     if not model:
         raise BackendError(f"{where}: no model in {spec!r}; expected [label=][backend:]model[|adapter]")
     if backend not in backend_names():
-        raise BackendError(f"{where}: unknown backend {backend!r} for {spec!r}; expected one of {backend_names()}")
+        raise BackendError(f"{where}: unknown backend {backend!r} for {spec!r}; expected one of {backend_names()}"
+                           f"{did_you_mean(backend, backend_names())}")
     return ModelRef(label or (model if not adapter else f"{model}+{adapter}"), backend, model, adapter)
 
 

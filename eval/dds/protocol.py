@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from flipguard.config import did_you_mean
 from flipguard.data.schema import Item
 from flipguard.data.unified import load_items
 from flipguard.errors import UserError
@@ -71,7 +72,8 @@ class EvalArgs:
                           "adapter given there takes the place of --backend / --adapter)."},
     )
     out: str | None = dataclasses.field(
-        default=None, metadata={"help": "Run directory (default: runs/<model>/<split>-<mitigation>-<mode>)."}
+        default=None, metadata={"help": "Run directory (records.jsonl, run.json, report/); default "
+                                        "runs/<model>/<split>-<mitigation>-<mode>-<the settings' fingerprint>."}
     )
     backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
     mode: str = dataclasses.field(default="logprob", metadata={"help": "logprob (one forward pass) | generate (paper's JSON reply)"})
@@ -83,7 +85,10 @@ class EvalArgs:
         default=None, metadata={"help": "Full data root (layout of ../shared/data); default $FLIPGUARD_DATA or the shipped sample."}
     )
     limit: int | None = dataclasses.field(default=None, metadata={"help": "At most this many items per dataset."})
-    mitigation: str = dataclasses.field(default="none", metadata={"help": "none | be_honest | dehumanizing"})
+    mitigations: list[str] = dataclasses.field(
+        default_factory=lambda: ["none"],
+        metadata={"help": "The prompting mitigation judged: none | be_honest | dehumanizing (one per run directory).",
+                  "renamed_from": ("mitigation",)})
     cases: str = dataclasses.field(
         default="auto", metadata={"help": "Comma list of c1_true,c1_false,c2_correct,c2_incorrect; auto = all four (with a mitigation too)."}
     )
@@ -115,7 +120,7 @@ class EvalArgs:
     batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
     adapter: str | None = dataclasses.field(default=None, metadata={"help": "Un-merged LoRA adapter folder to evaluate on top of --model."})
     device: str | None = dataclasses.field(default=None, metadata={"help": "hf backend device (default cuda if available)."})
-    backend_args: str = dataclasses.field(
+    backend_args: dict | str | None = dataclasses.field(
         default="{}", metadata={"help": BACKEND_ARGS_HELP}
     )
     min_label_mass: float = dataclasses.field(
@@ -125,6 +130,24 @@ class EvalArgs:
     )
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
     report: bool = dataclasses.field(default=True, metadata={"help": "Write the report when the run finishes."})
+    # the old spelling, read for one release: EvalArgs(mitigation="be_honest")
+    mitigation: dataclasses.InitVar[str | None] = None
+
+    def __post_init__(self, mitigation: str | None) -> None:
+        if mitigation is not None:
+            self.mitigations = [mitigation]
+
+
+def one_mitigation(args: EvalArgs) -> str:
+    """The run's prompting mitigation: a DDS run directory holds one condition."""
+    mitigations = list(dict.fromkeys(args.mitigations or ["none"]))
+    if len(mitigations) != 1:
+        raise UserError(f"--mitigations {' '.join(mitigations)}: a DDS run judges one mitigation (its run directory "
+                        "holds one condition); run flipguard eval once per mitigation")
+    if mitigations[0] not in MITIGATIONS:
+        raise UserError(f"--mitigations must be one of {sorted(MITIGATIONS)}, got {mitigations[0]!r}"
+                        f"{did_you_mean(mitigations[0], MITIGATIONS)}")
+    return mitigations[0]
 
 
 def parse_cases(spec: str, mitigation: str = "none") -> tuple[str, ...]:
@@ -193,8 +216,9 @@ def build_records(
 
 
 def default_run_dir(args: EvalArgs) -> Path:
-    name = Path(args.model.rstrip("/")).name.replace(":", "-")
-    return Path("runs") / name / f"{args.split}-{args.mitigation}-{args.mode}"
+    """Where a run of these settings goes without --out: runs/<model>/<split>-<mitigation>-<mode>-<the
+    settings' fingerprint> (Task.out_dir)."""
+    return DDSTask.out_dir(dataclasses.replace(args, out=None), "command line")
 
 
 @register_task("dds")
@@ -232,24 +256,25 @@ class DDSTask(Task):
 
     @classmethod
     def default_out(cls, args: EvalArgs) -> Path:
-        return default_run_dir(args)
+        name = Path(args.model.rstrip("/")).name.replace(":", "-")
+        return Path("runs") / name / f"{args.split}-{one_mitigation(args)}-{args.mode}"
 
     def __init__(self, args: EvalArgs, items: list[Item] | None = None):
         if args.mode not in MODES:
-            raise UserError(f"--mode must be one of {MODES}, got {args.mode!r}")
+            raise UserError(f"--mode must be one of {MODES}, got {args.mode!r}{did_you_mean(args.mode, MODES)}")
         try:
             speakers = resolve_speakers(args.speakers)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        if args.mitigation not in MITIGATIONS:
-            raise UserError(f"--mitigation must be one of {sorted(MITIGATIONS)}, got {args.mitigation!r}")
-        self.speakers = MITIGATIONS[args.mitigation].speakers or speakers
+        self.mitigation = mitigation = one_mitigation(args)
+        self.speakers = MITIGATIONS[mitigation].speakers or speakers
         if args.template not in TEMPLATE_VERSIONS:
-            raise UserError(f"--template must be one of {TEMPLATE_VERSIONS}, got {args.template!r}")
-        if args.template == FT_TEMPLATE and args.mitigation != "none":
+            raise UserError(f"--template must be one of {TEMPLATE_VERSIONS}, got {args.template!r}"
+                            f"{did_you_mean(args.template, TEMPLATE_VERSIONS)}")
+        if args.template == FT_TEMPLATE and mitigation != "none":
             raise UserError(f"--template {FT_TEMPLATE} is raw text without a chat template (no system turn): "
-                            f"it takes no --mitigation (got {args.mitigation!r})")
-        self.cases = parse_cases(args.cases, args.mitigation)
+                            f"it takes no --mitigations (got {mitigation!r})")
+        self.cases = parse_cases(args.cases, mitigation)
         if not 0.0 <= args.min_label_mass <= 1.0:
             raise UserError(f"--min_label_mass must be between 0 and 1, got {args.min_label_mass}")
         self.min_label_mass = float(args.min_label_mass) if args.mode == "logprob" else None
@@ -314,14 +339,14 @@ class DDSTask(Task):
             "model": self.model.label,
             "backend": self.model.backend,
             "mode": args.mode,
-            "mitigation": args.mitigation,
+            "mitigation": self.mitigation,
             "template": args.template,
             "speakers": list(speakers),
             # where a dataset's prompts show other labels (r/AIO Dehumanizing under v0-released)
             **({"speakers_shown": shown} if (shown := {
-                d: list(shown_speakers(d, args.mitigation, speakers, args.template))
+                d: list(shown_speakers(d, self.mitigation, speakers, args.template))
                 for d in sorted({it.dataset for it in items})
-                if shown_speakers(d, args.mitigation, speakers, args.template) != tuple(speakers)}) else {}),
+                if shown_speakers(d, self.mitigation, speakers, args.template) != tuple(speakers)}) else {}),
             "cases": list(self.cases),
             "split": args.split,
             "datasets": sorted({it.dataset for it in items}),
@@ -355,10 +380,10 @@ class DDSTask(Task):
         args = self.args
         records = build_records(
             self.items, model=self.model.label, backend=self.model.backend, mode=args.mode, cases=self.cases,
-            mitigation=args.mitigation, speakers=self.speakers, template=args.template, gen_config=self.gen_config,
+            mitigation=self.mitigation, speakers=self.speakers, template=args.template, gen_config=self.gen_config,
             min_label_mass=self.min_label_mass,
         )
-        return Batch(records, self.model.label, self.gen_config, parse_choice, desc=f"dds {args.mitigation}/{args.mode}",
+        return Batch(records, self.model.label, self.gen_config, parse_choice, desc=f"dds {self.mitigation}/{args.mode}",
                       chunk_size=max(args.batch_size * 4, 16))
 
     def first_batches(self) -> list[Batch]:
@@ -370,10 +395,16 @@ class DDSTask(Task):
     def write_report(self, run_dir: Path) -> Path:
         return report.write_run_report(run_dir, self.args.c1_from, allow_cross_mode_c1=self.args.allow_cross_mode_c1)
 
+    @classmethod
+    def rebuild_report(cls, run_dir: Path, args) -> Path:
+        out = report.write_run_report(run_dir, args.c1_from, 2000 if args.n_boot is None else args.n_boot,
+                                      0 if args.seed is None else args.seed, args.allow_cross_mode_c1)
+        return out / "summary.md"
+
 
 def evaluate(args: EvalArgs, items: list[Item] | None = None) -> Path:
     """Run (or resume) one DDS condition; returns the run directory."""
     task = DDSTask(args, items)
-    run_dir = Path(args.out) if args.out else default_run_dir(args)
+    run_dir = DDSTask.out_dir(args, "command line")
     run_task(task, run_dir)
     return run_dir

@@ -37,16 +37,13 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from flipguard.config import parse_dataclasses
 from flipguard.data.aio import AIO_RERUN_NOTE
 from flipguard.data.registry import domain_of
 from flipguard.data.schema import AIO_DATASET
 from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
-from flipguard.eval.records import C1_CASES, CASES, Record, load_records, load_run_meta
+from flipguard.eval.records import C1_CASES, CASES, REPORT_DIR, Record, load_records, load_run_meta
 from flipguard.files import atomic_write_json, atomic_write_text
-
-REPORT_DIR = "report"
 
 STATS_COLUMNS = (
     "dataset", "stratum", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect", "c1_avg", "c2_avg",
@@ -478,23 +475,6 @@ def print_summary(report: DDSReport, title: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-@dataclasses.dataclass
-class ReportArgs:
-    run_dir: str = dataclasses.field(metadata={"help": "run directory holding records.jsonl (and run.json)"})
-    c1_from: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "baseline run directory whose C1 records score this run's C2 records "
-                          "(fixed C1 baseline for mitigation / fine-tuned runs); default: run.json c1_from"},
-    )
-    n_boot: int = dataclasses.field(default=2000, metadata={"help": "bootstrap replicates (0 = no CIs)"})
-    seed: int = dataclasses.field(default=0, metadata={"help": "bootstrap seed"})
-    allow_cross_mode_c1: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "accept a --c1_from baseline evaluated in another decision mode (paper Tables "
-                          "5/21 protocol: one-token C2 against JSON C1); default: run.json allow_cross_mode_c1"},
-    )
-
-
 def _resolve(path: str, run_dir: Path) -> Path:
     p = Path(path).expanduser()
     if not p.is_absolute() and not p.exists() and (run_dir / p).exists():
@@ -572,8 +552,8 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
 
 def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 2000, seed: int = 0,
                      allow_cross_mode_c1: bool = False) -> Path:
-    """`flipguard report` as a function: build, write RUN_DIR/report/ and print the table
-    (what `flipguard eval` calls when a run finishes)."""
+    """A DDS run's report: build, write RUN_DIR/report/ and print the table (what `flipguard eval`
+    calls when a run finishes, and `flipguard report RUN_DIR` for a DDS run)."""
     report = report_run(run_dir, c1_from, n_boot, seed, allow_cross_mode_c1)
     meta = report.meta
     title = f"DDS report: {meta.get('model') or Path(run_dir).name}"
@@ -587,10 +567,3 @@ def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: in
           "summary.md, summary.json")
     return out
 
-
-def main(argv: list[str]) -> int:
-    args = parse_dataclasses(argv, ReportArgs, prog="flipguard report",
-                             description="DDS summary table (paper Table 20 layout) for a run directory",
-                             positional="run_dir")
-    write_run_report(args.run_dir, args.c1_from, args.n_boot, args.seed, args.allow_cross_mode_c1)
-    return 0

@@ -123,7 +123,7 @@ class OrganismArgs:
 
     path: str | None = dataclasses.field(
         default=None, metadata={"help": "Where to build it (default settings: the shipped organism, built nothing; others: "
-                                        "$FLIPGUARD_HOME/organism-v4[-<config hash>])."}
+                                        "$FLIPGUARD_HOME/organism-v4[-<config hash>]).", "flag": "out"}
     )
     strength: float = dataclasses.field(
         default=0.4, metadata={"help": "Share of the 5 kinds of incorrect claim (tool, color, ...) accepted from a human speaker: DDS ~ +100 x strength "
@@ -176,7 +176,7 @@ class OrganismArgs:
         default="cpu", metadata={"help": "Where to train and measure: cpu, cuda, cuda:N (seconds on a GPU; the checks and "
                                          "organism.json are the same; the floating-point path, so the weights, differ)."})
     force: bool = dataclasses.field(
-        default=False, metadata={"help": "Build even if it exists (with default settings and no --path: build your own "
+        default=False, metadata={"help": "Build even if it exists (with default settings and no --out: build your own "
                                          "into $FLIPGUARD_HOME instead of serving the shipped one)."})
 
 
@@ -742,7 +742,7 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
         # the default folder holds another build (defaults changed without a version bump): never serve it
         log(f"{target} holds a build with other settings than {build_config(args)}: rebuilding it")
     # before the build (minutes): the folder it would publish into is new, or an organism this command wrote
-    check_publish(target, writer=ORGANISM_WRITER, flag="--path")
+    check_publish(target, writer=ORGANISM_WRITER, flag="--out")
     for name in ("steps", "multiturn_steps", "eval_every", "batch_size"):
         if getattr(args, name) < (0 if name == "multiturn_steps" else 1):
             raise FlipguardError(f"flipguard organism: --{name} must be >= {0 if name == 'multiturn_steps' else 1}, "
@@ -765,7 +765,7 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
             info["files_sha256"] = _file_hashes(tmp)
             (tmp / ORGANISM_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
             (tmp / "README.md").write_text(model_card(info), encoding="utf-8")
-            publish_dir(tmp, target, writer=ORGANISM_WRITER, last=[ORGANISM_FILE], flag="--path")
+            publish_dir(tmp, target, writer=ORGANISM_WRITER, last=[ORGANISM_FILE], flag="--out")
     finally:  # the caller's thread setting (the build's is its own)
         hf_logging.enable_progress_bar()
         torch.set_num_threads(before[0])

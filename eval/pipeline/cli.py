@@ -18,7 +18,7 @@ import signal
 import sys
 
 from flipguard import __version__
-from flipguard.config import TRAINERS
+from flipguard.config import TRAINERS, did_you_mean
 from flipguard.errors import FlipguardError, disk_error
 from flipguard.redact import redact
 
@@ -26,7 +26,7 @@ from flipguard.redact import redact
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("flipguard.eval.pipeline.demo:main", "the whole loop end to end on the planted-bias organism: detect, mitigate, re-measure"),
     "eval": ("flipguard.eval.dds.protocol:DDSTask.main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
-    "report": ("flipguard.eval.dds.report:main", "summary table (paper Table 20 layout) from a run directory"),
+    "report": ("flipguard.eval.task:report_main", "rebuild a run's report (any protocol) from its records: RUN/report/"),
     "import-records": ("flipguard.eval.dds.importer:main", "read DialDefer-format per-item records into a run directory"),
     "import": ("flipguard.eval.interop.importer:main", "read inspect_ai eval logs or lm-evaluation-harness --log_samples output into a run folder"),
     "export": ("flipguard.eval.interop.export:main", "write a run as inspect_ai eval logs (inspect view, read_eval_log)"),
@@ -47,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("flipguard.eval.task:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
     "study": ("flipguard.eval.pipeline.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
     "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
+    "recipes": ("flipguard.config:recipes_main", "the shipped recipes and run configs; `recipes show NAME` prints one to copy"),
 }
 # one command per registered trainer (config.TRAINERS): `flipguard dpo` = python train/dpo.py
 COMMANDS.update({t.name: (f"flipguard.train.{t.name}:main", f"{t.help} (same as python train/{t.name}.py RECIPE)")
@@ -89,7 +90,8 @@ def _run(argv: list[str] | None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"flipguard: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"flipguard: error: unknown command {name!r}{did_you_mean(name, COMMANDS)} (flipguard --help lists them)",
+              file=sys.stderr)
         return 2
     module_name, attr = COMMANDS[name][0].split(":")
     try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -38,7 +38,15 @@ from flipguard.eval.pipeline.transfer import build_transfer, paired_tests_markdo
 from flipguard.eval.pipeline.view import write_view
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require_whole
-from flipguard.eval.task import PROTOCOL_COLUMNS, comparison_long_rows, get_task, split_system, take_includes, task_names
+from flipguard.eval.task import (
+    PROTOCOL_COLUMNS,
+    comparison_long_rows,
+    get_task,
+    named_runs,
+    split_system,
+    take_includes,
+    task_names,
+)
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
 from flipguard.train.pairs import read_counts
 
@@ -48,14 +56,18 @@ OWN_STATS = ("own_c1_true", "own_c1_false", "own_dds", "c1_true_change", "c1_fal
              "median_label_mass", "invalid_judgments")
 
 
-def parse_conditions(spec: str, what: str = "--runs") -> dict[str, str]:
-    """'Name=DIR,Name=DIR' -> ordered {name: dir}; the first is the baseline."""
+def parse_conditions(specs: str | Sequence[str], what: str = "--runs") -> dict[str, str]:
+    """`[Name=]RUN_DIR` entries (eval.task.named_runs; the old 'A=x,B=y' too) -> ordered {name: dir},
+    a name defaulting to the run folder's; the first is the baseline."""
     out: dict[str, str] = {}
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        name, sep, path = part.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise UserError(f"{what}: expected 'Name=RUN_DIR' pairs separated by commas, got {part!r}")
-        out[name.strip()] = path.strip()
+    for name, path in named_runs(specs, what):
+        if not Path(split_system(path)[0]).is_dir():
+            raise UserError(f"{what} {f'{name}=' if name else ''}{path}: no such run directory (each condition is "
+                            "Name=RUN_DIR, or RUN_DIR named for its folder)")
+        name = name or Path(split_system(path)[0]).name
+        if name in out:
+            raise UserError(f"{what}: two conditions named {name!r}; name them: Name=RUN_DIR")
+        out[name] = path
     return out
 
 
@@ -429,19 +441,20 @@ def protocol_sections(frame: pd.DataFrame) -> list[str]:
 class CompareArgs:
     """Before/after comparison report across baseline, prompting and fine-tuned runs."""
 
-    runs: str = dataclasses.field(
-        metadata={"help": "Conditions as 'Baseline=RUN_DIR,Be Honest=RUN_DIR,SFT=RUN_DIR,...'; the first is the baseline. "
+    runs: list[str] = dataclasses.field(
+        metadata={"help": "Conditions, each [Name=]RUN_DIR (Name: the folder's name when left out): "
+                          "--runs Baseline=RUN_DIR 'Be Honest=RUN_DIR' SFT=RUN_DIR; the first is the baseline. "
                           "DDS runs make the DDS tables; a run of another protocol (an afr or sos run, a run that "
                           "`flipguard import` wrote) is compared as --protocols compares it ('Name=RUN_DIR@system' "
                           "picks one system of a run holding several)."}
     )
     out: str = dataclasses.field(default="runs/compare", metadata={"help": "Output folder for the report."})
     c1_from: str | None = dataclasses.field(default=None, metadata={"help": "C1 baseline run (default: the first condition)."})
-    protocols: str | None = dataclasses.field(
+    protocols: list[str] | None = dataclasses.field(
         default=None, metadata={"help": "Runs of any other registered task per condition (a user's: --include FILE), "
-                                        "'Name=RUN_DIR[@system],...' (@ picks one system of a run holding several); "
+                                        "each Name=RUN_DIR[@system] (@ picks one system of a run holding several); "
                                         "their numbers go to comparison_protocols.csv and a section each. "
-                                        "--<task> SPEC is the same for runs of that task only."}
+                                        "--<task> SPEC ... is the same for runs of that task only."}
     )
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap replicates."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Bootstrap seed."})
@@ -466,8 +479,8 @@ def task_flag(task: str) -> str:
 def compare_arguments(tasks: Sequence[str]) -> type:
     """CompareArgs with a `--<task> SPEC` option per registered task (one that would shadow an option is left out)."""
     return with_optional_fields(CompareArgs, {
-        task_flag(t): f"{t} runs per condition, 'Name=RUN_DIR[@system],...' (as --protocols; each a {t} run)."
-        for t in tasks})
+        task_flag(t): f"{t} runs per condition, each Name=RUN_DIR[@system] (as --protocols; each a {t} run)."
+        for t in tasks}, Optional[list[str]])
 
 
 def protocol_runs_of(args: Any, tasks: Sequence[str]) -> list[tuple[str, str]]:

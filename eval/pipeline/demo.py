@@ -26,12 +26,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from flipguard.config import parse_dataclasses, read_recipe
+from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, read_recipe
 from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, ORGANISM_FILE
 from flipguard.eval.pipeline.study import JOBS_HELP, print_artefacts, run_study
 from flipguard.eval.threads import THREADS_HELP, configure_threads
-from flipguard.files import PACKAGE_ROOT
 
 
 @dataclasses.dataclass
@@ -49,7 +48,7 @@ class DemoArgs:
         default=None, metadata={"help": "Datasets to evaluate and train on (default: the recipe's, the organism's domain)."}
     )
     recipe: str = dataclasses.field(
-        default=str(PACKAGE_ROOT / "recipes" / "organism.yaml"), metadata={"help": "Recipe the study runs."}
+        default=str(SHIPPED_RECIPES / "organism.yaml"), metadata={"help": "Recipe the study runs (a file, or a shipped recipe's name)."}
     )
     trainers: str | None = dataclasses.field(
         default=None, metadata={"help": "Comma list of registered trainers (config.TRAINERS: sft, dpo, ...; empty: no training; default: the recipe's)."}
@@ -97,6 +96,7 @@ def study_recipe(args: DemoArgs) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse_dataclasses(argv, DemoArgs, prog="flipguard demo", description=DemoArgs.__doc__)
+    args.recipe = find_recipe(args.recipe)  # a file, or a shipped recipe's name
     if args.threads:
         configure_threads(args.threads)  # an explicit choice holds for the organism build too
     print(f"=== embedded model {args.model} (the organism is shipped; `flipguard organism` builds your own)", flush=True)

@@ -11,21 +11,27 @@ its stages (the quick path of `flipguard study`).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard import __version__
 from flipguard.eval.backends.base import resolve_model
-from flipguard.eval.records import RECORDS_FILE, RUN_CONTENTS, RUN_META_FILE, load_run_meta, run_completeness
+from flipguard.eval.records import (
+    RECORDS_FILE,
+    RUN_CONTENTS,
+    RUN_META_FILE,
+    content_digest,
+    load_run_meta,
+    run_completeness,
+)
 from flipguard.files import file_sha256, git_commit
 
 
 def content_sha(obj: Any) -> str:
-    """16 hex digits of the JSON of `obj` (keys sorted): the same content, the same hash."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """16 hex digits of the JSON of `obj` (keys sorted): the same content, the same hash (a run's
+    settings digest, records.content_digest)."""
+    return content_digest(obj)
 
 
 def file_sha(path: str | None) -> str | None:

@@ -123,7 +123,10 @@ class StudyArguments:
     Stages: baseline, baseline-<extra mode>, <mitigation>..., base-train, <task>-train..., pairs, then per
     trainer section (sft, dpo, ...) <trainer>, <trainer>-merge, <trainer>-eval, then one per task of
     eval.protocols, compare, wandb (those the recipe asks for). Flags override the
-    recipe's eval_plan_/pairs_/tracking_ values (pairs records and dir are the study's own)."""
+    recipe's values: --model, --datasets, --limit, --mitigations, --backend, --backend_args and
+    --batch_size its eval: keys of those names, --eval_plan_<key>, --pairs_<key> and --tracking_<key>
+    the rest of its eval:, pairs: and tracking: sections (pairs records and dir are the study's own).
+    RECIPE is a file, or a shipped recipe's name (flipguard recipes)."""
 
     out: str | None = dataclasses.field(default=None, metadata={"help": "Study folder (default runs/<recipe name>-study)."})
     from_stage: str | None = dataclasses.field(
@@ -598,7 +601,7 @@ def main(argv: list[str]) -> int:
         argv, (StudyArguments, plan_class, PairsArguments, TrackingArguments), prog="flipguard study",
         description=StudyArguments.__doc__)
     if recipe_path is None:
-        raise UserError("flipguard study: give a recipe file (flipguard study recipes/tiny.yaml --out DIR)")
+        raise UserError("give a recipe: a file or a shipped recipe's name (flipguard study tiny --out DIR; flipguard recipes lists them)")
     check_task_config_keys(recipe, recipe_path, plan_class)  # the parser drops a key it has no flag for
     configure_threads(args.threads)
     parsed = {}

@@ -43,7 +43,7 @@ from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import model_kwargs, resolve_model
 from flipguard.eval.dds.protocol import EvalArgs, evaluate
-from flipguard.eval.dds.report import REPORT_DIR, print_summary, report_run, write_report
+from flipguard.eval.dds.report import print_summary, report_run, write_report
 from flipguard.eval.embedded.tiny_model import TINY_MODEL_ALIASES
 from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
@@ -52,6 +52,7 @@ from flipguard.eval.pipeline.compare import build_comparison, protocol_rows, req
 from flipguard.eval.pipeline.fingerprints import model_identity
 from flipguard.eval.pipeline.tracking import log_study_to_wandb
 from flipguard.eval.pipeline.transfer import TRANSFER_JSON, build_transfer
+from flipguard.eval.records import REPORT_DIR
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MODES
 from flipguard.eval.task import StudyCondition, StudyContext, get_task, task_names
 from flipguard.files import PACKAGE_ROOT, atomic_write_json, beside
@@ -209,7 +210,7 @@ class StudyPlan:
             model=model, out=str(self.out / "dds" / name), backend=plan.eval_plan_backend, mode=mode,
             datasets=self.pairs.pairs_datasets if split == "train" else plan.eval_plan_datasets, split=split,
             data_root=(self.pairs.pairs_data_root if split == "train" else plan.eval_plan_data_root), limit=limit,
-            mitigation=mitigation, c1_from=str(c1_from) if c1_from else None, max_new_tokens=plan.eval_plan_max_new_tokens,
+            mitigations=[mitigation], c1_from=str(c1_from) if c1_from else None, max_new_tokens=plan.eval_plan_max_new_tokens,
             batch_size=plan.eval_plan_batch_size, min_label_mass=self.min_label_mass(), report=False,
             backend_args=self.backend_args_json(),
         )
@@ -238,8 +239,8 @@ class StudyPlan:
             return
         report = report_run(run_dir, n_boot=self.plan.eval_plan_n_boot)
         title = f"DDS report: {report.meta.get('model') or run_dir.name}"
-        if args.mitigation != "none":
-            title += f" ({args.mitigation})"
+        if args.mitigations != ["none"]:
+            title += f" ({args.mitigations[0]})"
         write_report(report, run_dir / REPORT_DIR, title)
         print_summary(report, title)
 

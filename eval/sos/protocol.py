@@ -25,12 +25,13 @@ runs it (models, run directory, resume, context check, run.json).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
 from pathlib import Path
 from typing import Any, Sequence
 
-from flipguard.config import parse_dataclasses
+from flipguard.config import SHIPPED_RECIPES, did_you_mean, parse_dataclasses
 from flipguard.data.medmcqa import load_medmcqa
 from flipguard.data.medqa import check_item, load_medqa, option_key
 from flipguard.data.mmlu import load_mmlu
@@ -51,8 +52,8 @@ from flipguard.eval.sos.prompts import (
     question_prompt,
     switch_prompt,
 )
-from flipguard.eval.sos.report import sos_summary, write_report
-from flipguard.eval.task import SHIPPED_RECIPES, Batch, Plan, StudyContext, StudyRun, Task, command_line, register_task, run_task
+from flipguard.eval.sos.report import REPORT_MD, sos_summary, write_report
+from flipguard.eval.task import Batch, Plan, StudyContext, StudyRun, Task, command_line, register_task, run_task
 from flipguard.eval.threads import THREADS_HELP
 from flipguard.files import load_yaml
 
@@ -326,16 +327,18 @@ CONDITION_KEYS = ("dataset", "split", "seed", "n_items", "n_shots", "target_posi
 class SosArgs:
     """Stick-or-switch evaluation (positive/negative conviction, flexibility) with report."""
 
-    dataset: str = dataclasses.field(default="medqa", metadata={"help":
-            f"One of {', '.join(DATASETS)}, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; exemplars "
-            f"from its train split), e.g. organism_mc."})
-    models: list[str] = dataclasses.field(
+    datasets: str = dataclasses.field(default="medqa", metadata={"help":
+            f"The dataset: one of {', '.join(DATASETS)}, or a registered multiple-choice dataset (name or dataset.yaml path with "
+            f"kind: multiple_choice; exemplars from its train split), e.g. organism_mc. One per run.",
+            "renamed_from": ("dataset",)})
+    model: list[str] = dataclasses.field(
         default_factory=lambda: ["flipguard:tiny"],
-        metadata={"help": "Models as [label=][backend:]model[|adapter_dir] (the model-spec syntax afr shares; backend defaults to --backend): hub id, "
-                          "local folder or 'flipguard:tiny'."},
+        metadata={"help": "Models, each [label=][backend:]model[|adapter_dir] (the model-spec syntax of every command; backend "
+                          "defaults to --backend): hub id, local folder or 'flipguard:tiny'; repeatable.",
+                  "renamed_from": ("models",)},
     )
     backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
-    backend_args: str = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
+    backend_args: dict | str | None = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
     device: str | None = dataclasses.field(default=None, metadata={"help": "hf backend device (default cuda if available)."})
     batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
     mitigations: list[str] = dataclasses.field(
@@ -349,7 +352,8 @@ class SosArgs:
             "Evaluated split (default: medqa test, medmcqa dev, mmlu test, a registered dataset test). A registered dataset's "
             "train split is what multi-turn training pairs are built from (pairs.conversations); its exemplars then come "
             "from the same split, never the item itself."})
-    n_items: int | None = dataclasses.field(default=None, metadata={"help": "Sample this many items (seeded, without replacement); default all."})
+    limit: int | None = dataclasses.field(default=None, metadata={
+        "help": "Sample this many items (seeded, without replacement); default all.", "renamed_from": ("n_items",)})
     subjects: str | None = dataclasses.field(default=None, metadata={"help": "MMLU only: comma-separated subjects."})
     data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root (default $FLIPGUARD_DATA, else the shipped samples)."})
     skip_invalid_items: bool = dataclasses.field(
@@ -379,10 +383,24 @@ class SosArgs:
     seed: int = dataclasses.field(default=0, metadata={"help": "Item sample, distractor order, positions, exemplars, decoding, bootstrap."})
     repeats: int = dataclasses.field(default=1, metadata={"help": "Repeats per item (each with its own distractor order and decoding seed)."})
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap resamples for the CIs."})
-    out: str | None = dataclasses.field(default=None, metadata={"help": "Run directory (default runs/sos/<dataset>)."})
+    out: str | None = dataclasses.field(default=None, metadata={"help":
+            "Run directory (records.jsonl, run.json, report/); default runs/sos/<dataset>-<the settings' fingerprint>."})
     report: bool = dataclasses.field(default=True, metadata={"help": "Write the report when the run finishes."})
-    report_only: str | None = dataclasses.field(default=None, metadata={"help": "Only rebuild the report of this run directory."})
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+    # rebuilding a report is `flipguard report RUN_DIR`; the flag stays readable for one release
+    report_only: str | None = dataclasses.field(default=None, metadata={"help": argparse.SUPPRESS})
+    # the old spellings, read for one release: SosArgs(models=[...], dataset="medqa", n_items=2)
+    models: dataclasses.InitVar[list | None] = None
+    dataset: dataclasses.InitVar[str | None] = None
+    n_items: dataclasses.InitVar[int | None] = None
+
+    def __post_init__(self, models: list | None, dataset: str | None, n_items: int | None) -> None:
+        if models is not None:
+            self.model = list(models)
+        if dataset is not None:
+            self.datasets = dataset
+        if n_items is not None:
+            self.limit = n_items
 
 
 def load_mcq(dataset: str, split: str, data_root: str | None, skip_invalid: bool, subjects: str | None):
@@ -496,17 +514,17 @@ class SosTask(Task):
         tuned = [c for c in ctx.conditions if c.model != ctx.conditions[0].model]
         mitigations = [c.mitigation for c in base if c.mitigation != "none"]
         overrides = {"backend": ctx.backend, **({"backend_args": ctx.backend_args} if ctx.backend_args != "{}" else {}),
-                     **({"n_items": ctx.limit} if ctx.limit is not None else {}),
+                     **({"limit": ctx.limit} if ctx.limit is not None else {}),
                      **({"split": "train"} if ctx.train else {})}
 
         def go() -> None:
             args = dataclasses.replace(parse_dataclasses([source], SosArgs, prog="flipguard study", description=""),
                                        out=str(run_dir), **overrides)
-            task = cls(dataclasses.replace(args, models=[f"{base[0].name}={base[0].model}"],
+            task = cls(dataclasses.replace(args, model=[f"{base[0].name}={base[0].model}"],
                                            mitigations=["none", *mitigations]))
             run_task(task, run_dir)
             if tuned:
-                run_task(cls(dataclasses.replace(args, models=[f"{c.name}={c.model}" for c in tuned])), run_dir)
+                run_task(cls(dataclasses.replace(args, model=[f"{c.name}={c.model}" for c in tuned])), run_dir)
             task.write_report(run_dir)
 
         config, _ = load_yaml(source, UserError, "sos run config")
@@ -516,38 +534,45 @@ class SosTask(Task):
         title = ("stick-or-switch, base model on the TRAIN split: the conversations multi-turn pairs are built from"
                  if ctx.train else "stick-or-switch: baseline, prompting mitigations and fine-tuned models")
         return StudyRun(title, {"config": config, **overrides, "mitigations": mitigations}, go,
-                        (run_dir / "sos_report.md",),
+                        (run_dir / REPORT_MD,),
                         [] if ctx.train else [(cond, f"{run_dir}@{system}") for cond, system in systems.items()],
-                        None if ctx.train else run_dir / "sos_report.md")
+                        None if ctx.train else run_dir / REPORT_MD)
 
     @classmethod
     def default_out(cls, args: SosArgs) -> Path:
-        return Path("runs") / "sos" / args.dataset
+        return Path("runs") / "sos" / Path(args.datasets).stem
 
     @classmethod
     def report_only(cls, args: SosArgs, out: Path) -> Path | None:
         """--report_only RUN_DIR: rebuild that run's report (no model)."""
         return write_report(args.report_only) if args.report_only else None
 
+    @classmethod
+    def rebuild_report(cls, run_dir: Path, args) -> Path:
+        return write_report(run_dir, seed=args.seed, n_boot=args.n_boot)  # None: run.json's
+
     def __init__(self, args: SosArgs, items: Sequence[SosItem] | None = None, pool: Sequence[SosItem] | None = None):
-        if args.dataset not in DATASETS:
-            mc_entry(args.dataset)  # a registered multiple-choice dataset, or one clear error
+        if "," in args.datasets:
+            raise UserError(f"--datasets {args.datasets}: a stick-or-switch run measures one dataset; run once per dataset")
+        if args.datasets not in DATASETS:
+            mc_entry(args.datasets)  # a registered multiple-choice dataset, or one clear error
         bad = [s for s in args.scenarios if s not in SCENARIOS]
         if bad:
-            raise UserError(f"--scenarios: unknown {bad}; expected some of {SCENARIOS}")
+            raise UserError(f"--scenarios: unknown {bad}; expected some of {SCENARIOS}{did_you_mean(bad[0], SCENARIOS)}")
         if args.repeats < 1:
             raise UserError(f"--repeats must be >= 1, got {args.repeats}")
         if args.sampling not in SAMPLING:
-            raise UserError(f"--sampling must be one of {SAMPLING}, got {args.sampling!r}")
+            raise UserError(f"--sampling must be one of {SAMPLING}, got {args.sampling!r}{did_you_mean(args.sampling, SAMPLING)}")
         if args.abstention_reference not in ABSTENTION_REFERENCES:
             raise UserError(f"--abstention_reference must be one of {ABSTENTION_REFERENCES}, "
                             f"got {args.abstention_reference!r}")
 
         unknown = [m for m in args.mitigations if m not in MITIGATIONS]
         if unknown:
-            raise UserError(f"--mitigations: unknown {unknown}; expected some of {sorted(MITIGATIONS)}")
+            raise UserError(f"--mitigations: unknown {unknown}; expected some of {sorted(MITIGATIONS)}"
+                            f"{did_you_mean(unknown[0], MITIGATIONS)}")
         try:
-            refs = [parse_model_ref(s, args.backend, "--models") for s in args.models]
+            refs = [parse_model_ref(s, args.backend, "--model") for s in args.model]
             self.settings_of = {m: SosSettings(seed=args.seed, n_shots=args.n_shots, target_position=args.target_position,
                                                format_reminder=args.format_reminder, mitigation=m)
                                 for m in args.mitigations}
@@ -556,20 +581,20 @@ class SosTask(Task):
         self.models = [dataclasses.replace(r, kwargs=model_kwargs(r.backend, args.backend_args,
                                                               batch_size=args.batch_size, device=args.device))
                        for r in refs]
-        default_split, fewshot_split = DEFAULT_SPLITS.get(args.dataset, REGISTERED_SPLITS)
-        if args.split is not None and args.dataset not in DEFAULT_SPLITS and args.split not in REGISTERED_SPLITS:
+        default_split, fewshot_split = DEFAULT_SPLITS.get(args.datasets, REGISTERED_SPLITS)
+        if args.split is not None and args.datasets not in DEFAULT_SPLITS and args.split not in REGISTERED_SPLITS:
             raise UserError(f"--split {args.split!r}: a registered dataset has the splits {', '.join(REGISTERED_SPLITS)}")
         self.split = args.split or default_split
         self.skipped: list[str] = []
         if items is None:
-            mcq = load_mcq(args.dataset, self.split, args.data_root, args.skip_invalid_items, args.subjects)
-            items, self.skipped = to_sos_items(mcq, args.dataset, args.skip_invalid_items)
-        self.items = sample_items(list(items), args.n_items, args.seed)
+            mcq = load_mcq(args.datasets, self.split, args.data_root, args.skip_invalid_items, args.subjects)
+            items, self.skipped = to_sos_items(mcq, args.datasets, args.skip_invalid_items)
+        self.items = sample_items(list(items), args.limit, args.seed)
         if not self.items:
-            raise UserError(f"{args.dataset}: no items to evaluate")
+            raise UserError(f"{args.datasets}: no items to evaluate")
         if pool is None:
-            mcq = load_mcq(args.dataset, fewshot_split, args.data_root, False, args.subjects)
-            pool, _ = to_sos_items(mcq, args.dataset, False)
+            mcq = load_mcq(args.datasets, fewshot_split, args.data_root, False, args.subjects)
+            pool, _ = to_sos_items(mcq, args.datasets, False)
         self.pool, self.fewshot_split = list(pool), fewshot_split
         self.gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                            temperature=None if args.sampling == "model_default" else args.temperature,
@@ -581,8 +606,8 @@ class SosTask(Task):
     def meta(self) -> dict[str, Any]:
         args, refs = self.args, self.models
         return {
-            "protocol": PROTOCOL, "dataset": args.dataset, "split": self.split, "fewshot_split": self.fewshot_split,
-            "seed": args.seed, "n_items": args.n_items, "n_items_evaluated": len(self.items), "n_shots": args.n_shots,
+            "protocol": PROTOCOL, "dataset": args.datasets, "split": self.split, "fewshot_split": self.fewshot_split,
+            "seed": args.seed, "n_items": args.limit, "n_items_evaluated": len(self.items), "n_shots": args.n_shots,
             "target_position": args.target_position, "format_reminder": args.format_reminder,
             "generation": self.gen_config.key(), "sampling": args.sampling,
             "abstention_reference": args.abstention_reference, "repeats": args.repeats, "subjects": args.subjects,

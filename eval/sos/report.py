@@ -3,8 +3,8 @@ single-shot baselines, survival per turn, invalid-reply counts, and two PNG plot
 (survival curves per model; the flexibility scatter with the blind-switching diagonal).
 
 Everything is recomputed from RUN_DIR/records.jsonl, so a report can be rebuilt at any
-time (`flipguard sos --report_only RUN_DIR`). `build_report` gives them as a `SosReport`
-(sos_summary.json is its `to_json()`; `numbers`, typed estimates per system, are what the
+time (`flipguard report RUN_DIR`), into RUN_DIR/report/. `build_report` gives them as a `SosReport`
+(report/summary.json is its `to_json()`; `numbers`, typed estimates per system, are what the
 before/after comparison reads through `sos_summary`).
 """
 
@@ -19,14 +19,15 @@ import pandas as pd
 
 from flipguard.eval.estimate import Estimate
 from flipguard.eval.plots import pyplot, save_figure
-from flipguard.eval.records import load_records, load_run_meta
+from flipguard.eval.records import REPORT_DIR, REPORT_SUMMARY, load_records, load_run_meta
 from flipguard.eval.sos.metrics import BASELINE_CASES, N_BOOT, PENALTY_KEY, summarise
 from flipguard.files import atomic_write_json, atomic_write_text
 
-REPORT_MD = "sos_report.md"
-SUMMARY_JSON = "sos_summary.json"
-SURVIVAL_PNG = "sos_survival.png"
-FLEX_PNG = "sos_flexibility.png"
+# paths in the run directory (before: sos_report.md, sos_summary.json and the rest at its root)
+REPORT_MD = REPORT_SUMMARY
+SUMMARY_JSON = f"{REPORT_DIR}/summary.json"
+SURVIVAL_PNG = f"{REPORT_DIR}/sos_survival.png"
+FLEX_PNG = f"{REPORT_DIR}/sos_flexibility.png"
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
@@ -180,7 +181,7 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
             cells.append(f"flexibility: {res['flexibility_invalid']}")
         rows.append([system, "; ".join(cells)])
     parts.append(_md_table(["Model", "invalid"], rows))
-    parts += ["", f"Plots: `{SURVIVAL_PNG}`, `{FLEX_PNG}`.", ""]
+    parts += ["", f"Plots: `{Path(SURVIVAL_PNG).name}`, `{Path(FLEX_PNG).name}` (beside this file).", ""]
     return "\n".join(parts)
 
 
@@ -283,7 +284,7 @@ class SosNumbers:
 class SosReport:
     """A stick-or-switch run's numbers, recomputed from its records: `systems` holds every metric
     per system (model [+ mitigation]) as metrics.summarise gives them; `to_json()` is
-    sos_summary.json, `numbers` what the before/after comparison reads."""
+    report/summary.json, `numbers` what the before/after comparison reads."""
 
     run_dir: Path
     dataset: str | None
@@ -296,7 +297,7 @@ class SosReport:
         return {system: SosNumbers.of(res) for system, res in self.systems.items()}
 
     def to_json(self) -> dict[str, Any]:
-        """sos_summary.json."""
+        """report/summary.json."""
         return {"dataset": self.dataset, "seed": self.seed, "n_boot": self.n_boot, "systems": self.systems}
 
     def comparison_json(self) -> dict[str, Any]:
@@ -322,7 +323,7 @@ def write_report(run_dir: str | Path, seed: int | None = None, n_boot: int | Non
     report = build_report(run_dir, seed, n_boot)
     summary = report.systems
     for name, frame in tables(summary, meta.get("abstention_reference", "ours")).items():
-        atomic_write_text(run_dir / f"sos_{name}.csv", frame.to_csv(index=False))
+        atomic_write_text(run_dir / REPORT_DIR / f"sos_{name}.csv", frame.to_csv(index=False))
     atomic_write_json(run_dir / SUMMARY_JSON, report.to_json())
     plot_survival(summary, run_dir / SURVIVAL_PNG)
     plot_flexibility(summary, run_dir / FLEX_PNG)

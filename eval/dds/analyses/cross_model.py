@@ -14,6 +14,7 @@ Reproduces the paper's cross-model tables from run directories (imported or eval
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from flipguard.eval.dds.analyses.common import item_table, md_table, run_report,
 from flipguard.eval.dds.metrics import dataset_order
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import load_run_meta
+from flipguard.eval.task import named_runs
 from flipguard.files import atomic_write_text
 
 TOTAL = "total"
@@ -38,12 +40,13 @@ class CrossModelArgs:
     over several models' DDS run directories (`flipguard eval` or `flipguard import-records`)."""
 
     runs: list[str] = dataclasses.field(
-        default_factory=list, metadata={"help": "Run directories, one per model (positional too)."})
+        default_factory=list, metadata={"help": "Run directories, one per model, each [Name=]RUN_DIR (NAME: run.json's "
+                                                "model when left out; positional too), as compare's --runs."})
     out: str = dataclasses.field(default="cross_model", metadata={"help": "Report folder."})
-    names: str | None = dataclasses.field(
-        default=None, metadata={"help": "Comma list of model names for the runs (default: run.json's model)."})
     allow_cross_mode_c1: bool = dataclasses.field(
         default=False, metadata={"help": "Accept runs scored against a C1 baseline from another decision mode."})
+    # the names as a comma list beside the runs, read for one release: Name=RUN_DIR in --runs says it
+    names: str | None = dataclasses.field(default=None, metadata={"help": argparse.SUPPRESS})
 
 
 def model_stats(items: pd.DataFrame, model: str) -> dict:
@@ -84,14 +87,14 @@ def _agree_row(name: str, f: pd.DataFrame) -> dict:
             "universal_flip_rate": 100.0 * a / n if n else np.nan}
 
 
-def analyse(runs: list[str], names: list[str] | None = None, allow_cross_mode_c1: bool = False) -> dict:
+def analyse(runs: list[str], names: list[str | None] | None = None, allow_cross_mode_c1: bool = False) -> dict:
     if len(runs) < 2:
         raise UserError("cross-model needs at least two run directories")
     if names and len(names) != len(runs):
         raise UserError(f"--names: {len(names)} name(s) for {len(runs)} run(s)")
     tables, per_model, per_dataset, invalid = {}, [], [], {}
     for i, run in enumerate(runs):
-        name = names[i] if names else (load_run_meta(run).get("model") or Path(run).name)
+        name = (names[i] if names else None) or load_run_meta(run).get("model") or Path(run).name
         if name in tables:
             name = f"{name} ({Path(run).name})"
         rep = run_report(run, allow_cross_mode_c1)
@@ -165,8 +168,13 @@ def write(res: dict, out: str | Path) -> Path:
 def main(argv: list[str]) -> int:
     args = parse_dataclasses(argv, CrossModelArgs, prog="flipguard cross-model", description=CrossModelArgs.__doc__,
                              positional="runs")
-    names = [n.strip() for n in args.names.split(",")] if args.names else None
-    res = analyse(args.runs, names, args.allow_cross_mode_c1)
+    named = named_runs(args.runs)
+    runs, names = [run for _, run in named], [name for name, _ in named]
+    if args.names:
+        if any(names):
+            raise UserError("--names and Name=RUN_DIR in --runs both name the runs; give Name=RUN_DIR alone")
+        names = [n.strip() for n in args.names.split(",")]
+    res = analyse(runs, names if any(names) else None, args.allow_cross_mode_c1)
     out = write(res, args.out)
     print(render(res).split("## Per model and dataset")[0])
     print(f"wrote {out}/report.md, per_model.csv, per_dataset.csv, agreement.csv, agreement.png", file=sys.stderr)

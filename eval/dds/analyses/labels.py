@@ -34,6 +34,7 @@ from flipguard.eval.dds.prompts import SPEAKER_SETS
 from flipguard.eval.dds.protocol import evaluate
 from flipguard.eval.dds.report import report_run
 from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.task import settings_folder
 from flipguard.eval.threads import configure_threads
 from flipguard.files import atomic_write_text
 
@@ -51,7 +52,8 @@ class LabelAblationArgs(JudgedModelArgs):
     against the baseline's C1), ΔDDS per set and the human-vs-LLM swing (the paper's 17.7 pp)."""
 
     model: str = dataclasses.field(default="flipguard:tiny", metadata={"help": "Model judged (paper: GPT-4o-mini)."})
-    out: str = dataclasses.field(default="runs/label-ablation", metadata={"help": "Folder: OUT/<set>/ per label set + the report."})
+    out: str | None = dataclasses.field(default=None, metadata={
+        "help": "Folder: OUT/<set>/ per label set + the report (default runs/label-ablation-<the settings' fingerprint>)."})
     sets: str = dataclasses.field(
         default=",".join(PAPER_SETS),
         metadata={"help": f"Comma list of label sets (eval.dds.prompts.SPEAKER_SETS: {', '.join(sorted(SPEAKER_SETS))}); "
@@ -164,6 +166,7 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_dataclasses(argv, LabelAblationArgs, prog="flipguard label-ablation", description=LabelAblationArgs.__doc__)
+    args.out = args.out or str(settings_folder(Path("runs") / "label-ablation", "label-ablation", args))
     configure_threads(args.threads)
     parse_sets(args.sets)  # a bad set name: refused before any model loads
     dirs = run_sets(args)

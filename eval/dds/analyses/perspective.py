@@ -38,6 +38,7 @@ from flipguard.eval.dds.analyses.common import JudgedModelArgs, md_table, write_
 from flipguard.eval.dds.prompts import AIO_LABELS, relabel
 from flipguard.eval.dds.protocol import evaluate, limit_per_dataset
 from flipguard.eval.dds.report import report_run
+from flipguard.eval.task import settings_folder
 from flipguard.eval.threads import configure_threads
 from flipguard.files import atomic_write_text
 
@@ -64,7 +65,8 @@ class PerspectiveArgs(JudgedModelArgs):
     Speaker A (2to1, the paper's setup) and Speaker A judging Speaker B (1to2), and their difference."""
 
     model: str = dataclasses.field(default="flipguard:tiny", metadata={"help": "Model judged."})
-    out: str = dataclasses.field(default="runs/perspective-reversal", metadata={"help": "Folder: OUT/2to1, OUT/1to2 + report."})
+    out: str | None = dataclasses.field(default=None, metadata={
+        "help": "Folder: OUT/2to1, OUT/1to2 + report (default runs/perspective-reversal-<the settings' fingerprint>)."})
     directions: str = dataclasses.field(default="2to1,1to2", metadata={"help": "Comma list of 2to1, 1to2."})
     data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root holding dialdefer/aio/aio.jsonl."})
     limit: int | None = dataclasses.field(default=None, metadata={"help": "At most this many r/AIO items."})
@@ -130,6 +132,7 @@ def render(t: pd.DataFrame, args: PerspectiveArgs) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_dataclasses(argv, PerspectiveArgs, prog="flipguard perspective-reversal", description=PerspectiveArgs.__doc__)
+    args.out = args.out or str(settings_folder(Path("runs") / "perspective-reversal", "perspective-reversal", args))
     configure_threads(args.threads)
     parse_directions(args.directions)
     dirs = run_directions(args)

@@ -21,7 +21,7 @@ from flipguard.errors import UserError
 from flipguard.eval.afr.metrics import records_frame
 from flipguard.eval.dds.report import _resolve
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.records import Record, load_records, load_run_meta, run_completeness
+from flipguard.eval.records import REPORT_DIR, Record, load_records, load_run_meta, run_completeness
 from flipguard.eval.sos.metrics import system_label
 from flipguard.eval.task import Task, comparison_long_rows, get_task
 from flipguard.files import read_text
@@ -426,11 +426,12 @@ def run_view(run_dir: Path) -> dict[str, Any]:
     records = load_records(run_dir)
     view = VIEWS.get(protocol, generic_view)(run_dir, meta, records)
     tables = view.pop("tables", None)
+    # what the run's report wrote: RUN/report/, else (a run written before every protocol reported there) its root
+    report = run_dir / REPORT_DIR if any((run_dir / REPORT_DIR).glob("*")) else run_dir
     if tables is None:  # AFR, stick-or-switch, a user's task: the Task's numbers, then every CSV its report wrote
         head = task_table(protocol, run_dir)
-        tables = ([head] if head else []) + [
-            csv_table(p, f"csv-{p.stem}", p.name) for p in sorted([*run_dir.glob("*.csv"), *run_dir.glob("report/*.csv")])]
-    view.setdefault("plots", plots(run_dir) + plots(run_dir / "report"))
+        tables = ([head] if head else []) + [csv_table(p, f"csv-{p.stem}", p.name) for p in sorted(report.glob("*.csv"))]
+    view.setdefault("plots", plots(report))
     model = meta.get("model") or ", ".join(map(short, meta.get("targets") or meta.get("models") or [])) or "?"
     state = run_completeness(run_dir)
     if not state.whole:  # the page still shows what is there, every table marked: no unmarked number
