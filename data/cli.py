@@ -32,7 +32,7 @@ class DataArgs:
     )
     data_root: str = dataclasses.field(
         default="",
-        metadata={"help": "data folder (layout of shared/data); default $FLIPGUARD_DATA, else the shipped samples"},
+        metadata={"help": "data folder (layout: docs/data-root.md); default $FLIPGUARD_DATA, else the shipped samples"},
     )
     export: str = dataclasses.field(default="", metadata={"help": "write the items as Item JSONL to this path"})
     register: str = dataclasses.field(

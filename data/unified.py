@@ -238,7 +238,7 @@ def load_test_items(datasets: Iterable[str], root: Path) -> list[Item]:
             f"{root}: no test file for {len(missing)} of the {len(builtin)} datasets asked for: "
             f"{', '.join(f'{d} ({_test_path(root, d)})' for d in missing)}. "
             + (f"Choose the ones present: --datasets {','.join(present)}" if present else
-               "This folder does not have the layout of ../shared/data (see flipguard data --help)")
+               "This folder does not have the layout of a data root (docs/data-root.md)")
         )
     items: list[Item] = []
     for dataset in datasets:

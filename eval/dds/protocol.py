@@ -82,7 +82,7 @@ class EvalArgs:
     )
     split: str = dataclasses.field(default="test", metadata={"help": "test | train (train: items for pair building)."})
     data_root: str | None = dataclasses.field(
-        default=None, metadata={"help": "Full data root (layout of ../shared/data); default $FLIPGUARD_DATA or the shipped sample."}
+        default=None, metadata={"help": "Full data root (layout: docs/data-root.md); default $FLIPGUARD_DATA or the shipped sample."}
     )
     limit: int | None = dataclasses.field(default=None, metadata={"help": "At most this many items per dataset."})
     mitigations: list[str] = dataclasses.field(

@@ -35,8 +35,8 @@ from flipguard.eval.threads import THREADS_HELP, configure_threads
 
 @dataclasses.dataclass
 class DemoArgs:
-    """Run the whole flipguard loop end to end on the planted-bias organism (built locally,
-    cached) and its shipped synthetic dataset: detect the deference, mitigate it, re-measure.
+    """Run the whole flipguard loop end to end on the planted-bias organism (shipped with
+    flipguard, 1.6 MB) and its shipped synthetic dataset: detect the deference, mitigate it, re-measure.
     It is `flipguard study recipes/organism.yaml`; options left unset keep the recipe's values."""
 
     out: str = dataclasses.field(default="runs/demo", metadata={"help": "Where every artefact goes."})
