@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from one_line import one_line
 
 from flipguard.eval.pipeline.cli import COMMANDS
 from flipguard.eval.pipeline.cli import main as cli_main
@@ -27,16 +28,6 @@ SHARED = ["--backend", "hf", "--backend_args", '{"prefix_sharing": false}', "--d
 
 def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _one_line(capsys, code: int, *needles: str) -> str:
-    """Exit 2, one line on stderr holding every needle, no traceback."""
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 @pytest.fixture(scope="module")
@@ -224,33 +215,33 @@ def _first_option(command: list[str], capsys) -> str:
 
 @pytest.mark.parametrize("command", sorted(set(COMMANDS) - {"run", "recipes", "import"})
                          + ["run dds", "run afr", "run sos", "import inspect", "import lm-eval"])
-def test_every_command_names_a_mistyped_flag_in_one_line(command, capsys):
+def test_every_command_names_a_mistyped_flag_inone_line(command, capsys):
     command = command.split()
     option = _first_option(command, capsys)
     typo = _mistyped(option)
     assert typo != option
-    _one_line(capsys, cli_main([*command, typo, "1"]), f"unknown option {typo}; did you mean {option}?")
+    one_line(capsys, cli_main([*command, typo, "1"]), f"unknown option {typo}; did you mean {option}?")
 
 
 def test_mistyped_values_commands_and_recipes_are_one_line_with_the_closest(capsys):
-    _one_line(capsys, cli_main(["eval", "--mode", "logprb"]), "did you mean 'logprob'?")
-    _one_line(capsys, cli_main(["eval", "--mitigations", "be_honset"]), "did you mean 'be_honest'?")
-    _one_line(capsys, cli_main(["sos", "--mitigations", "dehumanising"]), "did you mean 'dehumanizing'?")
-    _one_line(capsys, cli_main(["pairs", "--pairs_strategy", "flip"]), "did you mean 'flips'?")
-    _one_line(capsys, cli_main(["eval", "--datasets", "bqq", "--limit", "1"]), "unknown dataset 'bqq'", "did you mean 'bbq'?")
-    _one_line(capsys, cli_main(["sos", "--backend", "hff", "--limit", "1"]), "unknown backend 'hff'", "did you mean 'hf'?")
-    _one_line(capsys, cli_main(["afr", "--datasets", "organism_m", "--model", "flipguard:tiny"]), "did you mean 'organism_mc'?")
-    _one_line(capsys, cli_main(["eval", "--limit", "two"]), "argument --limit: invalid int value: 'two'")
-    _one_line(capsys, cli_main(["run", "ssos"]), "did you mean 'sos'?")
-    _one_line(capsys, cli_main(["evl"]), "unknown command 'evl'; did you mean 'eval'?")
-    _one_line(capsys, cli_main(["study", "organsim"]), "did you mean 'organism'?")
-    _one_line(capsys, cli_main(["recipes", "shwo", "organism"]), "did you mean 'show'?")
-    _one_line(capsys, cli_main(["eval", "--n_boot", "9"]), "unknown option --n_boot")  # eval's report takes no such flag
-    _one_line(capsys, cli_main(["eval", "--n_items", "2"]), "unknown option --n_items; did you mean --limit?")
-    _one_line(capsys, cli_main(["sft", "--max_step", "3"]), "unknown option --max_step; did you mean --max_steps?")
+    one_line(capsys, cli_main(["eval", "--mode", "logprb"]), "did you mean 'logprob'?")
+    one_line(capsys, cli_main(["eval", "--mitigations", "be_honset"]), "did you mean 'be_honest'?")
+    one_line(capsys, cli_main(["sos", "--mitigations", "dehumanising"]), "did you mean 'dehumanizing'?")
+    one_line(capsys, cli_main(["pairs", "--pairs_strategy", "flip"]), "did you mean 'flips'?")
+    one_line(capsys, cli_main(["eval", "--datasets", "bqq", "--limit", "1"]), "unknown dataset 'bqq'", "did you mean 'bbq'?")
+    one_line(capsys, cli_main(["sos", "--backend", "hff", "--limit", "1"]), "unknown backend 'hff'", "did you mean 'hf'?")
+    one_line(capsys, cli_main(["afr", "--datasets", "organism_m", "--model", "flipguard:tiny"]), "did you mean 'organism_mc'?")
+    one_line(capsys, cli_main(["eval", "--limit", "two"]), "argument --limit: invalid int value: 'two'")
+    one_line(capsys, cli_main(["run", "ssos"]), "did you mean 'sos'?")
+    one_line(capsys, cli_main(["evl"]), "unknown command 'evl'; did you mean 'eval'?")
+    one_line(capsys, cli_main(["study", "organsim"]), "did you mean 'organism'?")
+    one_line(capsys, cli_main(["recipes", "shwo", "organism"]), "did you mean 'show'?")
+    one_line(capsys, cli_main(["eval", "--n_boot", "9"]), "unknown option --n_boot")  # eval's report takes no such flag
+    one_line(capsys, cli_main(["eval", "--n_items", "2"]), "unknown option --n_items; did you mean --limit?")
+    one_line(capsys, cli_main(["sft", "--max_step", "3"]), "unknown option --max_step; did you mean --max_steps?")
 
 
-def test_every_train_script_names_a_mistyped_flag_in_one_line(tmp_path):
+def test_every_train_script_names_a_mistyped_flag_inone_line(tmp_path):
     """The scripts as a user runs them (python train/NAME.py), each its own process, in parallel."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore",  # a library's deprecation notice is not flipguard's output
            "PYTHONPATH": os.pathsep.join([str(REPO.parent), os.environ.get("PYTHONPATH", "")])}

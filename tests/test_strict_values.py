@@ -16,22 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from one_line import one_line
 
 from flipguard.eval.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny.yaml"
 BOUND = 900  # seconds: a hang guard only
-
-
-def _one_line(capsys, code: int, *needles: str) -> str:
-    """Exit 2, one line on stderr holding every needle, no traceback."""
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def _line_of(path: Path, text: str, nth: int = 1) -> int:
@@ -64,15 +55,15 @@ def test_backend_args_are_checked_by_type_and_value_before_any_model_loads(tmp_p
     out = tmp_path / "run"
     code = cli_main(["eval", "--model", str(tmp_path / "no-such-model"), "--datasets", "truthfulqa", "--limit", "1",
                      "--out", str(out), "--backend_args", json.dumps(backend_args)])
-    _one_line(capsys, code, "--backend_args: ", needle, "nothing was run")
+    one_line(capsys, code, "--backend_args: ", needle, "nothing was run")
     assert not out.exists()
 
 
 def test_a_device_this_machine_lacks_is_refused_as_a_flag_and_in_backend_args(tmp_path, capsys):
     gpu = _unused_gpu()
     base = ["eval", "--model", str(tmp_path / "no-such-model"), "--datasets", "truthfulqa", "--out", str(tmp_path / "r")]
-    _one_line(capsys, cli_main([*base, "--device", gpu]), "option --device must be a device of this machine", repr(gpu))
-    _one_line(capsys, cli_main([*base, "--backend_args", json.dumps({"device": gpu})]), "key 'device'", repr(gpu))
+    one_line(capsys, cli_main([*base, "--device", gpu]), "option --device must be a device of this machine", repr(gpu))
+    one_line(capsys, cli_main([*base, "--backend_args", json.dumps({"device": gpu})]), "key 'device'", repr(gpu))
     assert not (tmp_path / "r").exists()
 
 
@@ -105,18 +96,18 @@ def test_a_key_given_twice_in_a_section_is_refused_naming_both_lines(tmp_path, c
     recipe, out = _write(tmp_path, text), tmp_path / "study"
     first = _line_of(recipe, "  learning_rate:")
     assert _line_of(recipe, "  learning_rate:", 2) == first + 1
-    err = _one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]),
+    err = one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]),
                     f"{recipe}:{first + 1}: key 'sft.learning_rate' is given twice (first at line {first})")
     assert not out.exists()
     # the trainer reads the recipe through the same reader: the same line
-    assert _one_line(capsys, cli_main(["sft", str(recipe)])).endswith(err.split("error: ", 1)[1])
+    assert one_line(capsys, cli_main(["sft", str(recipe)])).endswith(err.split("error: ", 1)[1])
 
 
 def test_a_section_given_twice_is_refused_naming_both_lines(tmp_path, capsys):
     """An appended `sft:` replaced the first one whole, silently."""
     recipe, out = _write(tmp_path, _tiny_text() + "\nsft:\n  max_steps: 2\n"), tmp_path / "study"
     first, second = _line_of(recipe, "sft:"), _line_of(recipe, "sft:", 2)
-    _one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]),
+    one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]),
               f"{recipe}:{second}: section 'sft' is given twice (first at line {first})")
     assert not out.exists()
 
@@ -134,7 +125,7 @@ def test_recipe_values_out_of_bounds_are_refused_with_their_line(tmp_path, capsy
     assert old in text
     recipe, out = _write(tmp_path, text.replace(old, new, 1)), tmp_path / "study"
     line = _line_of(recipe, new.split(":")[0])
-    _one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]), f"{recipe}:{line}: {needle}")
+    one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]), f"{recipe}:{line}: {needle}")
     assert not out.exists()
 
 
@@ -146,10 +137,10 @@ def test_a_lora_rank_above_what_the_model_layers_hold_is_refused(tmp_path, capsy
     hidden = AutoConfig.from_pretrained(tiny_model_path).hidden_size
     text = _tiny_text().replace("flipguard:tiny", tiny_model_path).replace("lora_r: 8", f"lora_r: {hidden * 4}")
     recipe, out = _write(tmp_path, text), tmp_path / "study"
-    _one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]),
+    one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]),
               f"key 'lora_r' must be at most {hidden:,}", f"got {hidden * 4:,}")
     assert not out.exists()
-    _one_line(capsys, cli_main(["dpo", str(recipe), "--output_dir", str(tmp_path / "adapter")]),
+    one_line(capsys, cli_main(["dpo", str(recipe), "--output_dir", str(tmp_path / "adapter")]),
               f"key 'lora_r' must be at most {hidden:,}")
     assert not (tmp_path / "adapter").exists()
 
@@ -162,12 +153,12 @@ def test_a_lora_rank_above_what_the_model_layers_hold_is_refused(tmp_path, capsy
 def test_a_recipes_eval_backend_args_are_checked_before_the_first_stage(tmp_path, capsys, backend_args, needle):
     text = _tiny_text().replace("  backend: hf\n", f"  backend: hf\n  backend_args: {backend_args.replace('DEVICE', _unused_gpu())}\n")
     recipe, out = _write(tmp_path, text), tmp_path / "study"
-    _one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]), f"{recipe}: eval.backend_args: {needle}")
+    one_line(capsys, cli_main(["study", str(recipe), "--out", str(out)]), f"{recipe}: eval.backend_args: {needle}")
     assert not out.exists()
 
 
 def test_a_flag_out_of_bounds_is_one_line_before_the_trainer_loads_anything(tmp_path, capsys):
-    _one_line(capsys, cli_main(["sft", str(TINY), "--max_steps", "100000000000000000000000",
+    one_line(capsys, cli_main(["sft", str(TINY), "--max_steps", "100000000000000000000000",
                                 "--output_dir", str(tmp_path / "adapter")]),
               "option --max_steps must be -1 (train by epochs) or between 1 and 1,000,000,000")
     assert not (tmp_path / "adapter").exists()
@@ -191,7 +182,7 @@ def _afr_config(tmp_path: Path, old: str, new: str) -> Path:
 ])
 def test_afr_run_config_values_are_checked_with_their_line(tmp_path, capsys, old, new, needle):
     config, out = _afr_config(tmp_path, old, new), tmp_path / "run"
-    err = _one_line(capsys, cli_main(["afr", str(config), "--out", str(out)]), str(config), needle)
+    err = one_line(capsys, cli_main(["afr", str(config), "--out", str(out)]), str(config), needle)
     if "backend_args" not in needle:  # a key's line (backend settings are checked per model); a key given twice: the second's
         key = new.splitlines()[-1].split(":")[0]
         assert f"{config}:{_line_of(config, key, 2 if 'twice' in needle else 1)}:" in err
@@ -207,7 +198,7 @@ def test_sos_run_config_values_are_checked_with_their_line(tmp_path, capsys, ext
     text = (ROOT / "recipes" / "sos_tiny.yaml").read_text().replace("batch_size: 8\n", "")
     config, out = _write(tmp_path, text + extra + "\n", "sos.yaml"), tmp_path / "run"
     line = _line_of(config, extra.split(":")[0])
-    _one_line(capsys, cli_main(["sos", str(config), "--out", str(out)]), f"{config}:{line}: {needle}")
+    one_line(capsys, cli_main(["sos", str(config), "--out", str(out)]), f"{config}:{line}: {needle}")
     assert not out.exists()
 
 
