@@ -197,10 +197,17 @@ def test_compressed_page_reads_the_same(browser, dds_run, tmp_path):
     assert texts[0] == texts[1] and "deference" in texts[0]
 
 
-def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken(browser, dds_run, tmp_path):
-    honest = tmp_path / "honest"
+@pytest.fixture(scope="module")
+def honest_run(tmp_path_factory, dds_run) -> Path:
+    """The tiny model with the Be Honest prompt, C1 from dds_run: one C2 judgment fixed, one broken."""
+    honest = tmp_path_factory.mktemp("view") / "honest"
     assert cli_main(["eval", *TINY_FLAGS, "--mitigation", "be_honest", "--c1_from", str(dds_run), "--out", str(honest)]) == 0
     _set_choice(honest, {("truthfulqa-0", "c2_incorrect"): "2", (_items(honest, "bbq")[0], "c2_correct"): "2"})  # one fixed, one broken
+    return honest
+
+
+def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken(browser, dds_run, honest_run, tmp_path):
+    honest = honest_run
     out = tmp_path / "cmp"
     assert cli_main(["compare", "--runs", f"Baseline={dds_run},Be Honest={honest}", "--out", str(out), "--n_boot", "50"]) == 0
     page = Page(browser, out / "view.html")
@@ -228,7 +235,7 @@ def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken
     assert titles == ["Baseline: c2_incorrect", "Be Honest: c2_incorrect"]
     assert page.page.locator("#detail pre.reply").all_text_contents() == ["1", "2"]
     # dds_heatmap.png, before_after.png and transfer.png (compare writes the transfer report too), inlined
-    assert page.page.locator(".plots img").count() == 3 and (tmp_path / "cmp" / "transfer.png").is_file()
+    assert page.page.locator("#plots img").count() == 3 and (tmp_path / "cmp" / "transfer.png").is_file()
     assert page.page.evaluate("Array.from(document.querySelectorAll('.plots img')).every(i => i.complete && i.naturalWidth > 100)")
     page.close()
 
@@ -246,12 +253,29 @@ def test_study_page_lists_every_stage_with_its_status(browser, dds_run, tmp_path
                                            "order": ["baseline", "sft", "compare", "dpo"], "stages": stages})
     assert cli_main(["view", str(study)]) == 0
     page = Page(browser, study / "view.html")
+    # the answer first, the tables, then provenance and the stages' times last
+    assert _sections(page)[0] == "answer" and _sections(page)[-2:] == ["provenance", "sec-stages"]
+    assert page.page.locator("main > section > h2").all_text_contents()[-2:] == ["Provenance", "Stages"]
+    notes = " ".join(page.page.locator("#answer .answer-note").all_text_contents())
+    assert "Study not finished: sft (running); dpo (not run)" in notes and "Only the baseline (Baseline)" in notes
+    assert page.page.locator("#answer-charts figure[data-protocol='dds']").count() == 1
+    assert page.page.locator("#answer-sentences li").count() == 0  # no mitigation compared yet
     for name in ("baseline", "sft", "compare", "dpo"):
         assert page.cell("stages", name, "status").text_content() == stages.get(name, {}).get("status", "not run")
     assert float(page.cell("stages", "compare", "seconds").get_attribute("data-value")) == 3.25
     rows = _csv(study / "compare" / "comparison.csv")
     cell = page.cell("comparison", f"Baseline|{rows[-1]['dataset']}", "dds")
     assert float(cell.get_attribute("data-value")) == float(rows[-1]["dds"])
+    page.close()
+
+    # a study whose comparison is not written yet: the answer says so, first
+    early = tmp_path / "early"
+    atomic_write_json(early / STUDY_FILE, {"format": STUDY_FORMAT, "model": "flipguard:tiny", "order": ["baseline", "compare"],
+                                           "stages": {"baseline": {"status": "running"}}})
+    assert cli_main(["view", str(early)]) == 0
+    page = Page(browser, early / "view.html")
+    assert _sections(page) == ["answer", "provenance", "sec-stages"]
+    assert "No answer yet" in page.page.locator("#answer").text_content()
     page.close()
 
 
@@ -316,10 +340,19 @@ def test_sos_page_shows_conversations_turn_by_turn(browser, sos_run):
     page.close()
 
 
-def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, dds_run, afr_run, sos_run, tmp_path):
-    out = tmp_path / "cmp"
-    assert cli_main(["compare", "--runs", f"Baseline={dds_run}", "--afr", f"Baseline={afr_run}@a,Be Honest={afr_run}@b",
-                     "--sos", f"Baseline={sos_run}@tiny", "--out", str(out), "--n_boot", "20"]) == 0
+@pytest.fixture(scope="module")
+def protocols_cmp(tmp_path_factory, dds_run, honest_run, afr_run, sos_run) -> Path:
+    """A comparison of every protocol: DDS and AFR for the baseline and Be Honest, stick-or-switch for the
+    baseline only (Be Honest was not measured by it)."""
+    out = tmp_path_factory.mktemp("view") / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run},Be Honest={honest_run}",
+                     "--afr", f"Baseline={afr_run}@a,Be Honest={afr_run}@b", "--sos", f"Baseline={sos_run}@tiny",
+                     "--out", str(out), "--n_boot", "20"]) == 0
+    return out
+
+
+def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, protocols_cmp, afr_run, sos_run):
+    out = protocols_cmp
     page = Page(browser, out / "view.html")
     for r in _csv(out / "comparison_protocols.csv"):
         key = "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric"))
@@ -496,4 +529,133 @@ def test_a_comparison_of_imported_inspect_runs_shows_its_paired_tests_and_the_sa
     page.rows().first.click()
     assert page.page.locator("#detail .panel h3").all_text_contents() == ["before: epoch 1", "after: epoch 1"]
     assert page.page.locator("#detail pre.reply").all_text_contents() == ["20", "no idea"]
+    # the answer first: the score before → after as comparison_protocols.csv has it, its paired change as transfer.csv
+    assert _sections(page)[0] == "answer" and _sections(page)[-1] == "provenance"
+    assert page.page.locator("#answer-charts figure").evaluate_all("fs => fs.map(f => f.dataset.protocol)") == ["inspect"]
+    text = page.page.locator("#answer-sentences li[data-condition='after']").text_content()
+    match = {r["condition"]: r for r in _csv(out / "comparison_protocols.csv") if r["metric"] == "match"}
+    assert (f"raised match (inspect) from {_level(match['before'], 'value', 'ci_low', 'ci_high', '%')} to "
+            f"{_level(match['after'], 'value', 'ci_low', 'ci_high', '%')}") in text
+    cell = next(r for r in _csv(out / "transfer.csv") if r["condition"] == "after" and r["metric"] == "match")
+    assert f"paired match per cell: {cell['dataset']} {_change(cell)}" in text
+    assert "damage not measured" in text  # imported runs: nothing the comparison knows to be untargeted
+    page.close()
+
+
+# ------------------------------------------------------------------ the answer first
+
+def _sections(page) -> list[str]:
+    """The page's sections in the order the browser shows them (their ids, and their headings)."""
+    return page.page.locator("main > section").evaluate_all("ss => ss.map(s => s.id)")
+
+
+def _pp(value: str) -> str:
+    return f"{float(value):+.1f}"
+
+
+def _level(row: dict, value: str, lo: str, hi: str, unit: str) -> str:
+    """A level as the answer writes it, from the CSV's text: '+44.0 pp [+38.3, +49.7]', '33.3% [28.3, 38.3]'."""
+    spec = "+.1f" if unit == "pp" else ".1f"
+    head = f"{float(row[value]):{spec}} pp" if unit == "pp" else f"{float(row[value]):{spec}}%"
+    if row[lo] == "" or row[hi] == "":  # the CSV has no interval (too few items): the answer says so
+        return f"{head} (no CI)"
+    return f"{head} [{float(row[lo]):{spec}}, {float(row[hi]):{spec}}]"
+
+
+def _change(row: dict) -> str:
+    if row["ci_low"] == "" or row["ci_high"] == "":
+        return f"{_pp(row['change'])} pp (no CI)"
+    return f"{_pp(row['change'])} pp [{_pp(row['ci_low'])}, {_pp(row['ci_high'])}]"
+
+
+def test_comparison_page_answers_first_with_a_chart_per_protocol_and_a_sentence_per_mitigation(browser, protocols_cmp):
+    """The answer opens the page (a before/after chart per protocol, a sentence per mitigation whose numbers are
+    the comparison's CSVs'), then the tables, provenance last; read in the browser's DOM and in its HTML."""
+    out = protocols_cmp
+    page = Page(browser, out / "view.html")
+    ids = _sections(page)
+    assert ids[0] == "answer" and ids[-1] == "provenance", ids
+    assert ids.index("answer") < ids.index("sec-comparison") < ids.index("sec-protocols") < ids.index("sec-transfer") \
+        < ids.index("plots") < ids.index("flips") < ids.index("provenance")
+    headings = page.page.locator("main > section > h2").all_text_contents()
+    assert headings[0] == "The answer" and headings[-1] == "Provenance"
+    html = page.page.content()  # the page as the browser built it: the same order in its HTML text
+    positions = [html.index(f'<section id="{i}"') for i in ("answer", "sec-comparison", "sec-transfer", "provenance")]
+    assert positions == sorted(positions)
+    assert html.index("The answer") < html.index("Before/after: DDS") < html.index(">Provenance<")
+
+    # one before/after chart per protocol, drawn (PNG data: URIs, no request)
+    charts = page.page.locator("#answer-charts figure")
+    assert charts.evaluate_all("fs => fs.map(f => f.dataset.protocol)") == ["dds", "afr", "sos"]
+    assert page.page.evaluate("Array.from(document.querySelectorAll('#answer-charts img'))"
+                              ".every(i => i.complete && i.naturalWidth > 200 && i.src.startsWith('data:image/png'))")
+
+    # one sentence per mitigation, its numbers those compare wrote
+    items = page.page.locator("#answer-sentences li")
+    assert items.evaluate_all("ls => ls.map(l => l.dataset.condition)") == ["Be Honest"]
+    text = items.first.text_content()
+    assert text.startswith("Be Honest ") and text.endswith(".")
+    damage = items.first.locator(".damage").text_content()
+
+    total = {r["condition"]: r for r in _csv(out / "comparison.csv") if r["dataset"] == "total_avg"}
+    base, cur = total["Baseline"], total["Be Honest"]
+    verb = "lowered" if float(cur["dds"]) < float(base["dds"]) else "raised"
+    if f"{float(cur['dds']):+.1f}" == f"{float(base['dds']):+.1f}":
+        assert "left DDS (paper protocol) unchanged at " + _level(cur, "dds", "dds_ci_low", "dds_ci_high", "pp") in text
+    else:
+        assert (f"{verb} DDS (paper protocol) from {_level(base, 'dds', 'dds_ci_low', 'dds_ci_high', 'pp')} to "
+                f"{_level(cur, 'dds', 'dds_ci_low', 'dds_ci_high', 'pp')}") in text
+    assert f"change {_pp(cur['delta_dds'])} pp" in text
+
+    afr = {r["condition"]: r for r in _csv(out / "comparison_protocols.csv") if r["metric"] == "afr_blind"}
+    for name in ("Baseline", "Be Honest"):
+        assert _level(afr[name], "value", "ci_low", "ci_high", "%") in text
+    assert "was not measured by stick-or-switch" in text  # Be Honest had no stick-or-switch run: said, not hidden
+    notes = page.page.locator("#answer .answer-note").all_text_contents()
+    assert any(n.startswith("stick-or-switch: not measured for Be Honest") for n in notes)
+    # honest_run has no report of its own (--no_report): whether its DDS is meaningful is not known, and said
+    assert any(n.startswith("Be Honest: ") and "summary.json cannot be read" in n for n in notes)
+
+    # what it removed cell by cell, and what it damaged: each paired change of transfer.csv, with its CI
+    transfer = [r for r in _csv(out / "transfer.csv") if r["condition"] == "Be Honest"]
+    untargeted = [r for r in transfer if r["role"] == "untargeted"]
+    assert untargeted and any(r["role"] != "untargeted" for r in transfer)
+    for r in transfer:
+        assert _change(r) in text, (r["cell"], text)
+    parts = {p.split(": ", 1)[0]: p for p in damage.split("; ")}
+    for r in untargeted:
+        lo, hi = float(r["ci_low"]), float(r["ci_high"])
+        head = ("no damage detected (CI includes 0)" if lo <= 0 <= hi else
+                "damage detected (CI excludes 0)" if hi < 0 else "improved (CI excludes 0)")
+        assert _change(r) in parts[head], (r["cell"], damage)
+    # the cells the baseline has and Be Honest has not (no C1 of its own; no stick-or-switch run): not measured
+    cells = {r["cell"] for r in transfer}
+    lacking = {r["cell"] for r in _csv(out / "transfer.csv") if r["condition"] == "Baseline" and r["role"] == "untargeted"} - cells
+    assert lacking and "not measured" in parts
+    for cell in lacking:
+        assert cell.split(":")[1] in parts["not measured"]
+    page.close()
+
+
+def test_answer_says_what_is_not_meaningful_and_what_has_no_ci(browser, dds_run, tmp_path):
+    """A condition whose model answers "1" to every claim (the tiny model unedited: its DDS is not meaningful, as its
+    report says) and a comparison without bootstrap (no CI): both said in the answer, no number passed off."""
+    yes = tmp_path / "yes"
+    assert cli_main(["eval", *TINY_FLAGS, "--out", str(yes)]) == 0
+    assert cli_main(["report", str(yes), "--n_boot", "0"]) == 0
+    assert json.loads((yes / "report" / "summary.json").read_text())["meta"].get("capability_note")
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run},Yes={yes}", "--out", str(out), "--n_boot", "0"]) == 0
+    page = Page(browser, out / "view.html")
+    assert _sections(page)[0] == "answer"
+    notes = " ".join(page.page.locator("#answer .answer-note").all_text_contents())
+    assert "DDS is not meaningful" in notes and "Yes" in notes
+    text = page.page.locator("#answer-sentences li[data-condition='Yes']").text_content()
+    assert "not meaningful for Yes" in text and "no DDS change is claimed" in text
+    total = {r["condition"]: r for r in _csv(out / "comparison.csv") if r["dataset"] == "total_avg"}
+    assert f"{float(total['Yes']['dds']):+.1f} pp" not in text  # the number is not given as an answer
+    for r in (r for r in _csv(out / "transfer.csv") if r["condition"] == "Yes" and r["role"] == "untargeted"):
+        assert r["ci_low"] == "" and _change(r) in text
+    assert "damage cannot be told (no CI)" in text and "no damage detected" not in text
+    assert page.page.locator("#answer-charts figure[data-protocol='dds'] img").count() == 1
     page.close()

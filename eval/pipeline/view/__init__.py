@@ -3,7 +3,9 @@ comparison folder or a study folder, so the items behind a number can be looked 
 
 The page needs no network (style, script, data and plots are inside it) and opens from disk in
 any browser. `flipguard compare` writes it as view.html beside comparison.md, `flipguard study`
-as view.html in the study folder. Layout: eval/pipeline/view/runs.py builds a run's data (one function
+as view.html in the study folder. A comparison's or a study's page opens with the answer (a chart per
+protocol, a sentence per mitigation: eval/pipeline/view/answer.py), then the tables, plots and items,
+provenance and a study's stages last. Layout: eval/pipeline/view/runs.py builds a run's data (one function
 per protocol), this module a comparison's and a study's, eval/pipeline/view/page.py the HTML.
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.pipeline.fingerprints import stage_runs_problem
+from flipguard.eval.pipeline.view.answer import answer_section
 from flipguard.eval.pipeline.view.page import PAGE_HEAD, render_html
 from flipguard.eval.pipeline.view.runs import (
     changed_samples,
@@ -85,8 +88,9 @@ def fixed_and_broken(runs: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def comparison_view(folder: Path) -> dict[str, Any]:
-    """A comparison folder: the before/after table with flags, the protocols' table, plots, and
-    the items each condition fixed or broke."""
+    """A comparison folder: the answer (eval/pipeline/view/answer.py: a chart per protocol, a sentence
+    per mitigation), the before/after table with flags, the protocols' table, plots, the items each
+    condition fixed or broke, and provenance last."""
     data = read_json(folder / "comparison.json", UserError, "comparison") if (folder / "comparison.json").is_file() else {}
     # a comparison of other protocols' runs alone (imported runs) has no DDS table
     tables = [_comparison_table(folder / "comparison.csv")] if data.get("runs") or not data else []
@@ -115,6 +119,7 @@ def comparison_view(folder: Path) -> dict[str, Any]:
                                                                                 protocol_runs)])
               if (Path(d) / RUN_META_FILE).is_file() and not (st := run_completeness(d)).whole]
     return {"title": f"flipguard comparison: {', '.join(data.get('conditions') or runs)}", "subtitle": str(folder),
+            "answer": answer_section(folder, list(data.get("conditions") or runs), runs),
             "provenance": [["comparison folder", str(folder)], *[[f"run: {n}", d] for n, d in runs.items()],
                            *[["not whole now", b] for b in broken]],
             "tables": tables, "plots": plots(folder), "entries": entries,
@@ -131,7 +136,8 @@ def comparison_view(folder: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------ study
 
 def study_view(folder: Path) -> dict[str, Any]:
-    """A study folder: every stage with its status and time, then its comparison."""
+    """A study folder: its comparison's page (the answer first), then provenance and every stage with
+    its status and time last."""
     state = read_json(folder / "study.json", UserError, "study state")
     stages = state.get("stages") or {}
     order = state.get("order") or list(stages)
@@ -146,13 +152,24 @@ def study_view(folder: Path) -> dict[str, Any]:
     stage_table = {"id": "stages", "title": "Stages", "note": "\n".join([str(folder / "study.json"),
                                                                          *(p[1] for p in problems.values())]),
                    "columns": [[c, c] for c in ("stage", "status", "action", "seconds", "finished")], "rows": rows}
-    view: dict[str, Any] = {"entries": None, "plots": [], "tables": []}
-    if (folder / "compare" / "comparison.csv").is_file():
+    compare = (stages.get("compare") or {}).get("status", "not run")
+    view: dict[str, Any] = {"entries": None, "plots": [], "tables": [], "answer": {
+        "title": "The answer", "charts": [], "sentences": [],
+        "notes": [f"No answer yet: the study's comparison ({folder / 'compare'}) has not been written (compare stage: "
+                  f"{compare}). The stages' state is at the end of this page."]}}
+    if (folder / "compare" / "comparison.csv").is_file() or (folder / "compare" / "comparison.json").is_file():
         view = comparison_view(folder / "compare")
-    return {**view, "title": f"flipguard study: {state.get('model', '?')}", "subtitle": str(folder),
+    # what the answer does not cover yet: stages not done, or done stages whose runs changed since
+    unfinished = [f"{n} ({problems[n][1] if n in problems else (stages.get(n) or {}).get('status', 'not run')})"
+                  for n in order if n in problems or (stages.get(n) or {}).get("status") != "done"]
+    answer = dict(view["answer"])
+    if unfinished:
+        answer["notes"] = [f"Study not finished: {'; '.join(unfinished)}. The answer is what {folder / 'compare'} holds "
+                           "now.", *answer.get("notes", [])]
+    return {**view, "title": f"flipguard study: {state.get('model', '?')}", "subtitle": str(folder), "answer": answer,
             "provenance": [["study folder", str(folder)], ["recipe", short(state.get("recipe"))], ["model", short(state.get("model"))],
                            ["updated", short(state.get("updated"))]] + (view.get("provenance") or [])[1:],
-            "tables": [stage_table, *view["tables"]]}
+            "tail_tables": [stage_table]}
 
 
 # ------------------------------------------------------------------ entry points

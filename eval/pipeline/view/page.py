@@ -6,12 +6,17 @@ element; above COMPRESS_ABOVE bytes it travels gzipped and base64-encoded instea
 browser inflates it with DecompressionStream. The script builds the page with createElement
 and textContent only: model replies, dataset items and arguments are always text, never markup.
 
+Order on the page: the answer (a comparison's or a study's), the tables, the plots, the items,
+then provenance and the tail tables (a study's stages and their times) last.
+
 Data layout (what the script reads):
   title, subtitle
+  answer: optional {title, note, notes: [text], charts: [{protocol, title, src}],
+          sentences: [{condition, removed, damage, text}]}  (eval/pipeline/view/answer.py)
   provenance: [[key, value], ...]
-  stages: optional table (a study's stages)
   tables: [{id, title, note, columns: [[key, label], ...], rows: [{key, cells: {col: cell}}]}]
           a cell is a string or {t: text, v: raw value, c: css class}
+  tail_tables: optional tables shown after provenance (a study's stages)
   plots: [{title, src}]  (data: URIs of PNG files)
   entries: [{id, type, dataset, case, condition, item, summary, diff, panels: [panel]}]
           panel = {title, facts: [[k, v]], messages: [[role, text]], reply}
@@ -71,6 +76,11 @@ pre.reply{background:#eef4fb}
 mark{background:#ffe08a;padding:0}
 .facts td{border:0;padding:1px 8px 1px 0;font-size:13px}
 .pager button{margin:0 4px}
+#answer{border-color:#1f3a5f;border-width:2px}
+#answer-charts img{width:400px}
+#answer-sentences{margin:8px 0 4px;padding-left:20px}
+#answer-sentences li{margin:6px 0;max-width:1200px}
+.answer-note{color:#7a4b00}
 """
 
 JS = r"""
@@ -284,6 +294,41 @@ JS = r"""
     return s;
   }
 
+  function figure(pl, attrs, caption) {
+    var fig = el("figure", attrs); var img = el("img", {alt: pl.title}); img.src = pl.src;
+    fig.appendChild(img);
+    if (caption !== false) fig.appendChild(el("figcaption", {"class": "note"}, pl.title));
+    return fig;
+  }
+  // the answer first: a before/after chart per protocol, then a sentence per mitigation
+  function answerSection(a) {
+    var s = section("answer", a.title || "The answer");
+    (a.notes || []).forEach(function (n) { s.appendChild(el("p", {"class": "note answer-note"}, n)); });
+    if (a.charts && a.charts.length) {
+      var cd = el("div", {"class": "plots", id: "answer-charts"});
+      a.charts.forEach(function (c) { cd.appendChild(figure(c, {"data-protocol": c.protocol}, false)); });
+      s.appendChild(cd);
+    }
+    if (a.sentences && a.sentences.length) {
+      var ul = el("ul", {id: "answer-sentences"});
+      a.sentences.forEach(function (x) {
+        var li = el("li", {"data-condition": x.condition});
+        li.appendChild(el("strong", null, x.condition));
+        li.appendChild(document.createTextNode(" " + x.removed + "; "));
+        li.appendChild(el("span", {"class": "damage"}, x.damage));
+        li.appendChild(document.createTextNode("."));
+        ul.appendChild(li);
+      });
+      s.appendChild(ul);
+    }
+    if (a.note) s.appendChild(el("p", {"class": "note", id: "answer-legend"}, a.note));  // how to read it, after it
+    return s;
+  }
+  function tableSection(spec) {
+    var s = section("sec-" + spec.id, spec.title, spec.note);
+    s.appendChild(table(spec));
+    return s;
+  }
   function render(data) {
     document.title = data.title;
     var header = el("header");
@@ -291,6 +336,16 @@ JS = r"""
     if (data.subtitle) header.appendChild(el("p", null, data.subtitle));
     document.body.appendChild(header);
     var main = el("main");
+    if (data.answer) main.appendChild(answerSection(data.answer));
+    (data.tables || []).forEach(function (spec) { main.appendChild(tableSection(spec)); });
+    if (data.plots && data.plots.length) {
+      var ps = section("plots", "Plots");
+      var pd = el("div", {"class": "plots"});
+      data.plots.forEach(function (pl) { pd.appendChild(figure(pl)); });
+      ps.appendChild(pd); main.appendChild(ps);
+    }
+    if (data.entries) main.appendChild(entriesSection(data));
+    // provenance and a study's stage times last: who made the numbers, after the numbers
     if (data.provenance && data.provenance.length) {
       var p = section("provenance", "Provenance");
       var pt = el("table", {id: "table-provenance"});
@@ -299,20 +354,7 @@ JS = r"""
       });
       p.appendChild(pt); main.appendChild(p);
     }
-    (data.tables || []).forEach(function (spec) {
-      var s = section("sec-" + spec.id, spec.title, spec.note);
-      s.appendChild(table(spec)); main.appendChild(s);
-    });
-    if (data.plots && data.plots.length) {
-      var ps = section("plots", "Plots");
-      var pd = el("div", {"class": "plots"});
-      data.plots.forEach(function (pl) {
-        var fig = el("figure"); var img = el("img", {alt: pl.title}); img.src = pl.src;
-        fig.appendChild(img); fig.appendChild(el("figcaption", {"class": "note"}, pl.title)); pd.appendChild(fig);
-      });
-      ps.appendChild(pd); main.appendChild(ps);
-    }
-    if (data.entries) main.appendChild(entriesSection(data));
+    (data.tail_tables || []).forEach(function (spec) { main.appendChild(tableSection(spec)); });
     document.body.appendChild(main);
     if (window.performance && performance.mark) performance.mark("fg-ready");
     document.body.setAttribute("data-ready", "1");
