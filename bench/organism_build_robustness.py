@@ -248,7 +248,7 @@ def main() -> int:
     t0, header = time.time(), f"Machine: {machine_line()}; device {args.device}."
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    flipguard = [sys.executable, "-m", "flipguard.eval.pipeline.cli"]
+    flipguard = [sys.executable, "-m", "flipguard.pipeline.cli"]
     jobs = []
     for seed in args.seeds:
         for threads in args.threads:

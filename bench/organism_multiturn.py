@@ -163,7 +163,7 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    flipguard = [sys.executable, "-m", "flipguard.eval.pipeline.cli"]
+    flipguard = [sys.executable, "-m", "flipguard.pipeline.cli"]
     rows, timings = [], []
     for seed in args.seeds:
         folder = work / f"seed{seed}"

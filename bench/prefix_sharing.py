@@ -134,7 +134,7 @@ def run_afr(config: Path, out: Path) -> dict:
     import resource
 
     t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "afr", str(config), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "afr", str(config), "--out", str(out),
                            "--threads", "1"], capture_output=True, text=True, env=env)
     wall, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)

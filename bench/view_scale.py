@@ -37,7 +37,7 @@ FULL_ITEMS = 3244
 
 
 def flipguard(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], check=True, stdout=subprocess.DEVNULL)
 
 
 def cycled(src: Path, dst: Path, n_items: int) -> None:

@@ -162,7 +162,7 @@ class Task:
 
     # ------------------------------------------------------------ the command
     # One command for every task: `flipguard run NAME` and the built-ins' own `flipguard eval|afr|sos`
-    # (eval/pipeline/cli.py names `TaskClass.main`). A task declares what differs: `args_class` (its flags,
+    # (pipeline/cli.py names `TaskClass.main`). A task declares what differs: `args_class` (its flags,
     # a YAML config first), `default_out`, `from_args`, and where it has them `report_only` and `after_run`.
 
     # args_class fields that change neither what a run asks nor what its report says: left out of
@@ -259,7 +259,7 @@ class Task:
         estimate (an eval.estimate.Estimate). None by default: the run takes no part."""
         return []
 
-    # The transfer report (eval/pipeline/transfer.py) pairs each condition's units with the baseline's.
+    # The transfer report (pipeline/transfer.py) pairs each condition's units with the baseline's.
     # framings of transfer_units that a mitigation should not move (first answers, flexibility)
     untargeted_framings: ClassVar[tuple[str, ...]] = ()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "recipes" / "tiny.yaml")
@@ -135,7 +135,7 @@ def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_mode
             fh.write(json.dumps({"prompt": [{"role": "user", "content": f"Is claim {i} correct? " * 20}],
                                  "completion": [{"role": "assistant", "content": "1"}]}) + "\n")
     out = tmp_path / "models" / "sft-merged"
-    argv = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "merge", TINY, "--model_name_or_path", tiny_model_path,
+    argv = [sys.executable, "-m", "flipguard.pipeline.cli", "merge", TINY, "--model_name_or_path", tiny_model_path,
             "--adapter", str(adapter), "--out", str(out), "--pairs_dir", str(pairs), "--gap_prompts", "32"]
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"}
     staged = lambda: [p for p in out.parent.glob(".sft-merged.*") if p.is_dir()]  # noqa: E731
@@ -151,7 +151,7 @@ def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_mode
 def test_a_killed_organism_build_leaves_a_staging_folder_the_next_build_removes(tmp_path):
     """`.organism-vN.XXXXXXXX` of a build killed with SIGKILL is gone after the next build starts."""
     target = tmp_path / "organism"
-    argv = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", "--path", str(target), "--steps", "400",
+    argv = [sys.executable, "-m", "flipguard.pipeline.cli", "organism", "--path", str(target), "--steps", "400",
             "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     staged = lambda: [p for p in tmp_path.glob(".organism.*") if p.is_dir()]  # noqa: E731
@@ -234,7 +234,7 @@ def test_a_merge_keeps_a_users_folder_named_like_its_staging_folder(tiny_model_p
     for path, data in mine.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "merge", TINY, "--model_name_or_path",
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "merge", TINY, "--model_name_or_path",
                            tiny_model_path, "--gap_prompts", "0", "--adapter", str(adapter), "--out", str(work / "merged")],
                           env={**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=1800)
@@ -248,7 +248,7 @@ ORGANISM_FAST = ["--steps", "2", "--eval_every", "1", "--multiturn_steps", "0", 
 
 
 def _organism(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", *args],
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "organism", *args],
                           env={**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"},
                           capture_output=True, text=True, timeout=1800)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flipguard.eval.pipeline.cli import COMMANDS, main
+from flipguard.pipeline.cli import COMMANDS, main
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

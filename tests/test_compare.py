@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
+from flipguard.pipeline.cli import main as cli_main
 
 
 def _write_run(run_dir, accuracies, cases, n=20, dataset="truthfulqa", c1_from=None):
@@ -80,9 +80,9 @@ def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
 
     from flipguard.eval.afr.report import AFRNumbers, AFRReport
     from flipguard.eval.estimate import NAN, Estimate
-    from flipguard.eval.pipeline import compare
     from flipguard.eval.sos import protocol as sos_protocol
     from flipguard.eval.sos.report import SosReport
+    from flipguard.pipeline import compare
 
     protocol_of = {"afr-run": "afr", "sos-run": "sos"}
     from flipguard.eval import task as task_module

@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 SUMMARY_COLUMNS = ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
                    "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high"]

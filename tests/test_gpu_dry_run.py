@@ -163,7 +163,7 @@ def test_the_organism_gpu_study_launches_its_trainers_through_accelerate_on_a_gp
     import torch
     import yaml
 
-    from flipguard.eval.pipeline.study_plan import StudyPlan
+    from flipguard.pipeline.study_plan import StudyPlan
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -5,7 +5,7 @@
     <- eval core (eval/: task, records, runner, backends/, bootstrap, estimate, ...)
     <- protocols (eval/dds, eval/afr, eval/sos, and eval/interop for runs other tools made: none imports another)
     <- embedded models (eval/embedded: the tiny model, the organism) | trainers and pairs (train/)
-    <- the pipeline (eval/pipeline: study, compare, view, demo, cli; and `python -m flipguard`)
+    <- the pipeline (pipeline: study, compare, view, demo, cli; and `python -m flipguard`)
 
 Every module is parsed with `ast` (nothing is imported or run), and every import counts:
 module level, inside a function, and the "module:function" strings of lazy tables (the
@@ -32,8 +32,8 @@ ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard
                   "flipguard.plugins"}
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos", "flipguard.eval.interop")
 EMBEDDED = "flipguard.eval.embedded"
-PIPELINE = ("flipguard.eval.pipeline", "flipguard.__main__")
-CLI = "flipguard.eval.pipeline.cli"
+PIPELINE = ("flipguard.pipeline", "flipguard.__main__")
+CLI = "flipguard.pipeline.cli"
 LAZY_TARGET = re.compile(r"^(flipguard(?:\.\w+)+)(?::\w+(?:\.\w+)*)?$")  # "flipguard.x.y", "...:function", "...:Class.method"
 
 # Imports that stay inside functions, each with its reason: third-party packages that take
@@ -164,7 +164,7 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
     # a walk that found nothing would pass every rule below
     assert {"flipguard.files", "flipguard.config", "flipguard.eval.records", "flipguard.eval.mitigations",
             "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.train.pairs",
-            "flipguard.data.registry", "flipguard.eval.pipeline.study", "flipguard.eval.embedded.organism_builder"} <= set(MODULES)
+            "flipguard.data.registry", "flipguard.pipeline.study", "flipguard.eval.embedded.organism_builder"} <= set(MODULES)
     assert not any(under(m, "flipguard.recipes") for m in MODULES)  # recipes/ holds recipes only
     assert "flipguard.files" in GRAPH["flipguard.data.registry"]
     # a "module:function" string of a lazy table counts (the command table)
@@ -174,9 +174,9 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
 def test_every_module_sits_in_a_layer_and_the_pipeline_in_its_folder():
     assert {name: layer_of(name)[1] for name in MODULES if name.rpartition(".")[2] in
             ("study", "compare", "demo", "cli", "view", "organism_datasets", "organism_builder", "tiny_model")} == {
-        "flipguard.eval.pipeline.study": "pipeline", "flipguard.eval.pipeline.compare": "pipeline",
-        "flipguard.eval.pipeline.demo": "pipeline", "flipguard.eval.pipeline.cli": "pipeline",
-        "flipguard.eval.pipeline.view": "pipeline", "flipguard.eval.embedded.organism_builder": "embedded",
+        "flipguard.pipeline.study": "pipeline", "flipguard.pipeline.compare": "pipeline",
+        "flipguard.pipeline.demo": "pipeline", "flipguard.pipeline.cli": "pipeline",
+        "flipguard.pipeline.view": "pipeline", "flipguard.eval.embedded.organism_builder": "embedded",
         "flipguard.eval.embedded.tiny_model": "embedded", "flipguard.data.organism_datasets": "data",
         "flipguard.data.cli": "data"}
 
@@ -252,7 +252,7 @@ def test_every_command_points_at_a_module_that_exists():
 def test_commands_that_read_run_directories_load_no_model_stack():
     """HEAVY's reason, checked: report, compare, view and data import none of it (one fresh process)."""
     readers = ["flipguard.eval.dds.report", "flipguard.eval.afr.report", "flipguard.eval.sos.report",
-               "flipguard.eval.pipeline.compare", "flipguard.eval.pipeline.view", "flipguard.data.cli"]
+               "flipguard.pipeline.compare", "flipguard.pipeline.view", "flipguard.data.cli"]
     code = ("import importlib, sys\n"
             f"for m in {readers!r}: importlib.import_module(m)\n"
             f"print(sorted(p for p in {sorted(HEAVY)!r} if p in sys.modules))")

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from flipguard.errors import FlipguardError
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples" / "dialdefer" / "benchmark" / "test"
@@ -156,7 +156,7 @@ def test_a_duplicate_entry_point_at_eval_time_is_one_line(tmp_path, group, name,
     (site / "imposter_plugin.py").write_text("")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT.parent)]), "TQDM_DISABLE": "1"}
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", command, "--model", "flipguard:tiny",
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", command, "--model", "flipguard:tiny",
                            "--limit", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=1800)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -34,8 +34,8 @@ try:
 except ImportError:  # the dev extra installs it
     given = st = None
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.files import OWNER_FILE
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 BOUND = 900  # seconds: a hang guard only
@@ -50,7 +50,7 @@ def _env() -> dict:
 
 def fg(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The real CLI in a process of its own."""
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *map(str, args)], env=_env(),
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *map(str, args)], env=_env(),
                           cwd=cwd, capture_output=True, text=True, timeout=BOUND)
 
 
@@ -157,7 +157,7 @@ def test_redo_removes_only_what_the_stage_wrote_and_names_what_it_kept(shared, t
 def test_a_stage_folder_that_appears_mid_run_is_refused_not_deleted(shared, tmp_path):
     """The user creates OUT/compare while the study runs its baseline: the compare stage, when it
     arrives, refuses it (one line) and removes nothing."""
-    from flipguard.eval.pipeline.study_plan import StudyPlan
+    from flipguard.pipeline.study_plan import StudyPlan
 
     out = tmp_path / "study"
     mine = out / "compare" / "plan.md"
@@ -499,7 +499,7 @@ ACTIONS = st.one_of(
 def _kill_on(argv: list[str], ready) -> int:
     """The real CLI in a process of its own, SIGKILLed once `ready()` holds (polled on files), or
     left to finish when it ends first (0, or a one-line refusal); its exit status."""
-    proc = subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", *argv], env=_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard.pipeline.cli", *argv], env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     def holds() -> bool:
         try:
@@ -529,8 +529,8 @@ def _kill_on(argv: list[str], ready) -> int:
 def _valid(path: Path) -> bool:
     """A file flipguard wrote reads as what it is: JSON parses, a records log's whole lines parse, a
     page has the page's head."""
-    from flipguard.eval.pipeline.view.page import PAGE_HEAD
     from flipguard.eval.records import read_records
+    from flipguard.pipeline.view.page import PAGE_HEAD
 
     data = path.read_bytes()
     if path.suffix == ".json":

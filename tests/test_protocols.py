@@ -12,9 +12,9 @@ import pytest
 
 from flipguard.data.schema import Item
 from flipguard.eval.backends.base import Backend
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, load_records
 from flipguard.files import atomic_write_json
+from flipguard.pipeline.cli import main as cli_main
 
 # Hand-computed fixtures (truthfulqa, 20 items; accuracies in %):
 #   Baseline  C1 60/80, C2 75/65       -> DDS (75-60) - (65-80) = +30

@@ -31,7 +31,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), 
 
 
 def flipguard(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], capture_output=True, text=True, env=ENV)
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], capture_output=True, text=True, env=ENV)
     if check and proc.returncode != 0:
         raise AssertionError(f"flipguard {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc

@@ -29,7 +29,6 @@ from served import StubServer, send_json
 
 from flipguard.data.schema import Item
 from flipguard.errors import FlipguardError
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import (
     OWNER_FILE,
     Record,
@@ -38,6 +37,7 @@ from flipguard.eval.records import (
     read_records,
     run_lock,
 )
+from flipguard.pipeline.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND = 1800  # seconds: an upper bound only, never a synchronisation point
@@ -51,7 +51,7 @@ def _env(**extra) -> dict:
 
 
 def _flipguard(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flipguard.eval.pipeline.cli", *args]
+    return [sys.executable, "-m", "flipguard.pipeline.cli", *args]
 
 
 def _item(i: int = 0) -> Item:

@@ -39,7 +39,7 @@ def _env() -> dict:
 
 
 def _flipguard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], env=_env(), cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], env=_env(), cwd=cwd,
                           capture_output=True, text=True, timeout=BOUND)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 900  # a loaded 2-core machine; the conditions below are events, this only stops a hang
@@ -114,7 +114,7 @@ def _start(recipe: Path, out: Path, log: Path, tmpdir: Path) -> subprocess.Popen
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1",
            "TMPDIR": str(tmpdir)}
     with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe),
+        return subprocess.Popen([sys.executable, "-m", "flipguard.pipeline.cli", "study", str(recipe),
                                  "--out", str(out), "--jobs", "2"], env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -184,7 +184,7 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
 
 
 def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():
-    from flipguard.eval.pipeline.stage_workers import last_of_each_line
+    from flipguard.pipeline.stage_workers import last_of_each_line
 
     on_a_terminal = "Tokenizing:   0%|   | 0/3803\rTokenizing:  50%|#  | 1901/3803\rTokenizing: 100%|##| 3803/3803\n"
     assert last_of_each_line("start\r\n" + on_a_terminal + "done\n") == "start\nTokenizing: 100%|##| 3803/3803\ndone\n"
@@ -195,7 +195,7 @@ def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():
 
 
 def test_two_at_a_time_is_the_default_only_where_it_is_safe(monkeypatch, tmp_path):
-    from flipguard.eval.pipeline import stage_workers
+    from flipguard.pipeline import stage_workers
 
     small = tmp_path / "small"
     small.mkdir()

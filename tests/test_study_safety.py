@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 def _study(recipe: Path, out: Path, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe), "--out", str(out)],
+    return subprocess.Popen([sys.executable, "-m", "flipguard.pipeline.cli", "study", str(recipe), "--out", str(out)],
                             env=env, text=True, **popen)
 
 

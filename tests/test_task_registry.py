@@ -14,7 +14,7 @@ TASK_FILE = Path(__file__).resolve().parent.parent / "examples" / "are_you_sure_
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "run", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "run", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=900)
 
 

@@ -61,7 +61,7 @@ PROBLEM = {
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{ROOT.parent}{os.pathsep}{BASE_TASK.parent}", "TQDM_DISABLE": "1",
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "run", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "run", *args], cwd=cwd, env=env,
                           capture_output=True, text=True)
 
 

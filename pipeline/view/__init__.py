@@ -3,8 +3,8 @@ comparison folder or a study folder, so the items behind a number can be looked 
 
 The page needs no network (style, script, data and plots are inside it) and opens from disk in
 any browser. `flipguard compare` writes it as view.html beside comparison.md, `flipguard study`
-as view.html in the study folder. Layout: eval/pipeline/view/runs.py builds a run's data (one function
-per protocol), this module a comparison's and a study's, eval/pipeline/view/page.py the HTML.
+as view.html in the study folder. Layout: pipeline/view/runs.py builds a run's data (one function
+per protocol), this module a comparison's and a study's, pipeline/view/page.py the HTML.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from typing import Any
 
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
-from flipguard.eval.pipeline.fingerprints import stage_runs_problem
-from flipguard.eval.pipeline.view.page import PAGE_HEAD, render_html
-from flipguard.eval.pipeline.view.runs import (
+from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
+from flipguard.eval.task import split_system, take_includes
+from flipguard.files import atomic_write_text, check_replace, owns, read_json
+from flipguard.pipeline.fingerprints import stage_runs_problem
+from flipguard.pipeline.view.page import PAGE_HEAD, render_html
+from flipguard.pipeline.view.runs import (
     changed_samples,
     ci,
     csv_table,
@@ -31,9 +34,6 @@ from flipguard.eval.pipeline.view.runs import (
     run_view,
     short,
 )
-from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
-from flipguard.eval.task import split_system, take_includes
-from flipguard.files import atomic_write_text, check_replace, owns, read_json
 
 VIEW_FILE = "view.html"
 

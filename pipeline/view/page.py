@@ -1,6 +1,6 @@
 """The page itself: one HTML file holding its data, style and script, with no network use.
 
-The data (a dict built by eval/pipeline/view) travels as JSON inside <script type="application/json">,
+The data (a dict built by pipeline/view) travels as JSON inside <script type="application/json">,
 with every "<" written as \\u003c so no text in it (a reply holding "</script>") can end the
 element; above COMPRESS_ABOVE bytes it travels gzipped and base64-encoded instead, and the
 browser inflates it with DecompressionStream. The script builds the page with createElement

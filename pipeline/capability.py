@@ -30,7 +30,7 @@ TASK = "flipguard_mmlu"
 UNITS_FILE = "units.csv"
 PROTOCOL, DATASET, FRAMING = "capability", "mmlu", "lm-eval"
 LETTERS = ("A", "B", "C", "D", "E", "F")
-TASK_YAML = """# written by flipguard (eval/pipeline/capability.py): MMLU from local files, lm-eval's MMLU prompt
+TASK_YAML = """# written by flipguard (pipeline/capability.py): MMLU from local files, lm-eval's MMLU prompt
 task: {task}
 dataset_path: json
 dataset_kwargs:
