@@ -167,7 +167,7 @@ def main() -> int:
     from lm_eval.models.huggingface import HFLM
 
     from flipguard.eval.backends.base import get_backend
-    from flipguard.eval.threads import configure_threads, cpu_name
+    from flipguard.runtime.threads import configure_threads, cpu_name
 
     configure_threads(args.threads)
     start_uptime = uptime()

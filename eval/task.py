@@ -59,8 +59,8 @@ from flipguard.eval.records import (
     run_contents,
 )
 from flipguard.eval.runner import MODES, Parser, check_context, run_records
-from flipguard.eval.threads import configure_threads
 from flipguard.redact import redact_obj
+from flipguard.runtime.threads import configure_threads
 
 
 @dataclasses.dataclass

@@ -23,8 +23,8 @@ import pandas as pd
 
 from flipguard.data.mmlu import load_mmlu, sample_uniform
 from flipguard.errors import UserError
-from flipguard.eval.backends.base import resolve_model
 from flipguard.files import atomic_write_text
+from flipguard.runtime.resolve import resolve_model
 
 TASK = "flipguard_mmlu"
 UNITS_FILE = "units.csv"

@@ -27,10 +27,10 @@ import json
 from pathlib import Path
 
 from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, read_recipe
-from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, ORGANISM_FILE
-from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.pipeline.study import JOBS_HELP, print_artefacts, run_study
+from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.threads import THREADS_HELP, configure_threads
 
 
 @dataclasses.dataclass

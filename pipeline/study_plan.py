@@ -41,7 +41,7 @@ from flipguard.config import (
 )
 from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError, UserError
-from flipguard.eval.backends.base import model_kwargs, resolve_model
+from flipguard.eval.backends.base import model_kwargs
 from flipguard.eval.dds.protocol import EvalArgs, evaluate
 from flipguard.eval.dds.report import print_summary, report_run, write_report
 from flipguard.eval.embedded.tiny_model import TINY_MODEL_ALIASES
@@ -56,6 +56,7 @@ from flipguard.pipeline.compare import build_comparison, protocol_rows, require_
 from flipguard.pipeline.fingerprints import model_identity
 from flipguard.pipeline.tracking import log_study_to_wandb
 from flipguard.pipeline.transfer import TRANSFER_JSON, build_transfer
+from flipguard.runtime.resolve import resolve_model
 from flipguard.train.merge import MERGE_INFO_FILE
 from flipguard.train.merge import main as merge_main
 from flipguard.train.pair_filters import PairRules

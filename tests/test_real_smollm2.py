@@ -40,7 +40,7 @@ def flipguard(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def smollm2() -> str:
     """The plain checkpoint every command converts the GGUF into (once, under FLIPGUARD_HOME)."""
-    from flipguard.eval.backends.base import resolve_model
+    from flipguard.runtime.resolve import resolve_model
 
     return resolve_model(str(GGUF))
 

@@ -540,7 +540,7 @@ def test_killed_while_saving_an_adapter_leaves_no_stale_provenance(tmp_path):
 
 
 def test_a_merged_model_from_before_owner_files_is_replaced_file_by_file(tmp_path):
-    from flipguard.eval.records import publish_dir
+    from flipguard.publish import publish_dir
 
     out = tmp_path / "merged"
     out.mkdir()

@@ -61,9 +61,9 @@ from flipguard.eval.task import (
     register_task,
     run_task,
 )
-from flipguard.eval.threads import THREADS_HELP
 from flipguard.files import atomic_write_text, beside, load_yaml
 from flipguard.redact import redact_obj
+from flipguard.runtime.threads import THREADS_HELP
 
 SAMPLE_FILE = "sample.jsonl"
 DEFAULT_K = (1, 3, 5, 10)

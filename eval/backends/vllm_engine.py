@@ -24,7 +24,6 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.backends.base import (
     Backend,
     BackendError,
@@ -35,6 +34,7 @@ from flipguard.eval.backends.base import (
     raw_prompt,
     register_backend,
 )
+from flipguard.runtime.adapters import read_adapter
 
 INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "
                 "in its own environment (docs/serving.md, .ci/vllm)")
