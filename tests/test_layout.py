@@ -175,6 +175,14 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
     assert "flipguard.eval.dds.protocol" in GRAPH[CLI]
 
 
+def test_every_package_folder_has_an_init():
+    """A folder of modules without __init__.py is a namespace package: pkgutil walks past it
+    and a reader cannot tell a package from a stray folder."""
+    folders = {path.parent for path in MODULES.values()}
+    assert len(folders) > 10  # the walk found the tree
+    assert sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file()) == []
+
+
 def test_every_module_sits_in_a_layer_and_the_pipeline_in_its_folder():
     assert {name: layer_of(name)[1] for name in MODULES if name.rpartition(".")[2] in
             ("study", "compare", "demo", "cli", "view", "organism_datasets", "organism_builder", "tiny_model")} == {
