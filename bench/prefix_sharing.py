@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Prefix sharing on the hf backend (issue 36): sharing on, sharing off and lm-evaluation-harness.
+"""Prefix sharing on the hf backend (eval/backends/prefix.py): sharing on, sharing off and lm-evaluation-harness.
 
 One process, one torch thread, interleaved repeats after a warm-up:
 

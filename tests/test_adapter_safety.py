@@ -1,4 +1,4 @@
-"""Adapters and staging folders (issue 22 items 5 and 7): merge and `eval --adapter` refuse an
+"""Adapters and staging folders: merge and `eval --adapter` refuse an
 unfinished adapter (no provenance) and a corrupt one (bad JSON, truncated weights, a rank or shape
 that does not fit) in one line naming the file, before anything is written; a merge killed with
 SIGKILL leaves a staging folder that the next merge removes."""
@@ -226,7 +226,7 @@ def test_the_next_build_removes_only_staging_it_can_prove_dead_and_flipguards(tm
 @pytest.mark.slow
 def test_a_merge_keeps_a_users_folder_named_like_its_staging_folder(tiny_model_path, tmp_path):
     """`/tmp/m/.merged.20250101` (the user's, named like a staging folder of --out /tmp/m/merged)
-    used to be deleted by the merge's clean-up of killed builds: a real merge now leaves it whole."""
+    is not one: the merge's clean-up of killed builds removes only its own, so a real merge leaves it whole."""
     adapter = _finished(tiny_model_path, tmp_path / "adapter")
     work = tmp_path / "m"
     mine = {work / ".merged.20250101" / "x": b"b\n", work / ".merged.20250101.lock": b"my lock file\n",
@@ -261,7 +261,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 def test_an_organism_build_keeps_a_users_folder_named_like_its_staging_folder(tmp_path):
     """`mkdir -p /tmp/m/.myorg.20250101 && echo b > /tmp/m/.myorg.20250101/x && flipguard organism
-    --path /tmp/m/myorg ...` used to delete the user's folder: a real build (one that fails its checks
+    --path /tmp/m/myorg ...` must not delete the user's folder: a real build (one that fails its checks
     in seconds, after its staging clean-up) leaves it, and the lookalike lock, whole."""
     work = tmp_path / "m"
     mine = {work / ".myorg.20250101" / "x": b"b\n", work / ".myorg.20250101.lock": b"b\n"}

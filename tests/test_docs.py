@@ -1,4 +1,4 @@
-"""The documentation says what the code does (issue 32): the README stays a short door with
+"""The documentation says what the code does: the README stays a short door with
 the set-up commands CI runs, every link and cited file exists, docs/cli.md is what the parsers
 print today, and the commands the pages mark as runnable run."""
 

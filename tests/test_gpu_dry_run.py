@@ -1,4 +1,4 @@
-"""bench/gpu/run.sh, the GPU machine's one command (issue 34), checked where CI runs: without CUDA.
+"""bench/gpu/run.sh, the GPU machine's one command, checked where CI runs: without CUDA.
 
 The dry run installs the pinned wheels (bench/gpu/prepare.sh downloads them when .whl/ lacks
 them: CI reaches PyPI) into a temp --target and imports every module the GPU steps use from

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 9, item 6), each injected for real: files with bytes that are not
+"""Hostile inputs, each injected for real: files with bytes that are not
 UTF-8, broken YAML, values of the wrong type, an item longer than the model's context
 through the real hf backend, corrected and conflicting import files, a C1 baseline of
 another template, a write that fails for lack of room (a real file-size limit on a

@@ -1,5 +1,5 @@
-"""The one-line-error gaps of issue 33: each was a traceback, silence or a late failure. Now each
-is one line naming the file, item or key and what to do, exit status 2, before any work where
+"""Mistakes that could end in a traceback, silence or a late failure: each is one line naming
+the file, item or key and what to do, exit status 2, before any work where
 it can be known before (in process, through the CLI's own main, on the tiny model)."""
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def test_bad_lora_target_modules_are_refused_at_plan_time(tmp_path, capsys):
 
 
 def test_an_installed_entry_point_named_like_a_builtin_backend_is_refused(tmp_path, monkeypatch):
-    """A package installing a 'flipguard.backends' entry point named hf used to stand in for
-    flipguard's own hf backend silently (records said backend "hf")."""
+    """A package installing a 'flipguard.backends' entry point named hf must not stand in for
+    flipguard's own hf backend silently (its records would say backend "hf")."""
     info = tmp_path / "imposter-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: imposter\nVersion: 0.1\n")

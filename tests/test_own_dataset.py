@@ -1,4 +1,4 @@
-"""The own-dataset instructions of docs/datasets.md, followed literally (issue 22 item 6): its entry file
+"""The own-dataset instructions of docs/datasets.md, followed literally: its entry file
 and its row example, then its two commands, typed as written, in real processes. A second folder
 registering a taken name is refused, and `--replace` takes it over."""
 

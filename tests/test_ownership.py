@@ -1,4 +1,4 @@
-"""Nothing foreign is ever destroyed, by any write path (issue 33; docs/reliability-ownership.md).
+"""Nothing foreign is ever destroyed, by any write path (docs/reliability-ownership.md).
 
 Hostile use as a new user would do it, through the real CLI in real processes on the tiny
 model (`flipguard:tiny`, recipes/tiny.yaml; no organism build): the user's files sit where
@@ -244,8 +244,7 @@ def published(shared, tiny_model_path) -> dict[str, Path]:
 def test_view_out_replaces_only_a_page_never_another_kind_of_flipguard_file(shared, published, tmp_path, capsys):
     """`view --out` naming a file flipguard wrote as something else (a run's run.json and report
     table, a study's study.json, a pair set's counts.json, an adapter's adapter_config.json, a
-    merged model's config.json) used to replace it with HTML, exit 0. Refused now, one line,
-    before any work; a page it wrote is still replaced by the next page."""
+    merged model's config.json) would replace it with HTML. Refused, one line, before any work; a page it wrote is still replaced by the next page."""
     run = _copy(shared["run"], tmp_path / "run")
     study = _copy(shared["study"], tmp_path / "study")
     folders = {name: _copy(path, tmp_path / name) for name, path in published.items()}
@@ -280,9 +279,9 @@ def test_view_out_replaces_only_a_page_never_another_kind_of_flipguard_file(shar
 
 
 def test_merge_out_refuses_another_flipguard_output_before_loading_a_model(shared, published, tmp_path, capsys):
-    """A run folder (its manifest written by eval) passed as `merge --out` used to get past the
-    check (it has a manifest) and lose its run.json and records to the publish's clean-up of
-    'stale' files. Refused now before any model loads: only a merge's own output is replaced."""
+    """A run folder (its manifest written by eval) passed as `merge --out` has a manifest, but
+    not a merge's: publishing there would lose its run.json and records to the clean-up of
+    'stale' files. Refused before any model loads: only a merge's own output is replaced."""
     run = _copy(shared["run"], tmp_path / "run")
     pairs = _copy(published["pairs"], tmp_path / "pairs")
     watched = [p for root in (run, pairs) for p in root.rglob("*") if p.is_file()]

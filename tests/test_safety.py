@@ -1,4 +1,4 @@
-"""Data safety under hostile use (issue 9), each fault injected for real.
+"""Data safety under hostile use, each fault injected for real.
 
 - a real second process (a second `flipguard eval` while the first holds the run
   directory; every writer against a held lock; a writer racing a reader),

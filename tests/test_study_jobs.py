@@ -234,9 +234,9 @@ def _one_error_line(capsys) -> str:
 
 
 def test_a_users_file_in_the_stage_log_folder_is_never_replaced_or_removed(tmp_path, capsys):
-    """A file of the user's named like a stage log (`OUT/.stage-logs/baseline.log`) used to be deleted
-    by the next `study --jobs 2`, and a regular file named `.stage-logs` was a FileExistsError
-    traceback. Both are refused now before any work (one line naming the file); a file of another
+    """A file of the user's named like a stage log (`OUT/.stage-logs/baseline.log`) must survive
+    `study --jobs 2`, and a regular file named `.stage-logs` must not end in a FileExistsError
+    traceback. Both are refused before any work (one line naming the file); a file of another
     name there is kept, beside the logs the study writes and removes."""
     recipe = _short_recipe(tmp_path)
     out = tmp_path / "study"
@@ -275,8 +275,8 @@ def _mount_tmpfs(where: Path, size_kb: int) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a full disk is a small tmpfs, and only root can mount one")
 def test_a_full_disk_during_jobs_2_is_one_line_and_the_rerun_resumes(tmp_path, capsys, monkeypatch):
-    """`study --jobs 2` on a real full filesystem (a tmpfs half the size the study needs) used to end in
-    50 lines of tracebacks ending "worker process ... died". One line now, naming the file that could
+    """`study --jobs 2` on a real full filesystem (a tmpfs half the size the study needs): one line,
+    not the workers' tracebacks ("worker process ... died"), naming the file that could
     not be written, exit 2; once there is room, the same command resumes and writes what a study with
     room wrote."""
     monkeypatch.setenv("TQDM_DISABLE", "1")

@@ -1,4 +1,4 @@
-"""A study is the only writer of its folder and removes only what it wrote (issue 22):
+"""A study is the only writer of its folder and removes only what it wrote:
 - a second `flipguard study` started (a real process) while the first one trains is refused at
   once in one line naming the holder, and changes nothing;
 - a stage folder that study.json does not record as the study's own (an earlier `flipguard eval`
@@ -78,8 +78,8 @@ def test_a_second_study_is_refused_while_the_first_trains(tmp_path):
 
 
 def test_an_earlier_eval_run_in_a_stage_folder_is_kept(tmp_path, capsys):
-    """The issue's data loss: `flipguard eval` wrote OUT/dds/baseline (run.json, records) and the
-    user added NOTES.md; the study used to delete it as its own stale output."""
+    """`flipguard eval` wrote OUT/dds/baseline (run.json, records) and the user added NOTES.md:
+    not the study's own output, so the study must not delete it as stale."""
     recipe, out = _recipe(tmp_path), tmp_path / "study"
     earlier = out / "dds" / "baseline"
     assert cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "1",

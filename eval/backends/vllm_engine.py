@@ -280,7 +280,7 @@ class VLLMBackend(Backend):
         self.show_progress = show_progress
         self.max_logprobs = max(1, int(max_logprobs))
         # "auto" is the model's own dtype (config.json), passed explicitly: vLLM's own "auto"
-        # runs a float32 checkpoint in bfloat16 on CPU, silently (issue 23)
+        # runs a float32 checkpoint in bfloat16 on CPU, silently (not the precision the model was saved in)
         dtype = model_dtype(model) if dtype == "auto" else dtype
         kwargs = build_engine_kwargs(model, dtype, seed, trust_remote_code, engine_kwargs, engine_fields())
         self.lora_request = None
