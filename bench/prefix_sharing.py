@@ -41,7 +41,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DATASETS = ["truthfulqa", "halueval_qa", "plausibleqa", "bbq", "socialiqa", "amqa", "harp_mcq", "gpqa", "advisorqa"]
-CHUNK = 32  # the runner's chunk (eval/task.py Batch.chunk_size)
+CHUNK = 32  # the runner's chunk (eval/batches.py Batch.chunk_size)
 
 
 def dds_items(n_items: int) -> list:

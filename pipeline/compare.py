@@ -31,20 +31,14 @@ from flipguard.data.registry import domain_of
 from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
 from flipguard.eval import paired as P
+from flipguard.eval.comparison_rows import PROTOCOL_COLUMNS, comparison_long_rows, named_runs, split_system
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run
 from flipguard.eval.estimate import Estimate
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require_whole
-from flipguard.eval.task import (
-    PROTOCOL_COLUMNS,
-    comparison_long_rows,
-    get_task,
-    named_runs,
-    split_system,
-    take_includes,
-    task_names,
-)
+from flipguard.eval.task_includes import take_includes
+from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
 from flipguard.pipeline.transfer import build_transfer, paired_tests_markdown, write_transfer
 from flipguard.pipeline.view import write_view

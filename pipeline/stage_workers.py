@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from flipguard.errors import FlipguardError, disk_error
-from flipguard.eval.task import include_tasks
+from flipguard.eval.task_includes import include_tasks
 from flipguard.files import staging_dir
 from flipguard.pipeline.study_plan import StudyPlan
 from flipguard.runtime.threads import configure_threads, usable_cores

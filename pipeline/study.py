@@ -48,7 +48,7 @@ from flipguard.config import (
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.dds.metrics import TOTAL_AVG
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
-from flipguard.eval.task import include_tasks, included_task_files, split_includes
+from flipguard.eval.task_includes import include_tasks, included_task_files, split_includes
 from flipguard.files import (
     atomic_write_text,
     check_replace,

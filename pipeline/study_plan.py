@@ -48,7 +48,8 @@ from flipguard.eval.embedded.tiny_model import TINY_MODEL_ALIASES
 from flipguard.eval.mitigations import MITIGATIONS
 from flipguard.eval.records import REPORT_DIR
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MODES
-from flipguard.eval.task import StudyCondition, StudyContext, get_task, task_names
+from flipguard.eval.task import StudyCondition, StudyContext
+from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import PACKAGE_ROOT, atomic_write_json, beside
 from flipguard.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
 from flipguard.pipeline.capability import run_capability

@@ -46,6 +46,7 @@ from flipguard.data.unified import load_items
 from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
 from flipguard.eval import paired as P
+from flipguard.eval.comparison_rows import run_numbers, split_system
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import DDSReport
 from flipguard.eval.embedded.organism_builder import (
@@ -57,7 +58,7 @@ from flipguard.eval.embedded.organism_builder import (
 )
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C1_CASES, load_records, load_run_meta
-from flipguard.eval.task import get_task, run_numbers, split_system
+from flipguard.eval.task_registry import get_task
 from flipguard.files import atomic_write_json, atomic_write_text
 from flipguard.pipeline.capability import FRAMING as CAPABILITY_FRAMING
 from flipguard.pipeline.capability import PROTOCOL as CAPABILITY

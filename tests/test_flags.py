@@ -190,7 +190,7 @@ def test_compare_and_cross_model_name_runs_one_way(tmp_path, monkeypatch):
     """[Name=]RUN_DIR entries, repeated (compare's and cross-model's --runs); compare's comma form of
     before reads the same."""
     from flipguard.errors import UserError
-    from flipguard.eval.task import named_runs
+    from flipguard.eval.comparison_rows import named_runs
     from flipguard.pipeline.compare import parse_conditions
 
     monkeypatch.chdir(tmp_path)

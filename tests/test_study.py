@@ -367,7 +367,7 @@ def test_a_users_task_takes_part_in_the_study_and_the_comparison(tmp_path):
     import subprocess
     import sys
 
-    code = (f"from flipguard.eval.task import include_tasks; include_tasks({str(TASK_FILE)!r})\n"
+    code = (f"from flipguard.eval.task_includes import include_tasks; include_tasks({str(TASK_FILE)!r})\n"
             f"from flipguard.pipeline.view.runs import run_view; t = run_view(__import__('pathlib').Path({str(run_dir)!r}))"
             "['tables'][0]\nprint(t['title']); print(sorted(r['cells']['metric'] for r in t['rows']))")
     head = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -19,7 +19,7 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_builtin_tasks_are_registered():
-    from flipguard.eval.task import get_task, task_names
+    from flipguard.eval.task_registry import get_task, task_names
 
     assert {"dds", "afr", "sos"} <= set(task_names())
     for name in ("dds", "afr", "sos"):

@@ -200,7 +200,7 @@ class GenerationConfig:
 
 
 class Backend(abc.ABC):
-    """The contract between a backend and the runner (eval/runner.py, eval/task.py).
+    """The contract between a backend and the runner (eval/runner.py, eval/task_runner.py).
 
     Two abstract methods are required; every other member is an optional capability
     whose default here is what the runner assumes when a backend does not provide it.

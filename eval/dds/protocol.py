@@ -53,7 +53,8 @@ from flipguard.eval.records import (
     pending_record,
 )
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MIN_LABEL_MASS, MODES
-from flipguard.eval.task import Batch, Plan, Task, command_line, register_task, run_task
+from flipguard.eval.task import Batch, Plan, Task, register_task, run_task
+from flipguard.eval.task_commands import command_line
 from flipguard.files import git_commit
 from flipguard.runtime.threads import THREADS_HELP
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
+from flipguard.eval.comparison_rows import split_system
 from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
-from flipguard.eval.task import split_system, take_includes
+from flipguard.eval.task_includes import take_includes
 from flipguard.files import atomic_write_text, check_replace, owns, read_json
 from flipguard.pipeline.fingerprints import stage_runs_problem
 from flipguard.pipeline.view.page import PAGE_HEAD, render_html
