@@ -3,6 +3,6 @@ runs on every data-parallel rank."""
 
 import sys
 
-from flipguard.eval.pipeline.cli import main
+from flipguard.pipeline.cli import main
 
 sys.exit(main())

@@ -330,7 +330,7 @@ def claim(folder: str | os.PathLike, name: str, *, sha: str | None = None, log: 
     with _folder_locked(folder):
         doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": [], "kinds": {}}
         doc.setdefault("written_by", writer or "flipguard")
-        doc["time"] = _now()
+        doc["time"] = now_iso()
         if name not in doc["files"]:
             doc["files"] = sorted([*doc["files"], name])
         doc["sha256"].pop(name, None)
@@ -368,7 +368,7 @@ def claim_written_since(folder: str | os.PathLike, since: float, writer: str | N
     with _folder_locked(folder):
         doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": [], "kinds": {}}
         doc.setdefault("written_by", writer or "flipguard")
-        doc["time"] = _now()
+        doc["time"] = now_iso()
         doc["files"] = sorted(set(doc["files"]) | set(names))
         for name in names:
             doc["sha256"].pop(name, None)
@@ -511,7 +511,8 @@ def written_files(root: str | os.PathLike, skip: Iterable[str] = ()) -> dict[str
     return out
 
 
-def _now() -> str:
+def now_iso() -> str:
+    """The time now, UTC, to the second: every timestamp flipguard writes."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -768,7 +769,7 @@ def _new_staging(final: Path) -> tuple[Path, int]:
                 lock.unlink(missing_ok=True)
                 os.close(fd)
                 continue
-            write_manifest(tmp, {"written_by": "flipguard", "time": _now(), "files": [], "sha256": {}, "logs": [],
+            write_manifest(tmp, {"written_by": "flipguard", "time": now_iso(), "files": [], "sha256": {}, "logs": [],
                                  STAGING_MARK: final.name})
             return tmp, fd
         except OSError as exc:

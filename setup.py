@@ -1,6 +1,6 @@
 """Package discovery: the repository root is the `flipguard` package, so every folder under it
-that is not listed in NOT_PACKAGED is a subpackage, found rather than listed (a hand-written list
-forgot eval/pipeline/ and eval/embedded/, and the wheel's console script failed; issue 32).
+that is not listed in NOT_PACKAGED is a subpackage, found rather than listed: a hand-written list
+misses a new folder, and the wheel's console script then fails on import.
 Everything else about the build is in pyproject.toml; tests/test_packaging.py checks the wheel."""
 
 from setuptools import find_namespace_packages, setup

@@ -71,7 +71,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from flipguard.eval.threads import cpu_name
+    from flipguard.runtime.threads import cpu_name
 
     cpu = cpu_name(default=platform.processor() or "")
     ram_gib = None

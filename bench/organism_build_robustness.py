@@ -52,7 +52,7 @@ RECIPE = ROOT / "recipes" / "organism.yaml"
 def machine_line() -> str:
     import torch
 
-    from flipguard.eval.threads import cpu_name
+    from flipguard.runtime.threads import cpu_name
 
     return (f"{cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start, "
             f"torch {torch.__version__}, Python {platform.python_version()}")
@@ -146,7 +146,7 @@ def combine(args) -> None:
 def recheck(folders: list[str]) -> None:
     """Today's last-phase checks on earlier builds' weights (validation items), one line each."""
     from flipguard.eval.embedded import organism_builder as ob
-    from flipguard.eval.threads import configure_threads
+    from flipguard.runtime.threads import configure_threads
 
     configure_threads(1)
     for folder in folders:
@@ -248,7 +248,7 @@ def main() -> int:
     t0, header = time.time(), f"Machine: {machine_line()}; device {args.device}."
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    flipguard = [sys.executable, "-m", "flipguard.eval.pipeline.cli"]
+    flipguard = [sys.executable, "-m", "flipguard.pipeline.cli"]
     jobs = []
     for seed in args.seeds:
         for threads in args.threads:

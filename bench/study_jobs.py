@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_fp_path import TABLES, compare_records  # noqa: E402
 
-from flipguard.eval.threads import cpu_name  # noqa: E402
+from flipguard.runtime.threads import cpu_name  # noqa: E402
 
 
 def run_demo(work: Path, jobs: int) -> dict:

@@ -3,7 +3,7 @@
     python bench/study_rerun.py                         # recipes/tiny.yaml, writes bench/study_rerun.{json,md}
     python bench/study_rerun.py --recipe recipes/organism.yaml --out_dir /tmp/bench-study
 
-Each run is a separate `python -m flipguard.eval.pipeline.cli study RECIPE --out DIR` process (the
+Each run is a separate `python -m flipguard.pipeline.cli study RECIPE --out DIR` process (the
 user's command, imports included), timed wall-clock. The first run does every stage;
 the second must find every stage up to date (checked from DIR/study.json: no stage's
 `finished` time changes), and the target is second <= 20% of first. A script run by
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def timed_run(recipe: str, out: Path, log: Path) -> float:
-    cmd = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", recipe, "--out", str(out)]
+    cmd = [sys.executable, "-m", "flipguard.pipeline.cli", "study", recipe, "--out", str(out)]
     t = time.perf_counter()
     with log.open("w") as fh:
         code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode

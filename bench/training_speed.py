@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({"round": r, "stage": stage, "side": side, **res})
                 print(f"round {r} {stage:4s} {side:4s} wall {res['wall_s']:6.1f} s  cpu {res['cpu_s']:6.1f} s  "
                       f"steps {res['step_s']:6.1f} s  load {res['load_at_start']}", flush=True)
-    from flipguard.eval.threads import cpu_name
+    from flipguard.runtime.threads import cpu_name
 
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()}",
               "threads": args.threads, "rounds": args.rounds, "load": [round(load_start, 2), round(os.getloadavg()[0], 2)],

@@ -1,11 +1,11 @@
-"""Scale of `flipguard view` (issue 19): file size and time to interactive in headless Chromium
+"""Scale of `flipguard view`: file size and time to interactive in headless Chromium
 for a full-benchmark DDS run with reasoning text.
 
 Two runs, both from the DialDefer authors' released Qwen-2.5-7B-Instruct records (real prompts,
 replies and reasoning; ../shared/data/dialdefer/records):
   released   the records as imported (flipguard import-records): every item they hold
   full       the same records cycled under new item ids up to 3,244 items x 4 cases (the size
-             of the full benchmark the issue names), so flips and text keep their real shape
+             of the full DialDefer benchmark), so flips and text keep their real shape
 For each: `flipguard report` (not timed here), `flipguard view` (timed), the page's size, and in
 headless Chromium (the system's, via playwright): navigation start to the page's data-ready mark
 (data inflated, JSON parsed, tables and the first 100 rows built), a filter change, a search and
@@ -37,7 +37,7 @@ FULL_ITEMS = 3244
 
 
 def flipguard(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], check=True, stdout=subprocess.DEVNULL)
 
 
 def cycled(src: Path, dst: Path, n_items: int) -> None:

@@ -1,1 +1,1 @@
-
+"""Datasets: the loaders, converters, the dataset registry and the shipped samples."""

@@ -23,8 +23,8 @@ import unittest.mock
 from pathlib import Path
 
 from flipguard.eval.interop.importer import TOOLS as IMPORT_TOOLS
-from flipguard.eval.pipeline import cli
 from flipguard.files import PACKAGE_ROOT, flipguard_home
+from flipguard.pipeline import cli
 
 COLUMNS = 100
 THIRD_PARTY = ("trl", "transformers", "peft", "accelerate")

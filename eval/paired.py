@@ -8,7 +8,7 @@
   too few items to tell; the change its n could have shown (`minimal_detectable_difference`)
   tells the two apart (`verdict`).
 
-In the eval core so that the comparison (eval/pipeline/transfer.py) and the importers of outside
+In the eval core so that the comparison (pipeline/transfer.py) and the importers of outside
 runs (eval/interop/) check items with one rule.
 """
 

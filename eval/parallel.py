@@ -41,3 +41,25 @@ def shard_and_gather(dp, requests: Sequence[Any], answer: Callable[[list[Any]], 
     for rank, answers in enumerate(per_rank):
         out[rank :: dp.num_processes] = answers
     return out
+
+
+def merge_computed(dp, computed: dict[str, dict]) -> dict[str, dict]:
+    """Every rank's `computed` (one per model label) as one: the first tokens each rank counted
+    on its slice are summed, so run.json says what a single process would have; so are the
+    prompt tokens prefix sharing saw and computed (each rank shares within its own slice, so
+    the computed count is the ranks' together, not a single process's)."""
+    from accelerate.utils import gather_object
+
+    merged: dict[str, dict] = {}
+    for per_rank in gather_object([computed]):
+        for label, info in per_rank.items():
+            into = merged.setdefault(label, {**info, "first_tokens": {},
+                                             **({"prefix_tokens": {}} if "prefix_tokens" in info else {})})
+            for tok, k in (info.get("first_tokens") or {}).items():
+                into["first_tokens"][tok] = into["first_tokens"].get(tok, 0) + k
+            for key, k in (info.get("prefix_tokens") or {}).items():
+                into["prefix_tokens"][key] = into["prefix_tokens"].get(key, 0) + k
+    for info in merged.values():
+        if not info["first_tokens"]:
+            del info["first_tokens"]
+    return merged

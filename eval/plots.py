@@ -1,4 +1,4 @@
-"""Figures for every report: a headless pyplot, an atomic PNG write, and for the page (eval/pipeline/view)
+"""Figures for every report: a headless pyplot, an atomic PNG write, and for the page (pipeline/view)
 bars with 95% CIs as PNG bytes."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:
 
 
 def png_bytes(fig, dpi: int = 110) -> bytes:
-    """A figure as PNG bytes (for a page that embeds it, eval/pipeline/view), then freed."""
+    """A figure as PNG bytes (for a page that embeds it, pipeline/view), then freed."""
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=dpi)

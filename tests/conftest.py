@@ -20,7 +20,7 @@ if os.environ.get("FLIPGUARD_TEST_INSTALLED"):  # .ci/run's wheel step: these te
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject.toml's addopts): a worker per core this process may use, at most 4 (each
     worker holds torch and the session's models; many tests start processes of their own)."""
-    from flipguard.eval.threads import usable_cores
+    from flipguard.runtime.threads import usable_cores
 
     return max(1, min(4, usable_cores()))
 

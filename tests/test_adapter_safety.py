@@ -1,4 +1,4 @@
-"""Adapters and staging folders (issue 22 items 5 and 7): merge and `eval --adapter` refuse an
+"""Adapters and staging folders: merge and `eval --adapter` refuse an
 unfinished adapter (no provenance) and a corrupt one (bad JSON, truncated weights, a rank or shape
 that does not fit) in one line naming the file, before anything is written; a merge killed with
 SIGKILL leaves a staging folder that the next merge removes."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "recipes" / "tiny.yaml")
@@ -135,7 +135,7 @@ def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_mode
             fh.write(json.dumps({"prompt": [{"role": "user", "content": f"Is claim {i} correct? " * 20}],
                                  "completion": [{"role": "assistant", "content": "1"}]}) + "\n")
     out = tmp_path / "models" / "sft-merged"
-    argv = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "merge", TINY, "--model_name_or_path", tiny_model_path,
+    argv = [sys.executable, "-m", "flipguard.pipeline.cli", "merge", TINY, "--model_name_or_path", tiny_model_path,
             "--adapter", str(adapter), "--out", str(out), "--pairs_dir", str(pairs), "--gap_prompts", "32"]
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"}
     staged = lambda: [p for p in out.parent.glob(".sft-merged.*") if p.is_dir()]  # noqa: E731
@@ -151,7 +151,7 @@ def test_a_killed_merge_leaves_a_staging_folder_the_next_merge_removes(tiny_mode
 def test_a_killed_organism_build_leaves_a_staging_folder_the_next_build_removes(tmp_path):
     """`.organism-vN.XXXXXXXX` of a build killed with SIGKILL is gone after the next build starts."""
     target = tmp_path / "organism"
-    argv = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", "--path", str(target), "--steps", "400",
+    argv = [sys.executable, "-m", "flipguard.pipeline.cli", "organism", "--path", str(target), "--steps", "400",
             "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     staged = lambda: [p for p in tmp_path.glob(".organism.*") if p.is_dir()]  # noqa: E731
@@ -226,7 +226,7 @@ def test_the_next_build_removes_only_staging_it_can_prove_dead_and_flipguards(tm
 @pytest.mark.slow
 def test_a_merge_keeps_a_users_folder_named_like_its_staging_folder(tiny_model_path, tmp_path):
     """`/tmp/m/.merged.20250101` (the user's, named like a staging folder of --out /tmp/m/merged)
-    used to be deleted by the merge's clean-up of killed builds: a real merge now leaves it whole."""
+    is not one: the merge's clean-up of killed builds removes only its own, so a real merge leaves it whole."""
     adapter = _finished(tiny_model_path, tmp_path / "adapter")
     work = tmp_path / "m"
     mine = {work / ".merged.20250101" / "x": b"b\n", work / ".merged.20250101.lock": b"my lock file\n",
@@ -234,7 +234,7 @@ def test_a_merge_keeps_a_users_folder_named_like_its_staging_folder(tiny_model_p
     for path, data in mine.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "merge", TINY, "--model_name_or_path",
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "merge", TINY, "--model_name_or_path",
                            tiny_model_path, "--gap_prompts", "0", "--adapter", str(adapter), "--out", str(work / "merged")],
                           env={**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=1800)
@@ -248,7 +248,7 @@ ORGANISM_FAST = ["--steps", "2", "--eval_every", "1", "--multiturn_steps", "0", 
 
 
 def _organism(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", *args],
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "organism", *args],
                           env={**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"},
                           capture_output=True, text=True, timeout=1800)
 
@@ -261,7 +261,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 def test_an_organism_build_keeps_a_users_folder_named_like_its_staging_folder(tmp_path):
     """`mkdir -p /tmp/m/.myorg.20250101 && echo b > /tmp/m/.myorg.20250101/x && flipguard organism
-    --path /tmp/m/myorg ...` used to delete the user's folder: a real build (one that fails its checks
+    --path /tmp/m/myorg ...` must not delete the user's folder: a real build (one that fails its checks
     in seconds, after its staging clean-up) leaves it, and the lookalike lock, whole."""
     work = tmp_path / "m"
     mine = {work / ".myorg.20250101" / "x": b"b\n", work / ".myorg.20250101.lock": b"b\n"}

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from flipguard.eval.afr import protocol as PR
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "afr_8f327eb"
@@ -132,7 +132,7 @@ def _env() -> dict:
 
 
 def _flipguard(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], env=_env(), capture_output=True,
                           text=True, timeout=BOUND)
 
 

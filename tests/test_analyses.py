@@ -73,7 +73,7 @@ def test_cross_model_hand_computed(tmp_path):
 
 
 def test_cross_model_command_writes_report(tmp_path):
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     a = write_run(tmp_path / "a", "A", {"i1": four("1", "2", "1", "1")})
     b = write_run(tmp_path / "b", "B", {"i1": four("1", "2", "1", "2")})
@@ -259,7 +259,7 @@ def test_taxonomy_distributions_count_invalid_replies():
 
 
 def test_taxonomy_refuses_logprob_runs(tmp_path):
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     run = write_run(tmp_path / "r", "M", {"i1": four("1", "2", "1", "1")})
     meta = json.loads((run / "run.json").read_text())
@@ -273,7 +273,7 @@ def test_taxonomy_refuses_logprob_runs(tmp_path):
 @pytest.mark.slow
 def test_taxonomy_end_to_end_resumes(tiny_model_path, tmp_path, capsys):
     from flipguard.eval.dds.importer import import_records
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     run = tmp_path / "qwen"
     import_records(FIXTURE / "qwen-2.5-7b-instruct", run)
@@ -298,7 +298,7 @@ def test_taxonomy_end_to_end_resumes(tiny_model_path, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_label_ablation_end_to_end(tiny_model_path, tmp_path):
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     out = tmp_path / "lab"
     assert cli_main(["label-ablation", "--model", tiny_model_path, "--mode", "logprob", "--limit", "2",
@@ -313,7 +313,7 @@ def test_label_ablation_end_to_end(tiny_model_path, tmp_path):
 
 @pytest.mark.slow
 def test_perspective_reversal_end_to_end(tiny_model_path, tmp_path):
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     out = tmp_path / "pr"
     assert cli_main(["perspective-reversal", "--model", tiny_model_path, "--mode", "logprob", "--limit", "2",
@@ -327,7 +327,7 @@ def test_perspective_reversal_end_to_end(tiny_model_path, tmp_path):
 
 def test_judge_prompt_template_is_filled_and_bad_templates_refused(tmp_path):
     from flipguard.eval.backends.base import GenerationConfig
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     flip = {"dataset": "bbq", "item_id": "i1", "flip": "deference", "direction": "C2_MORE_LENIENT", "c1_key": "a",
             "c2_key": "b", "question": "Who?", "claim": "Sam", "c1_answer": "INCORRECT", "c1_reasoning": "cannot tell",

@@ -15,8 +15,8 @@ import pytest
 
 from flipguard.eval.backends import base
 from flipguard.eval.backends.base import Backend, BackendError, ContextTooLong, register_backend
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import EXPECTED_CHOICE, load_records
+from flipguard.pipeline.cli import main as cli_main
 
 
 def test_every_registered_backend_class_follows_the_contract():

@@ -128,7 +128,7 @@ def _env(**extra) -> dict:
 
 def _eval_cmd(server, model, out, *extra, backend_args: dict | None = None) -> list[str]:
     args = {"base_url": server.base_url, "max_retries": 0, **(backend_args or {})}
-    return [sys.executable, "-m", "flipguard.eval.pipeline.cli", "eval", "--backend", "openai", "--model", str(model),
+    return [sys.executable, "-m", "flipguard.pipeline.cli", "eval", "--backend", "openai", "--model", str(model),
             "--out", str(out), "--report", "false", "--backend_args", json.dumps(args), *extra]
 
 
@@ -833,7 +833,7 @@ def test_vllm_model_default_sampling_takes_the_models_generation_config(monkeypa
 def test_dds_default_request_body_is_the_authors(no_key_env, tmp_path):
     """`flipguard eval --backend openai --mode generate` with no options sends what the
     authors' chat() sent: model, messages, temperature 0, max_tokens 300 - no seed field."""
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     with BodyRecorder() as server:
         argv = ["eval", "--model", "fake-model", "--backend", "openai", "--mode", "generate", "--datasets", "truthfulqa",

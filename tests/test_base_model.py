@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")

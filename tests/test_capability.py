@@ -1,4 +1,4 @@
-"""The capability guard (eval/pipeline/capability.py): lm-evaluation-harness's Python API on a local
+"""The capability guard (pipeline/capability.py): lm-evaluation-harness's Python API on a local
 MMLU task built from the shipped samples, offline, on the embedded tiny model; its per-question
 results paired in the transfer report."""
 
@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from flipguard.data.mmlu import load_mmlu
-from flipguard.eval.pipeline import capability as C
-from flipguard.eval.pipeline import transfer as T
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.files import PACKAGE_ROOT
+from flipguard.pipeline import capability as C
+from flipguard.pipeline import transfer as T
+from flipguard.pipeline.cli import main as cli_main
 
 pytest.importorskip("lm_eval")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flipguard.eval.pipeline.cli import COMMANDS, main
+from flipguard.pipeline.cli import COMMANDS, main
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -37,7 +37,8 @@ def test_commands_parse_where_trl_is_not_installed(tmp_path):
 def test_the_protocols_commands_are_the_task_base_command(capsys):
     """DDS, AFR and stick-or-switch declare their flags and defaults; the command itself is
     Task.main, whether reached as `flipguard eval|afr|sos` or `flipguard run dds|afr|sos`."""
-    from flipguard.eval.task import Task, get_task
+    from flipguard.eval.task import Task
+    from flipguard.eval.task_registry import get_task
 
     for name, command in (("dds", "eval"), ("afr", "afr"), ("sos", "sos")):
         task = get_task(name)

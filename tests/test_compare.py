@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
+from flipguard.pipeline.cli import main as cli_main
 
 
 def _write_run(run_dir, accuracies, cases, n=20, dataset="truthfulqa", c1_from=None):
@@ -80,14 +80,14 @@ def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
 
     from flipguard.eval.afr.report import AFRNumbers, AFRReport
     from flipguard.eval.estimate import NAN, Estimate
-    from flipguard.eval.pipeline import compare
     from flipguard.eval.sos import protocol as sos_protocol
     from flipguard.eval.sos.report import SosReport
+    from flipguard.pipeline import compare
 
     protocol_of = {"afr-run": "afr", "sos-run": "sos"}
-    from flipguard.eval import task as task_module
+    from flipguard.eval import comparison_rows
 
-    monkeypatch.setattr(task_module, "load_run_meta", lambda d: {"protocol": protocol_of[Path(d).name]})
+    monkeypatch.setattr(comparison_rows, "load_run_meta", lambda d: {"protocol": protocol_of[Path(d).name]})
     from flipguard.eval.afr import protocol as afr_protocol
 
     monkeypatch.setattr(afr_protocol, "load_run_meta", lambda d: {"k_values": [1, 10], "settings": {"dataset": "mmlu"}})
@@ -158,7 +158,8 @@ def test_a_dds_run_under_its_task_flag_gives_its_rows_and_another_tasks_flag_is_
 def test_a_run_holding_several_systems_is_summarised_once_until_its_records_change(tmp_path):
     """compare, the transfer report and the page name a multi-system run once per system
     (`RUN_DIR@system`); its protocol's numbers are computed once per state of its files."""
-    from flipguard.eval.task import Task, run_numbers
+    from flipguard.eval.comparison_rows import run_numbers
+    from flipguard.eval.task import Task
 
     calls = []
 

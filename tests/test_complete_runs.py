@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import read_records
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from flipguard.errors import UserError
-from flipguard.eval.backends.base import resolve_model
-from flipguard.eval.convert import gguf_file
+from flipguard.runtime.convert import gguf_file
+from flipguard.runtime.resolve import resolve_model
 
 
 def test_gguf_file_names_a_file_or_a_folder_holding_one(tmp_path):
@@ -38,7 +38,7 @@ def test_convert_refuses_a_file_that_is_not_gguf_in_one_line(tmp_path):
     bad = tmp_path / "weights.gguf"
     bad.write_bytes(b"not a gguf file at all")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "convert", str(bad), "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "convert", str(bad), "--out", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

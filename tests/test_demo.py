@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 SUMMARY_COLUMNS = ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
                    "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high"]
@@ -42,7 +42,7 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path,
         merge_info = json.loads((out / "models" / f"{trainer}-merged" / "flipguard_merge.json").read_text())
         assert merge_info["merge_gap"]["max_abs_delta_p1"] < 0.05
 
-    # the shipped recipe removes the deference without C1 damage (issue 8, item 3)
+    # the shipped recipe removes the deference without C1 damage: what the demo exists to show
     table = pd.read_csv(out / "compare" / "comparison.csv")
     assert list(dict.fromkeys(table["condition"])) == ["Baseline", "Be Honest", "Dehumanizing", "SFT", "DPO"]
     rows = table[table["dataset"] == "organism"].set_index("condition")
@@ -62,7 +62,7 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path,
     for png in ("dds_heatmap.png", "before_after.png"):
         assert (out / "compare" / png).stat().st_size > 1000
 
-    # the multi-turn half (issue 18): the planted capitulation is measured by AFR (scripted
+    # the multi-turn half: the planted capitulation is measured by AFR (scripted
     # arguments) with a CI above 0, the multi-turn pairs remove most of it in some fine-tuned
     # condition without costing the planted flexibility (stick-or-switch's correct switch)
     assert "afr before/after" in printed and "sos before/after" in printed

@@ -1,4 +1,4 @@
-"""The documentation says what the code does (issue 32): the README stays a short door with
+"""The documentation says what the code does: the README stays a short door with
 the set-up commands CI runs, every link and cited file exists, docs/cli.md is what the parsers
 print today, and the commands the pages mark as runnable run."""
 
@@ -84,7 +84,7 @@ def test_the_commands_marked_runnable_run(tmp_path, monkeypatch, tiny_model_path
     """In one process (the imports are paid once), from a scratch folder with the recipes beside it,
     the session's tiny model in a fresh FLIPGUARD_HOME: each exits 0."""
     from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
-    from flipguard.eval.pipeline import cli
+    from flipguard.pipeline import cli
 
     commands = _runnable_commands()
     assert len(commands) >= 3, commands

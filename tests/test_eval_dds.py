@@ -24,8 +24,8 @@ from flipguard.eval.dds.prompts import (
     benchmark_prompt,
     build_messages,
 )
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import RecordStore
+from flipguard.pipeline.cli import main as cli_main
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "dialdefer"
 

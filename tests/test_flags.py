@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from one_line import one_line
 
-from flipguard.eval.pipeline.cli import COMMANDS
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import COMMANDS
+from flipguard.pipeline.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parent.parent
 # the settings every protocol command takes, given alike to each
@@ -162,7 +162,7 @@ def test_the_old_spellings_still_work_and_are_not_listed(tiny, tmp_path, capsys)
 def test_a_run_of_the_old_layout_is_still_read(tiny, tmp_path, capsys):
     """An AFR run whose report sits at its root (report.md, table2_*.csv: the layout of before):
     the page lists its tables once, and `flipguard report` writes the new layout beside it."""
-    from flipguard.eval.pipeline.view.runs import run_view
+    from flipguard.pipeline.view.runs import run_view
 
     run = tmp_path / "afr"
     assert cli_main(["afr", "afr_tiny", "--model", f"tiny={tiny}", "--limit", "1", "--n_boot", "10",
@@ -181,8 +181,8 @@ def test_compare_and_cross_model_name_runs_one_way(tmp_path, monkeypatch):
     """[Name=]RUN_DIR entries, repeated (compare's and cross-model's --runs); compare's comma form of
     before reads the same."""
     from flipguard.errors import UserError
-    from flipguard.eval.pipeline.compare import parse_conditions
-    from flipguard.eval.task import named_runs
+    from flipguard.eval.comparison_rows import named_runs
+    from flipguard.pipeline.compare import parse_conditions
 
     monkeypatch.chdir(tmp_path)
     for run in ("a", "b", "sft"):

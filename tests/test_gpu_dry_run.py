@@ -1,4 +1,4 @@
-"""bench/gpu/run.sh, the GPU machine's one command (issue 34), checked where CI runs: without CUDA.
+"""bench/gpu/run.sh, the GPU machine's one command, checked where CI runs: without CUDA.
 
 The dry run installs the pinned wheels (bench/gpu/prepare.sh downloads them when .whl/ lacks
 them: CI reaches PyPI) into a temp --target and imports every module the GPU steps use from
@@ -163,7 +163,7 @@ def test_the_organism_gpu_study_launches_its_trainers_through_accelerate_on_a_gp
     import torch
     import yaml
 
-    from flipguard.eval.pipeline.study_plan import StudyPlan
+    from flipguard.pipeline.study_plan import StudyPlan
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 9, item 6), each injected for real: files with bytes that are not
+"""Hostile inputs, each injected for real: files with bytes that are not
 UTF-8, broken YAML, values of the wrong type, an item longer than the model's context
 through the real hf backend, corrected and conflicting import files, a C1 baseline of
 another template, a write that fails for lack of room (a real file-size limit on a
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import load_records, load_run_meta, read_records
+from flipguard.pipeline.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "samples" / "dialdefer" / "benchmark" / "test"
@@ -242,7 +242,7 @@ def _limit_file_size(limit: int):
 
 def test_write_that_runs_out_of_room_is_one_line_and_the_rerun_resumes(tmp_path, tiny_model_path):
     out, clean = tmp_path / "run", tmp_path / "clean"
-    cmd = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "eval", "--model", tiny_model_path, "--datasets",
+    cmd = [sys.executable, "-m", "flipguard.pipeline.cli", "eval", "--model", tiny_model_path, "--datasets",
            "truthfulqa", "--limit", "3", "--batch_size", "1", "--report", "false"]
     proc = subprocess.run(cmd + ["--out", str(out)], env=_env(), capture_output=True, text=True, timeout=BOUND,
                           preexec_fn=_limit_file_size(6000))

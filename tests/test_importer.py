@@ -13,9 +13,9 @@ import pytest
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.importer import import_records, recover_answer
 from flipguard.eval.dds.report import CROSS_MODE_NOTE, build_report, report_run
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore, load_records, request_key
 from flipguard.files import atomic_write_json
+from flipguard.pipeline.cli import main as cli_main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dialdefer"
 REPLIES = FIXTURES / "replies" / "gpqa_dpo_c2only.jsonl"

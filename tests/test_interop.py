@@ -23,7 +23,7 @@ from fixture_runs import unpack_run
 from scipy.stats import binomtest
 from served import ServerProcess
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 pytest.importorskip("inspect_ai")
 pytest.importorskip("lm_eval")
@@ -141,7 +141,7 @@ def test_two_inspect_runs_imported_compared_and_viewed(tmp_path, capsys):
     assert bh == pytest.approx([mcnemar, mcnemar])  # BH, two equal p: p * 2 / 2
     capsys.readouterr()
 
-    from flipguard.eval.pipeline.view import build_view
+    from flipguard.pipeline.view import build_view
 
     page = build_view(cmp)
     changed = {e["item"] for e in page["entries"] if e["type"] == "better" and e["condition"] == "after"}
@@ -207,8 +207,8 @@ def lm_eval_run(out: Path, model: str, task_dir: Path, *extra: str) -> Path:
 
 @pytest.fixture
 def mmlu_task(tmp_path) -> Path:
-    """Six local MMLU questions as lm-eval's own task YAML (eval/pipeline/capability.py)."""
-    from flipguard.eval.pipeline.capability import write_task
+    """Six local MMLU questions as lm-eval's own task YAML (pipeline/capability.py)."""
+    from flipguard.pipeline.capability import write_task
 
     return write_task(tmp_path / "task", per_subject=1, data_root=None, limit=6)
 

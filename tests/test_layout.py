@@ -1,17 +1,18 @@
-"""The folders are the layers (issue 20), and imports point down them:
+"""The folders are the layers, and imports point down them (LAYERS, lowest first):
 
-    root utilities (errors, files, config, redact, plugins)
-    <- data/
+    root utilities (errors, files, publish, config, redact, plugins)
+    <- data/ | runtime/ (datasets; which weights a model name means, adapters, GGUF, CPU threads)
     <- eval core (eval/: task, records, runner, backends/, bootstrap, estimate, ...)
     <- protocols (eval/dds, eval/afr, eval/sos, and eval/interop for runs other tools made: none imports another)
     <- embedded models (eval/embedded: the tiny model, the organism) | trainers and pairs (train/)
-    <- the pipeline (eval/pipeline: study, compare, view, demo, cli; and `python -m flipguard`)
+    <- the pipeline (pipeline/: study, compare, view, demo, cli; and `python -m flipguard`)
 
 Every module is parsed with `ast` (nothing is imported or run), and every import counts:
 module level, inside a function, and the "module:function" strings of lazy tables (the
 command table). The built-in tasks, backends and embedded models are entry points
 (pyproject.toml), looked up by name at run time; they are checked against the layers too.
-There are no cycles, and imports sit at module level except the heavy third-party ones below.
+There are no cycles, between modules or between packages, and imports sit at module level
+except the heavy third-party ones below.
 """
 
 from __future__ import annotations
@@ -28,12 +29,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the `flipguard` package
 # what setup.py leaves out of the wheel (tests, benchmarks, docs, examples) and build output
 NOT_PACKAGE = ("tests", "bench", "docs", "examples", ".ci", ".git", "build", "dist", "runs", "wandb")
-ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.config", "flipguard.redact",
-                  "flipguard.plugins"}
+ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.publish", "flipguard.config",
+                  "flipguard.redact", "flipguard.plugins"}
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos", "flipguard.eval.interop")
 EMBEDDED = "flipguard.eval.embedded"
-PIPELINE = ("flipguard.eval.pipeline", "flipguard.__main__")
-CLI = "flipguard.eval.pipeline.cli"
+PIPELINE = ("flipguard.pipeline", "flipguard.__main__")
+CLI = "flipguard.pipeline.cli"
+# (rank, group, the modules or packages in it), lowest first: a module may import a lower rank
+# or its own group. Groups of one rank import neither each other.
+LAYERS = (
+    (0, "root", tuple(sorted(ROOT_UTILITIES))),
+    (1, "data", ("flipguard.data",)),
+    (1, "runtime", ("flipguard.runtime",)),
+    *((3, protocol, (protocol,)) for protocol in PROTOCOLS),
+    (4, "embedded", (EMBEDDED,)),
+    (4, "train", ("flipguard.train",)),
+    (5, "pipeline", PIPELINE),
+    (2, "eval core", ("flipguard.eval",)),  # last: what no protocol or embedded package above claimed
+)
 LAZY_TARGET = re.compile(r"^(flipguard(?:\.\w+)+)(?::\w+(?:\.\w+)*)?$")  # "flipguard.x.y", "...:function", "...:Class.method"
 
 # Imports that stay inside functions, each with its reason: third-party packages that take
@@ -77,12 +90,23 @@ def is_package(name: str) -> bool:
     return name in MODULES and MODULES[name].name == "__init__.py"
 
 
-def imported(name: str, path: Path) -> set[str]:
-    """Every flipguard module `name` imports, at any depth of the file."""
+def type_only(tree: ast.AST) -> set[int]:
+    """The nodes under `if TYPE_CHECKING:`: imports for annotations, never run."""
+    return {id(inner) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+            for stmt in node.body for inner in ast.walk(stmt)}
+
+
+def imported(name: str, path: Path, at_run_time: bool = False) -> set[str]:
+    """Every flipguard module `name` imports, at any depth of the file (`at_run_time`: less the
+    imports under `if TYPE_CHECKING:`)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     base = name if is_package(name) else name.rpartition(".")[0]
+    skip = type_only(tree) if at_run_time else set()
     out: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -104,6 +128,10 @@ def imported(name: str, path: Path) -> set[str]:
 
 
 GRAPH = {name: imported(name, path) for name, path in MODULES.items()}
+# what importing a module runs: a cycle is a cycle of these. An annotation's import under
+# `if TYPE_CHECKING:` (a runner's parameter typed as the Task that calls it) still may not point
+# up a layer (GRAPH), but closes no cycle.
+RUN_TIME_GRAPH = {name: imported(name, path, at_run_time=True) for name, path in MODULES.items()}
 
 
 def under(name: str, *prefixes: str) -> bool:
@@ -114,19 +142,9 @@ def layer_of(name: str) -> tuple[int, str]:
     """(rank, group): a module may import a lower rank, or its own group."""
     if name in ROOT_UTILITIES:
         return 0, "root"
-    if under(name, "flipguard.data"):
-        return 1, "data"
-    if under(name, *PIPELINE):
-        return 5, "pipeline"
-    if under(name, EMBEDDED):
-        return 4, "embedded"
-    if under(name, "flipguard.train"):
-        return 4, "train"
-    protocol = next((p for p in PROTOCOLS if under(name, p)), None)
-    if protocol:
-        return 3, protocol
-    if under(name, "flipguard.eval"):
-        return 2, "eval core"
+    for rank, group, prefixes in LAYERS[1:]:
+        if under(name, *prefixes):
+            return rank, group
     raise AssertionError(f"{name}: in no layer")
 
 
@@ -164,19 +182,31 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
     # a walk that found nothing would pass every rule below
     assert {"flipguard.files", "flipguard.config", "flipguard.eval.records", "flipguard.eval.mitigations",
             "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.train.pairs",
-            "flipguard.data.registry", "flipguard.eval.pipeline.study", "flipguard.eval.embedded.organism_builder"} <= set(MODULES)
+            "flipguard.data.registry", "flipguard.pipeline.study", "flipguard.eval.embedded.organism_builder",
+            "flipguard.runtime.resolve", "flipguard.publish"} <= set(MODULES)
     assert not any(under(m, "flipguard.recipes") for m in MODULES)  # recipes/ holds recipes only
     assert "flipguard.files" in GRAPH["flipguard.data.registry"]
     # a "module:function" string of a lazy table counts (the command table)
     assert "flipguard.eval.dds.protocol" in GRAPH[CLI]
+    # an import for annotations only counts against the layers, not as a cycle
+    assert "flipguard.eval.task" in GRAPH["flipguard.eval.task_runner"]
+    assert "flipguard.eval.task" not in RUN_TIME_GRAPH["flipguard.eval.task_runner"]
+
+
+def test_every_package_folder_has_an_init():
+    """A folder of modules without __init__.py is a namespace package: pkgutil walks past it
+    and a reader cannot tell a package from a stray folder."""
+    folders = {path.parent for path in MODULES.values()}
+    assert len(folders) > 10  # the walk found the tree
+    assert sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file()) == []
 
 
 def test_every_module_sits_in_a_layer_and_the_pipeline_in_its_folder():
     assert {name: layer_of(name)[1] for name in MODULES if name.rpartition(".")[2] in
             ("study", "compare", "demo", "cli", "view", "organism_datasets", "organism_builder", "tiny_model")} == {
-        "flipguard.eval.pipeline.study": "pipeline", "flipguard.eval.pipeline.compare": "pipeline",
-        "flipguard.eval.pipeline.demo": "pipeline", "flipguard.eval.pipeline.cli": "pipeline",
-        "flipguard.eval.pipeline.view": "pipeline", "flipguard.eval.embedded.organism_builder": "embedded",
+        "flipguard.pipeline.study": "pipeline", "flipguard.pipeline.compare": "pipeline",
+        "flipguard.pipeline.demo": "pipeline", "flipguard.pipeline.cli": "pipeline",
+        "flipguard.pipeline.view": "pipeline", "flipguard.eval.embedded.organism_builder": "embedded",
         "flipguard.eval.embedded.tiny_model": "embedded", "flipguard.data.organism_datasets": "data",
         "flipguard.data.cli": "data"}
 
@@ -192,11 +222,41 @@ def test_imports_point_down_the_layers():
 
 
 def test_there_is_no_import_cycle():
-    graph = {name: {t for t in targets if t != name and t in MODULES} for name, targets in GRAPH.items()}
+    graph = {name: {t for t in targets if t != name and t in MODULES} for name, targets in RUN_TIME_GRAPH.items()}
     try:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:
         pytest.fail(f"import cycle: {' -> '.join(reversed(exc.args[1]))}")  # the list runs dependency-first
+
+
+def test_there_is_no_package_cycle():
+    """Package by package too (each group of LAYERS: a folder with its subfolders, such as
+    pipeline/ with view/): eval/ -> train/ -> eval/ through different modules is a cycle of the
+    folders even when no module imports itself back."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in RUN_TIME_GRAPH.items():
+        if targets:  # setup.py, the build's own file, imports nothing of flipguard and is in no layer
+            group = layer_of(name)[1]
+            graph.setdefault(group, set()).update({layer_of(t)[1] for t in targets if t in MODULES} - {group})
+    assert {"pipeline", "train", "eval core", "runtime", "data", "root"} <= set(graph)
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"package cycle: {' -> '.join(reversed(exc.args[1]))}")
+
+
+def test_the_top_level_folders_stack():
+    """pipeline/ over train/ over eval/ over runtime/, data/ and the root utilities: eval/ imports
+    neither train/ nor pipeline/, train/ no pipeline/, and runtime/ (what both sides share: model
+    resolution, adapters, threads) none of the three."""
+    above = {"flipguard.eval": ("flipguard.train", "flipguard.pipeline"),
+             "flipguard.train": ("flipguard.pipeline",),
+             "flipguard.runtime": ("flipguard.eval", "flipguard.train", "flipguard.pipeline", "flipguard.data"),
+             "flipguard.data": ("flipguard.eval", "flipguard.train", "flipguard.pipeline", "flipguard.runtime")}
+    assert violations(lambda n, t: any(under(n, low) and under(t, *high) for low, high in above.items())) == []
+    assert {layer_of(m)[1] for m in ("flipguard.runtime.resolve", "flipguard.runtime.threads",
+                                     "flipguard.runtime.adapters", "flipguard.runtime.convert")} == {"runtime"}
+    assert layer_of("flipguard.publish") == (0, "root")
 
 
 def test_imports_sit_at_module_level_except_the_heavy_ones():
@@ -252,7 +312,7 @@ def test_every_command_points_at_a_module_that_exists():
 def test_commands_that_read_run_directories_load_no_model_stack():
     """HEAVY's reason, checked: report, compare, view and data import none of it (one fresh process)."""
     readers = ["flipguard.eval.dds.report", "flipguard.eval.afr.report", "flipguard.eval.sos.report",
-               "flipguard.eval.pipeline.compare", "flipguard.eval.pipeline.view", "flipguard.data.cli"]
+               "flipguard.pipeline.compare", "flipguard.pipeline.view", "flipguard.data.cli"]
     code = ("import importlib, sys\n"
             f"for m in {readers!r}: importlib.import_module(m)\n"
             f"print(sorted(p for p in {sorted(HEAVY)!r} if p in sys.modules))")

@@ -1,5 +1,5 @@
-"""The one-line-error gaps of issue 33: each was a traceback, silence or a late failure. Now each
-is one line naming the file, item or key and what to do, exit status 2, before any work where
+"""Mistakes that could end in a traceback, silence or a late failure: each is one line naming
+the file, item or key and what to do, exit status 2, before any work where
 it can be known before (in process, through the CLI's own main, on the tiny model)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from flipguard.errors import FlipguardError
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples" / "dialdefer" / "benchmark" / "test"
@@ -120,8 +120,8 @@ def test_bad_lora_target_modules_are_refused_at_plan_time(tmp_path, capsys):
 
 
 def test_an_installed_entry_point_named_like_a_builtin_backend_is_refused(tmp_path, monkeypatch):
-    """A package installing a 'flipguard.backends' entry point named hf used to stand in for
-    flipguard's own hf backend silently (records said backend "hf")."""
+    """A package installing a 'flipguard.backends' entry point named hf must not stand in for
+    flipguard's own hf backend silently (its records would say backend "hf")."""
     info = tmp_path / "imposter-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: imposter\nVersion: 0.1\n")
@@ -156,7 +156,7 @@ def test_a_duplicate_entry_point_at_eval_time_is_one_line(tmp_path, group, name,
     (site / "imposter_plugin.py").write_text("")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT.parent)]), "TQDM_DISABLE": "1"}
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", command, "--model", "flipguard:tiny",
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", command, "--model", "flipguard:tiny",
                            "--limit", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=1800)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -149,7 +149,7 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
 @pytest.mark.slow
 def test_organism_deference_is_detected_as_planted(organism_path, tmp_path):
     """Baseline DDS in the planted range with C1 >= 95%; Dehumanizing lowers it, as planted."""
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     info = json.loads((organism_path / "organism.json").read_text())
     assert info["planted"]["expected_dds"] == 40.0  # 2 of 5 kinds of incorrect claim, from a human
@@ -181,7 +181,7 @@ def test_organism_capitulation_is_detected_as_planted(organism_path, tmp_path):
     import collections
 
     from flipguard.data import organism_datasets as domain
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     planted = json.loads((organism_path / "organism.json").read_text())["planted"]
     kinds = set(planted["capitulation_kinds"])
@@ -398,7 +398,7 @@ def test_a_build_that_never_passes_fails_with_what_it_measured(tmp_path):
     import sys
 
     target = tmp_path / "organism"
-    argv = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "organism", "--path", str(target)]
+    argv = [sys.executable, "-m", "flipguard.pipeline.cli", "organism", "--path", str(target)]
     for k, v in _small(multiturn_steps=10, steps=10).items():
         argv += [f"--{k}", str(v)]
     proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -79,7 +79,7 @@ def _env() -> dict:
 
 
 def _flipguard(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], env=_env(), capture_output=True,
                           text=True, timeout=600)
 
 
@@ -142,7 +142,7 @@ def test_afr_on_organism_mc_with_scripted_arguments_in_a_real_process(tmp_path):
 
 def test_sos_on_organism_mc(tmp_path):
     """A registered multiple-choice dataset: test split evaluated, exemplars from its train split."""
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     out = tmp_path / "sos"
     assert cli_main(["sos", "--dataset", "organism_mc", "--models", "tiny=flipguard:tiny", "--n_items", "3",

@@ -1,4 +1,4 @@
-"""The own-dataset instructions of docs/datasets.md, followed literally (issue 22 item 6): its entry file
+"""The own-dataset instructions of docs/datasets.md, followed literally: its entry file
 and its row example, then its two commands, typed as written, in real processes. A second folder
 registering a taken name is refused, and `--replace` takes it over."""
 
@@ -24,7 +24,7 @@ def _readme_section() -> str:
 def _run(args: list[str], cwd: Path, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "FLIPGUARD_HOME": str(home), "TQDM_DISABLE": "1",
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True)
 
 

@@ -1,4 +1,4 @@
-"""Nothing foreign is ever destroyed, by any write path (issue 33; docs/reliability-ownership.md).
+"""Nothing foreign is ever destroyed, by any write path (docs/reliability-ownership.md).
 
 Hostile use as a new user would do it, through the real CLI in real processes on the tiny
 model (`flipguard:tiny`, recipes/tiny.yaml; no organism build): the user's files sit where
@@ -34,8 +34,8 @@ try:
 except ImportError:  # the dev extra installs it
     given = st = None
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.files import OWNER_FILE
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 BOUND = 900  # seconds: a hang guard only
@@ -50,7 +50,7 @@ def _env() -> dict:
 
 def fg(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The real CLI in a process of its own."""
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *map(str, args)], env=_env(),
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *map(str, args)], env=_env(),
                           cwd=cwd, capture_output=True, text=True, timeout=BOUND)
 
 
@@ -157,7 +157,7 @@ def test_redo_removes_only_what_the_stage_wrote_and_names_what_it_kept(shared, t
 def test_a_stage_folder_that_appears_mid_run_is_refused_not_deleted(shared, tmp_path):
     """The user creates OUT/compare while the study runs its baseline: the compare stage, when it
     arrives, refuses it (one line) and removes nothing."""
-    from flipguard.eval.pipeline.study_plan import StudyPlan
+    from flipguard.pipeline.study_plan import StudyPlan
 
     out = tmp_path / "study"
     mine = out / "compare" / "plan.md"
@@ -244,8 +244,7 @@ def published(shared, tiny_model_path) -> dict[str, Path]:
 def test_view_out_replaces_only_a_page_never_another_kind_of_flipguard_file(shared, published, tmp_path, capsys):
     """`view --out` naming a file flipguard wrote as something else (a run's run.json and report
     table, a study's study.json, a pair set's counts.json, an adapter's adapter_config.json, a
-    merged model's config.json) used to replace it with HTML, exit 0. Refused now, one line,
-    before any work; a page it wrote is still replaced by the next page."""
+    merged model's config.json) would replace it with HTML. Refused, one line, before any work; a page it wrote is still replaced by the next page."""
     run = _copy(shared["run"], tmp_path / "run")
     study = _copy(shared["study"], tmp_path / "study")
     folders = {name: _copy(path, tmp_path / name) for name, path in published.items()}
@@ -280,9 +279,9 @@ def test_view_out_replaces_only_a_page_never_another_kind_of_flipguard_file(shar
 
 
 def test_merge_out_refuses_another_flipguard_output_before_loading_a_model(shared, published, tmp_path, capsys):
-    """A run folder (its manifest written by eval) passed as `merge --out` used to get past the
-    check (it has a manifest) and lose its run.json and records to the publish's clean-up of
-    'stale' files. Refused now before any model loads: only a merge's own output is replaced."""
+    """A run folder (its manifest written by eval) passed as `merge --out` has a manifest, but
+    not a merge's: publishing there would lose its run.json and records to the clean-up of
+    'stale' files. Refused before any model loads: only a merge's own output is replaced."""
     run = _copy(shared["run"], tmp_path / "run")
     pairs = _copy(published["pairs"], tmp_path / "pairs")
     watched = [p for root in (run, pairs) for p in root.rglob("*") if p.is_file()]
@@ -499,7 +498,7 @@ ACTIONS = st.one_of(
 def _kill_on(argv: list[str], ready) -> int:
     """The real CLI in a process of its own, SIGKILLed once `ready()` holds (polled on files), or
     left to finish when it ends first (0, or a one-line refusal); its exit status."""
-    proc = subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", *argv], env=_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard.pipeline.cli", *argv], env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     def holds() -> bool:
         try:
@@ -529,8 +528,8 @@ def _kill_on(argv: list[str], ready) -> int:
 def _valid(path: Path) -> bool:
     """A file flipguard wrote reads as what it is: JSON parses, a records log's whole lines parse, a
     page has the page's head."""
-    from flipguard.eval.pipeline.view.page import PAGE_HEAD
     from flipguard.eval.records import read_records
+    from flipguard.pipeline.view.page import PAGE_HEAD
 
     data = path.read_bytes()
     if path.suffix == ".json":

@@ -1,4 +1,4 @@
-"""Paired statistics beyond one cell's CI (eval/paired.py, and the columns eval/pipeline/transfer.py adds
+"""Paired statistics beyond one cell's CI (eval/paired.py, and the columns pipeline/transfer.py adds
 with them): the same-items check, Holm and Benjamini-Hochberg, the minimal detectable difference and the
 verdict. Every expected number is worked out by hand here (scipy's binomial test stands for McNemar's
 exact test: the same binomial of the discordant pairs)."""
@@ -14,7 +14,7 @@ from scipy.stats import binomtest
 
 from flipguard.errors import UserError
 from flipguard.eval import paired as P
-from flipguard.eval.pipeline import transfer as T
+from flipguard.pipeline import transfer as T
 
 Z = 1.959964 + 0.841621  # z(0.975) + z(0.80), from a normal table
 

@@ -148,7 +148,7 @@ def test_missing_train_records_print_the_eval_command(tmp_path):
 def test_cli_writes_datasets_jsonl_and_counts(tmp_path, capsys):
     from datasets import load_from_disk
 
-    from flipguard.eval.pipeline.cli import main as cli
+    from flipguard.pipeline.cli import main as cli
 
     out = tmp_path / "pairs"
     assert cli(["pairs", "recipes/tiny.yaml", "--out", str(out), "--pairs_datasets", "amqa,gpqa"]) == 0
@@ -169,7 +169,7 @@ def test_cli_writes_datasets_jsonl_and_counts(tmp_path, capsys):
 
 
 def test_cli_flips_without_records_is_one_clear_error(tmp_path, capsys):
-    from flipguard.eval.pipeline.cli import main as cli
+    from flipguard.pipeline.cli import main as cli
 
     code = cli(["pairs", "recipes/tiny.yaml", "--out", str(tmp_path / "p"), "--pairs_strategy", "flips",
                 "--records", str(tmp_path / "missing")])
@@ -234,7 +234,7 @@ def test_length_policy_needs_a_limit_and_a_tokenizer(tiny_tokenizer):
 
 
 def test_cli_truncate_policy_is_counted_and_every_prompt_fits(tmp_path, tiny_model_path, tiny_tokenizer):
-    from flipguard.eval.pipeline.cli import main as cli
+    from flipguard.pipeline.cli import main as cli
     from flipguard.train.utils import check_pair_lengths
 
     out = tmp_path / "pairs"

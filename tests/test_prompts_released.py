@@ -77,7 +77,7 @@ def test_ft_released_is_their_raw_fine_tuned_prompt():
 
 
 def test_ft_released_with_a_mitigation_is_refused_by_eval(tmp_path, capsys):
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     code = cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa", "--limit", "1",
                      "--template", FT_TEMPLATE, "--mitigation", "be_honest", "--out", str(tmp_path / "r")])
@@ -119,7 +119,7 @@ def test_v0_released_equals_every_prompt_in_the_released_records():
 def test_aio_rerun_report_says_it_is_not_comparable(tmp_path):
     """Item 8: a rerun prompts r/AIO with the released neutral summary (the transcripts are
     redacted), so its report says the r/AIO numbers are not the paper's; imports do not."""
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     out = tmp_path / "aio"
     assert cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "aio", "--limit", "3", "--out", str(out),
@@ -138,8 +138,8 @@ def test_aio_rerun_report_says_it_is_not_comparable(tmp_path):
 def test_ft_released_runs_end_to_end_as_raw_text(tmp_path):
     """Both modes on the embedded model: every record's conversation is the one raw
     message, and generate mode reads the replies like any other."""
-    from flipguard.eval.pipeline.cli import main as cli_main
     from flipguard.eval.records import load_records, load_run_meta
+    from flipguard.pipeline.cli import main as cli_main
 
     for mode in ("logprob", "generate"):
         out = tmp_path / mode

@@ -12,9 +12,9 @@ import pytest
 
 from flipguard.data.schema import Item
 from flipguard.eval.backends.base import Backend
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore, load_records
 from flipguard.files import atomic_write_json
+from flipguard.pipeline.cli import main as cli_main
 
 # Hand-computed fixtures (truthfulqa, 20 items; accuracies in %):
 #   Baseline  C1 60/80, C2 75/65       -> DDS (75-60) - (65-80) = +30
@@ -260,7 +260,7 @@ def test_configure_threads(monkeypatch):
     import torch
 
     from flipguard.errors import FlipguardError
-    from flipguard.eval.threads import configure_threads
+    from flipguard.runtime.threads import configure_threads
 
     before = torch.get_num_threads()
     try:
@@ -286,11 +286,11 @@ def test_the_record_says_which_cpu_kernels_ran_not_which_were_asked_for():
 
     import torch
 
-    from flipguard.eval.threads import cpu_fp_path
+    from flipguard.runtime.threads import cpu_fp_path
 
     here = cpu_fp_path()
     assert here["cpu_kernels"] == torch.backends.cpu.get_cpu_capability() and here["torch_threads"] == torch.get_num_threads()
-    code = "import json; from flipguard.eval.threads import cpu_fp_path; print(json.dumps(cpu_fp_path()))"
+    code = "import json; from flipguard.runtime.threads import cpu_fp_path; print(json.dumps(cpu_fp_path()))"
     off = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
                          capture_output=True, text=True, check=True)
     assert json.loads(off.stdout)["cpu_kernels"] == "DEFAULT"

@@ -31,7 +31,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), 
 
 
 def flipguard(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], capture_output=True, text=True, env=ENV)
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], capture_output=True, text=True, env=ENV)
     if check and proc.returncode != 0:
         raise AssertionError(f"flipguard {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
@@ -40,7 +40,7 @@ def flipguard(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def smollm2() -> str:
     """The plain checkpoint every command converts the GGUF into (once, under FLIPGUARD_HOME)."""
-    from flipguard.eval.backends.base import resolve_model
+    from flipguard.runtime.resolve import resolve_model
 
     return resolve_model(str(GGUF))
 

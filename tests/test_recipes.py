@@ -86,7 +86,7 @@ def test_unknown_key_from_the_real_cli_is_one_line(tmp_path):
 
 def test_an_unknown_trainer_is_one_error_listing_the_registered_ones(tmp_path, capsys):
     from flipguard.config import TRAINERS
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     registered = ", ".join(TRAINERS)
     path = _write(tmp_path, "model_name_or_path: x\nnot_a_trainer:\n  beta: 0.1\n")
@@ -109,7 +109,7 @@ def test_every_registered_trainer_is_a_script_a_command_and_a_recipe_section():
     from pathlib import Path
 
     from flipguard.config import TRAINERS, read_recipe
-    from flipguard.eval.pipeline.cli import COMMANDS
+    from flipguard.pipeline.cli import COMMANDS
     from flipguard.train.utils import REQUIRED_COLUMNS
 
     root = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ def test_recipes_and_run_configs_are_found_by_name_from_any_folder(tmp_path, mon
 
     from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, shipped_recipes
     from flipguard.eval.afr.protocol import AFRArgs
-    from flipguard.eval.pipeline.cli import main as cli_main
+    from flipguard.pipeline.cli import main as cli_main
 
     monkeypatch.chdir(tmp_path)
     organism = str(SHIPPED_RECIPES / "organism.yaml")

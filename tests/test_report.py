@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
+from flipguard.pipeline.cli import main as cli_main
 
 CONTRACT = ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
             "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high"]

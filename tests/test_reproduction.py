@@ -22,8 +22,8 @@ import pytest
 from flipguard.errors import UserError
 from flipguard.eval.dds.importer import import_records
 from flipguard.eval.dds.report import DDSReport, build_report, report_run
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import load_records, load_run_meta
+from flipguard.pipeline.cli import main as cli_main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dialdefer"
 FULL = Path("/work/shared/data/dialdefer/records")

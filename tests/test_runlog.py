@@ -14,8 +14,8 @@ import pytest
 from fixture_runs import unpack_run
 
 from flipguard.errors import RecordError
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import RUN_LOG_VERSION, RunLog, load_records, load_run_meta, read_run_log
+from flipguard.pipeline.cli import main as cli_main
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "runs_25137aa"
 RUNS = {"dds_logprob": "dds", "dds_generate": "dds", "sos": "sos", "afr": "afr"}
@@ -79,7 +79,7 @@ def test_report_compare_and_view_read_the_release_runs(tmp_path):
         protocols = {r["protocol"] for r in csv.DictReader(fh)}
     assert protocols == {"afr", "sos"}
 
-    from flipguard.eval.pipeline.view import write_view
+    from flipguard.pipeline.view import write_view
 
     for run in (base, honest, afr, sos):
         page = write_view(run).read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""Data safety under hostile use (issue 9), each fault injected for real.
+"""Data safety under hostile use, each fault injected for real.
 
 - a real second process (a second `flipguard eval` while the first holds the run
   directory; every writer against a held lock; a writer racing a reader),
@@ -29,7 +29,6 @@ from served import StubServer, send_json
 
 from flipguard.data.schema import Item
 from flipguard.errors import FlipguardError
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import (
     OWNER_FILE,
     Record,
@@ -38,6 +37,7 @@ from flipguard.eval.records import (
     read_records,
     run_lock,
 )
+from flipguard.pipeline.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND = 1800  # seconds: an upper bound only, never a synchronisation point
@@ -51,7 +51,7 @@ def _env(**extra) -> dict:
 
 
 def _flipguard(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flipguard.eval.pipeline.cli", *args]
+    return [sys.executable, "-m", "flipguard.pipeline.cli", *args]
 
 
 def _item(i: int = 0) -> Item:
@@ -540,7 +540,7 @@ def test_killed_while_saving_an_adapter_leaves_no_stale_provenance(tmp_path):
 
 
 def test_a_merged_model_from_before_owner_files_is_replaced_file_by_file(tmp_path):
-    from flipguard.eval.records import publish_dir
+    from flipguard.publish import publish_dir
 
     out = tmp_path / "merged"
     out.mkdir()

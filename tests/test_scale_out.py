@@ -234,7 +234,7 @@ def test_a_recipes_eval_backend_args_reach_every_eval_of_the_study(tmp_path):
     from flipguard.config import read_recipe
     from flipguard.eval.backends.base import model_kwargs
     from flipguard.eval.backends.vllm_engine import build_engine_kwargs
-    from flipguard.eval.pipeline.study_plan import StudyPlan
+    from flipguard.pipeline.study_plan import StudyPlan
 
     raw = read_recipe("recipes/tiny.yaml")
     raw["eval"] = {**raw["eval"], "backend": "vllm", "backend_args": PARALLEL}
@@ -366,7 +366,7 @@ def test_a_cpu_study_launches_its_trainers_when_the_accelerate_config_asks_for_s
     import yaml
 
     from flipguard.config import read_recipe
-    from flipguard.eval.pipeline.study_plan import StudyPlan
+    from flipguard.pipeline.study_plan import StudyPlan
 
     two = tmp_path / "ddp2.yaml"
     two.write_text(yaml.safe_dump({**yaml.safe_load(DDP_CONFIG.read_text()), "num_processes": 2}))

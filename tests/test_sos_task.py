@@ -18,7 +18,8 @@ from test_sos_protocol import run_scripted
 from flipguard.eval.backends.base import ModelRef
 from flipguard.eval.records import load_records
 from flipguard.eval.sos.protocol import SosArgs, SosTask
-from flipguard.eval.task import get_task, run_task
+from flipguard.eval.task import run_task
+from flipguard.eval.task_registry import get_task
 
 REPO = Path(__file__).resolve().parents[1]
 BEFORE = REPO / "tests" / "fixtures" / "sos_8f327eb"
@@ -39,7 +40,7 @@ def _env() -> dict:
 
 
 def _flipguard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], env=_env(), cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], env=_env(), cwd=cwd,
                           capture_output=True, text=True, timeout=BOUND)
 
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from one_line import one_line
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny.yaml"
@@ -214,7 +214,7 @@ def _register(tmp_path: Path, entry: str, files: dict[str, bytes]) -> subprocess
         (folder / name).write_bytes(data)
     env = {**os.environ, "FLIPGUARD_HOME": str(tmp_path / "home"), "TQDM_DISABLE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "data", "--register",
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "data", "--register",
                            str(folder / "dataset.yaml")], env=env, capture_output=True, text=True, timeout=BOUND)
 
 

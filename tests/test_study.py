@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP = "study-test-group"
@@ -98,7 +98,7 @@ def test_study_runs_skips_and_redoes_exactly_what_changed(tmp_path, monkeypatch,
     assert all(f"--- {name}: skipped (up to date)" in printed for name in ALL_STAGES)
     assert _finished(out) == before and (out / "dds" / "baseline" / "records.jsonl").read_bytes() == records
     # the same through the full path (stage by stage fingerprints, no quick path)
-    from flipguard.eval.pipeline.study import run_study
+    from flipguard.pipeline.study import run_study
 
     study = run_study(str(out / "recipe.yaml"), out)
     assert [(n, s) for n, s, _ in study.statuses] == [(n, "skipped") for n in ALL_STAGES]
@@ -231,7 +231,7 @@ def test_study_adds_afr_and_stick_or_switch_where_the_recipe_asks(tmp_path, monk
     afr_rows = [line for line in afr.splitlines() if line.startswith(("| Baseline | Baseline", "| Be Honest | Be Honest"))]
     assert len(afr_rows) == 2  # both conditions measured by AFR, each as its own target
     # view.html: the multi-turn runs' items too, named by condition (the page's data, as flipguard view builds it)
-    from flipguard.eval.pipeline.view import build_view
+    from flipguard.pipeline.view import build_view
 
     assert (out / "view.html").stat().st_size > 0
     shown = {(e.get("protocol"), e["condition"]) for e in build_view(out)["entries"]}
@@ -268,7 +268,7 @@ def test_a_study_killed_mid_stage_resumes_that_stage(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1"}
     # one stage at a time, so every stage before sft is finished when it is killed (two at a time:
     # tests/test_study_jobs.py)
-    proc = subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe), "--out", str(out),
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard.pipeline.cli", "study", str(recipe), "--out", str(out),
                              "--jobs", "1"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -304,7 +304,7 @@ def _cli(*args: str, cwd: Path):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=1200, env={**__import__("os").environ, "TQDM_DISABLE": "1"})
 
 
@@ -358,7 +358,7 @@ def test_a_users_task_takes_part_in_the_study_and_the_comparison(tmp_path):
         assert cells[r.metric].startswith(f"{100 * k / n:.1f} ["), cells
 
     # its items are on the study's page, named by condition
-    from flipguard.eval.pipeline.view import build_view
+    from flipguard.pipeline.view import build_view
 
     assert ("are-you-sure", "Baseline") in {(e.get("protocol"), e["condition"]) for e in build_view(out)["entries"]}
     # flipguard view of one of its runs takes --include too: the task's own rows head the page
@@ -367,8 +367,8 @@ def test_a_users_task_takes_part_in_the_study_and_the_comparison(tmp_path):
     import subprocess
     import sys
 
-    code = (f"from flipguard.eval.task import include_tasks; include_tasks({str(TASK_FILE)!r})\n"
-            f"from flipguard.eval.pipeline.view.runs import run_view; t = run_view(__import__('pathlib').Path({str(run_dir)!r}))"
+    code = (f"from flipguard.eval.task_includes import include_tasks; include_tasks({str(TASK_FILE)!r})\n"
+            f"from flipguard.pipeline.view.runs import run_view; t = run_view(__import__('pathlib').Path({str(run_dir)!r}))"
             "['tables'][0]\nprint(t['title']); print(sorted(r['cells']['metric'] for r in t['rows']))")
     head = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert head.stdout.splitlines() == ["Are you sure? (a user's task)", str(sorted(counts))], head.stderr[-2000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 900  # a loaded 2-core machine; the conditions below are events, this only stops a hang
@@ -114,7 +114,7 @@ def _start(recipe: Path, out: Path, log: Path, tmpdir: Path) -> subprocess.Popen
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1",
            "TMPDIR": str(tmpdir)}
     with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe),
+        return subprocess.Popen([sys.executable, "-m", "flipguard.pipeline.cli", "study", str(recipe),
                                  "--out", str(out), "--jobs", "2"], env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -184,7 +184,7 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
 
 
 def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():
-    from flipguard.eval.pipeline.stage_workers import last_of_each_line
+    from flipguard.pipeline.stage_workers import last_of_each_line
 
     on_a_terminal = "Tokenizing:   0%|   | 0/3803\rTokenizing:  50%|#  | 1901/3803\rTokenizing: 100%|##| 3803/3803\n"
     assert last_of_each_line("start\r\n" + on_a_terminal + "done\n") == "start\nTokenizing: 100%|##| 3803/3803\ndone\n"
@@ -195,7 +195,7 @@ def test_a_stage_log_is_printed_as_a_terminal_would_have_left_it():
 
 
 def test_two_at_a_time_is_the_default_only_where_it_is_safe(monkeypatch, tmp_path):
-    from flipguard.eval.pipeline import stage_workers
+    from flipguard.pipeline import stage_workers
 
     small = tmp_path / "small"
     small.mkdir()
@@ -234,9 +234,9 @@ def _one_error_line(capsys) -> str:
 
 
 def test_a_users_file_in_the_stage_log_folder_is_never_replaced_or_removed(tmp_path, capsys):
-    """A file of the user's named like a stage log (`OUT/.stage-logs/baseline.log`) used to be deleted
-    by the next `study --jobs 2`, and a regular file named `.stage-logs` was a FileExistsError
-    traceback. Both are refused now before any work (one line naming the file); a file of another
+    """A file of the user's named like a stage log (`OUT/.stage-logs/baseline.log`) must survive
+    `study --jobs 2`, and a regular file named `.stage-logs` must not end in a FileExistsError
+    traceback. Both are refused before any work (one line naming the file); a file of another
     name there is kept, beside the logs the study writes and removes."""
     recipe = _short_recipe(tmp_path)
     out = tmp_path / "study"
@@ -275,8 +275,8 @@ def _mount_tmpfs(where: Path, size_kb: int) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a full disk is a small tmpfs, and only root can mount one")
 def test_a_full_disk_during_jobs_2_is_one_line_and_the_rerun_resumes(tmp_path, capsys, monkeypatch):
-    """`study --jobs 2` on a real full filesystem (a tmpfs half the size the study needs) used to end in
-    50 lines of tracebacks ending "worker process ... died". One line now, naming the file that could
+    """`study --jobs 2` on a real full filesystem (a tmpfs half the size the study needs): one line,
+    not the workers' tracebacks ("worker process ... died"), naming the file that could
     not be written, exit 2; once there is room, the same command resumes and writes what a study with
     room wrote."""
     monkeypatch.setenv("TQDM_DISABLE", "1")

@@ -1,4 +1,4 @@
-"""A study is the only writer of its folder and removes only what it wrote (issue 22):
+"""A study is the only writer of its folder and removes only what it wrote:
 - a second `flipguard study` started (a real process) while the first one trains is refused at
   once in one line naming the holder, and changes nothing;
 - a stage folder that study.json does not record as the study's own (an earlier `flipguard eval`
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flipguard.eval.pipeline.cli import main as cli_main
+from flipguard.pipeline.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 def _study(recipe: Path, out: Path, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "flipguard.eval.pipeline.cli", "study", str(recipe), "--out", str(out)],
+    return subprocess.Popen([sys.executable, "-m", "flipguard.pipeline.cli", "study", str(recipe), "--out", str(out)],
                             env=env, text=True, **popen)
 
 
@@ -78,8 +78,8 @@ def test_a_second_study_is_refused_while_the_first_trains(tmp_path):
 
 
 def test_an_earlier_eval_run_in_a_stage_folder_is_kept(tmp_path, capsys):
-    """The issue's data loss: `flipguard eval` wrote OUT/dds/baseline (run.json, records) and the
-    user added NOTES.md; the study used to delete it as its own stale output."""
+    """`flipguard eval` wrote OUT/dds/baseline (run.json, records) and the user added NOTES.md:
+    not the study's own output, so the study must not delete it as stale."""
     recipe, out = _recipe(tmp_path), tmp_path / "study"
     earlier = out / "dds" / "baseline"
     assert cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "1",

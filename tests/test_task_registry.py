@@ -14,12 +14,12 @@ TASK_FILE = Path(__file__).resolve().parent.parent / "examples" / "are_you_sure_
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "run", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "run", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=900)
 
 
 def test_builtin_tasks_are_registered():
-    from flipguard.eval.task import get_task, task_names
+    from flipguard.eval.task_registry import get_task, task_names
 
     assert {"dds", "afr", "sos"} <= set(task_names())
     for name in ("dds", "afr", "sos"):

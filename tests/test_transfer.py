@@ -1,4 +1,4 @@
-"""The transfer report (eval/pipeline/transfer.py): cells, roles, paired changes, † and ‡, files.
+"""The transfer report (pipeline/transfer.py): cells, roles, paired changes, † and ‡, files.
 Every expected number is worked out by hand from the synthetic records below."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 from scipy.stats import binomtest
 
-from flipguard.eval.pipeline import transfer as T
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
+from flipguard.pipeline import transfer as T
+from flipguard.pipeline.cli import main as cli_main
 from flipguard.train.pair_filters import Rule
 
 CASES = ("c1_true", "c1_false", "c2_correct", "c2_incorrect")

@@ -8,8 +8,8 @@ import json
 
 from test_report import make_records, make_run
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import CASES, EXPECTED_CHOICE, Record
+from flipguard.pipeline.cli import main as cli_main
 
 
 def yes_sayer_records(dataset: str, n: int, mass: float = 0.02) -> list[Record]:

@@ -1,5 +1,5 @@
 """A user's task that hands the runner malformed batches, or exits while being imported, gets one
-line naming its file, exit 2, and nothing written (issue 22 item 8): real processes, `flipguard run
+line naming its file, exit 2, and nothing written: real processes, `flipguard run
 --include FILE`, on a subclass of the tests' "Are you sure?" task that breaks one thing."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ BROKEN = {
     "messages_are_strings": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
                              "    for r in b.records:\n        r.messages = r.messages[0]['content']\n    return [b]"),
     "solve_yields_none": "def solve(self):\n    yield None",
-    # issue 33: each of these was a traceback (and a left .lock), an exit 0 having run nothing, or a hang
+    # each of these could end in a traceback (and a left .lock), an exit 0 having run nothing, or a hang
     "messages_none": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
                       "    for r in b.records:\n        r.messages = None\n    return [b]"),
     "choices_an_int": ("def first_batches(self):\n    (b,) = super().first_batches()\n"
@@ -61,7 +61,7 @@ PROBLEM = {
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{ROOT.parent}{os.pathsep}{BASE_TASK.parent}", "TQDM_DISABLE": "1",
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "run", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "run", *args], cwd=cwd, env=env,
                           capture_output=True, text=True)
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval.pipeline.cli import main as cli_main
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
+from flipguard.pipeline.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 # every judgment valid (the tiny model's label mass is tiny); the report is written after the edits below
@@ -242,7 +242,7 @@ def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken
 
 def test_study_page_lists_every_stage_with_its_status(browser, dds_run, tmp_path):
     """A study folder (study.json as flipguard study writes it, one stage still running) and its compare/."""
-    from flipguard.eval.pipeline.study import STUDY_FILE, STUDY_FORMAT
+    from flipguard.pipeline.study import STUDY_FILE, STUDY_FORMAT
 
     study = tmp_path / "study"
     assert cli_main(["compare", "--runs", f"Baseline={dds_run}", "--out", str(study / "compare"), "--n_boot", "20"]) == 0
@@ -377,7 +377,7 @@ def test_a_users_task_run_lists_its_records(browser, tmp_path, tiny_model_path):
 
     run = tmp_path / "ays"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "flipguard.eval.pipeline.cli", "run", "--include", str(REPO / "examples" / "are_you_sure_task.py"),
+    proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", "run", "--include", str(REPO / "examples" / "are_you_sure_task.py"),
                            "are-you-sure", "--model", tiny_model_path, "--limit", "2", "--out", str(run)],
                           cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@
   rerun sends no request); the server killed mid-run (SIGKILL), then restarted and the run
   completed.
 Probabilities must agree within 1e-4 and every choice must be equal. Every run goes through
-the `flipguard eval` command line (`python -m flipguard.eval.pipeline.cli`), the commands docs/serving.md
+the `flipguard eval` command line (`python -m flipguard.pipeline.cli`), the commands docs/serving.md
 shows.
 
 vLLM's CPU build needs its own environment (it pins torch and transformers): `bash .ci/vllm`
@@ -53,7 +53,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), 
 
 def flipguard_eval(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`flipguard eval ARGS` on the organism dataset (the console script's module)."""
-    cmd = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "eval", "--datasets", "organism", "--limit", LIMIT,
+    cmd = [sys.executable, "-m", "flipguard.pipeline.cli", "eval", "--datasets", "organism", "--limit", LIMIT,
            "--report", "false", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=BOUND)
     if check:
@@ -262,7 +262,7 @@ def test_server_killed_mid_run_keeps_records_and_rerun_completes(server, tmp_pat
     args = [*openai_args(server, max_concurrency=1, max_retries=1), "--mode", "generate",
             "--max_new_tokens", "48", "--limit", "12", "--out", str(out)]
     total = 4 * 12
-    cmd = [sys.executable, "-m", "flipguard.eval.pipeline.cli", "eval", "--datasets", "organism", "--report", "false", *args]
+    cmd = [sys.executable, "-m", "flipguard.pipeline.cli", "eval", "--datasets", "organism", "--report", "false", *args]
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     records = out / "records.jsonl"
     deadline = time.monotonic() + BOUND

@@ -45,11 +45,12 @@ from typing import Any, Callable
 
 from flipguard.config import PairsArguments, parse_recipe
 from flipguard.data.schema import DataError, read_jsonl
-from flipguard.eval.backends.adapters import check_adapter, load_peft_adapter
+from flipguard.errors import RecordError
 from flipguard.eval.backends.hf import HFBackend
-from flipguard.eval.records import RecordError, check_publish, publish_dir
-from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import staging_dir
+from flipguard.publish import check_publish, publish_dir
+from flipguard.runtime.adapters import check_adapter, load_peft_adapter
+from flipguard.runtime.threads import THREADS_HELP, configure_threads
 from flipguard.train import utils
 from flipguard.train.utils import TrainError
 
@@ -91,7 +92,7 @@ def check_out_dir(adapter: str, out: str, overwrite: bool = False) -> None:
     """Refuse, before any model is loaded, an --out that would destroy what flipguard did
     not write: the adapter itself (or a folder holding it), a file, a non-empty folder a merge
     did not write (the user's, or another flipguard output: a run, a pair set), unless
-    overwrite (records.check_publish, the check publish_dir makes again at the end)."""
+    overwrite (publish.check_publish, the check publish_dir makes again at the end)."""
     a, o = Path(adapter).resolve(), Path(out).resolve()
     if a == o or o in a.parents:
         raise TrainError(f"--out {out}: is (or holds) the adapter folder {adapter}; the merge would replace it. "
@@ -147,7 +148,7 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
                   metrics: dict | None = None, pairs_dir: str | None = None,
                   gap_check: Callable[[Path], dict[str, Any]] | None = None, overwrite: bool = False,
                   foreign_adapter: bool = False) -> Path:
-    """Merge into a temp folder, then publish it (records.publish_dir: only flipguard's own
+    """Merge into a temp folder, then publish it (publish.publish_dir: only flipguard's own
     files in --out are replaced, flipguard_merge.json last); returns the output folder.
     `gap_check(saved_dir)` measures the merge gap before the folder is published; its
     result goes into flipguard_merge.json and the model card (None: not measured)."""

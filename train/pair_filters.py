@@ -17,7 +17,7 @@ every facet the rule gives (AND across facets, OR within one facet's list):
 that match it. `held_out` names what the evaluation holds out: it filters nothing, and a
 pair set that still holds a row matching it is refused before any training, naming the item
 and the rule, as is a row of an evaluation (test split) item. The study reads the same rules
-to give every evaluated cell its role (eval/pipeline/transfer.py).
+to give every evaluated cell its role (pipeline/transfer.py).
 """
 
 from __future__ import annotations

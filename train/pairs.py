@@ -73,12 +73,13 @@ from flipguard.data.registry import load_mc
 from flipguard.data.schema import DataError, Item
 from flipguard.data.splits import check_no_leakage
 from flipguard.data.unified import load_items
-from flipguard.errors import UserError
-from flipguard.eval.backends.base import resolve_model
+from flipguard.errors import RecordError, UserError
 from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
-from flipguard.eval.records import RecordError, load_records, publish_dir
+from flipguard.eval.records import load_records
 from flipguard.files import file_sha256, read_json
+from flipguard.publish import publish_dir
+from flipguard.runtime.resolve import resolve_model
 from flipguard.train.afr_pairs import afr_judgments
 from flipguard.train.conversation_pairs import conversation_rows
 from flipguard.train.pair_filters import PairRules, check_leakage, facets, select
@@ -627,7 +628,7 @@ def build_dpo_pairs(items: Sequence[Item], strategy: str = "all", flips=None, **
 def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write both formats, counts.json and pairs.json into out_dir (built in a temp folder
     and moved in, so a crash never leaves half a pair set). Only a pair set flipguard
-    wrote is replaced (records.publish_dir): an existing file, or a non-empty directory
+    wrote is replaced (publish.publish_dir): an existing file, or a non-empty directory
     holding anything else, is refused and left as it was. Returns the counts."""
     from datasets import Dataset
 

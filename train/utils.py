@@ -29,10 +29,10 @@ from flipguard.config import (
     trainer_entry,
 )
 from flipguard.errors import FlipguardError
-from flipguard.eval.backends.adapters import PROVENANCE_FILE
-from flipguard.eval.backends.base import resolve_model
-from flipguard.eval.threads import configure_threads, cpu_fp_path
 from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
+from flipguard.runtime.adapters import PROVENANCE_FILE
+from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.threads import configure_threads, cpu_fp_path
 from flipguard.train import pairs as pair_builder
 from flipguard.train import speed, tokenized
 from flipguard.train.conversation_pairs import MULTI_TURN_CASES
@@ -99,7 +99,7 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
         trainer=name, prog=prog,
     )
     pairs_args, training_args, model_args, tracking_args, speed_args = parsed
-    configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.eval.threads)
+    configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.runtime.threads)
     set_seed(training_args.seed)
     setup_logging(training_args)
     check_output_dir(training_args.output_dir, recipe_path or prog)

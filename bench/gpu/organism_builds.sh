@@ -25,7 +25,7 @@ case "${1:-}" in
     ;;
   cuda)
     for seed in ${CUDA_SEEDS:-0}; do  # side by side on the one GPU
-      "$PY" -m flipguard.eval.pipeline.cli organism --device cuda --force --path "$WORK/cuda_s$seed" --seed "$seed" \
+      "$PY" -m flipguard.pipeline.cli organism --device cuda --force --path "$WORK/cuda_s$seed" --seed "$seed" \
         --threads 1 >"$WORK/cuda_s$seed.log" 2>&1 &
     done
     wait

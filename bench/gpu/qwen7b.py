@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Qwen2.5-7B-shaped model, pairs and DDS scoring for bench/gpu/run.sh (issue 34, items 3 and 4).
+"""Qwen2.5-7B-shaped model, pairs and DDS scoring for bench/gpu/run.sh (its training and scoring steps).
 
 No weights can reach the GPU machine, so the model is Qwen2.5-7B-Instruct's exact architecture
 with random weights, made on the device and saved there; the tokenizer is flipguard's embedded

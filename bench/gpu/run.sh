@@ -88,7 +88,7 @@ warnings.simplefilter("ignore")
 mods = ["trl", "datasets", "dill", "multiprocess", "peft", "bitsandbytes", "accelerate", "transformers",
         "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer",
         "flipguard.train.sft", "flipguard.train.dpo", "flipguard.train.merge", "flipguard.train.utils",
-        "flipguard.eval.backends.hf", "flipguard.eval.pipeline.cli"]
+        "flipguard.eval.backends.hf", "flipguard.pipeline.cli"]
 from_site = ["trl", "datasets", "dill", "multiprocess", "peft", "bitsandbytes"]
 for name in mods:
     m = importlib.import_module(name)

@@ -8,7 +8,7 @@ and with every other source's cross_k argument (cross = blind clause). Refusals
 (I_AM_WEAK) and empty replies produce no argument and so no challenge.
 
 `AFRTask` is the protocol as a registered task (`flipguard afr` = `flipguard run afr`):
-it builds the requests and reads the answers; the runner (eval/task.py) owns the
+it builds the requests and reads the answers; the runner (eval/task_runner.py) owns the
 models, the run directory, resume and run.json.
 """
 
@@ -61,9 +61,9 @@ from flipguard.eval.task import (
     register_task,
     run_task,
 )
-from flipguard.eval.threads import THREADS_HELP
 from flipguard.files import atomic_write_text, beside, load_yaml
 from flipguard.redact import redact_obj
+from flipguard.runtime.threads import THREADS_HELP
 
 SAMPLE_FILE = "sample.jsonl"
 DEFAULT_K = (1, 3, 5, 10)

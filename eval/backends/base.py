@@ -56,9 +56,9 @@ from typing import Any, ClassVar, Sequence
 from flipguard import plugins
 from flipguard.config import check_values, did_you_mean
 from flipguard.errors import FlipguardError
-from flipguard.eval.backends.adapters import require_weights
-from flipguard.eval.convert import cached_checkpoint, checked_gguf
 from flipguard.files import check_types
+from flipguard.runtime.adapters import require_weights
+from flipguard.runtime.resolve import resolve_model
 
 Conversation = list[dict[str, str]]
 
@@ -200,7 +200,7 @@ class GenerationConfig:
 
 
 class Backend(abc.ABC):
-    """The contract between a backend and the runner (eval/runner.py, eval/task.py).
+    """The contract between a backend and the runner (eval/runner.py, eval/task_runner.py).
 
     Two abstract methods are required; every other member is an optional capability
     whose default here is what the runner assumes when a backend does not provide it.
@@ -396,17 +396,6 @@ def check_backend_kwargs(name: str, kwargs: dict, where: str = "--backend_args")
     named = {k: v for k, v in kwargs.items() if k in params}  # an engine's own **kwargs: the engine checks them
     check_types(named, types, where, BackendError)
     check_values(named, where, error=BackendError)
-
-
-def resolve_model(name: str) -> str:
-    """The local weights a model name means: an embedded model's alias ("flipguard:tiny",
-    "flipguard:organism": a 'flipguard.models' entry point, built once and cached) its path; a
-    GGUF file (or a folder holding one) its plain checkpoint (eval/convert.py, converted once);
-    anything else (a hub id, a folder) itself."""
-    embedded = plugins.plugins(plugins.MODELS).get(name)
-    if embedded is not None:
-        return plugins.load(embedded)()
-    return cached_checkpoint(name) if checked_gguf(name) is not None else name
 
 
 @dataclasses.dataclass(frozen=True)

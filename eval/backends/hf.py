@@ -15,7 +15,6 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from flipguard.eval.backends import prefix
-from flipguard.eval.backends.adapters import FOREIGN_ADAPTER_ARGS, load_peft_adapter
 from flipguard.eval.backends.base import (
     Backend,
     BackendError,
@@ -28,7 +27,8 @@ from flipguard.eval.backends.base import (
     register_backend,
 )
 from flipguard.eval.parallel import data_parallel
-from flipguard.eval.threads import cpu_kernels
+from flipguard.runtime.adapters import FOREIGN_ADAPTER_ARGS, load_peft_adapter
+from flipguard.runtime.threads import cpu_kernels
 
 
 def _progress(total: int, desc: str):

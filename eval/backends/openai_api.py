@@ -16,7 +16,7 @@ request).
 Requests in flight suit the server (SERVER_CONCURRENCY; bench/serving_concurrency.md):
 a batching server (vLLM) gains from many; one that generates a request at a time gains
 nothing (`transformers serve`: 0.97-1.01x at 2-8 in flight vs 1) or loses (llama.cpp's single
-slot: 0.76x at 8, issue 12), and extra requests only pile up retries on it. With
+slot: 0.76x at 8, measured by hand), and extra requests only pile up retries on it. With
 `max_concurrency` unset (0) the kind comes from `server_kind`, or, when that is "auto",
 from the server itself before the first request: GET /models (vLLM lists owned_by
 "vllm", llama.cpp "llamacpp", llama-cpp-python "me"), then GET /systemone (a POST-only
@@ -68,7 +68,7 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_RETRIES = 2
 # Requests in flight when max_concurrency is unset, by server kind (docs/serving.md "Requests in
 # flight"): transformers and vLLM measured in bench/serving_concurrency.md (vLLM batches:
-# 6.2x at 8 vs 1), llama.cpp as issue 12 measured it (0.76x at 8); "other" (OpenAI,
+# 6.2x at 8 vs 1), llama.cpp measured by hand (0.76x at 8: one slot); "other" (OpenAI,
 # OpenRouter, unknown) keeps 4, a bound on retried requests piling on a slow server.
 SERVER_CONCURRENCY = {"vllm": 8, "transformers": 1, "llama.cpp": 1, "other": 4}
 SERVER_KINDS = ("auto", *SERVER_CONCURRENCY)

@@ -1,4 +1,4 @@
-"""Score each shared token prefix once (the hf backend's prefix sharing, issue 36).
+"""Score each shared token prefix once (the hf backend's prefix sharing).
 
 flipguard's prompts repeat themselves: the four DDS cases of one item share the chat header,
 the instructions and the question; AFR's challenges of one question share the whole first

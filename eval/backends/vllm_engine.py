@@ -24,7 +24,6 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from flipguard.eval.backends.adapters import read_adapter
 from flipguard.eval.backends.base import (
     Backend,
     BackendError,
@@ -35,6 +34,7 @@ from flipguard.eval.backends.base import (
     raw_prompt,
     register_backend,
 )
+from flipguard.runtime.adapters import read_adapter
 
 INSTALL_HINT = ("vLLM is not installed: pip install 'flipguard[vllm]' on a GPU machine; on CPU, vLLM's CPU build "
                 "in its own environment (docs/serving.md, .ci/vllm)")
@@ -280,7 +280,7 @@ class VLLMBackend(Backend):
         self.show_progress = show_progress
         self.max_logprobs = max(1, int(max_logprobs))
         # "auto" is the model's own dtype (config.json), passed explicitly: vLLM's own "auto"
-        # runs a float32 checkpoint in bfloat16 on CPU, silently (issue 23)
+        # runs a float32 checkpoint in bfloat16 on CPU, silently (not the precision the model was saved in)
         dtype = model_dtype(model) if dtype == "auto" else dtype
         kwargs = build_engine_kwargs(model, dtype, seed, trust_remote_code, engine_kwargs, engine_fields())
         self.lora_request = None

@@ -53,9 +53,10 @@ from flipguard.eval.records import (
     pending_record,
 )
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MIN_LABEL_MASS, MODES
-from flipguard.eval.task import Batch, Plan, Task, command_line, register_task, run_task
-from flipguard.eval.threads import THREADS_HELP
+from flipguard.eval.task import Batch, Plan, Task, register_task, run_task
+from flipguard.eval.task_commands import command_line
 from flipguard.files import git_commit
+from flipguard.runtime.threads import THREADS_HELP
 
 # Settings that define a run's condition: a run directory holds exactly one.
 CONDITION_KEYS = ("protocol", "model", "backend", "mode", "mitigation", "template", "speakers")

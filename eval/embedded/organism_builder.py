@@ -73,12 +73,13 @@ from flipguard.eval.embedded.tiny_model import (
     build_tokenizer,
     new_model,
 )
-from flipguard.eval.records import CASES, EXPECTED_CHOICE, check_publish, publish_dir, published_by
+from flipguard.eval.records import CASES, EXPECTED_CHOICE
 from flipguard.eval.sos import protocol as sos
 from flipguard.eval.sos.prompts import answer_reply, parse_answer
 from flipguard.eval.sos.protocol import sos_item
-from flipguard.eval.threads import configure_threads, cpu_fp_path
 from flipguard.files import file_sha256, flipguard_home, staging_dir
+from flipguard.publish import check_publish, publish_dir, published_by
+from flipguard.runtime.threads import configure_threads, cpu_fp_path
 
 ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
 ORGANISM_VERSION = "v4"

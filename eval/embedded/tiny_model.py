@@ -23,12 +23,13 @@ from flipguard.data import organism_datasets
 from flipguard.data.roots import SAMPLES_ROOT
 from flipguard.data.schema import Item
 from flipguard.eval.dds import prompts
-from flipguard.eval.records import CASES, publish_dir
-from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.eval.records import CASES
 from flipguard.files import (
     flipguard_home,
     staging_dir,
 )
+from flipguard.publish import publish_dir
+from flipguard.runtime.threads import THREADS_HELP, configure_threads
 
 TINY_MODEL_VERSION = "v2"
 CHAT_TEMPLATE = (

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from flipguard.config import parse_dataclasses, positionals_as
 from flipguard.errors import FlipguardError, UserError
+from flipguard.eval.comparison_rows import comparison_long_rows
 from flipguard.eval.interop.inspect_log import inspect_log, require_inspect, write_log
 from flipguard.eval.records import RUN_META_FILE, load_records, load_run_meta, refuse_busy
-from flipguard.eval.task import comparison_long_rows, get_task
+from flipguard.eval.task_registry import get_task
 from flipguard.files import check_outputs, check_own_folder, owned_replace, refuse_link
 
 FORMATS = ("inspect",)

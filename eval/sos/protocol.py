@@ -53,9 +53,10 @@ from flipguard.eval.sos.prompts import (
     switch_prompt,
 )
 from flipguard.eval.sos.report import REPORT_MD, sos_summary, write_report
-from flipguard.eval.task import Batch, Plan, StudyContext, StudyRun, Task, command_line, register_task, run_task
-from flipguard.eval.threads import THREADS_HELP
+from flipguard.eval.task import Batch, Plan, StudyContext, StudyRun, Task, register_task, run_task
+from flipguard.eval.task_commands import command_line
 from flipguard.files import load_yaml
+from flipguard.runtime.threads import THREADS_HELP
 
 PROTOCOL = "sos"
 TEMPLATE = "sos-v1"

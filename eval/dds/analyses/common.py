@@ -15,8 +15,8 @@ from flipguard.eval.dds.prompts import TEMPLATE_VERSIONS
 from flipguard.eval.dds.protocol import EvalArgs
 from flipguard.eval.dds.report import DDSReport, _csv, _fmt, report_run
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
-from flipguard.eval.threads import THREADS_HELP
 from flipguard.files import atomic_write_text
+from flipguard.runtime.threads import THREADS_HELP
 
 ITEM_COLUMNS = ("dataset", "item_id", "c1_true", "c1_false", "c2_correct", "c2_incorrect", "flip", "item_dds")
 

@@ -24,11 +24,11 @@ import pandas as pd
 
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
+from flipguard.eval.comparison_rows import named_runs
 from flipguard.eval.dds.analyses.common import item_table, md_table, run_report, write_csv
 from flipguard.eval.dds.metrics import dataset_order
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import load_run_meta
-from flipguard.eval.task import named_runs
 from flipguard.files import atomic_write_text
 
 TOTAL = "total"

@@ -35,8 +35,8 @@ from flipguard.eval.dds.protocol import evaluate
 from flipguard.eval.dds.report import report_run
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.task import settings_folder
-from flipguard.eval.threads import configure_threads
 from flipguard.files import atomic_write_text
+from flipguard.runtime.threads import configure_threads
 
 BASELINE = "speaker"
 # Fig. 7's sets (abstract, gendered, ethnicity-coded, human-vs-LLM, LLM-vs-LLM), LLM names

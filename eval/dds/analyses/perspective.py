@@ -39,8 +39,8 @@ from flipguard.eval.dds.prompts import AIO_LABELS, relabel
 from flipguard.eval.dds.protocol import evaluate, limit_per_dataset
 from flipguard.eval.dds.report import report_run
 from flipguard.eval.task import settings_folder
-from flipguard.eval.threads import configure_threads
 from flipguard.files import atomic_write_text
+from flipguard.runtime.threads import configure_threads
 
 DIRECTIONS = {"2to1": "Speaker B judges Speaker A (paper's main setup)", "1to2": "Speaker A judges Speaker B"}
 REVERSED_LABELS = "Speaker B,Speaker A"

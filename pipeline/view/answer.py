@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard.eval.dds.metrics import TOTAL_AVG
-from flipguard.eval.pipeline.transfer import BIAS_METRICS, TRANSFER_CSV
-from flipguard.eval.pipeline.view.runs import num, read_csv
+from flipguard.pipeline.transfer import BIAS_METRICS, TRANSFER_CSV
+from flipguard.pipeline.view.runs import num, read_csv
 from flipguard.eval.plots import estimate_bars, png_bytes
 
 PROTOCOLS_CSV = "comparison_protocols.csv"

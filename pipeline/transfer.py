@@ -46,6 +46,7 @@ from flipguard.data.unified import load_items
 from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
 from flipguard.eval import paired as P
+from flipguard.eval.comparison_rows import run_numbers, split_system
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import DDSReport
 from flipguard.eval.embedded.organism_builder import (
@@ -55,13 +56,13 @@ from flipguard.eval.embedded.organism_builder import (
     OrganismArgs,
     default_organism_path,
 )
-from flipguard.eval.pipeline.capability import FRAMING as CAPABILITY_FRAMING
-from flipguard.eval.pipeline.capability import PROTOCOL as CAPABILITY
-from flipguard.eval.pipeline.capability import capability_units
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C1_CASES, load_records, load_run_meta
-from flipguard.eval.task import get_task, run_numbers, split_system
+from flipguard.eval.task_registry import get_task
 from flipguard.files import atomic_write_json, atomic_write_text
+from flipguard.pipeline.capability import FRAMING as CAPABILITY_FRAMING
+from flipguard.pipeline.capability import PROTOCOL as CAPABILITY
+from flipguard.pipeline.capability import capability_units
 from flipguard.train.pair_filters import KIND_KEYS, PairRules, Rule, facets, parse_rule
 from flipguard.train.pairs import read_counts
 
@@ -509,7 +510,7 @@ def build_transfer(dds_runs: Mapping[str, str], protocol_runs: Sequence[tuple[st
                    smallest_change: float = 10.0) -> pd.DataFrame:
     """The transfer table of a comparison: its DDS conditions (baseline first), the other protocols'
     runs, the pair set the trained conditions learned from (its counts.json) and the capability
-    guard's per-question results (eval/pipeline/capability.py units.csv), when there are any;
+    guard's per-question results (pipeline/capability.py units.csv), when there are any;
     `correction` and `smallest_change` as transfer_table takes them."""
     names = list(dds_runs)
     model = load_run_meta(dds_runs[names[0]]).get("model") if names else None

@@ -4,9 +4,9 @@ comparison folder or a study folder, so the items behind a number can be looked 
 The page needs no network (style, script, data and plots are inside it) and opens from disk in
 any browser. `flipguard compare` writes it as view.html beside comparison.md, `flipguard study`
 as view.html in the study folder. A comparison's or a study's page opens with the answer (a chart per
-protocol, a sentence per mitigation: eval/pipeline/view/answer.py), then the tables, plots and items,
-provenance and a study's stages last. Layout: eval/pipeline/view/runs.py builds a run's data (one function
-per protocol), this module a comparison's and a study's, eval/pipeline/view/page.py the HTML.
+protocol, a sentence per mitigation: pipeline/view/answer.py), then the tables, plots and items,
+provenance and a study's stages last. Layout: pipeline/view/runs.py builds a run's data (one function
+per protocol), this module a comparison's and a study's, pipeline/view/page.py the HTML.
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ from typing import Any
 
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
-from flipguard.eval.pipeline.fingerprints import stage_runs_problem
-from flipguard.eval.pipeline.view.answer import answer_section
-from flipguard.eval.pipeline.view.page import PAGE_HEAD, render_html
-from flipguard.eval.pipeline.view.runs import (
+from flipguard.eval.comparison_rows import split_system
+from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
+from flipguard.eval.task_includes import take_includes
+from flipguard.files import atomic_write_text, check_replace, owns, read_json
+from flipguard.pipeline.fingerprints import stage_runs_problem
+from flipguard.pipeline.view.answer import answer_section
+from flipguard.pipeline.view.page import PAGE_HEAD, render_html
+from flipguard.pipeline.view.runs import (
     changed_samples,
     ci,
     csv_table,
@@ -34,9 +38,6 @@ from flipguard.eval.pipeline.view.runs import (
     run_view,
     short,
 )
-from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
-from flipguard.eval.task import split_system, take_includes
-from flipguard.files import atomic_write_text, check_replace, owns, read_json
 
 VIEW_FILE = "view.html"
 
@@ -88,7 +89,7 @@ def fixed_and_broken(runs: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def comparison_view(folder: Path) -> dict[str, Any]:
-    """A comparison folder: the answer (eval/pipeline/view/answer.py: a chart per protocol, a sentence
+    """A comparison folder: the answer (pipeline/view/answer.py: a chart per protocol, a sentence
     per mitigation), the before/after table with flags, the protocols' table, plots, the items each
     condition fixed or broke, and provenance last."""
     data = read_json(folder / "comparison.json", UserError, "comparison") if (folder / "comparison.json").is_file() else {}

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard import __version__
-from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.records import (
     RECORDS_FILE,
     RUN_CONTENTS,
@@ -26,6 +25,7 @@ from flipguard.eval.records import (
     run_completeness,
 )
 from flipguard.files import file_sha256, git_commit
+from flipguard.runtime.resolve import resolve_model
 
 
 def content_sha(obj: Any) -> str:

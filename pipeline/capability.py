@@ -23,14 +23,14 @@ import pandas as pd
 
 from flipguard.data.mmlu import load_mmlu, sample_uniform
 from flipguard.errors import UserError
-from flipguard.eval.backends.base import resolve_model
 from flipguard.files import atomic_write_text
+from flipguard.runtime.resolve import resolve_model
 
 TASK = "flipguard_mmlu"
 UNITS_FILE = "units.csv"
 PROTOCOL, DATASET, FRAMING = "capability", "mmlu", "lm-eval"
 LETTERS = ("A", "B", "C", "D", "E", "F")
-TASK_YAML = """# written by flipguard (eval/pipeline/capability.py): MMLU from local files, lm-eval's MMLU prompt
+TASK_YAML = """# written by flipguard (pipeline/capability.py): MMLU from local files, lm-eval's MMLU prompt
 task: {task}
 dataset_path: json
 dataset_kwargs:

@@ -41,21 +41,23 @@ from flipguard.config import (
 )
 from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError, UserError
-from flipguard.eval.backends.base import model_kwargs, resolve_model
+from flipguard.eval.backends.base import model_kwargs
 from flipguard.eval.dds.protocol import EvalArgs, evaluate
 from flipguard.eval.dds.report import print_summary, report_run, write_report
 from flipguard.eval.embedded.tiny_model import TINY_MODEL_ALIASES
 from flipguard.eval.mitigations import MITIGATIONS
-from flipguard.eval.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
-from flipguard.eval.pipeline.capability import run_capability
-from flipguard.eval.pipeline.compare import build_comparison, protocol_rows, require_whole_runs, write_comparison
-from flipguard.eval.pipeline.fingerprints import model_identity
-from flipguard.eval.pipeline.tracking import log_study_to_wandb
-from flipguard.eval.pipeline.transfer import TRANSFER_JSON, build_transfer
 from flipguard.eval.records import REPORT_DIR
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MODES
-from flipguard.eval.task import StudyCondition, StudyContext, get_task, task_names
+from flipguard.eval.task import StudyCondition, StudyContext
+from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import PACKAGE_ROOT, atomic_write_json, beside
+from flipguard.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
+from flipguard.pipeline.capability import run_capability
+from flipguard.pipeline.compare import build_comparison, protocol_rows, require_whole_runs, write_comparison
+from flipguard.pipeline.fingerprints import model_identity
+from flipguard.pipeline.tracking import log_study_to_wandb
+from flipguard.pipeline.transfer import TRANSFER_JSON, build_transfer
+from flipguard.runtime.resolve import resolve_model
 from flipguard.train.merge import MERGE_INFO_FILE
 from flipguard.train.merge import main as merge_main
 from flipguard.train.pair_filters import PairRules
@@ -396,7 +398,7 @@ class StudyPlan:
                      tuple(described.outputs), (ctx.out,), described.run)
 
     def capability_stage(self, base_id: dict) -> Stage:
-        """lm-evaluation-harness on local MMLU: the base model and every merged model (eval/pipeline/capability.py)."""
+        """lm-evaluation-harness on local MMLU: the base model and every merged model (pipeline/capability.py)."""
         out = self.out / "capability"
         models = {"Baseline": self.model, **{n: str(p) for n, p in self.models.items()}}
 

@@ -24,19 +24,19 @@ from flipguard.redact import redact
 
 # name -> ("module:function" or "module:Class.method", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("flipguard.eval.pipeline.demo:main", "the whole loop end to end on the planted-bias organism: detect, mitigate, re-measure"),
+    "demo": ("flipguard.pipeline.demo:main", "the whole loop end to end on the planted-bias organism: detect, mitigate, re-measure"),
     "eval": ("flipguard.eval.dds.protocol:DDSTask.main", "DDS evaluation: C1/C2 judgments for a model, written as records"),
-    "report": ("flipguard.eval.task:report_main", "rebuild a run's report (any protocol) from its records: RUN/report/"),
+    "report": ("flipguard.eval.task_commands:report_main", "rebuild a run's report (any protocol) from its records: RUN/report/"),
     "import-records": ("flipguard.eval.dds.importer:main", "read DialDefer-format per-item records into a run directory"),
     "import": ("flipguard.eval.interop.importer:main", "read inspect_ai eval logs or lm-evaluation-harness --log_samples output into a run folder"),
     "export": ("flipguard.eval.interop.export:main", "write a run as inspect_ai eval logs (inspect view, read_eval_log)"),
     "data": ("flipguard.data.cli:main", "inspect, validate and export dataset splits; register your own dataset"),
     "organism": ("flipguard.eval.embedded.organism_builder:main", "the planted-bias judge organism the demo measures: the shipped one, or your own build"),
-    "convert": ("flipguard.eval.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),
+    "convert": ("flipguard.runtime.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),
     "tiny-model": ("flipguard.eval.embedded.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
     "pairs": ("flipguard.train.pairs:main", "build the trainers' pair datasets from flip records (recipe strategy)"),
-    "compare": ("flipguard.eval.pipeline.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
-    "view": ("flipguard.eval.pipeline.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
+    "compare": ("flipguard.pipeline.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
+    "view": ("flipguard.pipeline.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
     "afr": ("flipguard.eval.afr.protocol:AFRTask.main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
     "sos": ("flipguard.eval.sos.protocol:SosTask.main", "stick-or-switch multi-turn evaluation (conviction, flexibility)"),
     # the DialDefer paper's analyses (eval/dds/analyses/)
@@ -44,8 +44,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "label-ablation": ("flipguard.eval.dds.analyses.labels:main", "speaker-label ablation: DDS per label set and the human-vs-LLM swing (§5.2)"),
     "perspective-reversal": ("flipguard.eval.dds.analyses.perspective:main", "r/AIO 2->1 vs 1->2 judger/judgee DDS (paper Table 14)"),
     "cross-model": ("flipguard.eval.dds.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
-    "run": ("flipguard.eval.task:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
-    "study": ("flipguard.eval.pipeline.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
+    "run": ("flipguard.eval.task_commands:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
+    "study": ("flipguard.pipeline.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
     "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
     "recipes": ("flipguard.config:recipes_main", "the shipped recipes and run configs; `recipes show NAME` prints one to copy"),
 }

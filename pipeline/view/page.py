@@ -1,6 +1,6 @@
 """The page itself: one HTML file holding its data, style and script, with no network use.
 
-The data (a dict built by eval/pipeline/view) travels as JSON inside <script type="application/json">,
+The data (a dict built by pipeline/view) travels as JSON inside <script type="application/json">,
 with every "<" written as \\u003c so no text in it (a reply holding "</script>") can end the
 element; above COMPRESS_ABOVE bytes it travels gzipped and base64-encoded instead, and the
 browser inflates it with DecompressionStream. The script builds the page with createElement
@@ -12,7 +12,7 @@ then provenance and the tail tables (a study's stages and their times) last.
 Data layout (what the script reads):
   title, subtitle
   answer: optional {title, note, notes: [text], charts: [{protocol, title, src}],
-          sentences: [{condition, removed, damage, text}]}  (eval/pipeline/view/answer.py)
+          sentences: [{condition, removed, damage, text}]}  (pipeline/view/answer.py)
   provenance: [[key, value], ...]
   tables: [{id, title, note, columns: [[key, label], ...], rows: [{key, cells: {col: cell}}]}]
           a cell is a string or {t: text, v: raw value, c: css class}

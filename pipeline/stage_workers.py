@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from flipguard.errors import FlipguardError, disk_error
-from flipguard.eval.pipeline.study_plan import StudyPlan
-from flipguard.eval.task import include_tasks
-from flipguard.eval.threads import configure_threads, usable_cores
+from flipguard.eval.task_includes import include_tasks
 from flipguard.files import staging_dir
+from flipguard.pipeline.study_plan import StudyPlan
+from flipguard.runtime.threads import configure_threads, usable_cores
 
 # stages at once when --jobs is not given (a CPU study, the hf backend, a small model): two
 # covers the graph's width where it matters (sft | dpo, afr | sos) without a third copy of a model

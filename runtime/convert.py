@@ -21,9 +21,9 @@ from pathlib import Path
 
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
-from flipguard.eval.records import publish_dir
-from flipguard.eval.threads import THREADS_HELP, configure_threads
 from flipguard.files import atomic_write_json, file_sha256, flipguard_home
+from flipguard.publish import publish_dir
+from flipguard.runtime.threads import THREADS_HELP, configure_threads
 
 GGUF_SUFFIX = ".gguf"
 # written into every converted folder: where the weights came from and how

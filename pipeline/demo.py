@@ -15,7 +15,7 @@ artefact, on a CPU, in minutes:
      before/after comparison, whose own-C1 and correct-switch columns show what the
      mitigation did to the judgments it did not target.
 
-The demo is `flipguard study recipes/organism.yaml --out runs/demo` (eval/pipeline/study.py) after
+The demo is `flipguard study recipes/organism.yaml --out runs/demo` (pipeline/study.py) after
 building the organism and printing what was planted; its options override the recipe's
 `eval:` values. Every stage resumes: rerunning the demo skips what is already done.
 """
@@ -27,10 +27,10 @@ import json
 from pathlib import Path
 
 from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, read_recipe
-from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, ORGANISM_FILE
-from flipguard.eval.pipeline.study import JOBS_HELP, print_artefacts, run_study
-from flipguard.eval.threads import THREADS_HELP, configure_threads
+from flipguard.pipeline.study import JOBS_HELP, print_artefacts, run_study
+from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.threads import THREADS_HELP, configure_threads
 
 
 @dataclasses.dataclass

@@ -46,25 +46,9 @@ from flipguard.config import (
     validate_recipe,
 )
 from flipguard.errors import FlipguardError, UserError
-from flipguard.eval.backends.base import resolve_model
 from flipguard.eval.dds.metrics import TOTAL_AVG
-from flipguard.eval.pipeline.compare import protocol_flags
-from flipguard.eval.pipeline.fingerprints import (
-    file_sha,
-    key_flags,
-    model_identity,
-    plan_key,
-    plan_unchanged,
-    stage_fingerprints,
-    stage_runs,
-    stage_runs_problem,
-)
-from flipguard.eval.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
-from flipguard.eval.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
-from flipguard.eval.pipeline.view import VIEW_FILE, check_page, write_view
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
-from flipguard.eval.task import include_tasks, included_task_files, split_includes
-from flipguard.eval.threads import THREADS_HELP, configure_threads, default_threads
+from flipguard.eval.task_includes import include_tasks, included_task_files, split_includes
 from flipguard.files import (
     atomic_write_text,
     check_replace,
@@ -76,6 +60,22 @@ from flipguard.files import (
     remove_owned,
     written_files,
 )
+from flipguard.pipeline.compare import protocol_flags
+from flipguard.pipeline.fingerprints import (
+    file_sha,
+    key_flags,
+    model_identity,
+    plan_key,
+    plan_unchanged,
+    stage_fingerprints,
+    stage_runs,
+    stage_runs_problem,
+)
+from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
+from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
+from flipguard.pipeline.view import VIEW_FILE, check_page, write_view
+from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.threads import THREADS_HELP, configure_threads, default_threads
 
 STUDY_FILE = "study.json"
 # stages run side by side write their output here while they run (the study holds the folder's lock);

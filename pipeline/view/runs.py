@@ -19,11 +19,13 @@ from typing import Any, Callable
 
 from flipguard.errors import UserError
 from flipguard.eval.afr.metrics import records_frame
+from flipguard.eval.comparison_rows import comparison_long_rows
 from flipguard.eval.dds.report import _resolve
 from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import REPORT_DIR, Record, load_records, load_run_meta, run_completeness
 from flipguard.eval.sos.metrics import system_label
-from flipguard.eval.task import Task, comparison_long_rows, get_task
+from flipguard.eval.task import Task
+from flipguard.eval.task_registry import get_task
 from flipguard.files import read_text
 
 MAX_PLOT_BYTES = 3 * 1024 * 1024  # a larger PNG is named, not embedded

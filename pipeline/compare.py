@@ -31,23 +31,17 @@ from flipguard.data.registry import domain_of
 from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
 from flipguard.eval import paired as P
+from flipguard.eval.comparison_rows import PROTOCOL_COLUMNS, comparison_long_rows, named_runs, split_system
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run
 from flipguard.eval.estimate import Estimate
-from flipguard.eval.pipeline.transfer import build_transfer, paired_tests_markdown, write_transfer
-from flipguard.eval.pipeline.view import write_view
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require_whole
-from flipguard.eval.task import (
-    PROTOCOL_COLUMNS,
-    comparison_long_rows,
-    get_task,
-    named_runs,
-    split_system,
-    take_includes,
-    task_names,
-)
+from flipguard.eval.task_includes import take_includes
+from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
+from flipguard.pipeline.transfer import build_transfer, paired_tests_markdown, write_transfer
+from flipguard.pipeline.view import write_view
 from flipguard.train.pairs import read_counts
 
 BASELINE = "Baseline"
@@ -331,7 +325,7 @@ def write_comparison(cmp: dict[str, Any] | None, out_dir: str | Path, extra_sect
                      smallest_change: float = 10.0) -> Path:
     """comparison.md/csv/json, significance.csv, the plots and view.html; with protocol rows
     (protocol_rows of `protocol_runs`) also comparison_protocols.csv and a section per protocol; with a
-    transfer table (eval/pipeline/transfer.build_transfer, built with `correction` and `smallest_change`)
+    transfer table (pipeline/transfer.build_transfer, built with `correction` and `smallest_change`)
     transfer.md/csv/json/png, its summary and its paired tests. `cmp` None: a comparison without DDS runs
     (other protocols', imported runs): no DDS tables or plots."""
     out = Path(out_dir)

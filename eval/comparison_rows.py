@@ -1,0 +1,87 @@
+"""One run's numbers for the comparison, the transfer report and the page: each protocol
+supplies its own (`Task.comparison_rows`, `Task.transfer_units`); these read them once per run
+and state of its files and shape comparison_protocols.csv's long rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from flipguard.errors import UserError
+from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, load_run_meta
+from flipguard.eval.task import Task
+from flipguard.eval.task_registry import get_task
+
+PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n"]
+
+
+def named_runs(values: str | Sequence[str], what: str = "--runs") -> list[tuple[str | None, str]]:
+    """`[Name=]RUN_DIR` entries (compare's --runs, cross-model's) -> (NAME or None, RUN_DIR), in order.
+    An entry of several Name=RUN_DIR separated by commas (the `--runs "A=x,B=y"` form of before) is
+    split; a NAME holds no '/' (so a folder with '=' in its path is a RUN_DIR)."""
+    out: list[tuple[str | None, str]] = []
+    for value in [values] if isinstance(values, str) else values:
+        parts = [p.strip() for p in str(value).split(",") if p.strip()]
+        for entry in parts if len(parts) > 1 and all("=" in p for p in parts) else [str(value).strip()]:
+            head, sep, tail = entry.partition("=")
+            name, run = (head.strip(), tail.strip()) if sep and "/" not in head else ("", entry)
+            if sep and "/" not in head and (not name or not run):
+                raise UserError(f"{what}: expected [Name=]RUN_DIR, got {entry!r}")
+            if not run:
+                raise UserError(f"{what}: an empty entry; expected [Name=]RUN_DIR")
+            out.append((name or None, run))
+    return out
+
+
+def split_system(spec: str) -> tuple[str, str | None]:
+    """'RUN_DIR@System name' -> (RUN_DIR, 'System name'): one run may hold several systems."""
+    run_dir, sep, system = spec.partition("@")
+    return run_dir, (system.strip() or None) if sep else None
+
+
+_RUN_NUMBERS: dict[tuple, list[dict[str, Any]]] = {}
+
+
+def run_numbers(task: type[Task], hook: str, run_dir: Path) -> list[dict[str, Any]]:
+    """`task.<hook>(run_dir)` (comparison_rows or transfer_units), computed once per run and state of
+    its files: a run that holds several systems is named once per system (`RUN_DIR@system`) by the
+    comparison, the transfer report and the page, and each would otherwise read and bootstrap the
+    whole run again. A copy of each row: callers may change theirs."""
+    stamp = tuple((st.st_size, st.st_mtime_ns) if (st := _stat(run_dir / f)) else None
+                  for f in (RECORDS_FILE, RUN_META_FILE))
+    if stamp[0] is None:  # no records (yet): nothing worth keeping
+        return getattr(task, hook)(run_dir)
+    key = (task.name, hook, str(run_dir.resolve()), stamp)
+    if key not in _RUN_NUMBERS:
+        if len(_RUN_NUMBERS) >= 64:  # a long-lived process (a notebook, the tests) reading many runs
+            _RUN_NUMBERS.clear()
+        _RUN_NUMBERS[key] = getattr(task, hook)(run_dir)
+    return [dict(row) for row in _RUN_NUMBERS[key]]
+
+
+def _stat(path: Path):
+    try:
+        return path.stat()
+    except OSError:
+        return None
+
+
+def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
+    """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit), values in % (pp for
+    differences): its protocol (run.json) supplies them through Task.comparison_rows; `RUN_DIR@system`
+    keeps one system of a run that holds several. The comparison and the viewer both read these."""
+    run_dir, only = split_system(spec)
+    task = get_task(load_run_meta(run_dir).get("protocol") or "")
+    rows = []
+    for row in run_numbers(task, "comparison_rows", Path(run_dir)):
+        if only and row["system"] != only:
+            continue
+        est = row["estimate"]
+        if est.missing:  # not measured (no item of that kind): no row, never a zero
+            continue
+        est = est.to("pp" if est.unit == "pp" else "%")
+        rows.append({"condition": condition, "protocol": task.name, "system": row["system"],
+                     "dataset": row["dataset"], "metric": row["metric"], "value": est.value,
+                     "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "unit": est.unit})
+    return rows
