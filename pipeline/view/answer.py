@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard.eval.dds.metrics import TOTAL_AVG
+from flipguard.eval.plots import estimate_bars, png_bytes
 from flipguard.pipeline.transfer import BIAS_METRICS, TRANSFER_CSV
 from flipguard.pipeline.view.runs import num, read_csv
-from flipguard.eval.plots import estimate_bars, png_bytes
 
 PROTOCOLS_CSV = "comparison_protocols.csv"
 PROTOCOL_NAMES = {"dds": "DDS", "afr": "AFR", "sos": "stick-or-switch"}
