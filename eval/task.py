@@ -268,7 +268,8 @@ class Task:
         """Per-unit 0/1 outcomes for the transfer report, one dict per unit: system, dataset, kind (the
         item's or argued option's kind, "" when unknown), framing, metric, key (what pairs a unit with
         the baseline's: the same question, option and turn), cluster (the item: resampled together)
-        and value. None by default: the run has no transfer cells."""
+        and value; optionally valid (False: an unreadable reply, counted in value as wrong; a cell mostly of
+        such units is not meaningful). None by default: the run has no transfer cells."""
         return []
 
     @staticmethod
@@ -716,7 +717,9 @@ def run_main(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------- comparison rows
 
-PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n"]
+# meaningful False: too few valid judgments (eval/estimate.py); value and CI are empty then
+PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n",
+                    "meaningful"]
 
 
 def named_runs(values: str | Sequence[str], what: str = "--runs") -> list[tuple[str | None, str]]:
@@ -771,7 +774,7 @@ def _stat(path: Path):
 
 
 def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
-    """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit), values in % (pp for
+    """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit, n_valid, n_judged), values in % (pp for
     differences): its protocol (run.json) supplies them through Task.comparison_rows; `RUN_DIR@system`
     keeps one system of a run that holds several. The comparison and the viewer both read these."""
     run_dir, only = split_system(spec)
@@ -786,5 +789,6 @@ def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
         est = est.to("pp" if est.unit == "pp" else "%")
         rows.append({"condition": condition, "protocol": task.name, "system": row["system"],
                      "dataset": row["dataset"], "metric": row["metric"], "value": est.value,
-                     "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "unit": est.unit})
+                     "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "meaningful": est.meaningful,
+                     "unit": est.unit, "n_valid": est.n_valid, "n_judged": est.n_judged})
     return rows
