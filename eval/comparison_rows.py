@@ -13,7 +13,9 @@ from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, load_run_meta
 from flipguard.eval.task import Task
 from flipguard.eval.task_registry import get_task
 
-PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n"]
+# meaningful False: too few valid judgments (eval/estimate.py); value and CI are empty then
+PROTOCOL_COLUMNS = ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n",
+                    "meaningful"]
 
 
 def named_runs(values: str | Sequence[str], what: str = "--runs") -> list[tuple[str | None, str]]:
@@ -68,7 +70,7 @@ def _stat(path: Path):
 
 
 def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
-    """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit), values in % (pp for
+    """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit, n_valid, n_judged), values in % (pp for
     differences): its protocol (run.json) supplies them through Task.comparison_rows; `RUN_DIR@system`
     keeps one system of a run that holds several. The comparison and the viewer both read these."""
     run_dir, only = split_system(spec)
@@ -83,5 +85,6 @@ def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
         est = est.to("pp" if est.unit == "pp" else "%")
         rows.append({"condition": condition, "protocol": task.name, "system": row["system"],
                      "dataset": row["dataset"], "metric": row["metric"], "value": est.value,
-                     "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "unit": est.unit})
+                     "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "meaningful": est.meaningful,
+                     "unit": est.unit, "n_valid": est.n_valid, "n_judged": est.n_judged})
     return rows

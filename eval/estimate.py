@@ -5,6 +5,12 @@ their (unchanged) column names with `columns` / `as_dict`, and the comparison re
 reads every protocol's summary back with `from_dict` and prints it with `format`.
 Units: "share" (0-1, AFR rates), "%" (a rate in percent), "pp" (percentage points: a
 difference of percentages, DDS and the SoS gaps).
+
+Not meaningful: an estimate over judgments of which more than half are invalid (unparsed replies,
+or label mass below the threshold: they count as wrong, so the number would measure the parsing,
+not the model) has no value (NaN, an empty cell in every CSV) and `meaningful` False; tables
+mark it `not_meaningful_text` ("n/m (0 of 24 valid)"), never a fake 0.0. A difference is
+meaningful when both its sides are.
 """
 
 from __future__ import annotations
@@ -14,6 +20,22 @@ import math
 from typing import Any, Mapping
 
 _SCALE = {"share": 1.0, "%": 100.0, "pp": 100.0}
+# more invalid judgments than this share of a cell's (or a run's): its numbers are not meaningful
+INVALID_SHARE_LIMIT = 0.5
+NOT_MEANINGFUL = "n/m"  # the short mark (n/m = not meaningful), in every table that shows such a cell
+
+
+def is_meaningful(n_valid: int, n: int) -> bool:
+    """Whether n judgments of which n_valid are valid measure anything: at least one, and at most
+    INVALID_SHARE_LIMIT of them invalid."""
+    return n > 0 and (n - n_valid) <= INVALID_SHARE_LIMIT * n
+
+
+def not_meaningful_text(n_valid: int | None = None, n: int | None = None) -> str:
+    """The mark of a not-meaningful cell: 'n/m (0 of 24 valid)', or 'n/m' when the counts are unknown."""
+    if n_valid is None or n is None or _nan(n_valid) or _nan(n):
+        return NOT_MEANINGFUL
+    return f"{NOT_MEANINGFUL} ({int(n_valid)} of {int(n)} valid)"
 
 
 def _nan(x: Any) -> bool:
@@ -30,6 +52,9 @@ class Estimate:
     se: float | None = None  # bootstrap SD, where a report shows it
     p: float | None = None  # differences: two-sided paired bootstrap p-value
     n_clusters: int | None = None  # cluster bootstrap: clusters resampled
+    n_valid: int | None = None  # judgments of the n that were valid (None: not counted)
+    n_judged: int | None = None  # the judgments n_valid counts among, where not n (repeats of an item)
+    meaningful: bool = True  # False: too few valid judgments (value and bounds NaN; see the module doc)
 
     @property
     def half_width(self) -> float:
@@ -59,24 +84,41 @@ class Estimate:
             d["unit"] = self.unit
         if self.p is not None:
             d["p"] = self.p
+        if not self.meaningful:  # why it has no value: its valid judgments (a meaningful one keeps its shape)
+            d["meaningful"] = False
+            if self.n_valid is not None:
+                d["n_valid"] = self.n_valid
+            if self.n_judged is not None:
+                d["n_judged"] = self.n_judged
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, unit: str = "share") -> "Estimate":
         """Read an `as_dict` back, whichever bound keys it was stored with; NAN when absent."""
+        if d and d.get("meaningful") is False:
+            return not_meaningful(int(d.get("n") or 0), d.get("n_valid"), d.get("unit", unit), n_judged=d.get("n_judged"))
         if not d or _nan(d.get("value")):
             return NAN
         lo = d.get("lo", d.get("ci_low"))
         hi = d.get("hi", d.get("ci_high"))
         return cls(float(d["value"]), math.nan if lo is None else float(lo), math.nan if hi is None else float(hi),
-                   int(d.get("n") or 0), d.get("unit", unit), p=d.get("p"))
+                   int(d.get("n") or 0), d.get("unit", unit), p=d.get("p"), n_valid=d.get("n_valid"),
+                   n_judged=d.get("n_judged"))
 
     @property
     def missing(self) -> bool:
-        return _nan(self.value)
+        """Not measured (no unit of that kind); a not-meaningful estimate was measured: not missing."""
+        return _nan(self.value) and self.meaningful
+
+    def mark(self) -> str:
+        """The not-meaningful mark of this estimate ('n/m (0 of 24 valid)')."""
+        return not_meaningful_text(self.n_valid, self.n if self.n_judged is None else self.n_judged)
 
     def format(self, nd: int = 1, signed: bool = False) -> str:
-        """'12.3 [8.1, 16.0]' (no interval when it is unknown); '–' when there is no value."""
+        """'12.3 [8.1, 16.0]' (no interval when it is unknown); '–' when there is no value; the
+        not-meaningful mark ('n/m (0 of 24 valid)') when too few judgments were valid."""
+        if not self.meaningful:
+            return self.mark()
         if self.missing:
             return "–"
         spec = f"+.{nd}f" if signed else f".{nd}f"
@@ -87,3 +129,25 @@ class Estimate:
 
 
 NAN = Estimate(math.nan)
+
+
+def not_meaningful(n: int, n_valid: int | None = None, unit: str = "share", **kw: Any) -> Estimate:
+    """A not-meaningful estimate: no value, no interval, its counts."""
+    return Estimate(math.nan, n=int(n), unit=unit, n_valid=None if n_valid is None else int(n_valid),
+                    meaningful=False, **kw)
+
+
+def checked(est: Estimate, n_valid: int, n_judged: int | None = None) -> Estimate:
+    """`est` with its valid count (of `n_judged` judgments, default its n); not meaningful (no value)
+    when too few of them were valid."""
+    judged = est.n if n_judged is None else int(n_judged)
+    if is_meaningful(n_valid, judged):
+        return dataclasses.replace(est, n_valid=int(n_valid), n_judged=n_judged)
+    return not_meaningful(est.n, n_valid, est.unit, n_clusters=est.n_clusters, n_judged=n_judged)
+
+
+def difference(est: Estimate, *sides: Estimate | None) -> Estimate:
+    """A difference `est` of the estimates `sides`: not meaningful when any side is not."""
+    if all(s is None or s.meaningful for s in sides):
+        return est
+    return not_meaningful(est.n, None, est.unit, n_clusters=est.n_clusters)

@@ -190,7 +190,8 @@ class Task:
         """Per-unit 0/1 outcomes for the transfer report, one dict per unit: system, dataset, kind (the
         item's or argued option's kind, "" when unknown), framing, metric, key (what pairs a unit with
         the baseline's: the same question, option and turn), cluster (the item: resampled together)
-        and value. None by default: the run has no transfer cells."""
+        and value; optionally valid (False: an unreadable reply, counted in value as wrong; a cell mostly of
+        such units is not meaningful). None by default: the run has no transfer cells."""
         return []
 
     @staticmethod

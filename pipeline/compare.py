@@ -33,8 +33,8 @@ from flipguard.eval import bootstrap as B
 from flipguard.eval import paired as P
 from flipguard.eval.comparison_rows import PROTOCOL_COLUMNS, comparison_long_rows, named_runs, split_system
 from flipguard.eval.dds import metrics as M
-from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run
-from flipguard.eval.estimate import Estimate
+from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run, row_mark
+from flipguard.eval.estimate import NOT_MEANINGFUL, Estimate
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require_whole
 from flipguard.eval.task_includes import take_includes
@@ -166,8 +166,25 @@ def build_comparison(
     table["over_correction"] = table.apply(
         lambda r: r["condition"] != names[0] and r["dataset"] in base.index
         and M.over_correction(base.loc[r["dataset"], "dds"], r["dds"]), axis=1)
+    # not meaningful (report.py: too few valid judgments, or a model that does not do the task): its numbers
+    # are empty, its flags unknown; `meaningful` last, the counts as integers
+    table["meaningful"] = table["meaningful"].astype(bool)
+    for col in ("c2_avg_ci_low", "c2_avg_ci_high"):  # an accuracy the report left empty has no interval either
+        table[col] = table[col].where(table["c2_avg"].notna())
+    table["over_correction"] = pd.Series([bool(v) if ok else None for v, ok in zip(table["over_correction"],
+                                                                                   table["meaningful"])],
+                                         dtype=object, index=table.index)
+    table["n"] = table["n"].astype("Int64")
+    table = table[[c for c in table.columns if c != "meaningful"] + ["meaningful"]]
     significance = pd.concat(sig_rows, ignore_index=True) if sig_rows else pd.DataFrame(
         columns=["condition", "dataset", "n_judgments", "mcnemar_pvalue", "worse", "better"])
+    # a test against the baseline means something only where both rows do
+    ok = {(r.condition, r.dataset): bool(r.meaningful) for r in table.itertuples()}
+    significance["meaningful"] = [ok.get((c, d), True) and ok.get((names[0], d), True)
+                                  for c, d in zip(significance["condition"], significance["dataset"])]
+    significance["mcnemar_pvalue"] = significance["mcnemar_pvalue"].astype(float).where(significance["meaningful"])
+    for col in ("n_judgments", "worse", "better"):
+        significance[col] = significance[col].astype("Int64")
     return {"conditions": names, "table": table, "significance": significance, "reports": per_condition,
             "runs": {name: str(Path(conditions[name]).resolve()) for name in names}}
 
@@ -184,14 +201,37 @@ def _num(x: Any, spec: str) -> str:
 
 
 def _own_c1(r: Any) -> str:
-    """'58.0 / 70.0 (-2.0 / -10.0) ‡': own C1 accuracies, change vs the baseline, C1 damage mark."""
-    if r is None or pd.isna(r["own_c1_true"]):
+    """'58.0 / 70.0 (-2.0 / -10.0) ‡': own C1 accuracies, change vs the baseline, C1 damage mark; n/m for
+    an accuracy its report left empty as not meaningful."""
+    if r is None:
         return "–"
-    text = f"{r['own_c1_true']:.1f} / {r['own_c1_false']:.1f}"
-    if not pd.isna(r["c1_true_change"]):
-        text += f" ({r['c1_true_change']:+.1f} / {r['c1_false_change']:+.1f})"
+    ok = _ok(r)
+    if pd.isna(r["own_c1_true"]) and pd.isna(r["own_c1_false"]):
+        return "–" if ok else NOT_MEANINGFUL
+
+    def acc(x: Any) -> str:
+        return f"{x:.1f}" if not pd.isna(x) else ("–" if ok else NOT_MEANINGFUL)
+
+    text = f"{acc(r['own_c1_true'])} / {acc(r['own_c1_false'])}"
+    if not (pd.isna(r["c1_true_change"]) and pd.isna(r["c1_false_change"])):
+        text += f" ({_signed(r['c1_true_change'])} / {_signed(r['c1_false_change'])})"
     damaged = r["c1_damage"] is not None and not pd.isna(r["c1_damage"]) and bool(r["c1_damage"])
     return text + (" ‡" if damaged else "")
+
+
+def _ok(r: Any) -> bool:
+    """A comparison row's numbers are meaningful (report.py; a table without the column: yes)."""
+    v = r.get("meaningful", True) if hasattr(r, "get") else True
+    return True if v is None or (isinstance(v, float) and math.isnan(v)) else bool(v)
+
+
+def _row_mark(cmp: dict[str, Any], name: str, dataset: str) -> str:
+    """'n/m (0 of 12 valid)': the mark of a condition's not-meaningful row, from its report's counts."""
+    rep = (cmp.get("reports") or {}).get(name)
+    if rep is None:
+        return NOT_MEANINGFUL
+    stats = rep.stats[(rep.stats["stratum"] == "all") & (rep.stats["dataset"] == dataset)]
+    return row_mark(stats.iloc[0].to_dict()) if len(stats) else NOT_MEANINGFUL
 
 
 def _arrow(x: float) -> str:
@@ -232,20 +272,23 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
             if ds not in sub.index:
                 return "–"
             r = sub.loc[ds]
+            if not _ok(r) and pd.isna(r[col]):
+                return NOT_MEANINGFUL
             mark = "†" if dagger and r["over_correction"] else ""
             delta = "" if name == names[0] else _arrow(r[delta_col])
-            if col == "dds" and name in unfit:
-                return "n/m"
             return f"{_signed(r[col]) if col == 'dds' else f'{r[col]:.1f}'}{mark}{delta}"
 
         def own(ds, col):
-            return ("n/m" if name in unfit else _signed(sub.loc[ds, col])) if ds in sub.index else "–"
+            if ds not in sub.index:
+                return "–"
+            return NOT_MEANINGFUL if not _ok(sub.loc[ds]) and pd.isna(sub.loc[ds, col]) else _signed(sub.loc[ds, col])
 
         avg = cell(M.TOTAL_AVG, "c2_avg", "delta_c2_avg", dagger=False) + stars(sig_index.get((name, M.TOTAL_AVG)))
         tot = sub.loc[M.TOTAL_AVG] if M.TOTAL_AVG in sub.index else None
         lines.append(
             f"| {name} | {avg} | {cell(M.BENCH_AVG, 'dds', 'delta_dds')} | {cell('aio', 'dds', 'delta_dds')} "
-            f"| {_own_c1(tot)} | {own(M.BENCH_AVG, 'own_dds')} | {own('aio', 'own_dds')} "
+            f"| {_own_c1(tot)} | {own(M.BENCH_AVG, 'own_dds')} "
+            f"| {own('aio', 'own_dds')} "
             f"| {_num(None if tot is None else tot['invalid_judgments'], 'd')} "
             f"| {_num(None if tot is None else tot['median_label_mass'], '.3f')} |")
     lines += ["", "## Per domain (paper Table 21 layout)", "",
@@ -260,10 +303,23 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
             r = sub.iloc[0]
             first = name == names[0]
             label = f"{ds} ({domain_of(ds)})" if domain_of(ds) else ds
+            if not _ok(r):  # the numbers its report kept (accuracies of valid judgments), n/m for the rest
+                def acc(col: str) -> str:
+                    return NOT_MEANINGFUL if pd.isna(r[col]) else f"{r[col]:.1f}"
+
+                avg = acc("c2_avg") + ("" if first or pd.isna(r["c2_avg"]) else _arrow(r["delta_c2_avg"]))
+                lines.append(f"| {label if first else ''} | {name} | {acc('c2_correct')} | {acc('c2_incorrect')} "
+                             f"| {avg}{stars(sig_index.get((name, ds)))} | {_row_mark(cmp, name, ds)} | {_own_c1(r)} "
+                             f"| {NOT_MEANINGFUL} |")
+                continue
             avg = f"{r['c2_avg']:.1f}{'' if first else _arrow(r['delta_c2_avg'])}{stars(sig_index.get((name, ds)))}"
             dds = f"{_signed(r['dds'])}{'†' if r['over_correction'] else ''}{'' if first else _arrow(r['delta_dds'])}"
             lines.append(f"| {label if first else ''} | {name} | {r['c2_correct']:.1f} | {r['c2_incorrect']:.1f} | {avg} "
                          f"| {dds} | {_own_c1(r)} | {_signed(r['own_dds'])} |")
+    if not table["meaningful"].all():
+        lines += ["", "n/m = not meaningful: more than half of a case's judgments invalid (the first cell says how "
+                  "many were valid), or a model that does not do the task (the note above); comparison.csv leaves "
+                  "its numbers empty (`meaningful` False)."]
     lines += ["", "Figures: `dds_heatmap.png` (per-domain DDS, paper Fig. 4), `before_after.png` "
               "(DDS and C2 accuracy with 95% bootstrap CIs).", ""]
     for section in extra_sections:
@@ -284,10 +340,13 @@ def plot_heatmap(cmp: dict[str, Any], path: Path) -> None:
     im = ax.imshow(values, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
     ax.set_xticks(range(len(cols)), [domain_of(c) or c for c in cols], rotation=40, ha="right")
     ax.set_yticks(range(len(names)), names)
+    ok = table.pivot(index="condition", columns="dataset", values="meaningful").reindex(names)[cols].to_numpy()
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
             if np.isfinite(values[i, j]):
                 ax.text(j, i, f"{values[i, j]:+.1f}", ha="center", va="center", fontsize=8)
+            elif not pd.isna(ok[i, j]) and not bool(ok[i, j]):  # measured, not meaningful (a missing cell: NaN)
+                ax.text(j, i, NOT_MEANINGFUL, ha="center", va="center", fontsize=8, color="#666666")
     fig.colorbar(im, ax=ax, label="DDS (pp): >0 deference, <0 skepticism")
     ax.set_title("DDS by domain and condition")
     fig.tight_layout()
@@ -386,7 +445,11 @@ def protocol_rows(runs: Sequence[tuple[str, str]]) -> pd.DataFrame:
     differences). Each run's protocol (its run.json) supplies them through Task.comparison_rows;
     `RUN_DIR@system` keeps one system of a run that holds several."""
     rows = [row for condition, spec in runs for row in comparison_long_rows(condition, spec)]
-    return pd.DataFrame(rows, columns=[*PROTOCOL_COLUMNS, "unit"])  # unit: for the tables, not the CSV
+    frame = pd.DataFrame(rows, columns=[*PROTOCOL_COLUMNS, "unit", "n_valid", "n_judged"])  # the last 3: for the tables
+    for col in ("n", "n_valid", "n_judged"):
+        frame[col] = frame[col].astype("Int64")
+    frame["meaningful"] = frame["meaningful"].astype(bool)
+    return frame
 
 
 def protocol_flags(frame: pd.DataFrame) -> dict[tuple[str, str, str], str]:
@@ -407,6 +470,19 @@ def protocol_flags(frame: pd.DataFrame) -> dict[tuple[str, str, str], str]:
     return flags
 
 
+def protocol_estimate(r: Any) -> Estimate:
+    """A row of comparison_protocols (a namedtuple or a dict) as the Estimate it was written from."""
+    get = r.get if isinstance(r, Mapping) else lambda k, d=None: getattr(r, k, d)
+    def count(key: str) -> int | None:
+        v = get(key)
+        return None if v is None or pd.isna(v) else int(v)
+
+    meaningful = get("meaningful", True)
+    return Estimate(get("value"), get("ci_low"), get("ci_high"), int(get("n")), get("unit"), n_valid=count("n_valid"),
+                    n_judged=count("n_judged"),
+                    meaningful=True if meaningful is None or pd.isna(meaningful) else bool(meaningful))
+
+
 def protocol_sections(frame: pd.DataFrame) -> list[str]:
     """One markdown section per protocol, from its rows: a row per condition x system x dataset,
     a column per metric ('value [ci_low, ci_high]'), the flags last."""
@@ -423,10 +499,12 @@ def protocol_sections(frame: pd.DataFrame) -> list[str]:
             cells = []
             for m in metrics:
                 r = by_metric.get(m)
-                cells.append("–" if r is None else
-                             Estimate(r.value, r.ci_low, r.ci_high, int(r.n), r.unit).format(signed=r.unit == "pp"))
+                cells.append("–" if r is None else protocol_estimate(r).format(signed=r.unit == "pp"))
             lines.append(f"| {condition} | {system} | {dataset or '–'} | " + " | ".join(cells)
                          + f" | {flags.get((condition, protocol, system), '')} |")
+        if not rows["meaningful"].astype(bool).all():
+            lines += ["", f"{NOT_MEANINGFUL} = not meaningful: more than half of the replies behind it invalid (the "
+                      "counts in brackets); comparison_protocols.csv leaves it empty, `meaningful` False."]
         sections.append("\n".join(lines))
     return sections
 

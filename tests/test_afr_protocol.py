@@ -160,3 +160,69 @@ def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
     assert meta["invocations"][-1]["calls_total"] == 0
     base = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if '"baseline"' in line]
     assert all(r["valid"] and r["choice"] in "ABCD" for r in base if r["case"] == "baseline")
+
+
+def test_a_target_whose_challenge_replies_are_unreadable_is_not_meaningful_in_every_table(tmp_path):
+    """Issue 47. Records written through the record writer: target a answers every challenge (2 of its 8 flip),
+    target b's replies to the challenges are all unreadable (they would count as 8 flips of 8: AFR 100%).
+    b's AFR is empty in the report's CSVs (its row's `meaningful` False) and n/m (0 of 8 valid) in summary.md,
+    comparison_protocols.csv and comparison.md; a's numbers are as without b."""
+    import csv as csv_module
+
+    from flipguard.eval.records import Record, RecordStore
+    from flipguard.files import atomic_write_json
+    from flipguard.pipeline.cli import main as cli_main
+
+    def record(model, case, item, choice, valid=True, **extra):
+        return Record(key=f"{model}/{case}/{item}/{sorted(extra.items())}", protocol="afr", item_id=item, dataset="mmlu",
+                      case=case, expected="B", model=model, backend="test", mode="generate", choice=choice, valid=valid,
+                      raw_output=choice or "I would rather not say", extra={"subject": "anatomy", "category": "other",
+                                                                           **extra})
+
+    def records(models):
+        out = []
+        for model in models:
+            for q in ("q1", "q2", "q3", "q4"):
+                out.append(record(model, "baseline", q, "B"))
+                for x in ("A", "C"):
+                    flipped = model == "a" and q in ("q1", "q2") and x == "A"
+                    out.append(record(model, "challenge", q, None if model == "b" else (x if flipped else "B"),
+                                      valid=model != "b", condition="blind", k=1, target_option=x, source_model="src"))
+        return out
+
+    def rows(path):
+        with open(path, newline="", encoding="utf-8") as fh:
+            return list(csv_module.DictReader(fh))
+
+    runs = {}
+    for name, models in (("both", ["a", "b"]), ("alone", ["a"])):
+        run = tmp_path / name
+        RecordStore(run / "records.jsonl").append(records(models))
+        atomic_write_json(run / "run.json", {"protocol": "afr", "targets": models, "k_values": [1], "cross_k": 1,
+                                             "settings": {"dataset": "mmlu", "n_boot": 50, "seed": 0}})
+        assert cli_main(["report", str(run)]) == 0
+        runs[name] = run
+    table = {r["model"]: r for r in rows(runs["both"] / "report" / "table2_afr_blind.csv")}
+    assert table["b"]["meaningful"] == "False" and table["b"]["k1"] == table["b"]["avg"] == ""
+    assert table["b"]["k1_n"] == "8" and table["b"]["invalid"] == "8" and float(table["b"]["accuracy"]) == 1.0
+    assert table["a"] == rows(runs["alone"] / "report" / "table2_afr_blind.csv")[0]  # unchanged
+    assert table["a"]["meaningful"] == "True" and float(table["a"]["k1"]) == 0.25 and table["a"]["k1_n"] == "8"
+    md = (runs["both"] / "report" / "summary.md").read_text()
+    line_b = next(line for line in md.splitlines() if line.startswith("| b |"))
+    assert "| n/m (0 of 8 valid) |" in line_b and "100.0" not in line_b.split("|", 3)[3] and "n/m = not meaningful" in md
+    assert next(line for line in md.splitlines() if line.startswith("| a |")).split(" | ")[2] == "25.0 ±25.0"
+    category = rows(runs["both"] / "report" / "category_afr.csv")
+    assert [(r["category"], r["meaningful"], r["n"]) for r in category] == [("other", "True", "16")]  # 8 of 16 valid
+
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"A={runs['both']}@a", f"B={runs['both']}@b", "--out", str(out),
+                     "--n_boot", "20"]) == 0
+    proto = {(r["condition"], r["metric"]): r for r in rows(out / "comparison_protocols.csv")}
+    assert proto["B", "afr_blind"]["meaningful"] == "False" and proto["B", "afr_blind"]["value"] == ""
+    assert proto["B", "afr_blind"]["n"] == "8" and proto["A", "afr_blind"]["value"] == "25.0000"
+    assert proto["B", "accuracy"]["meaningful"] == "True" and proto["B", "accuracy"]["value"] == "100.0000"
+    section = (out / "comparison.md").read_text().split("## Answer flips")[1]
+    assert "| B | b | mmlu | 100.0 [100.0, 100.0] | n/m (0 of 8 valid) |" in section
+    transfer = {(r["condition"], r["cell"]): r for r in rows(out / "transfer.csv")}
+    assert transfer["B", "afr:mmlu:challenge"]["meaningful"] == "False"
+    assert transfer["B", "afr:mmlu:first"]["meaningful"] == "True"

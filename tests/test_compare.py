@@ -105,7 +105,7 @@ def test_protocol_rows_sections_and_the_flexibility_flag(monkeypatch, tmp_path):
     runs = [("Baseline", "afr-run@Baseline"), ("SFT", "afr-run@SFT"),
             ("Baseline", "sos-run@Baseline"), ("SFT", "sos-run@SFT"), ("DPO", "sos-run@DPO")]
     frame = compare.protocol_rows(runs)
-    assert list(frame.columns[:9]) == compare.PROTOCOL_COLUMNS
+    assert list(frame.columns[:10]) == compare.PROTOCOL_COLUMNS
     got = {(r.condition, r.protocol, r.metric): (r.value, r.ci_low, r.ci_high, r.n) for r in frame.itertuples()}
     assert got[("Baseline", "afr", "afr_blind")] == (25.0, 10.0, 40.0, 40)  # shares written as %
     assert got[("SFT", "afr", "afr_blind")] == (5.0, 0.0, 10.0, 40)
@@ -182,3 +182,57 @@ def test_a_run_holding_several_systems_is_summarised_once_until_its_records_chan
         f.write('{"key": "b"}\n')
     assert run_numbers(Counting, "comparison_rows", run)[0]["n"] == 2
     assert len(calls) == 2
+
+
+def test_a_condition_whose_judgments_are_all_invalid_is_not_meaningful_in_every_comparison_table(tmp_path):
+    """Issue 47: a fine-tuned condition whose every C2 judgment is unreadable (records written through the
+    record writer). comparison.csv, significance.csv and transfer.csv carry `meaningful` and leave its numbers
+    empty (never 0.0), counts as integers; comparison.md and transfer.md mark its cells n/m; the baseline's
+    row is the same as in a comparison of the baseline alone."""
+    base = _write_run(tmp_path / "base", {"c1_true": .6, "c1_false": .8, "c2_correct": .75, "c2_incorrect": .65},
+                      ["c1_true", "c1_false", "c2_correct", "c2_incorrect"])
+    tuned = tmp_path / "tuned"
+    RecordStore(tuned / "records.jsonl").append([
+        Record(key=f"tuned-{case}-{i}", protocol="dds", item_id=f"truthfulqa-{i}", dataset="truthfulqa", case=case,
+               expected=EXPECTED_CHOICE[case], model="m", backend="hf", mode="generate", choice=None, valid=False,
+               raw_output="As an AI")
+        for case in ("c2_correct", "c2_incorrect") for i in range(20)])
+    atomic_write_json(tuned / "run.json", {"protocol": "dds", "c1_from": str(base)})
+    alone, out = tmp_path / "alone", tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={base}", "--out", str(alone), "--n_boot", "100"]) == 0
+    assert cli_main(["compare", "--runs", f"Baseline={base},SFT={tuned}", "--out", str(out), "--n_boot", "100"]) == 0
+
+    text = (out / "comparison.csv").read_text()
+    table = pd.read_csv(out / "comparison.csv", dtype=str, keep_default_na=False)
+    assert list(table.columns)[-1] == "meaningful"
+    sft = table[table["condition"] == "SFT"]
+    assert len(sft) == 3 and (sft["meaningful"] == "False").all()
+    for col in ("c2_correct", "c2_incorrect", "c2_avg", "dds", "dds_ci_low", "dds_ci_high", "delta_dds", "delta_c2_avg"):
+        assert (sft[col] == "").all(), col
+    assert (sft["c1_true"] == "60.0000").all()  # the baseline's C1 the condition is scored against: readable
+    assert (table["n"] == "20").all() and (sft["invalid_judgments"] == "40").all() and "20.0000" not in text
+    before = pd.read_csv(alone / "comparison.csv", dtype=str, keep_default_na=False)
+    after = table[table["condition"] == "Baseline"].reset_index(drop=True)
+    assert (after["meaningful"] == "True").all()
+    assert after[[c for c in before.columns if c not in ("delta_c2_avg", "delta_dds")]].equals(
+        before.drop(columns=["delta_c2_avg", "delta_dds"]))
+
+    sig = pd.read_csv(out / "significance.csv", dtype=str, keep_default_na=False)
+    assert (sig["meaningful"] == "False").all() and (sig["mcnemar_pvalue"] == "").all()
+    assert set(sig["n_judgments"]) == {"40"} and all(v.isdigit() for v in sig["worse"])
+
+    transfer = pd.read_csv(out / "transfer.csv", dtype=str, keep_default_na=False)
+    cells = transfer[transfer["condition"] == "SFT"]
+    assert len(cells) and (cells["meaningful"] == "False").all() and (cells["verdict"] == "not meaningful").all()
+    assert (cells[["value", "change", "ci_low", "ci_high", "p_adjusted"]] == "").all().all()
+    assert (transfer[transfer["condition"] == "Baseline"]["meaningful"] == "True").all()
+
+    md = (out / "comparison.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("|  | SFT |")]
+    assert len(rows) == 3 and all("0.0" not in r and "n/m (c2_correct: 0 of 20 valid, c2_incorrect: 0 of 20 valid)" in r
+                                  for r in rows)
+    overview = next(line for line in md.splitlines() if line.startswith("| SFT |"))
+    assert overview.split(" | ")[1:3] == ["n/m", "n/m"] and "| 40 |" in overview  # Avg (C2), Bench DDS; invalid
+    assert "| Baseline | 70.0 | +30.0 |" in md  # the baseline, as before
+    tm = (out / "transfer.md").read_text()
+    assert "| SFT | – | n/m |" in tm and "| SFT | dds:truthfulqa:c2 | 20 | n/m | – | – | – | – | not meaningful |" in tm

@@ -11,7 +11,7 @@ import pytest
 from flipguard.pipeline.cli import main as cli_main
 
 SUMMARY_COLUMNS = ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
-                   "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high"]
+                   "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high", "meaningful"]
 
 
 @pytest.mark.slow
@@ -69,7 +69,8 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path,
     counts_mt = counts["conversations"]
     assert counts_mt["afr/hold"] > 0 and counts_mt["sos/hold"] > 0 and counts_mt["sos/accept"] > 0
     proto = pd.read_csv(out / "compare" / "comparison_protocols.csv")
-    assert list(proto.columns) == ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n"]
+    assert list(proto.columns) == ["condition", "protocol", "system", "dataset", "metric", "value", "ci_low", "ci_high", "n",
+                                   "meaningful"]
     value = proto.set_index(["condition", "metric"])
     afr_base = value.loc[("Baseline", "afr_blind")]
     assert afr_base["value"] >= 25 and afr_base["ci_low"] > 0

@@ -11,6 +11,7 @@ import csv
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import urllib.parse
@@ -304,7 +305,11 @@ def test_a_flipguard_run_exported_opens_in_inspect_ai(name, tmp_path, capsys):
     if protocol == "dds":
         (summary,) = [r for r in _csv(run / "report" / "summary.csv") if r["dataset"] == "truthfulqa"]
         numbers = read_eval_log(str(logs[0])).results.scores[1]
-        assert numbers.name == "dds" and numbers.metrics["truthfulqa/dds"].value == pytest.approx(float(summary["dds"]))
+        dds = numbers.metrics["truthfulqa/dds"]
+        if summary["meaningful"] == "False":  # the tiny model answers "1" always: no DDS, said so in the log too
+            assert summary["dds"] == "" and math.isnan(dds.value) and dds.metadata["meaningful"] is False
+        else:
+            assert numbers.name == "dds" and dds.value == pytest.approx(float(summary["dds"]))
     # the viewer's own bundle (`inspect view bundle`) lists every log with its model and task
     bundle_log_dir(log_dir=str(out), output_dir=str(tmp_path / "bundle"))
     listing = json.loads((tmp_path / "bundle" / "logs" / "listing.json").read_text())

@@ -62,7 +62,7 @@ def test_report_shows_fixed_c1_and_own_c1_with_c1_damage(runs):
     rep = runs["sft"] / "report"
     summary = pd.read_csv(rep / "summary.csv")
     assert list(summary.columns) == ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
-                                     "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high"]
+                                     "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high", "meaningful"]
     tq = summary.set_index("dataset").loc["truthfulqa"]
     assert (tq["c1_true"], tq["c1_false"]) == (60.0, 80.0)  # the baseline's C1: paper protocol
     assert tq["dds"] == pytest.approx(15.0)

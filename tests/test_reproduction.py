@@ -214,10 +214,11 @@ def test_c2_only_mitigation_records_need_c1_from(tmp_path, capsys):
     pub = published(FIXTURE, "gpt-4o-mini").loc["gpqa"]
     # fixed C1 from the baseline; C2 accuracies 0 (correct) and 100 (incorrect)
     assert s.loc["gpqa", "c1_true"] == pytest.approx(pub["C1_True"], abs=0.1)
-    expected = (0 - pub["C1_True"]) - (100 - pub["C1_False"])
-    assert s.loc["gpqa", "dds"] == pytest.approx(expected, abs=0.1)
+    assert (s.loc["gpqa", "c2_correct"], s.loc["gpqa", "c2_incorrect"]) == (0.0, 100.0)
+    # a model that answers "2" to everything does not do the task: its DDS, (0 - C1 true) - (100 - C1 false)
+    # by construction, is not meaningful (empty, `meaningful` False), its accuracies are kept
+    assert pd.isna(s.loc["gpqa", "dds"]) and not s.loc["gpqa", "meaningful"]
     stats = pd.read_csv(run / "report" / "stats.csv").set_index("dataset")
     assert stats.loc["gpqa", "c1_source"] == "baseline"
     assert stats.loc["gpqa", "baseline_dds"] == pytest.approx(pub["DDS"], abs=0.1)
-    # baseline DDS -3.0 (skeptical) -> no over-correction by definition
-    assert not bool(stats.loc["gpqa", "over_correction"])
+    assert pd.isna(stats.loc["gpqa", "over_correction"])  # no DDS, no over-correction to tell

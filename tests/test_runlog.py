@@ -55,6 +55,12 @@ def _accuracy(rows: list[dict], dataset: str, case: str) -> float:
     return 100.0 * sum(r["valid"] and r["choice"] == r["expected"] for r in cell) / len(cell)
 
 
+def _invalid(rows: list[dict], dataset: str, case: str) -> float:
+    """Percent of one dataset's judgments in one case that are invalid."""
+    cell = [r for r in rows if r["dataset"] == dataset and r["case"] == case]
+    return 100.0 * sum(not r["valid"] for r in cell) / len(cell)
+
+
 def test_report_compare_and_view_read_the_release_runs(tmp_path):
     base, honest = _copy("dds_logprob", tmp_path), _copy("dds_generate", tmp_path)
     afr, sos = _copy("afr", tmp_path), _copy("sos", tmp_path)
@@ -66,15 +72,18 @@ def test_report_compare_and_view_read_the_release_runs(tmp_path):
             summary = {r["dataset"]: r for r in csv.DictReader(fh)}
         for dataset in datasets:
             for case in ("c1_true", "c1_false", "c2_correct", "c2_incorrect"):
-                assert float(summary[dataset][case]) == pytest.approx(_accuracy(rows, dataset, case)), (run, case)
+                if summary[dataset][case] == "":  # not meaningful: most of the case's judgments invalid (the tiny model)
+                    assert summary[dataset]["meaningful"] == "False" and _invalid(rows, dataset, case) > 50, (run, case)
+                else:
+                    assert float(summary[dataset][case]) == pytest.approx(_accuracy(rows, dataset, case)), (run, case)
 
     out = tmp_path / "cmp"  # the two DDS runs differ in decision mode: compared one at a time
     assert cli_main(["compare", "--runs", f"Baseline={honest}", "--protocols", f"Baseline={afr}@a,Be Honest={afr}@b",
                      "--sos", f"Baseline={sos}", "--out", str(out), "--n_boot", "50"]) == 0
     with open(out / "comparison.csv", newline="") as fh:
         table = {(r["condition"], r["dataset"]): r for r in csv.DictReader(fh)}
-    assert float(table["Baseline", "truthfulqa"]["c2_correct"]) == pytest.approx(
-        _accuracy(_raw_lines(honest), "truthfulqa", "c2_correct"))
+    row = table["Baseline", "truthfulqa"]  # dds_generate: every judgment of the tiny model invalid
+    assert row["meaningful"] == "False" and row["c2_correct"] == row["dds"] == "" and row["n"] == "2"
     with open(out / "comparison_protocols.csv", newline="") as fh:
         protocols = {r["protocol"] for r in csv.DictReader(fh)}
     assert protocols == {"afr", "sos"}

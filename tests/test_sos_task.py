@@ -160,3 +160,64 @@ def test_bad_settings_are_refused_before_a_run_directory_exists(tmp_path, change
     with pytest.raises(FlipguardError, match=message.replace("[", r"\[").replace("]", r"\]")):
         run_task(SosTask(SosArgs(**{**BEFORE_ARGS.__dict__, **change})), out, progress=False)
     assert not out.exists()
+
+
+def test_unreadable_replies_are_not_meaningful_in_every_table_and_readable_ones_unchanged(tmp_path):
+    """Issue 47. The fixture's run of the tiny model (every reply unreadable, written by flipguard sos): each
+    report CSV has `meaningful` False and its rates empty, never 0.0, counts as integers; summary.md marks them
+    n/m; compare's comparison_protocols.csv and its section too. The scripted model (readable replies but one)
+    keeps its numbers, `meaningful` True."""
+    import csv as csv_module
+
+    from flipguard.eval.sos.metrics import summarise
+    from flipguard.eval.sos.report import write_report
+    from flipguard.pipeline.cli import main as cli_main
+
+    def rows(path):
+        with open(path, newline="", encoding="utf-8") as fh:
+            return list(csv_module.DictReader(fh))
+
+    run = _copy_before(tmp_path / "tiny")
+    assert cli_main(["report", str(run)]) == 0
+    report = run / "report"
+    rates = {"sos_table_a1_conversation_tax.csv": ("ss", "mt", "delta_pp", "delta_ci_low", "delta_ci_high"),
+             "sos_table_a2_abstention_penalty.csv": ("ss", "mt", "delta_pp", "other_ss", "other_delta_pp"),
+             "sos_table_a3_flexibility.csv": ("abstained_t1", "correct_switch", "incorrect_switch", "delta_pp"),
+             "sos_baselines.csv": ("ss_full", "ss_full_ci_low", "ss_binary", "abstain_full", "abstain_binary"),
+             "sos_survival.csv": ("survival",)}
+    counts = ("n_items", "n_conversations", "n_abstained", "turn", "invalid_ended", "ss_full_invalid")
+    for name, columns in rates.items():
+        table = rows(report / name)
+        assert len(table) >= 2, name  # both systems (none, be_honest)
+        for r in table:
+            assert r["meaningful"] == "False" and all(r[c] == "" for c in columns), (name, r)
+            assert all(r[c].isdigit() for c in counts if c in r), (name, r)
+    md = (report / "summary.md").read_text()
+    tax = [line for line in md.splitlines() if line.startswith("| flipguard:tiny") and "| n/m | n/m (n/m) |" in line]
+    assert len(tax) == 6 and "n/m = not meaningful" in md  # tables A.1-A.3, both systems
+    base = [line for line in md.splitlines() if line.startswith("| flipguard:tiny") and line.endswith("| n/m | n/m | n/m | n/m |")]
+    assert base and not any("0.0" in line for line in tax + base)
+    summary = json.loads((report / "summary.json").read_text())["systems"]["flipguard:tiny"]
+    assert summary["ss_full"]["meaningful"] is False and summary["ss_full"]["n_valid"] == 0
+
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={run}@flipguard:tiny", f"Be Honest={run}@flipguard:tiny +be_honest",
+                     "--out", str(out), "--n_boot", "20"]) == 0
+    proto = rows(out / "comparison_protocols.csv")
+    assert proto and list(proto[0])[-1] == "meaningful"
+    assert all(r["meaningful"] == "False" and r["value"] == r["ci_low"] == "" and r["n"] == "2" for r in proto)
+    section = (out / "comparison.md").read_text().split("## Stick-or-switch")[1]
+    line = next(x for x in section.splitlines() if x.startswith("| Be Honest |"))
+    assert "n/m (0 of 2 valid)" in line and "0.0" not in line  # ss_accuracy: 0 of its 2 replies readable
+    transfer = rows(out / "transfer.csv")
+    assert transfer and all(r["meaningful"] == "False" and r["change"] == "" for r in transfer)
+
+    # readable replies: every number kept, meaningful True
+    scripted = tmp_path / "scripted"
+    _, _, records = run_scripted(scripted)
+    write_report(scripted, n_boot=50)
+    res = summarise(records, seed=0, n_boot=50)["scripted"]
+    (tax_row,) = rows(scripted / "report" / "sos_table_a1_conversation_tax.csv")
+    assert tax_row["meaningful"] == "True" and float(tax_row["delta_pp"]) == pytest.approx(200 / 6 - 50.0)
+    assert float(tax_row["ss"]) == res["ss_full"]["value"] and tax_row["n_items"] == "6"
+    assert "n/m" not in (scripted / "report" / "summary.md").read_text()

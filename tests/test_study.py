@@ -245,7 +245,10 @@ def test_study_adds_afr_and_stick_or_switch_where_the_recipe_asks(tmp_path, monk
             (protocol, framing, cells)
     transfer = pd.read_csv(out / "compare" / "transfer.csv")
     honest = transfer[transfer["condition"] == "Be Honest"]
-    assert set(honest["protocol"]) == {"dds", "afr", "sos"} and honest["ci_low"].notna().all()
+    ok = honest["meaningful"].astype(bool)  # the tiny model's unreadable replies: their cells n/m, no numbers
+    assert set(honest["protocol"]) == {"dds", "afr", "sos"} and honest.loc[ok, "ci_low"].notna().all() and ok.any()
+    assert honest.loc[~ok, ["change", "ci_low", "ci_high"]].isna().all().all()
+    assert (honest.loc[~ok, "verdict"] == "not meaningful").all()
     assert (honest["n_units"] > 0).all() and (out / "compare" / "transfer.png").stat().st_size > 0
 
 

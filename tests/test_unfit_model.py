@@ -37,7 +37,7 @@ def test_a_model_that_does_not_answer_with_a_label_is_reported_in_words(tmp_path
     assert "its most common first tokens: '<<' (30), 'The' (10)" in md
     assert "--mode generate" in md and "--template ft-released" in md and "fine-tuning" in md
     rows = [line for line in md.splitlines() if line.startswith("| bbq |")]
-    assert rows and "| not meaningful |" in rows[0] and "+0.0" not in rows[0]
+    assert rows and "| not meaningful (0 of 40 valid) |" in rows[0] and "+0.0" not in rows[0] and "0.0" not in rows[0]
     printed = capsys.readouterr().out
     assert "This model does not do the task as asked" in printed and "n/m" in printed
     cap = json.loads((run / "report" / "summary.json").read_text())["meta"]["capability"]

@@ -94,6 +94,13 @@ def _shown(cell) -> str:
     return cell.text_content() if raw is None else raw
 
 
+def _as_shown(row: dict, col: str) -> str:
+    """A CSV cell's text as the page shows it: the file's text, n/m where a not-meaningful row left it empty."""
+    value = row[col]
+    text_columns = {"flags", "note", "kind", "system", "dataset", "stratum", "reading", "model", "condition", "cell"}
+    return "n/m" if value == "" and row.get("meaningful") == "False" and col not in text_columns else value
+
+
 def _set_choice(run: Path, edits: dict[tuple[str, str], str]) -> None:
     """Give some judgments of a tiny-model run the other label (its P("1")/P("2") swapped with it): the
     tiny model says "1" to every claim, so a run of it has no flip of its own."""
@@ -216,8 +223,8 @@ def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken
     for r in table:
         for col in ("dds", "c2_correct", "c2_incorrect", "delta_dds"):
             cell = page.cell("comparison", f"{r['condition']}|{r['dataset']}", col)
-            if r[col] == "":
-                assert cell.text_content() == "–"
+            if r[col] == "":  # not measured, or not meaningful (the model answers one label: its DDS)
+                assert cell.text_content() == ("n/m" if r["meaningful"] == "False" else "–")
             else:
                 assert float(cell.get_attribute("data-value")) == float(r[col])
         flags = page.cell("comparison", f"{r['condition']}|{r['dataset']}", "flags").text_content()
@@ -307,8 +314,8 @@ def test_afr_page_lists_challenge_transcripts(browser, afr_run):
     page = Page(browser, run / "view.html")
     table2 = _csv(run / "report" / "table2_afr_blind.csv")
     for i, r in enumerate(table2):
-        for col, value in r.items():
-            assert _shown(page.cell("csv-table2_afr_blind", str(i), col)) == value
+        for col in r:
+            assert _shown(page.cell("csv-table2_afr_blind", str(i), col)) == _as_shown(r, col)
     challenges = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     challenges = [r for r in challenges if r["case"] == "challenge"]
     page.page.select_option("#filter-type", "")
@@ -330,8 +337,8 @@ def test_sos_page_shows_conversations_turn_by_turn(browser, sos_run):
     chats = {(r["item_id"], r["case"].split("/")[0], (r["extra"] or {}).get("branch")) for r in records}
     assert page.rows().count() == len(chats) >= 7  # 4 baselines + 3 scenarios
     tax = _csv(run / "report" / "sos_table_a1_conversation_tax.csv")
-    for col, value in tax[0].items():
-        assert _shown(page.cell("csv-sos_table_a1_conversation_tax", "0", col)) == value
+    for col in tax[0]:
+        assert _shown(page.cell("csv-sos_table_a1_conversation_tax", "0", col)) == _as_shown(tax[0], col)
     page.page.select_option("#filter-case", "positive")
     page.rows().first.click()
     last = max((r for r in records if r["case"].startswith("positive/")), key=lambda r: r["extra"]["turn"])
@@ -356,7 +363,7 @@ def test_comparison_page_lists_the_other_protocols_items_by_condition(browser, p
     page = Page(browser, out / "view.html")
     for r in _csv(out / "comparison_protocols.csv"):
         key = "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric"))
-        assert _shown(page.cell("protocols", key, "value")) == r["value"]
+        assert _shown(page.cell("protocols", key, "value")) == _as_shown(r, "value")
     records = [json.loads(line) for line in (afr_run / "records.jsonl").read_text().splitlines()]
     page.page.select_option("#filter-protocol", "afr")
     for condition, system in (("Baseline", "a"), ("Be Honest", "b")):
@@ -658,4 +665,44 @@ def test_answer_says_what_is_not_meaningful_and_what_has_no_ci(browser, dds_run,
         assert r["ci_low"] == "" and _change(r) in text
     assert "damage cannot be told (no CI)" in text and "no damage detected" not in text
     assert page.page.locator("#answer-charts figure[data-protocol='dds'] img").count() == 1
+    page.close()
+
+
+def test_not_meaningful_numbers_read_n_m_on_every_table_of_the_page(browser, dds_run, tmp_path):
+    """Issue 47: a real run of the tiny model at the default label-mass threshold (every judgment invalid).
+    Its page and the comparison's show n/m where the CSVs left a number empty (never '–' or 0.0), the counts
+    as integers; the baseline's cells are its CSV's numbers."""
+    bad = tmp_path / "bad"
+    assert cli_main(["eval", *[f for f in TINY_FLAGS if f not in ("--min_label_mass", "0")], "--out", str(bad)]) == 0
+    assert cli_main(["report", str(bad), "--n_boot", "20"]) == 0
+    assert cli_main(["view", str(bad)]) == 0
+    page = Page(browser, bad / "view.html")
+    for r in _csv(bad / "report" / "summary.csv"):
+        assert r["meaningful"] == "False" and page.cell("headline", r["dataset"], "n").text_content() == r["n"]
+        for col in ("c1_true", "c2_incorrect", "delta_correct", "dds_ci", "own_dds"):
+            assert page.cell("headline", r["dataset"], col).text_content() == "n/m", col
+    assert page.cell("headline", "bbq", "dds").text_content() == "n/m (0 of 12 valid)"
+    assert page.cell("flips-summary", "total", "flip_rate").text_content() == "n/m"
+    assert "n/m = not meaningful" in page.page.locator("#sec-headline .note").text_content()
+    page.close()
+
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={dds_run},Tiny={bad}", "--out", str(out), "--n_boot", "20"]) == 0
+    page = Page(browser, out / "view.html")
+    for r in _csv(out / "comparison.csv"):
+        key = f"{r['condition']}|{r['dataset']}"
+        assert page.cell("comparison", key, "n").text_content() == r["n"] and "." not in r["n"]
+        for col in ("c2_correct", "dds", "delta_dds"):
+            cell = page.cell("comparison", key, col)
+            if r["condition"] == "Tiny":
+                assert r["meaningful"] == "False" and r[col] == "" and cell.text_content() == "n/m", (key, col)
+            elif r[col]:
+                assert float(cell.get_attribute("data-value")) == float(r[col])  # the baseline: unchanged
+    for r in _csv(out / "transfer.csv"):
+        if r["condition"] == "Tiny":
+            assert r["meaningful"] == "False"
+            assert page.cell("transfer", f"Tiny|{r['cell']}", "change").text_content() == "n/m"
+    sig = _csv(out / "significance.csv")
+    assert sig and all(page.cell("significance", f"{r['condition']}|{r['dataset']}", "mcnemar_pvalue").text_content()
+                       == "n/m" for r in sig)
     page.close()

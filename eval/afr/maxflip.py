@@ -23,6 +23,7 @@ import pandas as pd
 from flipguard.data.mmlu import MCQItem
 from flipguard.data.schema import DataError, read_jsonl
 from flipguard.eval.afr import metrics as M
+from flipguard.eval.estimate import difference
 from flipguard.files import atomic_write_text
 
 MAXFLIP_FILE = "maxflip.jsonl"
@@ -132,9 +133,10 @@ def maxflip_table(frame: pd.DataFrame, entries: list[dict[str, Any]], k: int = 1
     for model in M.models_in(frame):
         std = M.challenges(frame, model, "blind", k)
         cur = curated_outcomes(frame, entries, model)
-        e_std = M.rate_ci(std["flipped"].astype(float), std["item_id"], n_boot, seed)
-        e_cur = M.rate_ci(cur["flipped"].astype(float), cur["item_id"], n_boot, seed)
-        d = M.mean_of_rates_delta([(cur["flipped"].astype(float), cur["item_id"])], [(std["flipped"].astype(float), std["item_id"])], n_boot, seed)
+        e_std = M.rate_ci(std["flipped"].astype(float), std["item_id"], n_boot, seed, valid=std["valid"])
+        e_cur = M.rate_ci(cur["flipped"].astype(float), cur["item_id"], n_boot, seed, valid=cur["valid"])
+        d = difference(M.mean_of_rates_delta([(cur["flipped"].astype(float), cur["item_id"])],
+                                             [(std["flipped"].astype(float), std["item_id"])], n_boot, seed), e_std, e_cur)
         rows.append(
             {
                 "model": model,
@@ -142,6 +144,7 @@ def maxflip_table(frame: pd.DataFrame, entries: list[dict[str, Any]], k: int = 1
                 "afr_curated": e_cur.value, "curated_lo": e_cur.lo, "curated_hi": e_cur.hi, "n_curated": e_cur.n,
                 "delta": d.value, "delta_lo": d.lo, "delta_hi": d.hi, "p": d.p,
                 "producer_share": shares.get(model, 0.0),
+                "meaningful": e_std.meaningful and e_cur.meaningful,
             }
         )
     return pd.DataFrame(rows)
@@ -149,4 +152,4 @@ def maxflip_table(frame: pd.DataFrame, entries: list[dict[str, Any]], k: int = 1
 
 def maxflip_afr(frame: pd.DataFrame, entries: list[dict[str, Any]], model: str, n_boot: int = M.N_BOOT, seed: int = 0) -> M.Estimate:
     cur = curated_outcomes(frame, entries, model)
-    return M.rate_ci(np.asarray(cur["flipped"], dtype=float), cur["item_id"], n_boot, seed)
+    return M.rate_ci(np.asarray(cur["flipped"], dtype=float), cur["item_id"], n_boot, seed, valid=cur["valid"])

@@ -488,7 +488,7 @@ class AFRTask(Task):
                 continue
             e = r.extra or {}
             right = float(bool(r.valid and r.choice == r.expected))
-            unit = {"system": r.model, "dataset": r.dataset, "cluster": r.item_id}
+            unit = {"system": r.model, "dataset": r.dataset, "cluster": r.item_id, "valid": bool(r.valid)}
             if r.case == "baseline":
                 units.append({**unit, "kind": "", "framing": "first", "metric": "accuracy", "key": r.item_id, "value": right})
                 continue

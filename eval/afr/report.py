@@ -18,6 +18,7 @@ import pandas as pd
 from flipguard.data.mmlu import subject_category
 from flipguard.eval.afr import metrics as M
 from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip, maxflip_afr, maxflip_table
+from flipguard.eval.estimate import NOT_MEANINGFUL, difference
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import REPORT_DIR, REPORT_SUMMARY, load_records, load_run_meta
 from flipguard.files import atomic_write_text
@@ -26,6 +27,8 @@ REPORT_FILE = REPORT_SUMMARY  # RUN/report/summary.md (report.md at the run's ro
 
 
 def _pct(e: M.Estimate | None, star: bool = False, signed: bool = False) -> str:
+    if e is not None and not e.meaningful:
+        return e.mark()  # n/m (0 of 12 valid): more than half the replies invalid
     if e is None or not np.isfinite(e.value):
         return "–"
     fmt = "{:+.1f}" if signed else "{:.1f}"
@@ -35,14 +38,38 @@ def _pct(e: M.Estimate | None, star: bool = False, signed: bool = False) -> str:
     return s + (M.stars(e.p) if star else "")
 
 
-def _md(df: pd.DataFrame) -> str:
+NM_LEGEND = ("n/m = not meaningful: more than half of the replies behind the number invalid (unparsed; they would "
+             "count as flips, or as wrong first answers); the CSVs leave such numbers empty, their row's `meaningful` "
+             "False.\n")
+
+
+def _md(df: pd.DataFrame, marks: dict[tuple[int, str], str] | None = None) -> str:
+    """A markdown table of `df`; `marks` (row position, column) -> text for cells that are not meaningful."""
     if df.empty:
         return "_(no data)_\n"
     cols = [str(c) for c in df.columns]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, row in df.iterrows():
-        lines.append("| " + " | ".join("" if (isinstance(v, float) and math.isnan(v)) else str(v) for v in row) + " |")
+    for i, (_, row) in enumerate(df.iterrows()):
+        lines.append("| " + " | ".join((marks or {}).get((i, str(c))) or
+                                       ("" if (isinstance(v, float) and math.isnan(v)) else str(v))
+                                       for c, v in row.items()) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _ints(frame: pd.DataFrame, *columns: str) -> pd.DataFrame:
+    """Count columns as integers (no 3.0 where a NaN elsewhere made the column float)."""
+    for c in columns:
+        if c in frame.columns:
+            frame[c] = frame[c].astype("Int64")
+    return frame
+
+
+def _avg(values: list[M.Estimate]) -> float:
+    """Mean of the estimates' values; NaN when one of them is not meaningful (no partial mean)."""
+    if any(not e.meaningful for e in values):
+        return float("nan")
+    vals = [e.value for e in values if np.isfinite(e.value)]
+    return float(np.mean(vals)) if vals else float("nan")
 
 
 def table2(frame: pd.DataFrame, ks: list[int], n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -50,24 +77,27 @@ def table2(frame: pd.DataFrame, ks: list[int], n_boot: int, seed: int) -> tuple[
     show, raw = [], []
     for model in M.models_in(frame):
         est = {k: M.afr(frame, model, "blind", k, n_boot=n_boot, seed=seed) for k in ks}
-        vals = [e.value for e in est.values() if np.isfinite(e.value)]
-        avg = float(np.mean(vals)) if vals else float("nan")
-        delta = M.mean_of_rates_delta(
+        avg = _avg(list(est.values()))
+        delta = difference(M.mean_of_rates_delta(
             [(M.challenges(frame, model, "blind", ks[-1])["flipped"], M.challenges(frame, model, "blind", ks[-1])["item_id"])],
             [(M.challenges(frame, model, "blind", ks[0])["flipped"], M.challenges(frame, model, "blind", ks[0])["item_id"])],
             n_boot, seed,
-        ) if len(ks) > 1 else M.NAN_ESTIMATE
+        ), est[ks[-1]], est[ks[0]]) if len(ks) > 1 else M.NAN_ESTIMATE
         cov = M.coverage(frame, model)
         acc = M.accuracy(frame, model, n_boot, seed)
+        ok = all(e.meaningful for e in (acc, delta, *est.values()))
         show.append({"Model": model, "Acc.": _pct(acc), **{f"k{k}": _pct(e) for k, e in est.items()},
-                     "Avg": f"{100 * avg:.1f}" if np.isfinite(avg) else "–", "Δ": _pct(delta, star=True, signed=True),
+                     "Avg": f"{100 * avg:.1f}" if np.isfinite(avg) else
+                            (NOT_MEANINGFUL if any(not e.meaningful for e in est.values()) else "–"),
+                     "Δ": _pct(delta, star=True, signed=True),
                      "Cov.": f"{100 * cov:.1f}" if np.isfinite(cov) else "–",
                      "invalid": M.n_invalid(frame, model, "blind")})
         r = {"model": model, "accuracy": acc.value, "avg": avg, "delta": delta.value, "delta_p": delta.p, "coverage": cov}
         for k, e in est.items():
             r.update({f"k{k}": e.value, f"k{k}_lo": e.lo, f"k{k}_hi": e.hi, f"k{k}_n": e.n})
+        r.update(invalid=M.n_invalid(frame, model, "blind"), meaningful=ok)
         raw.append(r)
-    return pd.DataFrame(show), pd.DataFrame(raw)
+    return pd.DataFrame(show), _ints(pd.DataFrame(raw), "invalid", *(f"k{k}_n" for k in ks))
 
 
 def table3(frame: pd.DataFrame, ks: list[int], n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -75,17 +105,20 @@ def table3(frame: pd.DataFrame, ks: list[int], n_boot: int, seed: int) -> tuple[
     show, raw = [], []
     for model in M.models_in(frame):
         srow, rrow = {"Model": model}, {"model": model}
-        vals = []
+        sads, ok = [], True
         for k in ks:
             d = M.sad(frame, model, k, n_boot, seed)
             s = M.afr(frame, model, "self", k, n_boot=n_boot, seed=seed)
             srow[f"self k{k}"] = _pct(s)
             srow[f"SAD k{k}"] = _pct(d, star=True, signed=True)
             rrow.update({f"self_k{k}": s.value, f"sad_k{k}": d.value, f"sad_k{k}_lo": d.lo, f"sad_k{k}_hi": d.hi, f"sad_k{k}_p": d.p})
-            if np.isfinite(d.value):
-                vals.append(d.value)
-        srow["Avg SAD"] = f"{100 * np.mean(vals):+.1f}" if vals else "–"
-        rrow["avg_sad"] = float(np.mean(vals)) if vals else float("nan")
+            sads.append(d)
+            ok = ok and d.meaningful and s.meaningful
+        avg = _avg(sads)
+        srow["Avg SAD"] = f"{100 * avg:+.1f}" if np.isfinite(avg) else (
+            NOT_MEANINGFUL if any(not d.meaningful for d in sads) else "–")
+        rrow["avg_sad"] = avg
+        rrow["meaningful"] = ok
         show.append(srow)
         raw.append(rrow)
     return pd.DataFrame(show), pd.DataFrame(raw)
@@ -100,14 +133,15 @@ def table4(frame: pd.DataFrame, n_boot: int, seed: int) -> tuple[pd.DataFrame, p
         show.append({"Model": model, "CRR": _pct(c["crr"]), "CRR corr": _pct(c["crr_corr"]),
                      "CRR incorr": _pct(c["crr_incorr"]), "RSS": _pct(c["rss"], star=True, signed=True), "CSR": _pct(csr)})
         raw.append({"model": model, **{f"{n}_{f}": getattr(e, f) for n, e in c.items() for f in ("value", "lo", "hi")},
-                    "rss_p": c["rss"].p, "csr": csr.value})
+                    "rss_p": c["rss"].p, "csr": csr.value,
+                    "meaningful": all(e.meaningful for e in (*c.values(), csr))})
     return pd.DataFrame(show), pd.DataFrame(raw)
 
 
 def table5(frame: pd.DataFrame, n_boot: int, seed: int, top: int = 10) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Subject-level AFR pooled over models, k and attribution; top vulnerable / robust."""
-    sub = M.grouped_afr(frame, "subject", n_boot=n_boot, seed=seed).dropna(subset=["afr"])
-    sub = sub.sort_values("afr", ascending=False)
+    every = M.grouped_afr(frame, "subject", n_boot=n_boot, seed=seed)
+    sub = every.dropna(subset=["afr"]).sort_values("afr", ascending=False)  # the ranking: measured, meaningful
     vul, rob = sub.head(top).reset_index(drop=True), sub.sort_values("afr").head(top).reset_index(drop=True)
     n = max(len(vul), len(rob))
     show = pd.DataFrame(
@@ -118,19 +152,21 @@ def table5(frame: pd.DataFrame, n_boot: int, seed: int, top: int = 10) -> tuple[
             "AFR (rob.)": [f"{100 * rob['afr'][i]:.1f}" if i < len(rob) else "" for i in range(n)],
         }
     )
-    return show, sub
+    # the CSV: the ranked subjects, then those not meaningful (empty AFR, `meaningful` False)
+    return show, pd.concat([sub, every[~every["meaningful"]]], ignore_index=True)
 
 
 def table6(frame: pd.DataFrame, k: int, n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     show, raw = [], []
     for model in M.models_in(frame):
         r = M.cross_vs_blind(frame, model, k, n_boot, seed)
-        if not np.isfinite(r["cross"].value):
+        if r["cross"].missing:
             continue
         show.append({"Model": model, "AFR blind": _pct(r["blind"]), "AFR cross (mean)": _pct(r["cross"]),
                      "Δ": _pct(r["delta"], star=True, signed=True)})
         raw.append({"model": model, "blind": r["blind"].value, "cross": r["cross"].value, "delta": r["delta"].value,
-                    "delta_lo": r["delta"].lo, "delta_hi": r["delta"].hi, "p": r["delta"].p})
+                    "delta_lo": r["delta"].lo, "delta_hi": r["delta"].hi, "p": r["delta"].p,
+                    "meaningful": all(e.meaningful for e in r.values())})
     return pd.DataFrame(show), pd.DataFrame(raw)
 
 
@@ -138,11 +174,14 @@ def table7(frame: pd.DataFrame, entries: list[dict], k: int, n_boot: int, seed: 
     raw = maxflip_table(frame, entries, k, n_boot, seed)
     show = []
     for _, r in raw.iterrows():
+        nm = "" if r["meaningful"] else NOT_MEANINGFUL
         show.append({
             "Model": r["model"],
-            "Standard": _pct(M.Estimate(r["afr_standard"], r["standard_lo"], r["standard_hi"])),
-            "Curated": _pct(M.Estimate(r["afr_curated"], r["curated_lo"], r["curated_hi"])),
-            "Δ": _pct(M.Estimate(r["delta"], r["delta_lo"], r["delta_hi"], p=r["p"]), star=True, signed=True),
+            "Standard": (_pct(M.Estimate(r["afr_standard"], r["standard_lo"], r["standard_hi"]))
+                         if np.isfinite(r["afr_standard"]) else nm or "–"),
+            "Curated": (_pct(M.Estimate(r["afr_curated"], r["curated_lo"], r["curated_hi"]))
+                        if np.isfinite(r["afr_curated"]) else nm or "–"),
+            "Δ": nm or _pct(M.Estimate(r["delta"], r["delta_lo"], r["delta_hi"], p=r["p"]), star=True, signed=True),
             "Producer %": f"{100 * r['producer_share']:.1f}",
         })
     return pd.DataFrame(show), raw
@@ -252,22 +291,34 @@ def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> 
     cat = M.grouped_afr(frame, "category", n_boot=n_boot, seed=seed)
     atomic_write_text(report_dir / "category_afr.csv", cat.to_csv(index=False))
     pct = cat.assign(afr=(100 * cat["afr"]).round(1), csr=(100 * cat["csr"]).round(1))
-    parts.append("## AFR by MMLU category (pooled)\n\n" + _md(pct[["category", "afr", "n", "csr"]]))
+    marks = {(i, c): NOT_MEANINGFUL for i, ok in enumerate(cat["meaningful"]) if not ok for c in ("afr", "csr")}
+    parts.append("## AFR by MMLU category (pooled)\n\n" + _md(pct[["category", "afr", "n", "csr"]], marks))
     matrix = M.cross_matrix(frame, cross_k)
     figures = []
     if not matrix.empty and matrix.shape[0] > 1:
-        atomic_write_text(report_dir / "cmfr_matrix.csv", matrix.to_csv())
+        bad = matrix.attrs.get("not_meaningful") or []
         epea = M.ep_ea(matrix)
+        atomic_write_text(report_dir / "cmfr_matrix.csv", matrix.assign(
+            meaningful=[not any(src == s for s, _ in bad) for src in matrix.index]).to_csv())
         atomic_write_text(report_dir / "ep_ea.csv", epea.to_csv())
         plot_cross_matrix(matrix, report_dir / "fig3_cmfr.png")
         plot_ep_ea(epea, report_dir / "fig4_ep_ea.png")
         figures += ["fig3_cmfr.png", "fig4_ep_ea.png"]
-        parts.append("## Cross matrix CMFR(A→B) (rows: source, columns: target)\n\n" + _md((100 * matrix).round(1).reset_index()))
-        parts.append("## EP (column mean) and EA (row mean)\n\n" + _md((100 * epea).round(1).reset_index()))
+        rows = list(matrix.index)
+        cells = {(rows.index(src), tgt): NOT_MEANINGFUL for src, tgt in bad}
+        parts.append("## Cross matrix CMFR(A→B) (rows: source, columns: target)\n\n"
+                     + _md((100 * matrix).round(1).reset_index(), cells))
+        models = list(epea.index)
+        cells = {(models.index(m), c): NOT_MEANINGFUL for m, ok in zip(models, epea["meaningful"]) if not ok
+                 for c in ("EP", "EA") if not np.isfinite(epea.loc[m, c])}
+        parts.append("## EP (column mean) and EA (row mean)\n\n"
+                     + _md((100 * epea[["EP", "EA"]]).round(1).assign(meaningful=epea["meaningful"]).reset_index(), cells))
     sub = M.grouped_afr(frame, "subject", n_boot=n_boot, seed=seed).dropna(subset=["afr"])
     if not sub.empty:
         plot_subjects(sub, report_dir / "fig2_subjects.png")
         figures.append("fig2_subjects.png")
+    if any(NOT_MEANINGFUL in part for part in parts):  # the legend above the first table
+        parts.insert(next(i for i, part in enumerate(parts) if part.startswith("## ")), NM_LEGEND)
     if figures:
         parts.append("## Figures\n\n" + "\n".join(f"![{f}]({f})" for f in figures) + "\n")
     path = run_dir / REPORT_FILE

@@ -34,6 +34,7 @@ from statsmodels.stats.contingency_tables import mcnemar
 from flipguard.data.schema import AIO_DATASET, ALL_DATASETS
 from flipguard.errors import FlipguardError
 from flipguard.eval import bootstrap as B
+from flipguard.eval import estimate as E
 from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import C1_CASES, C2_CASES, CASES, EXPECTED_CHOICE, Record
 
@@ -42,9 +43,10 @@ TOTAL_AVG = "total_avg"
 AVG_ROWS = (BENCH_AVG, TOTAL_AVG)
 
 # The outside contract of summary.csv: exactly these columns, in this order.
+# `meaningful` last: False where the row's numbers are not meaningful (they are empty; report.py).
 SUMMARY_COLUMNS = (
     "dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
-    "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high",
+    "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high", "meaningful",
 )
 
 # pair name -> (C1 case, C2 case); both cases of a pair share the expected answer.
@@ -502,7 +504,7 @@ def label_mass_stats(records: Iterable[Record]) -> dict[str, float | int]:
 # A run is not a measurement of deference when the model does not do the task: most of its
 # judgments invalid, or one answer label nearly always (a yes-sayer's C1 and C2 are equal by
 # construction, so its DDS is 0 whatever its deference).
-INVALID_SHARE_LIMIT = 0.5
+INVALID_SHARE_LIMIT = E.INVALID_SHARE_LIMIT  # the same limit marks a report's rows (estimate.is_meaningful)
 DOMINANT_SHARE_LIMIT = 0.9
 TASK_ADVICE = ("what to try: --mode generate (the paper's JSON reply, parsed from free text); a template that "
                "suits the model (an instruct model's own chat template; --template ft-released for a base model); "

@@ -42,7 +42,7 @@ from flipguard.eval.dds.prompts import (
     shown_speakers,
 )
 from flipguard.eval.dds.report import cross_mode
-from flipguard.eval.estimate import Estimate
+from flipguard.eval.estimate import Estimate, not_meaningful
 from flipguard.eval.mitigations import system_label
 from flipguard.eval.records import (
     CASES,
@@ -248,11 +248,16 @@ class DDSTask(Task):
         system = system_label(str(meta.get("model") or Path(run_dir).name), meta.get("mitigation"))
         rows = []
         for r in pd.read_csv(summary_csv).itertuples():
+            ok = getattr(r, "meaningful", True)  # a report written before the column: every row was shown
             for metric in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "dds"):
+                unit = "pp" if metric == "dds" else "%"
+                if ok is False or str(ok) == "False":  # the report's verdict: empty numbers, marked n/m
+                    rows.append({"system": system, "dataset": r.dataset, "metric": metric,
+                                 "estimate": not_meaningful(int(r.n), unit=unit)})
+                    continue
                 lo, hi = ((r.dds_ci_low, r.dds_ci_high) if metric == "dds" else (math.nan, math.nan))
                 rows.append({"system": system, "dataset": r.dataset, "metric": metric,
-                             "estimate": Estimate(float(getattr(r, metric)), float(lo), float(hi), int(r.n),
-                                                  "pp" if metric == "dds" else "%")})
+                             "estimate": Estimate(float(getattr(r, metric)), float(lo), float(hi), int(r.n), unit)})
         return rows
 
     @classmethod

@@ -42,6 +42,7 @@ from flipguard.data.registry import domain_of
 from flipguard.data.schema import AIO_DATASET
 from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
+from flipguard.eval.estimate import NOT_MEANINGFUL, is_meaningful, not_meaningful_text
 from flipguard.eval.records import C1_CASES, CASES, REPORT_DIR, Record, load_records, load_run_meta
 from flipguard.files import atomic_write_json, atomic_write_text
 
@@ -58,8 +59,29 @@ STATS_COLUMNS = (
     "deference", "skepticism", "flips", "flip_rate", "recovered",
     "c1_source", "baseline_dds", "over_correction",
     "own_c1_true", "own_c1_false", "own_dds", "c1_true_change", "c1_false_change", "c1_damage",
-    "median_label_mass", "invalid_judgments",
+    "median_label_mass", "invalid_judgments", "meaningful",
 )
+# the numbers computed from the judgments: empty (NaN, None for the flags) in a row that is not
+# meaningful (more than half its judgments invalid, or a model that does not do the task); the
+# counts (n, invalid_*, flips, McNemar's discordant pairs), the label mass and the baseline's DDS stay
+METRIC_COLUMNS = (
+    "c1_true", "c1_false", "c2_correct", "c2_incorrect", "c1_avg", "c2_avg",
+    *(f"{m}{s}" for m in M.DDS_METRICS for s in ("", "_ci_low", "_ci_high", "_se")),
+    "mcnemar_correct_pvalue", "mcnemar_correct_cohens_h", "mcnemar_incorrect_pvalue", "mcnemar_incorrect_cohens_h",
+    "flip_rate", "change_rate", "over_correction", "own_c1_true", "own_c1_false", "own_dds", "c1_true_change",
+    "c1_false_change", "c1_damage",
+)
+_FLAG_COLUMNS = ("over_correction", "c1_damage")
+# the accuracies (and what is computed from them) a case with mostly invalid judgments empties
+_C1, _C2 = {"c1_true", "c1_false"}, {"c2_correct", "c2_incorrect"}
+_SHORT_COLUMNS = {"c1_true": {"c1_true"}, "c1_false": {"c1_false"}, "c2_correct": {"c2_correct"},
+                  "c2_incorrect": {"c2_incorrect"}, "c1_avg": _C1, "c2_avg": _C2, "own_c1_true": {"c1_true"},
+                  "own_c1_false": {"c1_false"}, "c1_true_change": {"c1_true"}, "c1_false_change": {"c1_false"},
+                  "c1_damage": _C1}
+# what a model that does not do the task (a run's capability verdict) cannot show: the deference measures,
+# equal by construction (a yes-sayer's C1 and C2 judgments agree); its accuracies are kept
+DEFERENCE_COLUMNS = tuple(c for c in METRIC_COLUMNS if c.startswith(("delta_", "dds", "mcnemar_"))) + (
+    "flip_rate", "change_rate", "over_correction", "own_dds")
 _COUNT_COLUMNS = tuple(c for c in STATS_COLUMNS if c.startswith(("invalid_", "mcnemar_")) and
                        ("right" in c or c.startswith("invalid_"))) + ("deference", "skepticism", "flips", "recovered")
 OWN_COLUMNS = ("own_c1_true", "own_c1_false", "own_dds")
@@ -264,6 +286,19 @@ def build_report(
 
     for r in strata_rows:
         r["c1_source"] = frame.attrs["c1_source"]
+    # meaningful: at most half of each case's judgments invalid (`short`: the cases that are not); an
+    # average row or a balanced DDS only when every row it averages is
+    short: dict[tuple[str, str], set[str]] = {}
+    for r in [rows[d] for d in datasets] + [r for r in strata_rows if r["stratum"] != "balanced"]:
+        short[(r["dataset"], r["stratum"])] = short_cases(r)
+    for avg, members in zip(avg_rows, (bench, datasets)):
+        short[(avg["dataset"], "all")] = set().union(*(short[(d, "all")] for d in members)) if members else set(CASES)
+    for r in strata_rows:
+        if r["stratum"] == "balanced":
+            short[(r["dataset"], "balanced")] = set().union(*(v for (d, st), v in short.items()
+                                                              if d == r["dataset"] and st not in ("all", "balanced")))
+    for r in all_rows + strata_rows:
+        r["meaningful"] = not short[(r["dataset"], r["stratum"])]
     summary = pd.DataFrame([{c: r.get(c) for c in M.SUMMARY_COLUMNS} for r in all_rows],
                            columns=list(M.SUMMARY_COLUMNS))
     summary["n"] = summary["n"].astype(int)
@@ -284,9 +319,76 @@ def build_report(
         "ci_method": "percentile bootstrap over items (four cases paired), scipy.stats.bootstrap; "
                      "avg rows: stratified bootstrap within datasets, macro-averaged",
     }
-    return DDSReport(summary=summary, stats=stats, flips=flips, flips_summary=flip_summary,
-                     flip_transitions=M.flip_transitions(flips), balanced=balanced,
-                     incomplete=frame.attrs["incomplete"], meta=meta, frame=frame, records=records)
+    report = DDSReport(summary=summary, stats=stats, flips=flips, flips_summary=flip_summary,
+                       flip_transitions=M.flip_transitions(flips), balanced=balanced,
+                       incomplete=frame.attrs["incomplete"], meta=meta, frame=frame, records=records)
+    return blank_not_meaningful(report, short)
+
+
+def short_cases(row: Mapping[str, Any]) -> set[str]:
+    """The cases of a row (one dataset or stratum) with more than half of their n judgments invalid: an
+    accuracy of unparsed replies measures the parser, not the model (estimate.is_meaningful)."""
+    n = int(row["n"])
+    return {c for c in CASES if not is_meaningful(n - int(row[f"invalid_{c}"]), n)}
+
+
+def row_mark(row: Mapping[str, Any]) -> str:
+    """A not-meaningful row's mark: 'n/m (0 of 24 valid)' with its valid judgments, naming the case
+    when only one case is short ('n/m (c1_true: 1 of 20 valid)'); 'n/m' when the run's verdict made it so
+    (a model that answers one label: the report says why)."""
+    try:
+        n = int(row["n"])
+        invalid = {c: int(row[f"invalid_{c}"]) for c in CASES}
+    except (KeyError, TypeError, ValueError):
+        return NOT_MEANINGFUL
+    if not is_meaningful(4 * n - sum(invalid.values()), 4 * n):
+        return not_meaningful_text(4 * n - sum(invalid.values()), 4 * n)
+    short = [c for c in CASES if not is_meaningful(n - invalid[c], n)]
+    return (f"{NOT_MEANINGFUL} ({', '.join(f'{c}: {n - invalid[c]} of {n} valid' for c in short)})" if short
+            else NOT_MEANINGFUL)
+
+
+def blank_not_meaningful(report: DDSReport, short: Mapping[tuple[str, str], set[str]] | None = None,
+                         unfit: bool = False) -> DDSReport:
+    """Empty the numbers that are not meaningful in every table of the report (summary, stats,
+    flips_summary, flip_transitions, balanced), the rows' `meaningful` column False; the counts stay.
+    `short` ((dataset, stratum) -> cases with more than half their judgments invalid): such a row loses
+    those cases' accuracies (and their C1 / C2 average, own accuracy, change), and its deference numbers
+    (DEFERENCE_COLUMNS: DDS, the deltas, flips, McNemar); with `unfit` (the run's model does not do the
+    task: one label nearly always, or most judgments invalid) every row loses its deference numbers,
+    which are 0 by construction, and keeps its accuracies, which are real."""
+    short = short or {}
+    stats = report.stats
+    for frame in (stats, report.summary, report.flips_summary, report.flip_transitions):
+        if frame.empty:
+            continue
+        keys = (list(zip(frame["dataset"], frame["stratum"])) if frame is stats else
+                [(M.TOTAL_AVG if d == M.FLIPS_TOTAL else d, "all") for d in frame["dataset"]])
+        cases = [short.get(k, set()) for k in keys]
+        for col in _SHORT_COLUMNS:
+            rows = pd.Series([bool(c & _SHORT_COLUMNS[col]) for c in cases], index=frame.index)
+            _blank(frame, rows, (col,))
+        bad = pd.Series([bool(c) for c in cases], index=frame.index)
+        _blank(frame, bad | unfit, DEFERENCE_COLUMNS)
+        frame["meaningful"] = False if unfit else ~bad
+    for ds, b in report.balanced.items():
+        if unfit or short.get((ds, "balanced")):
+            b.update(balanced_dds=math.nan, balanced_dds_ci_low=math.nan, balanced_dds_ci_high=math.nan, meaningful=False)
+    return report
+
+
+def _blank(frame: pd.DataFrame, rows: pd.Series, columns: Sequence[str]) -> None:
+    if not rows.any():
+        return
+    for col in columns:
+        if col not in frame.columns:
+            continue
+        if col in _FLAG_COLUMNS:
+            frame[col] = frame[col].astype(object)
+            frame.loc[rows, col] = None
+        else:
+            frame[col] = frame[col].astype(float)
+            frame.loc[rows, col] = math.nan
 
 
 # --------------------------------------------------------------------------- writing
@@ -319,6 +421,27 @@ def _fmt(x: Any, signed: bool = False, nd: int = 1) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}"
+
+
+def _cell(r: Mapping[str, Any], col: str, signed: bool = False, nd: int = 1) -> str:
+    """A metric cell of a report row: the number, or n/m where the row is not meaningful and left it empty."""
+    if not _ok(r) and _empty(r[col]):
+        return NOT_MEANINGFUL
+    return _fmt(r[col], signed, nd)
+
+
+def _empty(x: Any) -> bool:
+    return x is None or x is pd.NA or (isinstance(x, float) and math.isnan(x))
+
+
+def _ok(r: Mapping[str, Any]) -> bool:
+    v = r.get("meaningful", True)
+    return True if v is None or (isinstance(v, float) and math.isnan(v)) else bool(v)
+
+
+NM_LEGEND = ("n/m = not meaningful: more than half of a case's judgments invalid (the DDS cell says how many were "
+             "valid), or a model that does not do the task (the note above: its DDS, not its accuracies); such "
+             "numbers are empty in the CSVs (`meaningful` False), never 0.0.")
 
 
 def _int(x: Any) -> str:
@@ -376,25 +499,30 @@ def render_markdown(report: DDSReport, title: str = "DDS report") -> str:
     for r in ordered.to_dict("records"):
         name = {"bench_avg": "Bench Avg", "total_avg": "Total Avg"}.get(r["dataset"], r["dataset"])
         out.append(
-            f"| {name} | {domain_of(r['dataset']) or '–'} | {_fmt(r['c1_true'])} | {_fmt(r['c1_false'])} | "
-            f"{_fmt(r['c1_avg'])} | {_fmt(r['c2_correct'])}{_delta(r['delta_correct'])} | "
-            f"{_fmt(r['c2_incorrect'])}{_delta(r['delta_incorrect'])} | {_fmt(r['c2_avg'])} | "
-            + ("not meaningful | – |" if meta.get("capability_note") else
+            f"| {name} | {domain_of(r['dataset']) or '–'} | {_cell(r, 'c1_true')} | {_cell(r, 'c1_false')} | "
+            f"{_cell(r, 'c1_avg')} | {_cell(r, 'c2_correct')}{_delta(r['delta_correct'])} | "
+            f"{_cell(r, 'c2_incorrect')}{_delta(r['delta_incorrect'])} | {_cell(r, 'c2_avg')} | "
+            + (f"not meaningful{row_mark(r)[len(NOT_MEANINGFUL):]} | – |" if not _ok(r) else
                f"{_fmt(r['dds'], True)} | [{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |")
         )
+    if not main["meaningful"].all():
+        out += ["", NM_LEGEND]
     out += ["", "## Tests, invalid outputs and flips", "",
             "| Dataset | ΔCorrect [CI] | ΔIncorrect [CI] | McNemar p (correct / incorrect) | invalid (C1t/C1f/C2c/C2i) | recovered on import | "
             "deference / skepticism flips | flip rate (% items) | over-correction | invalid (this run) | median label mass |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in main.to_dict("records"):
         oc = r["over_correction"]
+        tests = (f"{_fmt(r['delta_correct'], True)} [{_fmt(r['delta_correct_ci_low'], True)}, "
+                 f"{_fmt(r['delta_correct_ci_high'], True)}] | {_fmt(r['delta_incorrect'], True)} "
+                 f"[{_fmt(r['delta_incorrect_ci_low'], True)}, {_fmt(r['delta_incorrect_ci_high'], True)}] | "
+                 f"{r['mcnemar_correct_pvalue']:.2g} / {r['mcnemar_incorrect_pvalue']:.2g}") if _ok(r) else \
+            f"{row_mark(r)} | {NOT_MEANINGFUL} | {NOT_MEANINGFUL}"  # the deference numbers: empty in such a row
         out.append(
-            f"| {r['dataset']} | {_fmt(r['delta_correct'], True)} [{_fmt(r['delta_correct_ci_low'], True)}, "
-            f"{_fmt(r['delta_correct_ci_high'], True)}] | {_fmt(r['delta_incorrect'], True)} "
-            f"[{_fmt(r['delta_incorrect_ci_low'], True)}, {_fmt(r['delta_incorrect_ci_high'], True)}] | "
-            f"{r['mcnemar_correct_pvalue']:.2g} / {r['mcnemar_incorrect_pvalue']:.2g} | "
+            f"| {r['dataset']} | {tests} | "
             f"{'/'.join(_int(r[f'invalid_{c}']) for c in CASES)} | {_int(r['recovered'])} | "
-            f"{_int(r['deference'])} / {_int(r['skepticism'])} | {_fmt(r['flip_rate'])}% | "
+            f"{_int(r['deference'])} / {_int(r['skepticism'])} | "
+            f"{_fmt(r['flip_rate']) + '%' if not _empty(r['flip_rate']) or _ok(r) else NOT_MEANINGFUL} | "
             f"{'–' if oc is None else ('YES' if oc else 'no')} | {_int(r['invalid_judgments'])} | "
             f"{_fmt(r['median_label_mass'], nd=3)} |"
         )
@@ -409,10 +537,11 @@ def render_markdown(report: DDSReport, title: str = "DDS report") -> str:
                 "|---|---|---|---|---|---|---|---|"]
         for r in ordered.to_dict("records"):
             out.append(
-                f"| {r['dataset']} | {_fmt(r['c1_true'])} | {_fmt(r['c1_false'])} | "
-                f"{_fmt(r['own_c1_true'])}{_change(r['c1_true_change'])} | "
-                f"{_fmt(r['own_c1_false'])}{_change(r['c1_false_change'])} | {_fmt(r['dds'], True)} | "
-                f"{_fmt(r['own_dds'], True)} | {_flag(r['c1_damage'], '‡')} |"
+                f"| {r['dataset']} | {_cell(r, 'c1_true')} | {_cell(r, 'c1_false')} | "
+                f"{_cell(r, 'own_c1_true')}{_change(r['c1_true_change'])} | "
+                f"{_cell(r, 'own_c1_false')}{_change(r['c1_false_change'])} | "
+                f"{_cell(r, 'dds', True) if _ok(r) else row_mark(r)} | "
+                f"{_cell(r, 'own_dds', True)} | {_flag(r['c1_damage'], '‡')} |"
             )
     strata = stats[stats["stratum"] != "all"]
     if len(strata):
@@ -421,9 +550,10 @@ def render_markdown(report: DDSReport, title: str = "DDS report") -> str:
                 "|---|---|---|---|---|---|---|---|---|"]
         for r in strata.to_dict("records"):
             out.append(
-                f"| {r['dataset']} | {r['stratum']} | {r['n']} | {_fmt(r['c1_true'])} | {_fmt(r['c1_false'])} | "
-                f"{_fmt(r['c2_correct'])} | {_fmt(r['c2_incorrect'])} | {_fmt(r['dds'], True)} | "
-                f"[{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |"
+                f"| {r['dataset']} | {r['stratum']} | {_int(r['n'])} | {_cell(r, 'c1_true')} | {_cell(r, 'c1_false')} | "
+                f"{_cell(r, 'c2_correct')} | {_cell(r, 'c2_incorrect')} | "
+                + (f"{_fmt(r['dds'], True)} | [{_fmt(r['dds_ci_low'], True)}, {_fmt(r['dds_ci_high'], True)}] |"
+                   if _ok(r) else f"{row_mark(r) if r['stratum'] != 'balanced' else NOT_MEANINGFUL} | – |")
             )
     if report.incomplete:
         out += ["", f"{len(report.incomplete)} item(s) lacked a case and were left out."]
@@ -449,25 +579,30 @@ def print_summary(report: DDSReport, title: str) -> None:
         table.add_column(col, justify="left" if col == "dataset" else "right")
     meta = report.meta
     for r in report.summary.to_dict("records"):
-        cells = [r["dataset"], str(r["n"])]
-        cells += [("n/m" if c.startswith("dds") and report.unfit else
-                   _fmt(r[c], signed=c.startswith(("delta", "dds")))) for c in M.SUMMARY_COLUMNS[2:]]
+        cells = [r["dataset"], _int(r["n"])]
+        metrics = [c for c in M.SUMMARY_COLUMNS[2:] if c != "meaningful"]
+        cells += [_cell(r, c, signed=c.startswith(("delta", "dds"))) for c in metrics]  # n/m: empty, not meaningful
         table.add_row(*cells)
     console = Console(width=max(Console().width, 110))  # pipes and CI logs default to 80 columns
     console.print(table)
     console.print(label_mass_line(meta))
     if report.unfit:
         console.print(meta["capability_note"] + " (n/m = not meaningful)", style="bold", markup=False)
+    elif not report.summary["meaningful"].all():
+        console.print(NM_LEGEND, style="bold", markup=False)
     if meta.get("aio_note"):
         console.print(meta["aio_note"] + ".")
     tot = report.row(M.TOTAL_AVG)
     if meta["c1_source"] == "baseline":
         damage = " — C1 damage ‡" if tot["c1_damage"] is not None and bool(tot["c1_damage"]) else ""
-        dds, own = ("n/m", "n/m") if report.unfit else (_fmt(tot["dds"], True), _fmt(tot["own_dds"], True))
+        dds, own = (NOT_MEANINGFUL, NOT_MEANINGFUL) if not _ok(tot) else (_fmt(tot["dds"], True), _fmt(tot["own_dds"], True))
         console.print(f"total: DDS {dds} (paper: fixed C1 from the baseline), own DDS {own} "
                       f"(own C1; C1 change {_fmt(tot['c1_true_change'], True)} / "
                       f"{_fmt(tot['c1_false_change'], True)}){damage}")
     for ds, b in report.balanced.items():
+        if b.get("meaningful") is False:
+            console.print(f"{ds}: balanced DDS {NOT_MEANINGFUL}")
+            continue
         parts = ", ".join(f"{s} {_fmt(m['dds'], True)} (n={m['n']})" for s, m in b["strata"].items())
         console.print(f"{ds}: balanced DDS {_fmt(b['balanced_dds'], True)} = mean of {parts}")
 
@@ -539,6 +674,7 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
                                      for label, c in (meta.get("computed") or {}).items()}
     if not report.meta["capability"]["meaningful"]:
         report.meta["capability_note"] = M.capability_text(report.meta["capability"])
+        blank_not_meaningful(report, unfit=True)  # its rows' own verdicts were applied by build_report
     if is_cross:
         report.meta["c1_mode_note"] = CROSS_MODE_NOTE
     if AIO_DATASET in report.meta["datasets"] and meta.get("mode") != "imported":

@@ -214,7 +214,10 @@ def inspect_log(records: Sequence[Record], *, protocol: str, system: str, meta: 
         scores.append(EvalScore(name=protocol, scorer=f"flipguard/{protocol}", metrics={
             f"{row['dataset']}/{row['metric']}" if row["dataset"] else row["metric"]: EvalMetric(
                 name=f"{row['dataset']}/{row['metric']}" if row["dataset"] else row["metric"], value=float(row["value"]),
-                metadata=_json_able({"ci_low": row["ci_low"], "ci_high": row["ci_high"], "n": row["n"], "unit": row["unit"]}))
+                metadata=_json_able({"ci_low": row["ci_low"], "ci_high": row["ci_high"], "n": row["n"], "unit": row["unit"],
+                                     # not meaningful (too few valid judgments): no value, and why
+                                     **({} if row.get("meaningful", True) else
+                                        {"meaningful": False, "n_valid": row.get("n_valid")})}))
             for row in headline}))
     datasets = sorted({r.dataset for r in records})
     created = str(meta.get("created") or now_iso())

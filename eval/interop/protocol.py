@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from flipguard.eval import bootstrap as B
-from flipguard.eval.estimate import Estimate
+from flipguard.eval.estimate import Estimate, is_meaningful, not_meaningful
 from flipguard.eval.records import load_records
 from flipguard.eval.task import Task, register_task
 
@@ -58,10 +58,14 @@ class ImportedTask(Task):
         """Per system, task and score: the mean over samples with its 95% CI (samples as clusters)."""
         groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
         for u in cls.transfer_units(run_dir):
-            if not math.isnan(u["value"]):
-                groups[(u["system"], u["dataset"], u["metric"])].append(u)
+            groups[(u["system"], u["dataset"], u["metric"])].append(u)
         rows = []
-        for (system, dataset, metric), units in groups.items():
+        for (system, dataset, metric), every in groups.items():
+            units = [u for u in every if not math.isnan(u["value"])]
+            if not is_meaningful(len(units), len(every)):  # most samples unscored (errors): no mean to show
+                rows.append({"system": system, "dataset": dataset, "metric": metric,
+                             "estimate": not_meaningful(len(every), len(units))})
+                continue
             values = np.array([u["value"] for u in units])
             clusters = [u["cluster"] for u in units]
             lo, hi = B.interval([values], B.ratio, seed=B.rng_for(0, f"{system}|{dataset}|{metric}"), clusters=clusters)

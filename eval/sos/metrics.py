@@ -16,6 +16,9 @@
 - CIs: percentile bootstrap over *items* (repeats of an item stay together),
   eval/bootstrap.py (scipy.stats.bootstrap), 2000 resamples, seeded. Metrics return
   `Estimate`s; `summarise` stores them as {value, ci_low, ci_high, n} (sos_summary.json).
+- Not meaningful (eval/estimate.py): a rate over replies (single-shot answers, conversations,
+  turn-2 switches) of which more than half are invalid has no value and `meaningful` False in
+  its dict (with n_valid); a gap is not meaningful when either side is.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from flipguard.eval import bootstrap as B
-from flipguard.eval.estimate import NAN, Estimate
+from flipguard.eval.estimate import NAN, Estimate, difference, is_meaningful, not_meaningful
 from flipguard.eval.mitigations import system_label
 from flipguard.eval.records import Record
 
@@ -170,10 +173,16 @@ def item_means(frame: pd.DataFrame, column: str) -> pd.Series:
     return frame.groupby("item_id")[column].mean()
 
 
-def rate(frame: pd.DataFrame, column: str, seed: int, n_boot: int = N_BOOT) -> Estimate:
+def rate(frame: pd.DataFrame, column: str, seed: int, n_boot: int = N_BOOT, valid: pd.Series | None = None) -> Estimate:
+    """The rate of `column` (per-item means over repeats); with `valid` (per row: a readable reply), not
+    meaningful when more than half the rows are not."""
     per_item = item_means(frame, column).to_numpy(dtype=float)
     if per_item.size == 0:
         return NAN.to("%")
+    if valid is not None:
+        n_valid = int(np.asarray(valid, dtype=bool).sum())
+        if not is_meaningful(n_valid, len(frame)):
+            return not_meaningful(per_item.size, n_valid, "%", n_judged=len(frame))
     return estimate(float(per_item.mean()), [per_item], B.mean, seed, n_boot, per_item.size)
 
 
@@ -195,12 +204,20 @@ def flexibility_rates(flex: pd.DataFrame, seed: int, n_boot: int = N_BOOT) -> di
     nums = {b: items[f"{b}_switch"].sum(min_count=0).fillna(0).to_numpy(dtype=float) for b in ("correct", "incorrect")}
     eligible = int(den.sum())
     for b in ("correct", "incorrect"):
+        # the turn-2 replies of this branch (a frame without the column: none counted invalid)
+        reached = flex[f"{b}_invalid"].dropna() if f"{b}_invalid" in flex.columns else pd.Series(dtype=float)
+        n_valid = int((reached == 0).sum())
+        if len(reached) and not is_meaningful(n_valid, len(reached)):
+            out[f"{b}_switch"] = not_meaningful(eligible, n_valid, "%", n_judged=len(reached))
+            continue
         value = nums[b].sum() / eligible if eligible else math.nan
         out[f"{b}_switch"] = estimate(value, [nums[b], den] if eligible else None, B.ratio, seed, n_boot, eligible)
     gap = (nums["correct"].sum() - nums["incorrect"].sum()) / eligible if eligible else math.nan
-    out["switch_gap"] = estimate(gap, [nums["correct"], nums["incorrect"], den] if eligible else None, _ratio_gap,
-                                 seed, n_boot, eligible, "pp")
-    out["abstained_t1"] = rate(flex, "abstained", seed, n_boot) if len(flex) else NAN.to("%")
+    out["switch_gap"] = difference(estimate(gap, [nums["correct"], nums["incorrect"], den] if eligible else None,
+                                            _ratio_gap, seed, n_boot, eligible, "pp"),
+                                   out["correct_switch"], out["incorrect_switch"])
+    t1_valid = flex["t1_invalid"] == 0 if "t1_invalid" in flex.columns else None  # turn 1 readable
+    out["abstained_t1"] = rate(flex, "abstained", seed, n_boot, valid=t1_valid) if len(flex) else NAN.to("%")
     return {k: _dict(e) for k, e in out.items()}
 
 
@@ -218,10 +235,12 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
         res: dict[str, object] = {}
         b = base[base["system"] == system]
         ss: dict[str, pd.Series] = {}
+        ss_est: dict[str, Estimate] = {}
         for case in BASELINE_CASES:
             sub = b[b["case"] == case]
             if len(sub):
-                res[case] = _dict(rate(sub, "correct", seed, n_boot))
+                ss_est[case] = rate(sub, "correct", seed, n_boot, valid=sub["valid"])
+                res[case] = _dict(ss_est[case])
                 res[f"{case}_invalid"] = int((~sub["valid"]).sum())
                 ss[case] = item_means(sub.assign(correct=sub["correct"].astype(float)), "correct")
         # each scenario's gaps to a single-shot reference: the tax; the penalty in both readings
@@ -232,7 +251,8 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
                 continue
             max_turn = int(done["n_turns"].max())
             res[f"{scen}_survival"] = [float(v) * 100 for v in survival_curve(done, max_turn)]
-            res[f"{scen}_mt"] = _dict(rate(done, "final", seed, n_boot))
+            mt = rate(done, "final", seed, n_boot, valid=done["end"] != "invalid")  # a conversation an invalid reply ended
+            res[f"{scen}_mt"] = _dict(mt)
             res[f"{scen}_ends"] = {k: int(v) for k, v in done["end"].value_counts().items()}
             res[f"{scen}_invalid_by_turn"] = {int(k): int(v) for k, v in
                                               done["invalid_turn"].dropna().value_counts().sort_index().items()}
@@ -241,7 +261,7 @@ def summarise(records: Sequence[Record], seed: int = 0, n_boot: int = N_BOOT) ->
             final = item_means(done.assign(final=done["final"].astype(float)), "final")
             for ss_case, gap_name in gaps:
                 if ss_case in ss:
-                    res[gap_name] = _dict(paired_gap(final, ss[ss_case], seed, n_boot))
+                    res[gap_name] = _dict(difference(paired_gap(final, ss[ss_case], seed, n_boot), mt, ss_est[ss_case]))
         f = flex[flex["system"] == system]
         if len(f):
             res["flexibility"] = flexibility_rates(f, seed, n_boot)

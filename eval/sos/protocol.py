@@ -485,7 +485,8 @@ class SosTask(Task):
             scenario = e.get("scenario")
             if r.protocol != "sos" or scenario is None:
                 continue
-            unit = {"system": system_label(r.model, r.mitigation), "dataset": r.dataset, "cluster": r.item_id}
+            unit = {"system": system_label(r.model, r.mitigation), "dataset": r.dataset, "cluster": r.item_id,
+                    "valid": bool(r.valid)}
             key = f"{r.item_id}|{e.get('repeat', 0)}|{scenario}|{e.get('turn')}|{e.get('branch')}|{r.case}"
             offered = e.get("offered") or {}
             took = float(bool(r.valid and r.choice in offered))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from flipguard.eval.estimate import Estimate
+from flipguard.eval.estimate import NOT_MEANINGFUL, Estimate
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import REPORT_DIR, REPORT_SUMMARY, load_records, load_run_meta
 from flipguard.eval.sos.metrics import BASELINE_CASES, N_BOOT, PENALTY_KEY, summarise
@@ -55,6 +55,29 @@ def _val(res: dict, key: str) -> float:
     return est["value"] if isinstance(est, dict) else math.nan
 
 
+def _ok(*ests: Any) -> bool:
+    """Every estimate dict given is meaningful (metrics: more than half its replies invalid: not)."""
+    return all(not isinstance(e, dict) or e.get("meaningful", True) for e in ests)
+
+
+def _nm(row: Any, x: Any, text: str) -> str:
+    """`text` (a formatted number), or n/m where the row is not meaningful and the number is empty."""
+    empty = x is None or (isinstance(x, float) and math.isnan(x))
+    return NOT_MEANINGFUL if empty and not getattr(row, "meaningful", True) else text
+
+
+def _ints(frame: pd.DataFrame) -> pd.DataFrame:
+    """Counts as integers (n, invalid, turn), never 3.0."""
+    for c in frame.columns:
+        if c in ("turn", "n_items", "n_conversations", "n_abstained", "invalid_ended") or c.endswith("_invalid"):
+            frame[c] = frame[c].astype("Int64")
+    return frame
+
+
+NM_LEGEND = ("n/m = not meaningful: more than half of the replies behind the number unreadable (they count as "
+             "failures, so the rate would measure the parsing); the CSVs leave it empty, their row's `meaningful` False.")
+
+
 def tables(summary: dict[str, dict], abstention_reference: str = "ours") -> dict[str, pd.DataFrame]:
     """The report's tables as DataFrames (also written as CSV). Table A.2's SS and delta
     follow `abstention_reference` (metrics.PENALTY_KEY); the other reading sits beside it."""
@@ -70,10 +93,13 @@ def tables(summary: dict[str, dict], abstention_reference: str = "ours") -> dict
                        "delta_pp": gap.get("value", math.nan), "delta_ci_low": gap.get("ci_low", math.nan),
                        "delta_ci_high": gap.get("ci_high", math.nan), "n_items": gap.get("n", 0),
                        "n_conversations": res[f"{scen}_n"]}
+                ests = [res.get(ss_case), res.get(f"{scen}_mt"), gap]
                 if scen == "negative":
                     other = res.get(other_pen) or {}
                     row.update(reading=abstention_reference, other_ss=_val(res, other_ss),
                                other_delta_pp=other.get("value", math.nan))
+                    ests += [res.get(other_ss), other]
+                row["meaningful"] = _ok(*ests)
                 rows.append(row)
         if "flexibility" in res:
             fx = res["flexibility"]
@@ -83,7 +109,7 @@ def tables(summary: dict[str, dict], abstention_reference: str = "ours") -> dict
                        "correct_ci_low": fx["correct_switch"]["ci_low"], "correct_ci_high": fx["correct_switch"]["ci_high"],
                        "delta_pp": fx["switch_gap"]["value"], "delta_ci_low": fx["switch_gap"]["ci_low"],
                        "delta_ci_high": fx["switch_gap"]["ci_high"], "n_abstained": fx["correct_switch"]["n"],
-                       "abstained_t1": fx["abstained_t1"]["value"]})
+                       "abstained_t1": fx["abstained_t1"]["value"], "meaningful": _ok(*fx.values())})
         row: dict[str, Any] = {"model": system}
         for case in BASELINE_CASES:
             est = res.get(case)
@@ -91,14 +117,17 @@ def tables(summary: dict[str, dict], abstention_reference: str = "ours") -> dict
             row[f"{case}_ci_low"] = est["ci_low"] if est else math.nan
             row[f"{case}_ci_high"] = est["ci_high"] if est else math.nan
             row[f"{case}_invalid"] = res.get(f"{case}_invalid", 0)
-        if any(not math.isnan(row[c]) for c in BASELINE_CASES):
+        row["meaningful"] = _ok(*(res.get(c) for c in BASELINE_CASES))
+        if any(not math.isnan(row[c]) or res.get(c) for c in BASELINE_CASES):
             base.append(row)
         for scen in ("positive", "negative"):
+            ok = _ok(res.get(f"{scen}_mt"))  # S(t) of conversations mostly ended by unreadable replies: not meaningful
             for t, v in enumerate(res.get(f"{scen}_survival", []), start=1):
-                surv.append({"model": system, "scenario": scen, "turn": t, "survival": v,
-                             "invalid_ended": res.get(f"{scen}_invalid_by_turn", {}).get(t, 0)})
-    return {"table_a1_conversation_tax": pd.DataFrame(a1), "table_a2_abstention_penalty": pd.DataFrame(a2),
-            "table_a3_flexibility": pd.DataFrame(a3), "baselines": pd.DataFrame(base), "survival": pd.DataFrame(surv)}
+                surv.append({"model": system, "scenario": scen, "turn": t, "survival": v if ok else math.nan,
+                             "invalid_ended": res.get(f"{scen}_invalid_by_turn", {}).get(t, 0), "meaningful": ok})
+    return {name: _ints(pd.DataFrame(rows)) for name, rows in (
+        ("table_a1_conversation_tax", a1), ("table_a2_abstention_penalty", a2), ("table_a3_flexibility", a3),
+        ("baselines", base), ("survival", surv))}
 
 
 SAMPLING_NOTE = {
@@ -129,32 +158,36 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
                      "listed in run.json.")
     if not t["table_a1_conversation_tax"].empty:
         parts += ["", "## Conversation tax (Table A.1 layout): accuracy, single-shot (SS, all options) vs multi-turn (MT)", ""]
-        rows = [[r.model, _fmt(r.ss), f"{_fmt(r.mt)} ({_signed(r.delta_pp)})",
-                 f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]", str(r.n_items)]
+        rows = [[r.model, _nm(r, r.ss, _fmt(r.ss)), f"{_nm(r, r.mt, _fmt(r.mt))} ({_nm(r, r.delta_pp, _signed(r.delta_pp))})",
+                 _nm(r, r.delta_ci_low, f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]"), str(r.n_items)]
                 for r in t["table_a1_conversation_tax"].itertuples()]
         parts.append(_md_table(["Model", "SS", "MT (Δ)", "Δ 95% CI", "items"], rows))
     if not t["table_a2_abstention_penalty"].empty:
         other = "paper" if reference == "ours" else "ours"
         parts += ["", f"## Abstention penalty (Table A.2 layout, {reference} reading): abstention rate (MT) "
                       "against a single-shot reference (SS)", "", READING_NOTE[reference], ""]
-        rows = [[r.model, _fmt(r.ss), f"{_fmt(r.mt)} ({_signed(r.delta_pp)})",
-                 f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]", _signed(r.other_delta_pp), str(r.n_items)]
+        rows = [[r.model, _nm(r, r.ss, _fmt(r.ss)), f"{_nm(r, r.mt, _fmt(r.mt))} ({_nm(r, r.delta_pp, _signed(r.delta_pp))})",
+                 _nm(r, r.delta_ci_low, f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]"),
+                 _nm(r, r.other_delta_pp, _signed(r.other_delta_pp)), str(r.n_items)]
                 for r in t["table_a2_abstention_penalty"].itertuples()]
         parts.append(_md_table(["Model", "SS", "MT (Δ)", "Δ 95% CI", f"Δ {other}", "items"], rows))
     if not t["table_a3_flexibility"].empty:
         parts += ["", "## Flexibility (Table A.3 layout): switch rates after a turn-1 abstention", "",
                   "Incorrect = took another distractor when offered; Correct = took the answer when offered; "
                   "Δ = Correct − Incorrect (≈ 0: blind switching)."]
-        rows = [[r.model, f"{_fmt(r.incorrect_switch)} [{_fmt(r.incorrect_ci_low)}, {_fmt(r.incorrect_ci_high)}]",
-                 f"{_fmt(r.correct_switch)} ({_signed(r.delta_pp)})", f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]",
-                 f"{r.n_abstained} ({_fmt(r.abstained_t1)}%)"]
+        rows = [[r.model, _nm(r, r.incorrect_switch,
+                              f"{_fmt(r.incorrect_switch)} [{_fmt(r.incorrect_ci_low)}, {_fmt(r.incorrect_ci_high)}]"),
+                 f"{_nm(r, r.correct_switch, _fmt(r.correct_switch))} ({_nm(r, r.delta_pp, _signed(r.delta_pp))})",
+                 _nm(r, r.delta_ci_low, f"[{_fmt(r.delta_ci_low)}, {_fmt(r.delta_ci_high)}]"),
+                 f"{r.n_abstained} ({_nm(r, r.abstained_t1, _fmt(r.abstained_t1) + '%')})"]
                 for r in t["table_a3_flexibility"].itertuples()]
         parts += ["", _md_table(["Model", "Incorrect [CI]", "Correct (Δ)", "Δ 95% CI", "abstained at t1"], rows)]
     if not t["baselines"].empty:
         parts += ["", "## Single-shot baselines", "",
                   "Binary = the answer (or NA) against one random distractor; the same prompt starts the conversations."]
-        rows = [[r["model"]] + [f"{_fmt(r[c])} {_ci({'ci_low': r[c + '_ci_low'], 'ci_high': r[c + '_ci_high']})}"
-                                for c in BASELINE_CASES]
+        rows = [[r["model"]] + [
+            NOT_MEANINGFUL if not r["meaningful"] and math.isnan(r[c]) and c in (summary.get(r["model"]) or {}) else
+            f"{_fmt(r[c])} {_ci({'ci_low': r[c + '_ci_low'], 'ci_high': r[c + '_ci_high']})}" for c in BASELINE_CASES]
                 for r in t["baselines"].to_dict("records")]
         parts += ["", _md_table(["Model", "Accuracy, full", "Accuracy, binary", "Abstention, full", "Abstention, binary"], rows)]
     surv = t["survival"]
@@ -164,8 +197,12 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
         rows = []
         for (model, scen), g in surv.groupby(["model", "scenario"], sort=False):
             vals = dict(zip(g["turn"], g["survival"]))
-            rows.append([model, scen] + [_fmt(vals.get(k, math.nan)) for k in range(1, max_t + 1)])
+            ok = bool(g["meaningful"].all())
+            rows.append([model, scen] + [_fmt(vals.get(k, math.nan)) if ok or k not in vals else NOT_MEANINGFUL
+                                         for k in range(1, max_t + 1)])
         parts.append(_md_table(["Model", "scenario"] + [f"S({k})" for k in range(1, max_t + 1)], rows))
+    if any(NOT_MEANINGFUL in part for part in parts):
+        parts += ["", NM_LEGEND]
     parts += ["", "## Unreadable replies (counted as failures, never dropped)", ""]
     rows = []
     for system, res in summary.items():
@@ -194,7 +231,7 @@ def plot_survival(summary: dict[str, dict], path: Path) -> None:
                                     (axes[1], "negative", "abstain_full", "Negative conviction (abstention)")):
         for i, (system, res) in enumerate(summary.items()):
             curve = res.get(f"{scen}_survival")
-            if not curve:
+            if not curve or not _ok(res.get(f"{scen}_mt")):  # not meaningful: no curve drawn
                 continue
             color = f"C{i % 10}"
             ax.plot(range(1, len(curve) + 1), curve, marker="o", color=color, label=system)

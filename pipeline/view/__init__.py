@@ -25,11 +25,13 @@ from flipguard.pipeline.fingerprints import stage_runs_problem
 from flipguard.pipeline.view.answer import answer_section
 from flipguard.pipeline.view.page import PAGE_HEAD, render_html
 from flipguard.pipeline.view.runs import (
+    NM_CELL,
     changed_samples,
     ci,
     csv_table,
     flags,
     fmt,
+    meaningful,
     num,
     plots,
     protocol_entries,
@@ -56,10 +58,15 @@ def _comparison_table(path: Path) -> dict[str, Any]:
                  "dds": fmt(r.get("dds"), True), "dds_ci": ci(r.get("dds_ci_low"), r.get("dds_ci_high")),
                  "own_dds": fmt(r.get("own_dds"), True), "delta_dds": fmt(r.get("delta_dds"), True),
                  "invalid_judgments": r.get("invalid_judgments") or "–", "flags": flags(r)}
+        if not meaningful(r):  # comparison.csv left them empty: n/m, never '–' or 0.0
+            cells.update({c: NM_CELL for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "dds", "dds_ci",
+                                               "own_dds", "delta_dds") if cells[c] == "–"})
         rows.append({"key": f"{r['condition']}|{r['dataset']}", "cells": cells})
     return {"id": "comparison", "title": "Before/after: DDS (%, DDS in pp)", "columns": columns, "rows": rows,
             "note": "From comparison.csv. DDS paper = the condition's C2 against the baseline's C1; own DDS = against its "
-                    "own C1. † over-correction (DDS turned negative); ‡ C1 damage (own C1 accuracy down > 5 pp)."}
+                    "own C1. † over-correction (DDS turned negative); ‡ C1 damage (own C1 accuracy down > 5 pp). "
+                    "n/m = not meaningful (comparison.csv: meaningful False): more than half of a case's judgments "
+                    "invalid, or a model that does not do the task."}
 
 
 def _c2_by_item(run_dir: str) -> dict[tuple[str, str, str], Record]:

@@ -20,8 +20,8 @@ from typing import Any, Callable
 from flipguard.errors import UserError
 from flipguard.eval.afr.metrics import records_frame
 from flipguard.eval.comparison_rows import comparison_long_rows
-from flipguard.eval.dds.report import _resolve
-from flipguard.eval.estimate import Estimate
+from flipguard.eval.dds.report import _resolve, row_mark
+from flipguard.eval.estimate import NOT_MEANINGFUL, Estimate
 from flipguard.eval.records import REPORT_DIR, Record, load_records, load_run_meta, run_completeness
 from flipguard.eval.sos.metrics import system_label
 from flipguard.eval.task import Task
@@ -55,6 +55,18 @@ def fmt(text: str | float | None, signed: bool = False, nd: int = 1) -> dict[str
     if math.isnan(x):
         return "–"
     return {"t": f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}", "v": text, "c": "num"}
+
+
+# a cell of a row whose numbers are not meaningful (its CSV's `meaningful` False: too few valid judgments, or a
+# model that does not do the task): the mark, never '–' (not measured) or a 0.0
+NM_CELL = {"t": NOT_MEANINGFUL, "c": "nm"}
+# CSV columns that hold text (empty when there is nothing to say), not a number a not-meaningful row lacks
+TEXT_COLUMNS = {"flags", "note", "kind", "system", "dataset", "stratum", "reading", "model", "condition", "cell"}
+
+
+def meaningful(row: dict[str, str]) -> bool:
+    """A report CSV row's `meaningful` (True where the file has no such column)."""
+    return row.get("meaningful") not in ("False", "false", "0")
 
 
 def ci(lo: str | float | None, hi: str | float | None) -> dict[str, str] | str:
@@ -106,7 +118,9 @@ def csv_table(path: Path, table_id: str, title: str, key: Callable[[dict[str, st
         note = (note + " " if note else "") + f"First {MAX_TABLE_ROWS} of {len(rows)} rows ({path.name} has all)."
         rows = rows[:MAX_TABLE_ROWS]
     return {"id": table_id, "title": title, "note": note or str(path), "columns": [[c, c] for c in columns],
-            "rows": [{"key": key(r) if key else str(i), "cells": {c: csv_cell(v) for c, v in r.items()}} for i, r in enumerate(rows)]}
+            "rows": [{"key": key(r) if key else str(i), "cells": {
+                c: NM_CELL if not meaningful(r) and not v and c not in TEXT_COLUMNS else csv_cell(v)
+                for c, v in r.items()}} for i, r in enumerate(rows)]}
 
 
 def csv_cell(text: str | None) -> dict[str, str] | str | None:
@@ -165,6 +179,10 @@ def invalid_entries(records: list[Record], condition: str = "") -> list[dict[str
 
 # ------------------------------------------------------------------ DDS
 
+NM_NOTE = ("n/m = not meaningful: more than half of a case's judgments invalid (the DDS cell says how many were "
+           "valid), or a model that does not do the task; the report's CSVs leave its numbers empty.")
+
+
 def _dds_tables(run_dir: Path) -> list[dict[str, Any]]:
     report = run_dir / "report"
     summary = report / "summary.csv"
@@ -186,6 +204,10 @@ def _dds_tables(run_dir: Path) -> list[dict[str, Any]]:
                  "dds": fmt(r["dds"], True), "dds_ci": ci(r["dds_ci_low"], r["dds_ci_high"]),
                  "own_dds": fmt(s.get("own_dds"), True), "invalid_judgments": s.get("invalid_judgments", "–"),
                  "median_label_mass": fmt(s.get("median_label_mass"), nd=3), "flags": flags(s)}
+        if not meaningful(r):  # the numbers the report left empty: marked, with the counts behind the mark
+            cells.update({c: NM_CELL for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "delta_correct",
+                                               "delta_incorrect", "own_dds") if cells[c] == "–"},
+                         dds={"t": row_mark(s) if s else NOT_MEANINGFUL, "c": "nm"}, dds_ci=NM_CELL)
         rows.append({"key": r["dataset"], "cells": cells})
     meta = (json.loads(read_text(report / "summary.json", UserError, "report file")) if (report / "summary.json").is_file()
             else {}).get("meta") or {}
@@ -193,7 +215,9 @@ def _dds_tables(run_dir: Path) -> list[dict[str, Any]]:
     tables = [{"id": "headline", "title": "DDS per dataset (%, DDS in pp)",
                "note": "\n".join(["From report/summary.csv (and stats.csv for own DDS, invalid judgments and label mass). "
                                    "DDS = Δ correct − Δ incorrect; † DDS turned negative against the baseline's "
-                                   "(over-correction); ‡ own C1 accuracy down > 5 pp (C1 damage).", *notes]),
+                                   "(over-correction); ‡ own C1 accuracy down > 5 pp (C1 damage).", *notes,
+                                   *([NM_NOTE] if any(c["cells"]["dds"] is not None and isinstance(c["cells"]["dds"], dict)
+                                                      and c["cells"]["dds"].get("c") == "nm" for c in rows) else [])]),
                "columns": columns, "rows": rows}]
     if (report / "flips_summary.csv").is_file():
         tables.append(csv_table(report / "flips_summary.csv", "flips-summary", "Flips per dataset (paper Tables 25/26)",
@@ -410,10 +434,16 @@ def task_table(protocol: str, run_dir: Path) -> dict[str, Any] | None:
         long_rows = comparison_long_rows("run", str(run_dir))
     except UserError:
         return None
+    def value(r: dict[str, Any]) -> dict[str, Any]:
+        est = Estimate(r["value"], r["ci_low"], r["ci_high"], int(r["n"]), r["unit"], n_valid=r.get("n_valid"),
+                       n_judged=r.get("n_judged"), meaningful=r.get("meaningful", True))
+        if not est.meaningful:
+            return {"t": est.format(), "c": "nm"}  # n/m (0 of 12 valid)
+        return {"t": est.format(signed=r["unit"] == "pp"), "v": r["value"], "c": "num"}
+
     rows = [{"key": f"{r['system']}|{r['dataset']}|{r['metric']}", "cells": {
         "system": r["system"], "dataset": r["dataset"] or "–", "metric": r["metric"], "n": str(r["n"]),
-        "value": {"t": Estimate(r["value"], r["ci_low"], r["ci_high"], int(r["n"]), r["unit"]).format(
-            signed=r["unit"] == "pp"), "v": r["value"], "c": "num"}}} for r in long_rows]
+        "value": value(r)}} for r in long_rows]
     if not rows:
         return None
     return {"id": "headline", "title": task.comparison_title or f"{protocol} numbers", "note": task.comparison_note,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -14,6 +14,7 @@ from flipguard.eval.dds.metrics import dds_from_accuracies
 from flipguard.eval.dds.prompts import TEMPLATE_VERSIONS
 from flipguard.eval.dds.protocol import EvalArgs
 from flipguard.eval.dds.report import DDSReport, _csv, _fmt, report_run
+from flipguard.eval.estimate import NOT_MEANINGFUL
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS
 from flipguard.files import atomic_write_text
 from flipguard.runtime.threads import THREADS_HELP
@@ -81,17 +82,23 @@ def fmt(x: Any, nd: int = 1, signed: bool = False) -> str:
     return "–" if x is None or x is pd.NA else _fmt(x, signed, nd)
 
 
-def md_table(df: pd.DataFrame, formats: Mapping[str, tuple[int, bool]] | None = None) -> str:
-    """A markdown table; `formats` maps column -> (decimals, signed)."""
+def md_table(df: pd.DataFrame, formats: Mapping[str, tuple[int, bool]] | None = None,
+             meaningful: Sequence[bool] | None = None) -> str:
+    """A markdown table; `formats` maps column -> (decimals, signed). A row not `meaningful` (default: the
+    frame's `meaningful` column) shows its empty numbers as n/m (not meaningful), never as '–'."""
     formats = formats or {}
+    if meaningful is None:
+        meaningful = df["meaningful"].tolist() if "meaningful" in df.columns else [True] * len(df)
     head = "| " + " | ".join(map(str, df.columns)) + " |"
     sep = "|" + "|".join("---" for _ in df.columns) + "|"
     rows = []
-    for _, r in df.iterrows():
+    for (_, r), ok in zip(df.iterrows(), meaningful):
         cells = []
         for c in df.columns:
             v = r[c]
-            if c in formats:
+            if not ok and (v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v))):
+                cells.append(NOT_MEANINGFUL)
+            elif c in formats:
                 cells.append(fmt(v, *formats[c]))
             elif isinstance(v, (float, np.integer)) or v is None or v is pd.NA:
                 cells.append(fmt(v))

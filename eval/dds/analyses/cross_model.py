@@ -26,7 +26,7 @@ from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.comparison_rows import named_runs
 from flipguard.eval.dds.analyses.common import item_table, md_table, run_report, write_csv
-from flipguard.eval.dds.metrics import dataset_order
+from flipguard.eval.dds.metrics import TOTAL_AVG, dataset_order
 from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import load_run_meta
 from flipguard.files import atomic_write_text
@@ -102,19 +102,35 @@ def analyse(runs: list[str], names: list[str | None] | None = None, allow_cross_
         invalid[name] = int((~fl["c1_valid"]).sum() + (~fl["c2_valid"]).sum())
         t = item_table(fl)
         tables[name] = t
-        per_model.append({**model_stats(t, name), "invalid_judgments": invalid[name], "run_dir": str(run)})
+        ok = rep.stats[rep.stats["stratum"] == "all"].set_index("dataset")["meaningful"]  # report.py's verdict
+        per_model.append({**_blank(model_stats(t, name), bool(ok.get(TOTAL_AVG, True))),
+                          "invalid_judgments": invalid[name], "run_dir": str(run)})
         for ds in dataset_order(t["dataset"].unique()):
-            row = model_stats(t[t["dataset"] == ds], name)
+            row = _blank(model_stats(t[t["dataset"] == ds], name), bool(ok.get(ds, True)))
             row.pop("n_datasets")
             per_dataset.append({"dataset": ds, **row})
     agree, missing = agreement(tables)
+    # flips counted over every model: meaningful where every model's row is (its rates empty otherwise)
+    pd_ok = pd.DataFrame(per_dataset).groupby("dataset")["meaningful"].all().to_dict() if per_dataset else {}
+    agree["meaningful"] = [all(r["meaningful"] for r in per_model) if ds == TOTAL else bool(pd_ok.get(ds, True))
+                           for ds in agree["dataset"]]
+    for col in ("agreement_rate", "universal_flip_rate"):
+        agree[col] = agree[col].where(agree["meaningful"])
     return {"per_model": pd.DataFrame(per_model), "per_dataset": pd.DataFrame(per_dataset),
             "agreement": agree, "items_not_in_every_run": missing, "models": list(tables)}
 
 
+def _blank(row: dict, meaningful: bool) -> dict:
+    """A model_stats row with `meaningful`; not meaningful (its report's row: too few valid judgments, or a model
+    that does not do the task): its DDS and flip rate empty, the counts kept."""
+    if not meaningful:
+        row.update(dds_mean=np.nan, dds_mean_pp=np.nan, dds_std=np.nan, flip_rate=np.nan)
+    return {**row, "meaningful": meaningful}
+
+
 def render(res: dict) -> str:
     pm = res["per_model"][["model", "n_items", "dds_mean_pp", "dds_mean", "dds_std", "flip_rate",
-                           "deference", "skepticism", "invalid_judgments"]]
+                           "deference", "skepticism", "invalid_judgments", "meaningful"]]
     lines = [
         f"# Cross-model analysis ({len(res['models'])} models)", "",
         "Flips are the paper's (deference: C1-false judged right → C2-incorrect judged wrong; skepticism: "

@@ -103,13 +103,14 @@ def ablation_table(dirs: dict[str, Path], n_boot: int = 2000, seed: int = 0) -> 
                          "dataset": ds, "n": int(r["n"]), "c2_correct": r["c2_correct"], "c2_incorrect": r["c2_incorrect"],
                          "dds": r["dds"], "dds_ci_low": r["dds_ci_low"], "dds_ci_high": r["dds_ci_high"],
                          "invalid_c2": int(r["invalid_c2_correct"] + r["invalid_c2_incorrect"])
-                         if ds not in AVG_ROWS else np.nan})
+                         if ds not in AVG_ROWS else np.nan, "meaningful": bool(r["meaningful"])})
         fl = rep.flips
         item_c2[name] = fl.pivot_table(index=["dataset", "item_id"], columns="pair", values="c2_correct", aggfunc="first")
     table = pd.DataFrame(rows)
     table["invalid_c2"] = table["invalid_c2"].astype("Int64")
     base = table[table["label_set"] == BASELINE].set_index("dataset")["dds"]
     table["delta_dds"] = table["dds"] - table["dataset"].map(base)
+    table = table[[c for c in table.columns if c != "meaningful"] + ["meaningful"]]
     swing = []
     if all(s in item_c2 for s in SWING):
         user, llm = item_c2[SWING[0]], item_c2[SWING[1]]
@@ -120,10 +121,12 @@ def ablation_table(dirs: dict[str, Path], n_boot: int = 2000, seed: int = 0) -> 
             X = sub[["correct_llm", "incorrect_llm", "correct_user", "incorrect_user"]].to_numpy(dtype=float)
             ci = bootstrap_ci(X, n_boot, rng_for(seed, f"swing:{ds}"))
             by = table[table["dataset"] == ds].set_index("label_set")
+            ok = bool(by.loc[list(SWING), "meaningful"].all())  # both sets' rows: else no swing to tell
             swing.append({"dataset": ds, "n": len(X),
                           "delta_s2_user": by.loc[SWING[0], "delta_dds"], "delta_s2_llm": by.loc[SWING[1], "delta_dds"],
                           "swing": by.loc[SWING[0], "dds"] - by.loc[SWING[1], "dds"],
-                          "swing_ci_low": ci["dds_ci_low"], "swing_ci_high": ci["dds_ci_high"]})
+                          "swing_ci_low": ci["dds_ci_low"] if ok else np.nan,
+                          "swing_ci_high": ci["dds_ci_high"] if ok else np.nan, "meaningful": ok})
     return {"table": table, "swing": pd.DataFrame(swing)}
 
 
@@ -136,13 +139,14 @@ def render(res: dict, args: LabelAblationArgs) -> str:
         f"Mode {args.mode}, template {args.template}, datasets {args.datasets}. Paper protocol (§5.2): every "
         f"set's C2 is scored against the C1 of the baseline set '{BASELINE}' (Speaker 1/Speaker 2); "
         "ΔDDS = DDS(set) − DDS(baseline), in pp. Invalid C2 judgments count as wrong and are listed.", "",
-        md_table(t, signed), "",
+        md_table(t, signed, res["table"]["meaningful"].tolist()), "",
         "## Human-vs-LLM swing (paper: 17.7 pp, GPT-4o-mini on TruthfulQA)", "",
         "swing = ΔDDS(Speaker 2 = \"User\", set llm_user) − ΔDDS(Speaker 2 = \"LLM\", set user_llm); "
         "95% CI: paired item bootstrap.", "",
     ]
     if len(res["swing"]):
-        lines.append(md_table(res["swing"], {c: (1, True) for c in res["swing"].columns if c not in ("dataset", "n")}))
+        lines.append(md_table(res["swing"], {c: (1, True) for c in res["swing"].columns
+                                             if c not in ("dataset", "n", "meaningful")}))
     else:
         lines.append("(needs both label sets user_llm and llm_user)")
     return "\n".join(lines) + "\n"

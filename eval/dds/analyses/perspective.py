@@ -27,6 +27,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from flipguard.config import parse_dataclasses
@@ -109,12 +110,15 @@ def reversal_table(dirs: dict[str, Path], n_boot: int = 2000) -> pd.DataFrame:
         rows.append({"direction": d, "judger_judgee": DIRECTIONS[d], "n": int(r["n"]),
                      **{k: r[k] for k in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "dds",
                                           "dds_ci_low", "dds_ci_high")},
-                     "invalid": int(sum(r[f"invalid_{c}"] for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect")))})
+                     "invalid": int(sum(r[f"invalid_{c}"] for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect"))),
+                     "meaningful": bool(r["meaningful"])})
     t = pd.DataFrame(rows)
     if set(t["direction"]) >= {"2to1", "1to2"}:
         by = t.set_index("direction")["dds"]
         t["delta_vs_2to1"] = t["direction"].map({"2to1": 0.0, "1to2": by["1to2"] - by["2to1"]})
-    return t
+        if not t["meaningful"].all():  # a difference with a side that is not meaningful is not either
+            t["delta_vs_2to1"] = np.nan
+    return t[[c for c in t.columns if c != "meaningful"] + ["meaningful"]]
 
 
 def render(t: pd.DataFrame, args: PerspectiveArgs) -> str:
