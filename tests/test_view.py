@@ -570,6 +570,8 @@ def _level(row: dict, value: str, lo: str, hi: str, unit: str) -> str:
 
 
 def _change(row: dict) -> str:
+    if row.get("meaningful") == "False":  # too few valid judgments: no change is stated
+        return "n/m (too few valid judgments)"
     if row["ci_low"] == "" or row["ci_high"] == "":
         return f"{_pp(row['change'])} pp (no CI)"
     return f"{_pp(row['change'])} pp [{_pp(row['ci_low'])}, {_pp(row['ci_high'])}]"
@@ -606,13 +608,18 @@ def test_comparison_page_answers_first_with_a_chart_per_protocol_and_a_sentence_
 
     total = {r["condition"]: r for r in _csv(out / "comparison.csv") if r["dataset"] == "total_avg"}
     base, cur = total["Baseline"], total["Be Honest"]
-    verb = "lowered" if float(cur["dds"]) < float(base["dds"]) else "raised"
-    if f"{float(cur['dds']):+.1f}" == f"{float(base['dds']):+.1f}":
+    few = [n for n, r in (("Baseline", base), ("Be Honest", cur)) if r.get("meaningful") == "False"]
+    if few:  # too few valid judgments behind a DDS: said, and no DDS number given as the answer
+        assert "cannot be read on DDS: not meaningful for " + " and ".join(few) + " (too few valid judgments)" in text
+        assert cur["dds"] == "" or f"{float(cur['dds']):+.1f} pp" not in text
+    elif f"{float(cur['dds']):+.1f}" == f"{float(base['dds']):+.1f}":
         assert "left DDS (paper protocol) unchanged at " + _level(cur, "dds", "dds_ci_low", "dds_ci_high", "pp") in text
     else:
+        verb = "lowered" if float(cur["dds"]) < float(base["dds"]) else "raised"
         assert (f"{verb} DDS (paper protocol) from {_level(base, 'dds', 'dds_ci_low', 'dds_ci_high', 'pp')} to "
                 f"{_level(cur, 'dds', 'dds_ci_low', 'dds_ci_high', 'pp')}") in text
-    assert f"change {_pp(cur['delta_dds'])} pp" in text
+    if not few:
+        assert f"change {_pp(cur['delta_dds'])} pp" in text
 
     afr = {r["condition"]: r for r in _csv(out / "comparison_protocols.csv") if r["metric"] == "afr_blind"}
     for name in ("Baseline", "Be Honest"):
@@ -628,9 +635,13 @@ def test_comparison_page_answers_first_with_a_chart_per_protocol_and_a_sentence_
     untargeted = [r for r in transfer if r["role"] == "untargeted"]
     assert untargeted and any(r["role"] != "untargeted" for r in transfer)
     for r in transfer:
-        assert _change(r) in text, (r["cell"], text)
+        if r.get("meaningful") != "False":  # a not-meaningful cell states no change (checked below where untargeted)
+            assert _change(r) in text, (r["cell"], text)
     parts = {p.split(": ", 1)[0]: p for p in damage.split("; ")}
     for r in untargeted:
+        if r.get("meaningful") == "False":  # too few valid judgments: listed as such, no change stated
+            assert r["change"] == "" and "not meaningful (too few valid judgments)" in parts, (r["cell"], damage)
+            continue
         lo, hi = float(r["ci_low"]), float(r["ci_high"])
         head = ("no damage detected (CI includes 0)" if lo <= 0 <= hi else
                 "damage detected (CI excludes 0)" if hi < 0 else "improved (CI excludes 0)")
@@ -660,10 +671,17 @@ def test_answer_says_what_is_not_meaningful_and_what_has_no_ci(browser, dds_run,
     text = page.page.locator("#answer-sentences li[data-condition='Yes']").text_content()
     assert "not meaningful for Yes" in text and "no DDS change is claimed" in text
     total = {r["condition"]: r for r in _csv(out / "comparison.csv") if r["dataset"] == "total_avg"}
-    assert f"{float(total['Yes']['dds']):+.1f} pp" not in text  # the number is not given as an answer
+    if total["Yes"]["dds"]:  # a DDS the CSV holds is not given as an answer either
+        assert f"{float(total['Yes']['dds']):+.1f} pp" not in text
     for r in (r for r in _csv(out / "transfer.csv") if r["condition"] == "Yes" and r["role"] == "untargeted"):
-        assert r["ci_low"] == "" and _change(r) in text
-    assert "damage cannot be told (no CI)" in text and "no damage detected" not in text
+        assert r["ci_low"] == ""
+        if r.get("meaningful") == "False":  # too few valid judgments: named under that head, no change stated
+            assert r["change"] == "" and "not meaningful (too few valid judgments): " in text
+        else:
+            assert _change(r) in text
+    heads = {"not meaningful (too few valid judgments)" if r.get("meaningful") == "False" else "damage cannot be told (no CI)"
+             for r in _csv(out / "transfer.csv") if r["condition"] == "Yes" and r["role"] == "untargeted"}
+    assert heads and all(f"{h}: " in text for h in heads) and "no damage detected" not in text
     assert page.page.locator("#answer-charts figure[data-protocol='dds'] img").count() == 1
     page.close()
 

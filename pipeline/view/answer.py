@@ -98,7 +98,9 @@ def _and(parts: list[str]) -> str:
 
 def damage_kind(row: dict[str, str]) -> str:
     """What one untargeted cell of transfer.csv shows: 'damaged', 'improved', 'no damage detected' (its
-    CI includes 0), 'no CI' or 'not measured'."""
+    CI includes 0), 'no CI', 'not measured' or 'not meaningful' (too few valid judgments behind it)."""
+    if row.get("meaningful") == "False":
+        return "not meaningful"
     c, lo, hi = _est(row, "change")
     if math.isnan(c):
         return "not measured"
@@ -132,7 +134,7 @@ def damage_text(rows: list[dict[str, str]], c1_row: dict[str, str] | None) -> st
         if kind == "no damage detected" and r["metric"] in BIAS_METRICS:
             quiet_kinds += 1
             continue
-        if kind == "not measured":  # a cell the baseline has and this condition has not
+        if kind in ("not measured", "not meaningful"):  # a cell without a change to state
             said.setdefault(kind, []).append(_untargeted_label(r))
             continue
         text = f"{_untargeted_label(r)} {change(*_est(r, 'change'))}{r.get('flags') or ''}"
@@ -150,6 +152,7 @@ def damage_text(rows: list[dict[str, str]], c1_row: dict[str, str] | None) -> st
     parts = []
     for kind, head in (("damaged", "damage detected (CI excludes 0)"),
                        ("c1 damage", "‡ C1 damage (comparison.csv, no CI)"), ("no CI", "damage cannot be told (no CI)"),
+                       ("not meaningful", "not meaningful (too few valid judgments)"),
                        ("not measured", "not measured"), ("improved", "improved (CI excludes 0)"),
                        ("no damage detected", "no damage detected (CI includes 0)")):
         if said.get(kind):
@@ -162,6 +165,12 @@ def damage_text(rows: list[dict[str, str]], c1_row: dict[str, str] | None) -> st
 
 # ------------------------------------------------------------------ what a mitigation removed
 
+def _cell_change(row: dict[str, str]) -> str:
+    if row.get("meaningful") == "False":
+        return "n/m (too few valid judgments)"
+    return change(*_est(row, "change")) + (row.get("flags") or "")
+
+
 def _paired(rows: list[dict[str, str]]) -> str:
     """A targeted metric's paired cells (transfer.csv) in words, metric by metric: each named, or counted
     when many."""
@@ -172,7 +181,7 @@ def _paired(rows: list[dict[str, str]]) -> str:
     for metric, cells in by_metric.items():
         if len(cells) <= MAX_LISTED_CELLS:
             out.append(f"paired {metric} per cell: " + ", ".join(
-                f"{_place(r)} {change(*_est(r, 'change'))}{r.get('flags') or ''}" for r in cells))
+                f"{_place(r)} {_cell_change(r)}" for r in cells))
             continue
         below = sum(1 for r in cells if num(r["ci_high"]) < 0)
         above = sum(1 for r in cells if num(r["ci_low"]) > 0)
@@ -207,6 +216,10 @@ def dds_removed(name: str, baseline: str, total: dict[str, dict[str, str]], unfi
     if name in unfit or baseline in unfit:
         who = _and([n for n in (baseline, name) if n in unfit])
         return f"cannot be read on DDS: not meaningful for {who} (the model does not do the task as asked), so no DDS change is claimed"
+    few = [n for n in (baseline, name) if total[n].get("meaningful") == "False"]
+    if few:
+        return (f"cannot be read on DDS: not meaningful for {_and(few)} (too few valid judgments), "
+                "so no DDS change is claimed")
     base, cur = total[baseline], total[name]
     extra = [f"change {num(cur.get('delta_dds')):+.1f} pp"] if not math.isnan(num(cur.get("delta_dds"))) else []
     if cur.get("over_correction") == "True":
@@ -235,7 +248,11 @@ def protocol_removed(protocol: str, metric: str, base_rows: list[dict[str, str]]
         where = " ".join(p for p in (f"on {r['dataset']}" if datasets and r["dataset"] else "",
                                      f"(system {r['system']})" if systems else "") if p)
         b = base.get(r["dataset"])
-        if b is None:
+        few = [w for w, row in (("the baseline", b), ("this condition", r)) if row and row.get("meaningful") == "False"]
+        if few:
+            parts.append(f"{subject}{' ' + where if where else ''} not meaningful for {_and(few)} "
+                         "(too few valid judgments): no change claimed")
+        elif b is None:
             parts.append(f"measured {subject}{' ' + where if where else ''} at {level(*_est(r), unit)} "
                          "(no baseline on that dataset to compare)")
         else:
@@ -335,7 +352,7 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
                                             mine, [r for r in targeted if r["protocol"] == protocol]))
         # the untargeted cells the baseline has and this condition has not (a run without C1 of its own,
         # a protocol it was not measured by): said to be not measured
-        lacking = [{**r, "condition": name, "change": "", "ci_low": "", "ci_high": "", "flags": ""} for r in untargeted
+        lacking = [{**r, "condition": name, "change": "", "ci_low": "", "ci_high": "", "flags": "", "meaningful": ""} for r in untargeted
                    if r["condition"] == transfer_base and r["cell"] not in {c["cell"] for c in cells}]
         damaged_text = ("damage not measured (no transfer.csv)" if transfer is None else
                         damage_text([r for r in cells if r.get("role") == "untargeted"] + lacking, total.get(name)))
