@@ -14,7 +14,7 @@
 # bench/training_speed.md): sft, dpo, kto (recipes/qwen7b.yaml as shipped: the 24GB memory profile, prefix sharing),
 # sft_80gb, dpo_80gb, kto_80gb (--memory_budget 80GB), sft_asis, dpo_asis (the recipe's own batch, TRL's padded
 # rows: c90e646's path). Then: dds (the DDS pass, prefix sharing on and off), env matmul builds model pairs merge,
-# organism_cuda organism (a later call), sft_fast (SFT without recompute, batch 16 x 1). builds: the organism CPU builds of issue 31 in the
+# organism_cuda organism (a later call), sft_fast (SFT without recompute, batch 16 x 1). builds: the organism CPU builds in the
 # background (bench/gpu/organism_builds.sh; their table and the seed-0 builds come back as organism_build_robustness.*
 # and organisms.tar.gz). Results: $OUT/gpu.json (all steps: rc, seconds, result or the error's last lines, the peak GPU
 # memory nvidia-smi saw), $OUT/gpu.log (everything printed), $OUT/organism_comparison.md (the study's table).
@@ -202,7 +202,7 @@ step_kto_80gb() { train_step kto kto_80gb "${KTO[@]}" --memory_budget 80GB; }
 # the recipe as it was (c90e646): its own batch and checkpointing, TRL's padded rows
 step_sft_asis() { train_step sft sft_asis --memory_budget none --prefix_sharing false; }
 step_dpo_asis() { train_step dpo dpo_asis --memory_budget none --prefix_sharing false; }
-# issue 34's SFT throughput question (4.18 samples/s against a target of 25): the recipe's effective batch 16 as
+# the SFT throughput question (4.18 samples/s against a target of 25): the recipe's effective batch 16 as
 # one micro-batch without activation recompute, the cost gradient checkpointing and 4 x 4 accumulation pay for
 # the recipe's memory figure (not the recipe: bench/gpu.md says which figure is which)
 step_sft_fast() { train_step sft sft_fast --gradient_checkpointing false --per_device_train_batch_size 16 \
@@ -227,7 +227,7 @@ if [[ "$SHAPE" == 7b ]]; then MERGE_GAP_PROMPTS="${MERGE_GAP_PROMPTS:-0}"; else 
 MERGE_ARGS=()
 ((QUANT)) || MERGE_ARGS+=(--load_in_4bit false)
 ((HAVE_GPU)) || MERGE_ARGS+=(--dtype float32)
-# the organism CPU builds of issue 31 (bench/organism_build_robustness.py) run in the background on the CPU cores
+# the organism CPU builds (bench/organism_build_robustness.py) run in the background on the CPU cores
 # while the GPU steps run; builds_finish waits for them and brings back their table and the seed-0 builds
 step_builds() { bash bench/gpu/organism_builds.sh start; }
 # the organism built on the GPU (--device cuda), its seeds side by side (CUDA_SEEDS)
