@@ -85,6 +85,11 @@ def _est(row: dict[str, str], value: str = "value", lo: str = "ci_low", hi: str 
     return num(row.get(value)), num(row.get(lo)), num(row.get(hi))
 
 
+def _bar(row: dict[str, str], value: str = "value", lo: str = "ci_low", hi: str = "ci_high") -> tuple[float, float, float, str]:
+    """A chart bar from a CSV row: its estimate, marked n/m where the row is not meaningful (no value to draw)."""
+    return (*_est(row, value, lo, hi), "n/m" if row.get("meaningful") == "False" else "")
+
+
 def _place(row: dict[str, str]) -> str:
     """A transfer cell named by where it is: 'organism/color' (dataset and kind), 'truthfulqa'."""
     return row["dataset"] + (f"/{row['kind']}" if row.get("kind") else "")
@@ -304,7 +309,7 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
     if total:
         groups = [n for n in names if n in total]
         series = {"all datasets": [(math.nan, math.nan, math.nan, "n/m") if n in unfit else
-                                   (*_est(total[n], "dds", "dds_ci_low", "dds_ci_high"), "") for n in groups]}
+                                   _bar(total[n], "dds", "dds_ci_low", "dds_ci_high") for n in groups]}
         charts.append(_chart("DDS (paper protocol), all datasets: before/after, 95% CI", groups, series, "pp", "dds"))
     by_protocol = _by_protocol(proto_rows)
     headline: dict[str, str] = {}
@@ -321,7 +326,7 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
         groups = [f"{c} ({s})" if c in several else c for c, s in keys]
         datasets = list(dict.fromkeys(r["dataset"] for r in rows))
         at = {(r["condition"], r["system"], r["dataset"]): r for r in rows}
-        series = {d or "–": [(*_est(at[(c, s, d)]), "") if (c, s, d) in at else (math.nan, math.nan, math.nan, "not measured")
+        series = {d or "–": [_bar(at[(c, s, d)]) if (c, s, d) in at else (math.nan, math.nan, math.nan, "not measured")
                              for c, s in keys] for d in datasets}
         name = PROTOCOL_NAMES.get(protocol, protocol)
         charts.append(_chart(f"{METRIC_TEXT.get((protocol, metric), f'{metric} ({name})')}: before/after, 95% CI", groups, series,
@@ -352,8 +357,9 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
                                             mine, [r for r in targeted if r["protocol"] == protocol]))
         # the untargeted cells the baseline has and this condition has not (a run without C1 of its own,
         # a protocol it was not measured by): said to be not measured
-        lacking = [{**r, "condition": name, "change": "", "ci_low": "", "ci_high": "", "flags": "", "meaningful": ""} for r in untargeted
-                   if r["condition"] == transfer_base and r["cell"] not in {c["cell"] for c in cells}]
+        have = {c["cell"] for c in cells}
+        lacking = [{**r, "condition": name, "change": "", "ci_low": "", "ci_high": "", "flags": "", "meaningful": ""}
+                   for r in untargeted if r["condition"] == transfer_base and r["cell"] not in have]
         damaged_text = ("damage not measured (no transfer.csv)" if transfer is None else
                         damage_text([r for r in cells if r.get("role") == "untargeted"] + lacking, total.get(name)))
         removed_text = _and(removed) if removed else "has no numbers of its own in this comparison"
