@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import textwrap
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -61,7 +62,8 @@ def estimate_bars(groups: Sequence[str], series: Mapping[str, Sequence[tuple[flo
     names = list(series)
     x = np.arange(len(groups))
     width = 0.8 / max(len(names), 1)
-    fig, ax = plt.subplots(figsize=(2.6 + 0.75 * len(groups) * max(1, len(names) * 0.6), 3.4))
+    width_in = 2.6 + 0.75 * len(groups) * max(1, len(names) * 0.6)
+    fig, ax = plt.subplots(figsize=(width_in, 3.4))
     finite = [v for points in series.values() for p in points for v in p[:3] if v == v]
     span = (max(finite) - min(min(finite), 0)) if finite else 1.0
     for k, name in enumerate(names):
@@ -88,7 +90,7 @@ def estimate_bars(groups: Sequence[str], series: Mapping[str, Sequence[tuple[flo
     for label in ax.get_xticklabels():
         label.set_parse_math(False)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10, parse_math=False)
+    ax.set_title(textwrap.fill(title, int(width_in * 10)), fontsize=10, parse_math=False)  # ~10 characters an inch
     ax.margins(y=0.15)
     if len(names) > 1:
         ax.legend(fontsize=8)
