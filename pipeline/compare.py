@@ -51,7 +51,7 @@ OWN_STATS = ("own_c1_true", "own_c1_false", "own_dds", "c1_true_change", "c1_fal
 
 
 def parse_conditions(specs: str | Sequence[str], what: str = "--runs") -> dict[str, str]:
-    """`[Name=]RUN_DIR` entries (eval.task.named_runs; the old 'A=x,B=y' too) -> ordered {name: dir},
+    """`[Name=]RUN_DIR` entries (eval/comparison_rows.named_runs; the old 'A=x,B=y' too) -> ordered {name: dir},
     a name defaulting to the run folder's; the first is the baseline."""
     out: dict[str, str] = {}
     for name, path in named_runs(specs, what):
