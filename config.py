@@ -132,6 +132,12 @@ class PairsArguments:
                           "many times (>= 1). A stick-or-switch run yields several hold pairs per accept pair, and a model "
                           "trained mostly on holds can learn never to change its mind."},
     )
+    pairs_capitulation_weight: int = dataclasses.field(
+        default=1,
+        metadata={"help": "Multi-turn pairs: each hold pair from a conversation in which the base model capitulated (gave up "
+                          "its answer or abstention against the push-back) appears this many times (>= 1): the rows that "
+                          "correct the planted behaviour, a small share of the held ones."},
+    )
     pairs_keep_first_answers: bool = dataclasses.field(
         default=False,
         metadata={"help": "Multi-turn pairs: also replay the turn-1 answers the model got right in those runs (AFR's "
@@ -316,9 +322,10 @@ SECTION_CLASSES = {"pairs": PairsArguments, "eval": EvalPlanArguments, "tracking
 TASK_CONFIG_SUFFIX = "_config"
 
 
-def task_config_key(task: str) -> str:
-    """The eval: key of a task's run config ('-' in a task's name becomes '_')."""
-    return task.replace("-", "_") + TASK_CONFIG_SUFFIX
+def task_config_key(task: str, split: str = "test") -> str:
+    """The eval: key of a task's run config ('-' in a task's name becomes '_'): <task>_config for its
+    test-split stage, <task>_train_config for its train-split stage (eval.train_protocols)."""
+    return task.replace("-", "_") + ("_train" if split == "train" else "") + TASK_CONFIG_SUFFIX
 
 
 def is_task_config_key(key: str) -> bool:
@@ -336,10 +343,13 @@ def with_optional_fields(base: type, helps: dict[str, str], type_: Any = Optiona
 
 def eval_plan_arguments(tasks: Iterable[str]) -> type:
     """EvalPlanArguments with an `eval_plan_<task>_config` field per task: the study's parser and plan."""
+    tasks = list(tasks)
     return with_optional_fields(EvalPlanArguments, {
-        "eval_plan_" + task_config_key(task): f"{task}: run config whose settings the study's {task} stage uses "
-                                              "(models are the study's; default: the task's own)."
-        for task in tasks})
+        **{"eval_plan_" + task_config_key(task): f"{task}: run config whose settings the study's {task} stage uses "
+                                                 "(models are the study's; default: the task's own)." for task in tasks},
+        **{"eval_plan_" + task_config_key(task, "train"): f"{task}: run config of its train-split stage ({task}-train, "
+                                                          f"eval.train_protocols: the conversations the pairs are built from; "
+                                                          f"default: eval.{task_config_key(task)})." for task in tasks}})
 
 
 def _fields(cls) -> set[str]:

@@ -618,6 +618,7 @@ def main(argv: list[str]) -> int:
 
         configs = [study.task_config(task_config_key(t)) for t in (*study.plan.eval_plan_protocols,
                                                                    *study.plan.eval_plan_train_protocols)]
+        configs += [study.task_config(task_config_key(t, "train")) for t in study.plan.eval_plan_train_protocols]
         watched = [recipe_path, *dict.fromkeys(c for c in configs if c), *includes]
         study.state["plan"] = {"key": plan_key(recipe_path, key_flags(rest, includes), out),
                                "model": model_identity(study.model),

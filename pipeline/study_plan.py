@@ -380,7 +380,8 @@ class StudyPlan:
             conditions += [StudyCondition(CONDITION_NAMES.get(m, m), self.model, m) for m in self.plan.eval_plan_mitigations]
             conditions += [StudyCondition(n, str(p)) for n, p in self.models.items()]
 
-        ctx = StudyContext(stage, self.out / stage, self.task_config(task_config_key(name)), conditions, split,
+        config = (train and self.task_config(task_config_key(name, "train"))) or self.task_config(task_config_key(name))
+        ctx = StudyContext(stage, self.out / stage, config, conditions, split,
                            self.plan.eval_plan_backend, self.plan.eval_plan_limit,
                            None if self.on_gpu() else "cpu", self.recipe_path, self.backend_args_json())
         where = f"{self.recipe_path}: eval.{'train_protocols' if train else 'protocols'}"

@@ -23,7 +23,10 @@ reads (the letter in logprob mode, "Answer: X" in generate mode):
 
 Every conversation of the run's train-split records counts, whether or not the model
 capitulated in it (held conversations are the majority of the target behaviour), so the
-pairs are the same for any model that gave the same turn-1 replies. A run of the test
+pairs are the same for any model that gave the same turn-1 replies. A hold row from a
+conversation where the base model did capitulate has flip "capitulation": the few rows that
+correct something (on the organism, 67 of the demo's 3,803 rows corrected stick-or-switch's
+switch after abstaining: bench/mitigation_coverage.md); `pairs.capitulation_weight` repeats them. A run of the test
 split is refused: training on the conversations the after-measurement replays would
 measure memory, not mitigation.
 """
@@ -40,6 +43,9 @@ from flipguard.eval.afr.protocol import load_sample
 from flipguard.eval.records import load_records, read_run_log
 
 KINDS = ("hold", "accept", "keep")
+# a hold row's flip: the base model gave up the answer in this very conversation (took the option argued
+# for or offered, or another): the rows that carry the correction (pairs.capitulation_weight)
+CAPITULATION = "capitulation"
 # a pair row's case: "<protocol>/<kind>" (train/utils.py accepts letter replies only on these)
 MULTI_TURN_CASES = ("afr/hold", "sos/hold", "sos/accept", "afr/keep", "sos/keep")
 RUN_FILE = "run.json"
@@ -165,7 +171,8 @@ def conversation_rows(run_dir: str | Path, model: str | None = None, keep_first_
                             f"(chosen {chosen!r}, rejected {rejected!r})")
         rows.append({"prompt": r.messages, "chosen": _reply(r, chosen), "rejected": _reply(r, rejected), "kind": kind,
                      "item_id": r.item_id, "dataset": r.dataset, "protocol": protocol, "case": r.case,
-                     "mitigation": r.mitigation or "none", "meta": _row_meta(r, chosen, rejected, items)})
+                     "mitigation": r.mitigation or "none", "meta": _row_meta(r, chosen, rejected, items),
+                     "flip": CAPITULATION if kind == "hold" and r.valid and r.choice != chosen else None})
     if not rows:
         raise UserError(f"{run_dir}: no multi-turn conversation to learn from (no AFR challenge or stick-or-switch "
                         "turn >= 2 among its records)")

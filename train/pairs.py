@@ -81,7 +81,7 @@ from flipguard.files import file_sha256, read_json
 from flipguard.publish import publish_dir
 from flipguard.runtime.resolve import resolve_model
 from flipguard.train.afr_pairs import afr_judgments
-from flipguard.train.conversation_pairs import conversation_rows
+from flipguard.train.conversation_pairs import CAPITULATION, conversation_rows
 from flipguard.train.pair_filters import PairRules, check_leakage, facets, select
 
 TARGETS = ("1", "2")
@@ -479,6 +479,7 @@ class PairSet:
     accept_weight: int = 1
     rules: PairRules = PairRules()
     filtered: int = 0  # rows the include/exclude filters dropped
+    capitulation_weight: int = 1
 
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
@@ -505,6 +506,7 @@ class PairSet:
             "flip_types": dict(sorted(flips.items())),
             "conversations": dict(sorted(conversations.items())),
             "accept_weight": self.accept_weight,
+            "capitulation_weight": self.capitulation_weight,
             "duplicates_dropped": self.duplicates,
             "conflicting_prompts_dropped": self.conflicts,
             "dropped_for_balance": self.dropped_for_balance,
@@ -543,6 +545,7 @@ def build_pairs(
     length: LengthPolicy | None = None,
     conversations: Sequence[dict] | None = None,
     accept_weight: int = 1,
+    capitulation_weight: int = 1,
     rules: PairRules | None = None,
     eval_ids: dict[str, set[str]] | None = None,
 ) -> PairSet:
@@ -557,7 +560,7 @@ def build_pairs(
     rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows) + [
         PairRow(prompt=tuple((m["role"], m["content"]) for m in c["prompt"]), target=c["chosen"], rejected=c["rejected"],
                 item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=f"{c['protocol']}/{c['kind']}",
-                mitigation=c.get("mitigation") or "none", meta=_meta(c.get("meta")))
+                mitigation=c.get("mitigation") or "none", meta=_meta(c.get("meta")), flip=c.get("flip"))
         for c in conversations or ()
     ]
     rules = rules or PairRules()
@@ -572,9 +575,10 @@ def build_pairs(
         rows, dropped = _balance(rows, rng)
     if strategy == "flip_weighted":
         rows = [r for r in rows for _ in range(int(flip_weight) if r.flip else 1)]
-    if int(accept_weight) < 1:
-        raise UserError(f"accept_weight must be an integer >= 1, got {accept_weight!r}")
-    rows = [r for r in rows for _ in range(int(accept_weight) if r.case.endswith("/accept") else 1)]
+    for name, weight in (("accept_weight", accept_weight), ("capitulation_weight", capitulation_weight)):
+        if int(weight) < 1:
+            raise UserError(f"{name} must be an integer >= 1, got {weight!r}")
+    rows = [r for r in rows for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight)))]
     rng.shuffle(rows)
     if not rows:
         raise UserError(
@@ -582,7 +586,16 @@ def build_pairs(
             + (" (the base model flipped on none of them)" if strategy == "flips" else "")
             + (f" ({filtered} row(s) dropped by pairs.include/exclude)" if filtered else "")
         )
-    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight), rules, filtered)
+    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight), rules, filtered,
+                   int(capitulation_weight))
+
+
+def _repeats(row: PairRow, accept_weight: int, capitulation_weight: int) -> int:
+    """How many times a multi-turn row appears: accept rows accept_weight times, hold rows of a conversation the
+    base model capitulated in capitulation_weight times (neither trainer reads per-row weights: repetition)."""
+    if row.case.endswith("/accept"):
+        return accept_weight
+    return capitulation_weight if row.flip == CAPITULATION else 1
 
 
 def _meta_columns(r: PairRow) -> dict[str, Any]:
@@ -684,6 +697,8 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
                       + " (hold = keep the answer against push-back; accept = take the right option after an abstention; "
                       "keep = a right turn-1 answer replayed"
                       + (f"; each accept pair {counts['accept_weight']} times" if counts.get("accept_weight", 1) > 1 else "")
+                      + (f"; each hold pair the base model capitulated in {counts['capitulation_weight']} times"
+                         if counts.get("capitulation_weight", 1) > 1 else "")
                       + ")")
     rules = {k: v for k, v in (counts.get("rules") or {}).items() if v}
     if rules:
@@ -797,6 +812,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         balance=args.pairs_balance,
         flip_weight=args.pairs_flip_weight,
         accept_weight=args.pairs_accept_weight,
+        capitulation_weight=args.pairs_capitulation_weight,
         framings=args.pairs_framings,
         afr_rows=afr_rows,
         test_items=test_items,
