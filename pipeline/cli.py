@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("flipguard.eval.task_commands:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
     "study": ("flipguard.pipeline.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
     "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
-    "recipes": ("flipguard.config:recipes_main", "the shipped recipes and run configs; `recipes show NAME` prints one to copy"),
+    "recipes": ("flipguard.config.recipes_command:recipes_main", "the shipped recipes and run configs; `recipes show NAME` prints one to copy"),
 }
 # one command per registered trainer (config.TRAINERS): `flipguard dpo` = python train/dpo.py
 COMMANDS.update({t.name: (f"flipguard.train.{t.name}:main", f"{t.help} (same as python train/{t.name}.py RECIPE)")

@@ -1,6 +1,6 @@
 """The folders are the layers, and imports point down them (LAYERS, lowest first):
 
-    root utilities (errors, files, publish, config, redact, plugins)
+    root utilities (errors, files, publish, config/, redact, plugins)
     <- data/ | runtime/ (datasets; which weights a model name means, adapters, GGUF, CPU threads)
     <- eval core (eval/: task, records, runner, backends/, bootstrap, estimate, ...)
     <- protocols (eval/dds, eval/afr, eval/sos, and eval/interop for runs other tools made: none imports another)
@@ -29,8 +29,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the `flipguard` package
 # what setup.py leaves out of the wheel (tests, benchmarks, docs, examples) and build output
 NOT_PACKAGE = ("tests", "bench", "docs", "examples", ".ci", ".git", "build", "dist", "runs", "wandb")
-ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.publish", "flipguard.config",
-                  "flipguard.redact", "flipguard.plugins"}
+ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.publish", "flipguard.redact",
+                  "flipguard.plugins"}
+ROOT_PACKAGES = ("flipguard.config",)  # a root utility split into modules: config/ (recipes, flags, values ...)
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos", "flipguard.eval.interop")
 EMBEDDED = "flipguard.eval.embedded"
 PIPELINE = ("flipguard.pipeline", "flipguard.__main__")
@@ -38,7 +39,7 @@ CLI = "flipguard.pipeline.cli"
 # (rank, group, the modules or packages in it), lowest first: a module may import a lower rank
 # or its own group. Groups of one rank import neither each other.
 LAYERS = (
-    (0, "root", tuple(sorted(ROOT_UTILITIES))),
+    (0, "root", (*sorted(ROOT_UTILITIES), *ROOT_PACKAGES)),
     (1, "data", ("flipguard.data",)),
     (1, "runtime", ("flipguard.runtime",)),
     *((3, protocol, (protocol,)) for protocol in PROTOCOLS),
@@ -140,7 +141,7 @@ def under(name: str, *prefixes: str) -> bool:
 
 def layer_of(name: str) -> tuple[int, str]:
     """(rank, group): a module may import a lower rank, or its own group."""
-    if name in ROOT_UTILITIES:
+    if name in ROOT_UTILITIES or under(name, *ROOT_PACKAGES):
         return 0, "root"
     for rank, group, prefixes in LAYERS[1:]:
         if under(name, *prefixes):
@@ -180,7 +181,7 @@ def entry_points_declared() -> dict[str, dict[str, str]]:
 
 def test_the_graph_sees_the_tree_and_its_lazy_imports():
     # a walk that found nothing would pass every rule below
-    assert {"flipguard.files", "flipguard.config", "flipguard.eval.records", "flipguard.eval.mitigations",
+    assert {"flipguard.files", "flipguard.config", "flipguard.config.parsers", "flipguard.eval.records", "flipguard.eval.mitigations",
             "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.train.pairs",
             "flipguard.data.registry", "flipguard.pipeline.study", "flipguard.eval.embedded.organism_builder",
             "flipguard.runtime.resolve", "flipguard.publish"} <= set(MODULES)
