@@ -40,8 +40,6 @@ from flipguard.eval.afr.protocol import load_sample
 from flipguard.eval.records import load_records, read_run_log
 
 KINDS = ("hold", "accept", "keep")
-# a pair row's case: "<protocol>/<kind>" (train/utils.py accepts letter replies only on these)
-MULTI_TURN_CASES = ("afr/hold", "sos/hold", "sos/accept", "afr/keep", "sos/keep")
 RUN_FILE = "run.json"
 
 

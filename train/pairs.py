@@ -69,6 +69,14 @@ from rich.console import Console
 from rich.table import Table
 
 from flipguard.config import PAIR_STRATEGIES, PairsArguments, parse_recipe
+from flipguard.data.pair_sets import (
+    COUNTS_FILE,
+    DPO_DIR,
+    META_FILE,
+    PAIR_SET_NAMES,
+    SFT_DIR,
+    conversation_case,
+)
 from flipguard.data.registry import load_mc
 from flipguard.data.schema import DataError, Item
 from flipguard.data.splits import check_no_leakage
@@ -77,8 +85,9 @@ from flipguard.errors import RecordError, UserError
 from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import load_records
-from flipguard.files import file_sha256, read_json
+from flipguard.files import file_sha256
 from flipguard.publish import publish_dir
+from flipguard.runtime.chat_tokens import chat_token_ids
 from flipguard.runtime.resolve import resolve_model
 from flipguard.train.afr_pairs import afr_judgments
 from flipguard.train.conversation_pairs import conversation_rows
@@ -92,33 +101,6 @@ FRAMING_CASES = {  # framing -> (case for the correct claim, case for the incorr
     "dehumanizing": ("c2_correct", "c2_incorrect", "dehumanizing"),
     "be_honest": ("c2_correct", "c2_incorrect", "be_honest"),
 }
-SFT_DIR, DPO_DIR = "sft", "dpo"
-COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
-# everything write_pairs puts in a pair set (a folder holding only these, written before
-# the owner file existed, is recognised as flipguard's)
-PAIR_SET_NAMES = (SFT_DIR, DPO_DIR, f"{SFT_DIR}.jsonl", f"{DPO_DIR}.jsonl", COUNTS_FILE, META_FILE)
-
-
-def read_counts(pairs_dir: str | Path | None, flag: str | None = None) -> dict[str, Any] | None:
-    """A pair set's counts.json (None: no pairs_dir, or none there). With `flag`, the option that
-    named the folder, a folder without one is refused naming both (a typo in --pairs is not "no
-    pairs"); a truncated or edited counts.json is one line naming the file, whatever the caller."""
-    if not pairs_dir:
-        return None
-    path = Path(pairs_dir) / COUNTS_FILE
-    if not path.is_file():
-        if flag is None:
-            return None
-        what = "no such folder" if not Path(pairs_dir).exists() else f"no {COUNTS_FILE} there"
-        raise UserError(f"{flag} {pairs_dir}: {what}; give the folder of a pair set (flipguard pairs --out) whose "
-                        f"{COUNTS_FILE} says what the trained conditions learned from; nothing was written")
-    counts = read_json(path, UserError, "pair counts file")
-    if not isinstance(counts, dict):
-        raise UserError(f"{path}: not a pair set's counts (a JSON {type(counts).__name__}, expected an object)")
-    return counts
-
-
-
 
 def eval_command(records_dir: str | None, model: str = "MODEL", datasets: str = "bench") -> str:
     out = records_dir or "RUN_DIR"
@@ -377,19 +359,6 @@ def _balance(rows: list[PairRow], rng: random.Random) -> tuple[list[PairRow], in
 LENGTH_POLICIES = ("refuse", "drop", "truncate")
 
 
-def chat_token_ids(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of messages as the trainers see them (chat template, no extra specials)."""
-    return batch_chat_token_ids(tokenizer, [messages], add_generation_prompt)[0]
-
-
-def batch_chat_token_ids(tokenizer, conversations, add_generation_prompt: bool = True) -> list[list[int]]:
-    """chat_token_ids of many conversations, tokenized in one batched call (the demo's 3,803 SFT
-    pairs: 6.1 s against 8.0 s one call per conversation, at load)."""
-    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=add_generation_prompt)
-             for m in conversations]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-
-
 @dataclasses.dataclass
 class LengthPolicy:
     """What to do with a prompt over max_prompt_length tokens (see the module docstring)."""
@@ -556,7 +525,7 @@ def build_pairs(
                          "AFR / stick-or-switch run directories of the train split")
     rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows) + [
         PairRow(prompt=tuple((m["role"], m["content"]) for m in c["prompt"]), target=c["chosen"], rejected=c["rejected"],
-                item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=f"{c['protocol']}/{c['kind']}",
+                item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=conversation_case(c['protocol'], c['kind']),
                 mitigation=c.get("mitigation") or "none", meta=_meta(c.get("meta")))
         for c in conversations or ()
     ]
