@@ -78,7 +78,7 @@ class PairsArguments:
         default=None, metadata={"help": "Keep only pair rows matching this rule: a mapping (JSON on the command line) of "
                                         "datasets, kinds (item meta.category / incorrect_category), framings (c1, c2, "
                                         "dehumanizing, be_honest; multi-turn: hold, accept, keep), protocols (dds, afr, sos) "
-                                        "and meta {key: values} to names (train/pair_filters.py)."}
+                                        "and meta {key: values} to names (pairs/filters.py)."}
     )
     pairs_exclude: dict | str | None = dataclasses.field(
         default=None, metadata={"help": "Drop pair rows matching this rule (same keys as pairs_include)."}

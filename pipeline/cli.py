@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "organism": ("flipguard.eval.embedded.organism_builder:main", "the planted-bias judge organism the demo measures: the shipped one, or your own build"),
     "convert": ("flipguard.runtime.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),
     "tiny-model": ("flipguard.eval.embedded.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
-    "pairs": ("flipguard.train.pairs:main", "build the trainers' pair datasets from flip records (recipe strategy)"),
+    "pairs": ("flipguard.pairs.builder:main", "build the trainers' pair datasets from flip records (recipe strategy)"),
     "compare": ("flipguard.pipeline.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
     "view": ("flipguard.pipeline.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
     "afr": ("flipguard.eval.afr.protocol:AFRTask.main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),

@@ -62,10 +62,10 @@ from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C1_CASES, load_records, load_run_meta
 from flipguard.eval.task_registry import get_task
 from flipguard.files import atomic_write_json, atomic_write_text
+from flipguard.pairs.filters import KIND_KEYS, PairRules, Rule, facets, parse_rule
 from flipguard.pipeline.capability import FRAMING as CAPABILITY_FRAMING
 from flipguard.pipeline.capability import PROTOCOL as CAPABILITY
 from flipguard.pipeline.capability import capability_units
-from flipguard.train.pair_filters import KIND_KEYS, PairRules, Rule, facets, parse_rule
 
 ROLES = ("trained-on", "held-out", "cross-protocol", "untargeted")
 TRANSFER_CSV, TRANSFER_MD, TRANSFER_PNG, TRANSFER_JSON = "transfer.csv", "transfer.md", "transfer.png", "transfer.json"

@@ -13,7 +13,7 @@ import torch
 from even_items import even_items, write_all_pairs
 
 from flipguard.eval.dds.prompts import build_messages
-from flipguard.train import pairs as P
+from flipguard.pairs import builder as P
 from flipguard.train import utils
 
 # Subprocess limits are hang guards only (a loaded 2-core machine must never hit them),

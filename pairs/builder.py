@@ -27,11 +27,11 @@ Strategies (target "1" = the judged claim is correct, "2" = incorrect):
                  SGD in expectation and visible in counts.json.
 - consistency:   the same content in C1, C2 and dehumanized-C2 framing, one target for
                  all three: teaches framing invariance (the paper's open problem).
-- afr:           answer-flip judgments from `flipguard.train.afr_pairs.afr_judgments`.
+- afr:           answer-flip judgments from `flipguard.pairs.afr.afr_judgments`.
 - conversation:  only the multi-turn pairs below.
 
 Multi-turn pairs (`pairs.conversations`: AFR / stick-or-switch run directories of the
-train split; flipguard.train.conversation_pairs) are added to any strategy's rows: the
+train split; flipguard.pairs.conversations) are added to any strategy's rows: the
 prompt is the chat up to the push-back exactly as the evaluation sent it, the chosen reply
 holds the answer (or, after an abstention, accepts the right option) and the rejected one
 capitulates (or stays). Their targets are letters, so they are kept out of the 1/2
@@ -86,12 +86,12 @@ from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import load_records
 from flipguard.files import file_sha256
+from flipguard.pairs.afr import afr_judgments
+from flipguard.pairs.conversations import conversation_rows
+from flipguard.pairs.filters import PairRules, check_leakage, facets, select
 from flipguard.publish import publish_dir
 from flipguard.runtime.chat_tokens import chat_token_ids
 from flipguard.runtime.resolve import resolve_model
-from flipguard.train.afr_pairs import afr_judgments
-from flipguard.train.conversation_pairs import conversation_rows
-from flipguard.train.pair_filters import PairRules, check_leakage, facets, select
 
 TARGETS = ("1", "2")
 CASE_TARGET = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
@@ -516,7 +516,7 @@ def build_pairs(
     eval_ids: dict[str, set[str]] | None = None,
 ) -> PairSet:
     """Rows for one strategy (plus the multi-turn `conversations` rows of
-    flipguard.train.conversation_pairs), kept by the include/exclude `rules` and checked against
+    flipguard.pairs.conversations), kept by the include/exclude `rules` and checked against
     their held_out rule and the evaluation's item ids (`eval_ids`: dataset -> ids); shared by the SFT
     and DPO formatters below."""
     refuse_test_items(items, test_items)
