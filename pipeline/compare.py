@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from flipguard.config import parse_dataclasses, with_optional_fields
+from flipguard.data.pair_sets import read_counts
 from flipguard.data.registry import domain_of
 from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
@@ -42,7 +43,6 @@ from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
 from flipguard.pipeline.transfer import build_transfer, paired_tests_markdown, write_transfer
 from flipguard.pipeline.view import write_view
-from flipguard.train.pairs import read_counts
 
 BASELINE = "Baseline"
 # Per-dataset columns taken from each run's stats (see report.STATS_COLUMNS).

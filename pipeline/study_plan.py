@@ -51,6 +51,9 @@ from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MODES
 from flipguard.eval.task import StudyCondition, StudyContext
 from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import PACKAGE_ROOT, atomic_write_json, beside
+from flipguard.pairs.builder import print_counts
+from flipguard.pairs.builder import run as build
+from flipguard.pairs.filters import PairRules
 from flipguard.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
 from flipguard.pipeline.capability import run_capability
 from flipguard.pipeline.compare import build_comparison, protocol_rows, require_whole_runs, write_comparison
@@ -60,9 +63,6 @@ from flipguard.pipeline.transfer import TRANSFER_JSON, build_transfer
 from flipguard.runtime.resolve import resolve_model
 from flipguard.train.merge import MERGE_INFO_FILE
 from flipguard.train.merge import main as merge_main
-from flipguard.train.pair_filters import PairRules
-from flipguard.train.pairs import print_counts
-from flipguard.train.pairs import run as build
 from flipguard.train.utils import PROVENANCE_FILE, check_lora_rank, check_lora_targets, wants_wandb
 
 TRAIN = PACKAGE_ROOT / "train"

@@ -18,8 +18,8 @@ from flipguard.errors import UserError
 from flipguard.eval.records import RecordStore
 from flipguard.eval.sos import protocol as SP
 from flipguard.eval.sos.prompts import answer_reply
-from flipguard.train import pairs as P
-from flipguard.train.conversation_pairs import conversation_rows
+from flipguard.pairs import builder as P
+from flipguard.pairs.conversations import conversation_rows
 
 REPO = Path(__file__).resolve().parent.parent
 ARGUMENTS = REPO / "data" / "organism_mc" / "arguments.jsonl"

@@ -31,7 +31,7 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
-from flipguard.config import SHIPPED_RECIPES, did_you_mean, parse_dataclasses
+from flipguard.config import SHIPPED_RECIPES, between, did_you_mean, parse_dataclasses, register_value_rules
 from flipguard.data.medmcqa import load_medmcqa
 from flipguard.data.medqa import check_item, load_medqa, option_key
 from flipguard.data.mmlu import load_mmlu
@@ -440,6 +440,10 @@ def sample_items(items: list, n: int | None, seed: int) -> list:
 
 def _repeat_config(base_config: GenerationConfig, repeat: int) -> GenerationConfig:
     return dataclasses.replace(base_config, seed=(base_config.seed or 0) + repeat)
+
+
+# the bounds of stick-or-switch's own settings, wherever they are typed: config/values.py
+register_value_rules({"repeats": between(1)})
 
 
 @register_task("sos")

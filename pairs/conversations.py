@@ -46,8 +46,6 @@ KINDS = ("hold", "accept", "keep")
 # a hold row's flip: the base model gave up the answer in this very conversation (took the option argued
 # for or offered, or another): the rows that carry the correction (pairs.capitulation_weight)
 CAPITULATION = "capitulation"
-# a pair row's case: "<protocol>/<kind>" (train/utils.py accepts letter replies only on these)
-MULTI_TURN_CASES = ("afr/hold", "sos/hold", "sos/accept", "afr/keep", "sos/keep")
 RUN_FILE = "run.json"
 
 

@@ -27,11 +27,11 @@ Strategies (target "1" = the judged claim is correct, "2" = incorrect):
                  SGD in expectation and visible in counts.json.
 - consistency:   the same content in C1, C2 and dehumanized-C2 framing, one target for
                  all three: teaches framing invariance (the paper's open problem).
-- afr:           answer-flip judgments from `flipguard.train.afr_pairs.afr_judgments`.
+- afr:           answer-flip judgments from `flipguard.pairs.afr.afr_judgments`.
 - conversation:  only the multi-turn pairs below.
 
 Multi-turn pairs (`pairs.conversations`: AFR / stick-or-switch run directories of the
-train split; flipguard.train.conversation_pairs) are added to any strategy's rows: the
+train split; flipguard.pairs.conversations) are added to any strategy's rows: the
 prompt is the chat up to the push-back exactly as the evaluation sent it, the chosen reply
 holds the answer (or, after an abstention, accepts the right option) and the rejected one
 capitulates (or stays). Their targets are letters, so they are kept out of the 1/2
@@ -69,6 +69,14 @@ from rich.console import Console
 from rich.table import Table
 
 from flipguard.config import PAIR_STRATEGIES, PairsArguments, parse_recipe
+from flipguard.data.pair_sets import (
+    COUNTS_FILE,
+    DPO_DIR,
+    META_FILE,
+    PAIR_SET_NAMES,
+    SFT_DIR,
+    conversation_case,
+)
 from flipguard.data.registry import load_mc
 from flipguard.data.schema import DataError, Item
 from flipguard.data.splits import check_no_leakage
@@ -77,12 +85,13 @@ from flipguard.errors import RecordError, UserError
 from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import load_records
-from flipguard.files import file_sha256, read_json
+from flipguard.files import file_sha256
+from flipguard.pairs.afr import afr_judgments
+from flipguard.pairs.conversations import CAPITULATION, conversation_rows
+from flipguard.pairs.filters import PairRules, check_leakage, facets, select
 from flipguard.publish import publish_dir
+from flipguard.runtime.chat_tokens import chat_token_ids
 from flipguard.runtime.resolve import resolve_model
-from flipguard.train.afr_pairs import afr_judgments
-from flipguard.train.conversation_pairs import CAPITULATION, conversation_rows
-from flipguard.train.pair_filters import PairRules, check_leakage, facets, select
 
 TARGETS = ("1", "2")
 CASE_TARGET = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
@@ -92,33 +101,6 @@ FRAMING_CASES = {  # framing -> (case for the correct claim, case for the incorr
     "dehumanizing": ("c2_correct", "c2_incorrect", "dehumanizing"),
     "be_honest": ("c2_correct", "c2_incorrect", "be_honest"),
 }
-SFT_DIR, DPO_DIR = "sft", "dpo"
-COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
-# everything write_pairs puts in a pair set (a folder holding only these, written before
-# the owner file existed, is recognised as flipguard's)
-PAIR_SET_NAMES = (SFT_DIR, DPO_DIR, f"{SFT_DIR}.jsonl", f"{DPO_DIR}.jsonl", COUNTS_FILE, META_FILE)
-
-
-def read_counts(pairs_dir: str | Path | None, flag: str | None = None) -> dict[str, Any] | None:
-    """A pair set's counts.json (None: no pairs_dir, or none there). With `flag`, the option that
-    named the folder, a folder without one is refused naming both (a typo in --pairs is not "no
-    pairs"); a truncated or edited counts.json is one line naming the file, whatever the caller."""
-    if not pairs_dir:
-        return None
-    path = Path(pairs_dir) / COUNTS_FILE
-    if not path.is_file():
-        if flag is None:
-            return None
-        what = "no such folder" if not Path(pairs_dir).exists() else f"no {COUNTS_FILE} there"
-        raise UserError(f"{flag} {pairs_dir}: {what}; give the folder of a pair set (flipguard pairs --out) whose "
-                        f"{COUNTS_FILE} says what the trained conditions learned from; nothing was written")
-    counts = read_json(path, UserError, "pair counts file")
-    if not isinstance(counts, dict):
-        raise UserError(f"{path}: not a pair set's counts (a JSON {type(counts).__name__}, expected an object)")
-    return counts
-
-
-
 
 def eval_command(records_dir: str | None, model: str = "MODEL", datasets: str = "bench") -> str:
     out = records_dir or "RUN_DIR"
@@ -377,19 +359,6 @@ def _balance(rows: list[PairRow], rng: random.Random) -> tuple[list[PairRow], in
 LENGTH_POLICIES = ("refuse", "drop", "truncate")
 
 
-def chat_token_ids(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of messages as the trainers see them (chat template, no extra specials)."""
-    return batch_chat_token_ids(tokenizer, [messages], add_generation_prompt)[0]
-
-
-def batch_chat_token_ids(tokenizer, conversations, add_generation_prompt: bool = True) -> list[list[int]]:
-    """chat_token_ids of many conversations, tokenized in one batched call (the demo's 3,803 SFT
-    pairs: 6.1 s against 8.0 s one call per conversation, at load)."""
-    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=add_generation_prompt)
-             for m in conversations]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-
-
 @dataclasses.dataclass
 class LengthPolicy:
     """What to do with a prompt over max_prompt_length tokens (see the module docstring)."""
@@ -550,7 +519,7 @@ def build_pairs(
     eval_ids: dict[str, set[str]] | None = None,
 ) -> PairSet:
     """Rows for one strategy (plus the multi-turn `conversations` rows of
-    flipguard.train.conversation_pairs), kept by the include/exclude `rules` and checked against
+    flipguard.pairs.conversations), kept by the include/exclude `rules` and checked against
     their held_out rule and the evaluation's item ids (`eval_ids`: dataset -> ids); shared by the SFT
     and DPO formatters below."""
     refuse_test_items(items, test_items)
@@ -559,7 +528,7 @@ def build_pairs(
                          "AFR / stick-or-switch run directories of the train split")
     rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows) + [
         PairRow(prompt=tuple((m["role"], m["content"]) for m in c["prompt"]), target=c["chosen"], rejected=c["rejected"],
-                item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=f"{c['protocol']}/{c['kind']}",
+                item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=conversation_case(c['protocol'], c['kind']),
                 mitigation=c.get("mitigation") or "none", meta=_meta(c.get("meta")), flip=c.get("flip"))
         for c in conversations or ()
     ]
