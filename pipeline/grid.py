@@ -45,7 +45,7 @@ from flipguard.pipeline.fingerprints import stage_fingerprints
 from flipguard.pipeline.study_plan import Stage, StudyPlan
 from flipguard.pipeline.transfer import BIAS_METRICS, TRANSFER_CSV
 from flipguard.pipeline.view.answer import HEADLINE, PROTOCOL_NAMES, PROTOCOLS_CSV, change, level
-from flipguard.pipeline.view.grid import GRID_DIR, VARIANTS_CSV, VARIANTS_MD, VARIANTS_PNG
+from flipguard.pipeline.view.grid import GRID_DIR, GRID_STAGE, VARIANTS_CSV, VARIANTS_MD, VARIANTS_PNG
 from flipguard.train.utils import PROVENANCE_FILE
 
 GRID_HELP = ("Vary recipe settings: KEY=V1,V2,... (a recipe key, a section's dotted: dpo.beta, dpo.learning_rate, "
@@ -202,7 +202,7 @@ class GridPlan(StudyPlan):
                 prefix = name[: -len(stage.name)]
                 stages[name] = dataclasses.replace(stage, name=name, inputs=tuple(renamed[i] for i in stage.inputs),
                                                    recorded=_prefixed(stage.recorded, prefix))
-        stages["grid"] = self.grid_stage([n for n in stages if n.endswith(":compare")])
+        stages[GRID_STAGE] = self.grid_stage([n for n in stages if n.endswith(":compare")])
         return list(stages.values())
 
     def effective_recipes(self) -> list[tuple[Path, dict[str, Any]]]:
@@ -232,7 +232,7 @@ class GridPlan(StudyPlan):
         def run() -> None:
             write_grid(folder, keys, models)
 
-        return Stage("grid", f"the {len(models)} trained models side by side: what each removed and damaged "
+        return Stage(GRID_STAGE, f"the {len(models)} trained models side by side: what each removed and damaged "
                              f"({folder / VARIANTS_MD}, {VARIANTS_PNG})",
                      {"keys": keys, "models": json.loads(json.dumps(models, default=str))}, tuple(compares),
                      outputs, outputs, run)

@@ -71,7 +71,7 @@ from flipguard.pipeline.fingerprints import (
     stage_runs,
     stage_runs_problem,
 )
-from flipguard.pipeline.grid import GRID_HELP, GridPlan, print_grid
+from flipguard.pipeline.grid import GRID_HELP, GRID_STAGE, GridPlan, print_grid
 from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
 from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.pipeline.view import VIEW_FILE, check_page, write_view
@@ -459,7 +459,8 @@ def print_outcome(header: str, statuses: list[tuple[str, str, float]], out: Path
     comparison = out / "compare" / "comparison.csv"
     if comparison.is_file():
         print_before_after(comparison, print_fn)
-    print_grid(out / GRID_DIR, print_fn)
+    if any(name == GRID_STAGE for name, _, _ in statuses):  # a grid's table (not an earlier grid's, in a plain study)
+        print_grid(out / GRID_DIR, print_fn)
 
 
 def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = print) -> None:

@@ -186,3 +186,36 @@ def test_a_grid_with_wandb_logs_each_variant_in_one_group_and_its_page_shows_the
             assert (shown.get_attribute("data-value") or shown.text_content()) == r["damage"]
     finally:
         page.close()
+
+
+def test_a_pairs_key_gives_a_pairs_stage_per_setting_shared_by_the_variants_with_it(tmp_path):
+    """The plan of a two-key grid (no stage run): the baseline once; a pairs stage per pairs.accept_weight, read by
+    that setting's trainers only; SFT (no dpo key reaches it) per pairs setting; DPO and the comparison per variant."""
+    from flipguard.pipeline.grid import GridPlan
+
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    raw.pop("kto")
+    out = tmp_path / "study"
+    plan = GridPlan(str(ROOT / "recipes" / "tiny.yaml"), raw, out, grid=["pairs.accept_weight=1,3", "dpo.beta=0.1,0.5"])
+    stages = {s.name: s for s in plan.stages}
+    assert [n for n in stages if ":" not in n] == ["baseline", "be_honest", "dehumanizing", "base-train", "grid"]
+    for w in (1, 3):
+        pairs = stages[f"pairs.accept_weight={w}:pairs"]
+        assert pairs.params["pairs"]["accept_weight"] == w and pairs.inputs == ("base-train",)
+        assert pairs.clear == (out / "grid" / f"pairs.accept_weight={w}" / "pairs",)
+        assert stages[f"pairs.accept_weight={w}:sft"].inputs == (f"pairs.accept_weight={w}:pairs",)
+        for beta in (0.1, 0.5):
+            variant = f"pairs.accept_weight={w},dpo.beta={beta}"
+            assert stages[f"{variant}:dpo"].inputs == (f"pairs.accept_weight={w}:pairs",)
+            assert stages[f"{variant}:dpo"].params["dpo"]["beta"] == beta
+            assert set(stages[f"{variant}:compare"].inputs) == {"baseline", "be_honest", "dehumanizing",
+                                                                f"pairs.accept_weight={w}:sft-eval", f"{variant}:dpo-eval"}
+    assert len([n for n in stages if n.endswith(":compare")]) == 4 and len([n for n in stages if n.endswith(":sft")]) == 2
+    assert set(stages["grid"].inputs) == {n for n in stages if n.endswith(":compare")}
+    # each variant's effective recipe: its values, the pairs and adapters of its settings
+    recipes = {str(path.relative_to(out)): r for path, r in plan.effective_recipes()}
+    mine = recipes["grid/pairs.accept_weight=3,dpo.beta=0.5/recipe.yaml"]
+    assert mine["pairs"]["accept_weight"] == 3 and mine["dpo"]["beta"] == 0.5
+    assert mine["pairs"]["dir"] == str(out / "grid" / "pairs.accept_weight=3" / "pairs")
+    assert mine["sft"]["output_dir"] == str(out / "grid" / "pairs.accept_weight=3" / "train" / "sft")
+    assert mine["pairs"]["records"] == str(out / "dds" / "base-train")

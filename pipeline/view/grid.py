@@ -12,6 +12,7 @@ from typing import Any
 from flipguard.pipeline.view.runs import csv_table
 
 GRID_DIR = "grid"  # under the study folder: the variants' own folders, and the table and chart
+GRID_STAGE = "grid"  # the study stage that writes them
 VARIANTS_CSV, VARIANTS_MD, VARIANTS_PNG = "variants.csv", "variants.md", "variants.png"
 CHART_NOTE = ("One point per trained model (a trainer at the grid values that reach it; a trainer no grid key reaches "
               "is trained once, for every variant). x = damage: the largest drop (pp) of what must stay (own C1 "
