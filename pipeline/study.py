@@ -412,11 +412,12 @@ class Study(StudyPlan):
 
     def _work_after(self) -> dict[str, float]:
         """Per stage, seconds on the longest chain from it to the study's end: each stage's time when
-        it last ran (study.json), else a trainer as 10 evaluations (the demo's SFT and DPO: 48 and
-        78 s, its evaluations 2-30 s)."""
+        it last ran (study.json), else a trainer (a grid variant's too: 'dpo.beta=0.5:dpo') as 10
+        evaluations (the demo's SFT and DPO: 48 and 78 s, its evaluations 2-30 s)."""
         entries, after = self.state["stages"], {}
         for stage in reversed(self.stages):  # the plan lists a stage after those it reads
-            own = (entries.get(stage.name) or {}).get("seconds") or (10.0 if stage.name in TRAINERS else 1.0)
+            trainer = stage.name.rpartition(":")[2] in TRAINERS
+            own = (entries.get(stage.name) or {}).get("seconds") or (10.0 if trainer else 1.0)
             after[stage.name] = own + max((after[s.name] for s in self.stages if stage.name in s.inputs), default=0.0)
         return after
 
