@@ -33,6 +33,7 @@ from flipguard.config.recipe import (
     is_section,
     public_recipe,
     read_recipe,
+    recipe_keys,
     resolved_recipe,
     split_recipe_argv,
     validate_recipe,
@@ -48,5 +49,5 @@ __all__ = ["ARG_SECTIONS", "MEMORY_PROFILES", "PAIR_STRATEGIES", "SHIPPED_RECIPE
            "PairsArguments", "RecipeParser", "TrackingArguments", "Trainer", "TrainingSpeedArguments", "between",
            "check_values", "did_you_mean", "eval_plan_arguments", "find_recipe", "is_section", "is_task_config_key",
            "leading_config", "parse_dataclasses", "parse_recipe", "positionals_as", "public_recipe", "read_recipe",
-           "recipes_main", "register_trainer", "register_value_rules", "resolved_recipe", "shipped_recipes",
+           "recipe_keys", "recipes_main", "register_trainer", "register_value_rules", "resolved_recipe", "shipped_recipes",
            "split_recipe_argv", "task_config_key", "trainer_entry", "validate_recipe", "with_optional_fields"]

@@ -120,11 +120,27 @@ def check_recipe_values(raw: dict[str, Any], path: str = "<recipe>", lines: dict
         check_values({prefix + k: v for k, v in values.items()}, path, {prefix + k: f"{section}.{k}" for k in values},
                      lines)
 
-def _check_keys(raw: dict[str, Any], path: str) -> None:
+def _valid_keys(raw: dict[str, Any]) -> tuple[set[str], dict[str, set[str]]]:
+    """(the top level's keys, sections included; each trainer and argument section's keys) of a
+    recipe like `raw` (the top level takes what every trainer it has a section for shares)."""
     trainers, model_cls = _trainer_classes()
     model_keys = field_names(model_cls)
     shared = set.intersection(*(field_names(c) for c in _top_level_classes(raw, trainers)))
-    top_valid = model_keys | shared | set(TRAINERS) | set(ARG_SECTIONS) | {"env"}
+    sections = {name: field_names(cls) | model_keys for name, cls in trainers.items()}
+    sections |= {key: {n[len(prefix):] for n in field_names(SECTION_CLASSES[key])} for key, prefix in ARG_SECTIONS.items()}
+    return model_keys | shared | set(TRAINERS) | set(ARG_SECTIONS) | {"env"}, sections
+
+
+def recipe_keys(raw: dict[str, Any]) -> list[str]:
+    """Every setting a recipe like `raw` takes, a section's dotted (`lora_r`, `dpo.beta`,
+    `pairs.strategy`): what one setting named on its own (`flipguard study --grid KEY=...`) may be."""
+    top, sections = _valid_keys(raw)
+    return sorted({k for k in top if not is_section(k)} | {f"{name}.{k}" for name, keys in sections.items() for k in keys})
+
+
+def _check_keys(raw: dict[str, Any], path: str) -> None:
+    trainers, _ = _trainer_classes()
+    top_valid, section_keys = _valid_keys(raw)
     for key, value in raw.items():
         if key not in top_valid:
             error = _unknown(path, "the top level", key, top_valid)
@@ -137,20 +153,19 @@ def _check_keys(raw: dict[str, Any], path: str) -> None:
                 continue
             if not isinstance(value, dict):
                 raise UserError(f"{path}: section {key!r} must be a mapping, got {type(value).__name__}")
+            valid = section_keys[key]
             if key in TRAINERS:
-                valid = field_names(trainers[key]) | model_keys
                 label = f"section {key!r} ({trainers[key].__name__} or ModelConfig fields)"
                 for sub in value:
                     if sub not in valid:
                         raise _unknown(path, label, sub, valid)
             else:
-                prefix = ARG_SECTIONS[key]
-                valid = {n[len(prefix):] for n in field_names(SECTION_CLASSES[key])}
                 for sub in value:
                     if sub not in valid and not (key == "eval" and is_task_config_key(str(sub))):
                         raise _unknown(path, f"section {key!r}", sub, valid)
         if key == "env" and not isinstance(value, dict):
             raise UserError(f"{path}: 'env' must be a mapping of environment variables")
+
 
 def public_recipe(raw: dict[str, Any]) -> dict[str, Any]:
     """The recipe as flipguard writes it anywhere (model card, provenance, wandb):
