@@ -139,33 +139,45 @@ def _dds_category(row: dict[str, Any]) -> str | None:
 
 
 class Scorer:
-    """Sum of a reply's token log-probabilities after its prompt, through the model's chat template."""
+    """Sums of replies' token log-probabilities after their prompts, through the model's chat template
+    (batched: right-padded sequences, the reply's positions summed)."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, batch_size: int = 64):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from flipguard.runtime.resolve import resolve_model
 
         path = resolve_model(model_path)
-        self.torch = torch
+        self.torch, self.batch_size = torch, batch_size
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    def reply_logprob(self, prompt, reply) -> float:
-        torch = self.torch
+    def _ids(self, prompt, reply) -> tuple[list[int], int]:
         head = self.tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         whole = self.tok.apply_chat_template(prompt + reply, tokenize=False)
         if not whole.startswith(head):
             raise ValueError("the chat template does not extend the prompt's text")
-        h = self.tok(head, add_special_tokens=False)["input_ids"]
-        ids = self.tok(whole, add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            logits = self.model(torch.tensor([ids])).logits[0].float()
-        logp = torch.log_softmax(logits[:-1], dim=-1)
-        target = torch.tensor(ids[1:])
-        picked = logp[torch.arange(len(ids) - 1), target]
-        return float(picked[len(h) - 1:].sum())
+        return self.tok(whole, add_special_tokens=False)["input_ids"], len(self.tok(head, add_special_tokens=False)["input_ids"])
+
+    def reply_logprobs(self, pairs: list[tuple[list, list]]) -> list[float]:
+        torch = self.torch
+        encoded = [self._ids(p, r) for p, r in pairs]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
+        out = [0.0] * len(encoded)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            width = max(len(encoded[i][0]) for i in batch)
+            ids = torch.tensor([encoded[i][0] + [pad] * (width - len(encoded[i][0])) for i in batch])
+            mask = torch.tensor([[1] * len(encoded[i][0]) + [0] * (width - len(encoded[i][0])) for i in batch])
+            with torch.no_grad():
+                logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+            for row, i in enumerate(batch):
+                seq, head = encoded[i]
+                target = torch.tensor(seq[head:])
+                out[i] = float(logp[row, head - 1:len(seq) - 1].gather(1, target[:, None]).sum())
+        return out
 
 
 # ------------------------------------------------------------------ the page
@@ -192,20 +204,24 @@ def analyse(study_dir: Path, beta: float | None) -> dict[str, Any]:
 
     groups: dict[str, dict[str, Any]] = collections.defaultdict(lambda: collections.defaultdict(list))
     details: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for row in pairs:
+    unique = list({_key([*row["prompt"], *row["chosen"], *row["rejected"]]): row for row in pairs}.values())
+    repeats = collections.Counter(_key([*row["prompt"], *row["chosen"], *row["rejected"]]) for row in pairs)
+    scores = {model: scorer.reply_logprobs([(r["prompt"], r[side]) for r in unique for side in ("chosen", "rejected")])
+              for model, scorer in scorers.items()}
+    for n, row in enumerate(unique):
         record = index.get(_key(row["prompt"]))
         name, detail = behaviour(row, record, planted, afr_items)
         details[name][detail] += 1
         g = groups[name]
-        for model, scorer in scorers.items():
-            c = scorer.reply_logprob(row["prompt"], row["chosen"])
-            r = scorer.reply_logprob(row["prompt"], row["rejected"])
-            g[f"{model}:chosen"].append(c)
-            g[f"{model}:rejected"].append(r)
+        g["repeats"].append(repeats[_key([*row["prompt"], *row["chosen"], *row["rejected"]])])
+        for model in scorers:
+            g[f"{model}:chosen"].append(scores[model][2 * n])
+            g[f"{model}:rejected"].append(scores[model][2 * n + 1])
     table = {}
     for name, g in sorted(groups.items()):
         ref = [c - r for c, r in zip(g["reference:chosen"], g["reference:rejected"])]
-        entry = {"rows": len(ref), "corrects_base": sum(m < 0 for m in ref), "reference_margin": _mean(ref),
+        entry = {"rows": len(ref), "rows_trained": sum(g["repeats"]), "corrects_base": sum(m < 0 for m in ref),
+                 "reference_margin": _mean(ref),
                  "by": dict(details[name].most_common())}
         for model in scorers:
             if model == "reference":
@@ -323,11 +339,11 @@ def render(results: list[dict[str, Any]], command: str) -> str:
                   "\"corrects\": rows where the reference prefers the rejected reply (the base model does the planted thing); "
                   "\"SFT/DPO fixed\": of those rows, how many the trained model now answers the chosen way.", ""]
         trained = [m for m in ("SFT", "DPO", "KTO") if any(f"{m}_margin" in g for g in res["groups"].values())]
-        head = ["behaviour", "rows", "corrects", "reference margin"] + [f"{m} margin" for m in trained] + \
+        head = ["behaviour", "rows", "rows trained (repeats)", "corrects", "reference margin"] + [f"{m} margin" for m in trained] + \
                [f"{m} fixed" for m in trained] + (["DPO implicit reward margin"] if "DPO" in trained else [])
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for name, g in res["groups"].items():
-            cells = [name, str(g["rows"]), str(g["corrects_base"]), _fmt(g["reference_margin"])]
+            cells = [name, str(g["rows"]), str(g["rows_trained"]), str(g["corrects_base"]), _fmt(g["reference_margin"])]
             cells += [_fmt(g.get(f"{m}_margin")) for m in trained]
             cells += ["{}/{}".format(*g[f"{m}_prefers_chosen_of_corrections"]) for m in trained]
             if "DPO" in trained:

@@ -72,6 +72,7 @@ from flipguard.pipeline.fingerprints import (
     stage_runs_problem,
 )
 from flipguard.pipeline.grid import GRID_HELP, GRID_STAGE, GridPlan, print_grid
+from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON
 from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
 from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.pipeline.view import VIEW_FILE, check_page, write_view
@@ -480,6 +481,12 @@ def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = p
     protocols = comparison_csv.with_name("comparison_protocols.csv")
     if protocols.is_file():
         print_protocols_table(pd.read_csv(protocols), print_fn)
+    truth = comparison_csv.with_name(GROUND_TRUTH_JSON)
+    if truth.is_file():
+        conditions = json.loads(truth.read_text(encoding="utf-8"))["conditions"]
+        width = max(len(name) for name in conditions) + 2
+        print_fn("\nAgainst the planted profile (organism.json; the rule and every check: compare/comparison.md):\n"
+                 + "\n".join(f"{name + ':':<{width}}{c['verdict']}" for name, c in conditions.items()))
 
 
 def print_protocols_table(frame, print_fn: Callable[[str], None] = print) -> None:

@@ -450,7 +450,7 @@ class StudyPlan:
                                       cmp["reports"], PairRules.from_args(self.pairs), n_boot=self.plan.eval_plan_n_boot,
                                       capability=self.out / "capability" / CAPABILITY_UNITS)
             write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs), protocol_runs=self.protocol_runs,
-                             transfer=transfer)
+                             transfer=transfer, n_boot=self.plan.eval_plan_n_boot)
 
         def recorded() -> dict[str, Any]:
             # every evaluated cell's role (trained-on / held-out / cross-protocol / untargeted), beside the stages

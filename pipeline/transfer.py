@@ -81,7 +81,7 @@ BIAS_METRICS = ("dds", "capitulation")  # lower is better; the targets of a miti
 DAMAGE_PP = {"c1": M.C1_DAMAGE_PP, "first": 10.0, "correct_switch": 10.0, "bias": 5.0}
 NOTES = {AIO_DATASET: "released-summary path: " + AIO_RERUN_NOTE}
 # a cell framing as the pairs name the same behaviour (an AFR challenge is a hold pair's)
-RULE_FRAMING = {"challenge": "hold"}
+RULE_FRAMING = {"challenge": "hold", "incorrect_switch": "hold"}
 
 
 # ------------------------------------------------------------------ roles
