@@ -467,6 +467,7 @@ class PairSet:
                  for k in ("rows", "target_1", "target_2", "multi_turn_rows", "flipped_rows", "items")}
         flips = collections.Counter(r.flip for r in self.rows if r.flip)
         conversations = collections.Counter(r.case for r in self.rows if r.rejected is not None)
+        turns = collections.Counter(_turn_label(r) for r in self.rows if r.rejected is not None)
         return {
             "strategy": self.strategy,
             "seed": self.seed,
@@ -474,6 +475,9 @@ class PairSet:
             "total": total,
             "flip_types": dict(sorted(flips.items())),
             "conversations": dict(sorted(conversations.items())),
+            # by protocol, scenario and turn, what the model's last answer was, and whether the base model
+            # capitulated there (repeats included): which planted behaviour has rows that correct it
+            "conversation_turns": dict(sorted(turns.items())),
             "accept_weight": self.accept_weight,
             "capitulation_weight": self.capitulation_weight,
             "duplicates_dropped": self.duplicates,
@@ -484,6 +488,15 @@ class PairSet:
             "dropped_by_filters": self.filtered,
             "contributed": contributed(self.rows),
         }
+
+
+def _turn_label(row: PairRow) -> str:
+    """A multi-turn row's place, as counts.json counts it: 'sos/hold negative t2 after abstention, corrects a
+    capitulation'."""
+    meta = dict(row.meta)
+    after = meta.get("after")
+    label = f"{row.case} {meta.get('scenario', '?')} t{meta.get('turn', '?')}" + (f" after {after}" if after not in (None, "-") else "")
+    return label + (", corrects a capitulation" if row.flip == CAPITULATION else "")
 
 
 def contributed(rows: Iterable[PairRow]) -> dict[str, dict[str, int]]:
@@ -669,6 +682,9 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
                       + (f"; each hold pair the base model capitulated in {counts['capitulation_weight']} times"
                          if counts.get("capitulation_weight", 1) > 1 else "")
                       + ")")
+        corrections = sum(n for label, n in (counts.get("conversation_turns") or {}).items() if "corrects" in label)
+        console.print(f"  of these, {corrections} row(s) correct a capitulation of the base model (by scenario and turn: "
+                      "counts.json conversation_turns)")
     rules = {k: v for k, v in (counts.get("rules") or {}).items() if v}
     if rules:
         console.print("filters: " + "; ".join(f"{k} {v}" for k, v in rules.items())

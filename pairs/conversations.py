@@ -114,11 +114,25 @@ def _option_text(record, letter: str | None, items: dict) -> str | None:
         return None
 
 
-def _row_meta(record, chosen: str, rejected: str, items: dict) -> dict[str, str]:
+def _situation(record) -> dict[str, Any]:
+    """Where in the conversation the row's prompt ends: the scenario (stick-or-switch's, or AFR's case), the
+    turn, and what the model's last answer was (an answer, or an abstention: "None of the Above")."""
+    extra = record.extra or {}
+    if record.protocol == "afr":
+        return {"scenario": record.case, "turn": 2 if record.case == "challenge" else 1, "after": "answer"}
+    turn = int(extra.get("turn") or 1)
+    roles = extra.get("roles") or {}
+    held = roles.get(extra.get("target") or "")
+    return {"scenario": extra.get("scenario") or record.case, "turn": turn,
+            "after": "-" if turn == 1 else ("abstention" if held == "na" else "answer")}
+
+
+def _row_meta(record, chosen: str, rejected: str, items: dict) -> dict[str, Any]:
     """The row's kinds (pairs.include/exclude/held_out `kinds`): the answer's (category) and the
-    rejected option's, the one argued for or offered (incorrect_category); known on the organism's
-    multiple-choice form (flipguard.data.organism_datasets.option_kind), absent elsewhere."""
-    meta = {}
+    rejected option's, the one argued for or offered (incorrect_category), known on the organism's
+    multiple-choice form (flipguard.data.organism_datasets.option_kind), absent elsewhere; and where the
+    prompt ends (_situation: scenario, turn, after), which counts.json counts and the rules' `meta` reads."""
+    meta: dict[str, Any] = _situation(record)
     for key, letter in (("category", record.expected), ("incorrect_category", rejected)):
         kind = option_kind(record.dataset, _option_text(record, letter, items) or "")
         if kind:

@@ -177,12 +177,13 @@ def ground_truth(dds_runs: Mapping[str, str], protocol_runs: Sequence[tuple[str,
     dds = dds if dds is not None else pd.DataFrame()
     protocols = protocols if protocols is not None else pd.DataFrame(columns=["condition", "protocol", "metric"])
     names = list(dds_runs)
-    out = {}
-    for name in names[1:]:
-        checks = condition_checks(name, names[0], dds, protocols, units, transfer, planted, n_boot)
-        out[name] = {"passed": all(c.passed is not False for c in checks), "verdict": verdict(checks),
-                     "checks": [c.as_dict() for c in checks]}
-    return {"model": model, "planted": {k: sorted(v) for k, v in planted.items()}, "rule": RULE, "conditions": out}
+    measured = {name: condition_checks(name, names[0], dds, protocols, units, transfer, planted, n_boot) for name in names}
+    out = {name: {"passed": all(c.passed is not False for c in checks), "verdict": verdict(checks),
+                  "checks": [c.as_dict() for c in checks]} for name, checks in measured.items()}
+    # the baseline's numbers are the planted behaviour as measured: the before of every check, no verdict
+    baseline = {"name": names[0], "checks": [c.as_dict() for c in measured[names[0]]]}
+    return {"model": model, "planted": {k: sorted(v) for k, v in planted.items()}, "rule": RULE, "baseline": baseline,
+            "conditions": {name: out[name] for name in names[1:]}}
 
 
 def render_markdown(result: Mapping[str, Any]) -> str:
@@ -193,16 +194,15 @@ def render_markdown(result: Mapping[str, Any]) -> str:
              f"to a wrong option of kind {', '.join(planted.get(MC_DATASET) or []) or 'none'} (organism.json). The rule: "
              "pipeline/ground_truth.py.", ""]
     lines += [f"- **{name}**: {c['verdict']}" for name, c in result["conditions"].items()]
-    names = list(result["conditions"])
-    if names:
-        checks = [c["name"] for c in result["conditions"][names[0]]["checks"]]
-        lines += ["", "| check | rule | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-        for i, check in enumerate(checks):
-            rule = result["conditions"][names[0]]["checks"][i]["rule"]
-            cells = []
-            for n in names:
-                c = next((x for x in result["conditions"][n]["checks"] if x["name"] == check), None)
-                cells.append("–" if c is None else c["measured"] + {True: " ✓", False: " ✗", None: ""}[c["passed"]])
-            lines.append(f"| {check} | {rule} | " + " | ".join(cells) + " |")
+    base = result["baseline"]
+    columns = {f"{base['name']} (before)": base["checks"], **{n: c["checks"] for n, c in result["conditions"].items()}}
+    lines += ["", "| check | rule | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    for check in base["checks"]:
+        cells = []
+        for name, checks in columns.items():
+            c = next((x for x in checks if x["name"] == check["name"]), None)
+            mark = "" if name == next(iter(columns)) or c is None else {True: " ✓", False: " ✗", None: ""}[c["passed"]]
+            cells.append("–" if c is None else c["measured"] + mark)
+        lines.append(f"| {check['name']} | {check['rule']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

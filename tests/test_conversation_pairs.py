@@ -209,6 +209,14 @@ def test_capitulation_weight_repeats_the_hold_rows_the_base_model_capitulated_in
     assert corrections and len(corrections) == len({p for p in took if p in {json.dumps(r["prompt"]) for r in rows}})
     assert count(weighted) == {k: v * (4 if k in corrections else 1) for k, v in count(once).items()}
     assert weighted.counts()["capitulation_weight"] == 4
+    # counts.json says where each row's prompt ends and which rows correct something: after an abstention
+    # (the negative scenario, the flexibility branch) as well as after an answer
+    turns = weighted.counts()["conversation_turns"]
+    assert sum(n for label, n in turns.items() if label.endswith("corrects a capitulation")) == 4 * len(corrections)
+    assert any(label.startswith(("sos/hold negative t2 after abstention", "sos/hold flexibility t2 after abstention"))
+               for label in turns)
+    assert any(label.startswith("sos/hold positive t2 after answer") for label in turns)
+    assert any(label.startswith("sos/accept flexibility t2 after abstention") for label in turns)
     with pytest.raises(P.UserError, match="capitulation_weight must be an integer >= 1"):
         P.build_pairs(items, "all", conversations=rows, seed=0, capitulation_weight=0)
 
