@@ -16,8 +16,9 @@ import pytest
 import torch
 from even_items import even_items
 
+from flipguard.config import trainer_entry
 from flipguard.pairs import builder as P
-from flipguard.train import memory, packing, tokenized, utils
+from flipguard.train import dpo, memory, packing, tokenized, utils
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BOUND = 1800  # subprocess hang guard only
@@ -130,7 +131,7 @@ def build_trainer(kind, path, dataset, tmp_path, **config):
         return SFTTrainer(model=path, args=SFTConfig(completion_only_loss=True, **common), train_dataset=dataset,
                           processing_class=tok, peft_config=peft_config)
     if kind == "dpo":
-        return tokenized.dpo_trainer_class()(model=path, ref_model=None, train_dataset=dataset, processing_class=tok,
+        return dpo.dpo_trainer_class()(model=path, ref_model=None, train_dataset=dataset, processing_class=tok,
                                             args=DPOConfig(beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
                                                            **common), peft_config=peft_config)
     from trl import KTOTrainer
@@ -188,7 +189,7 @@ def test_packed_forwards_with_4bit_base_and_recomputed_layers_give_trls_gradient
     args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=8,
                      bf16=False, fp16=False, gradient_checkpointing=True, beta=0.1)
     args.model_init_kwargs = utils.model_init_kwargs(model_args, args)
-    trainer = tokenized.dpo_trainer_class()(model=tiny_model_path, ref_model=None, args=args,
+    trainer = dpo.dpo_trainer_class()(model=tiny_model_path, ref_model=None, args=args,
                                             train_dataset=pair_sets["dpo"], processing_class=utils.load_tokenizer(tiny_model_path),
                                             peft_config=get_peft_config(model_args),
                                             quantization_config=get_quantization_config(model_args))
@@ -221,14 +222,16 @@ def test_token_columns_are_trls_own_preparation(kind, model, tiny_model_path, or
     path = model_path(model, tiny_model_path, organism_path)
     dataset = pair_sets[kind]
     trainer = build_trainer(kind, path, dataset, tmp_path)  # TRL prepares the raw pairs itself
-    columns = tokenized.token_columns(dataset, utils.load_tokenizer(path), kind)
-    for name in tokenized.TOKEN_COLUMNS[kind]:
+    declared = trainer_entry(kind, "test")  # the trainer's own declaration: its pair set and token columns
+    columns = tokenized.token_columns(dataset, utils.load_tokenizer(path), declared)
+    assert set(columns) == set(declared.token_columns)
+    for name in declared.token_columns:
         assert columns[name] == trainer.train_dataset[name], name
     # and handed over tokenized, TRL keeps them as they are
     ours = tokenized.with_token_columns(dataset, columns, utils.load_tokenizer(path))
     config = {"dataset_kwargs": {"skip_prepare_dataset": True}} if kind == "sft" else {}
     again = build_trainer(kind, path, ours, tmp_path / "again", **config)
-    for name in tokenized.TOKEN_COLUMNS[kind]:
+    for name in declared.token_columns:
         assert again.train_dataset[name] == columns[name]
 
 

@@ -1,5 +1,5 @@
 """How a trainer spends its device, decided and recorded in one place (the recipe's
-`prefix_sharing` and `memory_budget`, config.TrainingSpeedArguments):
+`prefix_sharing` and `memory_budget`, config/arguments.py TrainingSpeedArguments):
 
 - `plan_memory` (before the trainer exists): under a GPU memory budget, the micro-batch,
   accumulation and recomputed layers (train/memory.py), the effective batch kept;
@@ -31,21 +31,22 @@ def on_gpu(training_args) -> bool:
     return torch.cuda.is_available() and not training_args.use_cpu
 
 
-def sample_tokens(lengths: dict[str, list[int]], trainer: str, packed: bool) -> tuple[list[int], int]:
-    """Per sample of the trainer's batch, the tokens its forward with gradients holds, and how
-    many padded rows a sample takes (DPO: chosen and rejected; packed, they share the prompt)."""
-    if "completion" in lengths:
-        return list(lengths["completion"]), 1
-    chosen, rejected, prompt = lengths["chosen"], lengths["rejected"], lengths["prompt"]
-    if trainer == "dpo":
+def sample_tokens(lengths: dict[str, list[int]], concatenated_forward: bool, packed: bool) -> tuple[list[int], int]:
+    """Per sample of the trainer's batch, the tokens its forward with gradients holds, and how many
+    padded rows a sample takes. A trainer whose forward takes a pair's replies together (DPO's chosen
+    and rejected, Trainer.concatenated_forward) has a row per reply, and packed they share the
+    prompt; any other has each reply as a sample of its own (KTO; SFT's one completion)."""
+    prompt = lengths["prompt"]
+    replies = [seqs for col, seqs in lengths.items() if col != "prompt"]
+    if concatenated_forward and len(replies) > 1:
         if packed:
-            return [c + r - p for c, r, p in zip(chosen, rejected, prompt)], 2
-        return [max(c, r) for c, r in zip(chosen, rejected)], 2
-    return [max(c, r) for c, r in zip(chosen, rejected)], 1  # unpaired: each reply its own sample
+            return [sum(r) - (len(r) - 1) * p for p, *r in zip(prompt, *replies)], len(replies)
+        return [max(r) for r in zip(*replies)], len(replies)
+    return [max(r) for r in zip(*replies)], 1
 
 
 def plan_memory(speed_args, training_args, model_args, model_path: str, lengths: dict[str, list[int]],
-                trainer: str) -> dict[str, Any]:
+                concatenated_forward: bool) -> dict[str, Any]:
     """Under `memory_budget` on a GPU: set micro-batch, accumulation and gradient checkpointing in
     training_args from memory.plan; returns the record (the plan, or why none was made)."""
     if str(speed_args.memory_budget or "").strip().lower() in ("", "none", "off"):
@@ -63,7 +64,7 @@ def plan_memory(speed_args, training_args, model_args, model_path: str, lengths:
     trainable_bytes = 4 if training_args.fp16 or compute_bytes == 4 else 2
     shape = memory.Shape.of(AutoConfig.from_pretrained(model_path), model_args, compute_bytes, trainable_bytes)
     packed = bool(speed_args.prefix_sharing)
-    tokens, rows = sample_tokens(lengths, trainer, packed)
+    tokens, rows = sample_tokens(lengths, concatenated_forward, packed)
     effective = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
     chosen = memory.plan(shape, budget, effective, tokens, sum(tokens) / max(len(tokens), 1), packed, rows)
     recipe = {"per_device_train_batch_size": training_args.per_device_train_batch_size,
