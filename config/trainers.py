@@ -7,7 +7,7 @@ dpo.py, kto.py) are declared in pyproject.toml exactly as a user's package decla
 (examples/orpo_trainer/: ORPO, outside the package):
 
     [project.entry-points."flipguard.trainers"]
-    orpo = "flipguard_orpo:TRAINER"
+    mytrainer = "my_package.my_module:TRAINER"
 
 Its name is its recipe section, its command `flipguard <name>` and its study stages (<name>,
 <name>-merge, <name>-eval). Everything about it that the recipe parser, the pair sets, the
