@@ -386,9 +386,10 @@ def test_a_cpu_study_launches_its_trainers_when_the_accelerate_config_asks_for_s
 
 def test_kto_trains_on_two_processes_with_its_kl_term_per_process(tiny_model_path, pairs_dir, tmp_path):
     """The third registered trainer on 2 processes, launched as a study launches a trainer stage
-    (`accelerate launch -m flipguard kto`): one adapter from rank 0, the layout in its provenance. Not compared with the 1-process run step for step: KTO estimates its KL term from
-    the other replies of each process's own batch (2 rows here, 4 in one process), so the two
-    layouts optimise different estimates by design (TRL's KTOTrainer does the same on GPUs)."""
+    (`accelerate launch -m flipguard kto`): one adapter from rank 0, the layout in its provenance.
+    Not compared with the 1-process run step for step: KTO estimates its KL term from the other
+    replies of each process's own batch (2 rows here, 4 in one process), so the two layouts
+    optimise different estimates by design (TRL's KTOTrainer does the same on GPUs)."""
     one, two, log = train_both_layouts("kto", tiny_model_path, pairs_dir, tmp_path, as_study=True)
     assert (one["num_processes"], two["num_processes"]) == (1, 2)
     assert two["distributed_backend"] == "gloo" and one["effective_batch_size"] == two["effective_batch_size"] == 4
