@@ -273,6 +273,38 @@ def test_scripts_log_the_same_losses_with_and_without_prefix_sharing(kind, tiny_
     assert on["pairs_fingerprint"] == load_from_disk(str(pairs / ("sft" if kind == "sft" else "dpo")))._fingerprint
 
 
+@pytest.mark.parametrize("fault", ["trl calls no fused head", "eager attention"])
+def test_packing_that_cannot_engage_trains_on_trls_layout_records_why_and_says_so(fault, tiny_model_path, tmp_path,
+                                                                                   capsys, monkeypatch):
+    """Prefix sharing that cannot engage is never recorded on: as if TRL's SFTTrainer stopped calling
+    the fused LM head packing takes over (its loss through the model's own forward instead,
+    transformers.Trainer.compute_loss), or with an attention implementation packing does not run
+    (eager). The training runs on TRL's own layout, flipguard_training.json says `on: false` and
+    why, and the console says it in one line."""
+    from transformers import Trainer
+    from trl import SFTTrainer
+
+    from flipguard.train import sft
+
+    flags = []
+    if fault == "trl calls no fused head":
+        monkeypatch.setattr(SFTTrainer, "compute_loss", Trainer.compute_loss)
+        why = "the trainer made no fused-LM-head forward with labels (TRL did not call what packing takes over)"
+    else:
+        flags = ["--attn_implementation", "eager"]
+        why = "attention implementation 'eager' (packing runs sdpa block by block)"
+    pairs, out = tmp_path / "pairs", tmp_path / "sft"
+    P.write_pairs(P.build_pairs(even_items(6, "n"), "all", seed=0), pairs)
+    argv = [str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"), "--model_name_or_path", tiny_model_path,
+            "--pairs_dir", str(pairs), "--output_dir", str(out), "--max_steps", "2", "--logging_steps", "1",
+            "--report_to", "none", *flags]
+    assert sft.main(argv) == 0
+    sharing = json.loads((out / "flipguard_training.json").read_text())["speed"]["prefix_sharing"]
+    assert sharing["on"] is False and sharing["why"] == why and sharing.get("packed_forwards", 0) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefix sharing")]
+    assert said == [f"prefix sharing off: {why}; trained with TRL's own layout (recorded in flipguard_training.json)"]
+
+
 # ---------------------------------------------------------------------------- the memory plan
 
 # bench/gpu/run.sh at c90e646 on one H100 80 GB (../shared/measurements/gpu_h100_2026-11-27.json): the

@@ -80,6 +80,9 @@ def test_a_study_trains_merges_and_measures_the_plugin_trainer_by_name(site, tmp
     provenance = json.loads((out / "train" / "orpo" / "flipguard_training.json").read_text())
     assert provenance["trainer"] == "orpo" and provenance["pairs_rows"] >= 1
     assert provenance["pairs_tokenized_by"] == "trl"  # it declares no token columns: TRL tokenizes
+    # ORPO scores full logits, not through TRL's fused LM head: prefix sharing is recorded off, and why
+    sharing = provenance["speed"]["prefix_sharing"]
+    assert sharing["on"] is False and sharing["why"].startswith("the model has no TRL fused LM head")
     losses = [h["loss"] for h in provenance["log_history"] if "loss" in h]
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
     assert json.loads((out / "dds" / "orpo-eval" / "run.json").read_text())["model"] == str(out / "models" / "orpo-merged")

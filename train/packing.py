@@ -213,6 +213,12 @@ class PackingStats:
     def skip(self, reason: str) -> None:
         self.unpacked_forwards[reason] = self.unpacked_forwards.get(reason, 0) + 1
 
+    def why_none(self) -> str:
+        """Why no forward was packed, for a training that ran on TRL's layout throughout."""
+        if not self.unpacked_forwards:
+            return "the trainer made no fused-LM-head forward with labels (TRL did not call what packing takes over)"
+        return "no forward was packed (" + ", ".join(f"{n} x {why}" for why, n in sorted(self.unpacked_forwards.items())) + ")"
+
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = dataclasses.asdict(self)
         if self.packed_tokens:
@@ -224,8 +230,22 @@ class PackingStats:
 ATTENTION = "flipguard_blocks"
 
 
+def has_fused_lm_head(model) -> bool:
+    """TRL gave the model its fused LM head (trl.trainer.utils.add_fused_lm_head: a forward taking
+    `fused_lm_head=True`), the forward packing takes over."""
+    import inspect
+
+    try:
+        return "fused_lm_head" in inspect.signature(model.forward, follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def refusal(model) -> str | None:
     """Why this model's forwards cannot be packed (None: they can)."""
+    if not has_fused_lm_head(model):
+        return ("the model has no TRL fused LM head (the trainer scores full logits, or this TRL does not "
+                "add one): packing takes over that forward only")
     config = getattr(model, "config", None)
     kind = getattr(config, "_attn_implementation", None)
     if kind not in ("sdpa", ATTENTION):

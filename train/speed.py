@@ -79,7 +79,9 @@ def plan_memory(speed_args, training_args, model_args, model_path: str, lengths:
 
 def apply(trainer, speed_args, plan: dict[str, Any]) -> dict[str, Any]:
     """Prefix sharing on the trainer's models and the planned gradient checkpointing; returns the
-    running record (its packing counts fill in as the trainer runs)."""
+    running record (its packing counts fill in as the trainer runs). Where packing cannot engage
+    (packing.refusal: an attention implementation it does not support, a model TRL gave no fused LM
+    head) nothing is installed, the trainer runs TRL's own layout, and one line says so."""
     record: dict[str, Any] = {"memory_plan": plan}
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     bases = [m.get_base_model() if hasattr(m, "get_base_model") else m for m in models]
@@ -92,6 +94,7 @@ def apply(trainer, speed_args, plan: dict[str, Any]) -> dict[str, Any]:
     why = packing.refusal(bases[0])
     if why is not None:
         record["prefix_sharing"] = {"on": False, "why": why}
+        say_off(why)
         return record
     stats = packing.PackingStats()
     for base in bases:
@@ -101,9 +104,23 @@ def apply(trainer, speed_args, plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def record(speed: dict[str, Any]) -> dict[str, Any]:
-    """The JSON form of `apply`'s record, once the trainer has run (its packing counts)."""
+    """The JSON form of `apply`'s record, once the trainer has run (its packing counts). Sharing is
+    `on` only where packed forwards were counted: installed but never reached (a TRL whose trainer no
+    longer calls the fused LM head it hooks, every batch left-padded ...) it is recorded off, with why,
+    and one line says so."""
     sharing = dict(speed.get("prefix_sharing") or {})
     stats = sharing.pop("stats", None)
     if stats is not None:
         sharing.update(stats.summary())
+        if not stats.packed_forwards:
+            sharing.update(on=False, why=stats.why_none())
+            say_off(sharing["why"])
     return {**speed, "prefix_sharing": sharing}
+
+
+def say_off(why: str) -> None:
+    """The one console line (main process) of a training whose prefix sharing did not engage."""
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(f"prefix sharing off: {why}; trained with TRL's own layout (recorded in flipguard_training.json)", flush=True)
