@@ -165,7 +165,7 @@ def test_packed_forwards_give_trls_losses_gradients_and_metrics(kind, model, tin
     rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset) - 8, len(trainer.train_dataset))]
     batch = trainer.data_collator(rows)  # the last rows: the multi-turn pairs and DDS rows together
     loss0, grads0, metrics0 = loss_and_grads(trainer, batch)
-    stats = packing.install(trainer.model.get_base_model())
+    stats = packing.install(trainer.model)  # the model TRL calls
     loss1, grads1, metrics1 = loss_and_grads(trainer, batch)
     assert stats.packed_forwards >= 1 and not stats.unpacked_forwards
     assert stats.packed_tokens < stats.real_tokens <= stats.padded_tokens
@@ -204,9 +204,10 @@ def test_packed_forwards_with_4bit_base_and_recomputed_layers_give_trls_gradient
             param.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
     loss0, grads0, _ = loss_and_grads(trainer, batch)
-    packing.install(base)
+    packing.install(trainer.model)
     loss1, grads1, _ = loss_and_grads(trainer, batch)
-    # TRL turned checkpointing off and on around its reference forward: still the first layer only
+    # TRL turned checkpointing off and on around its reference forward (trl.models.utils.
+    # disable_gradient_checkpointing, which sets every layer): still the first layer only
     assert [layer.gradient_checkpointing for layer in base.model.layers] == [True, False]
     assert abs(loss1.item() - loss0.item()) <= 1e-5
     for name in grads0:
@@ -303,6 +304,32 @@ def test_packing_that_cannot_engage_trains_on_trls_layout_records_why_and_says_s
     assert sharing["on"] is False and sharing["why"] == why and sharing.get("packed_forwards", 0) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefix sharing")]
     assert said == [f"prefix sharing off: {why}; trained with TRL's own layout (recorded in flipguard_training.json)"]
+
+
+def test_a_trl_outside_the_tested_range_leaves_flipguards_patches_off_and_says_so():
+    """The private TRL internals flipguard touches (train/compat.py), checked against the installed
+    version: the one here is tested; as if TRL 1.17.0 were installed (a fresh process, its version as
+    importlib.metadata reports it), neither is touched, each fallback is one line naming the version
+    found and the range tested, and DPO's pairs go to TRL untokenized."""
+    from flipguard.train import compat
+
+    assert compat.OUTSIDE == {}
+    code = ("import importlib.metadata as metadata\n"
+            "real = metadata.version\n"
+            "metadata.version = lambda package: '1.17.0' if package == 'trl' else real(package)\n"
+            "from flipguard.train import compat, dpo, utils\n"
+            "print(sorted(compat.OUTSIDE), dpo.TRAINER.tokenize, dpo.dpo_trainer_class().__module__)\n"
+            "print(utils.score_labelled_positions_only().startswith('trl default (trl 1.17.0: '))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=BOUND)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == ["['dpo_prepare_dataset', 'trl_use_triton'] None trl.trainer.dpo_trainer", "True"]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("flipguard: ")]
+    assert said == [
+        "flipguard: trl 1.17.0: DPOTrainer._prepare_dataset is overridden (a pair set flipguard tokenized is taken as "
+        "prepared) only on trl >=1.15.0,<1.17; here TRL tokenizes the DPO pairs itself",
+        "flipguard: trl 1.17.0: trl.trainer.utils._use_triton is wrapped (TRL's fused LM head scores only the labelled "
+        "positions on CPU too) only on trl >=1.16.0,<1.17; here the head scores every position on CPU (TRL's own path: "
+        "slower, the same losses)"]
 
 
 # ---------------------------------------------------------------------------- the memory plan

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from flipguard.config import Trainer
-from flipguard.train import tokenized, utils
+from flipguard.train import compat, tokenized, utils
 
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -38,9 +38,14 @@ def dpo_columns(prompt_ids, full) -> dict[str, list[list[int]]]:
 def dpo_trainer_class():
     """TRL's DPOTrainer taking a pair set tokenized here as prepared. DPOTrainer has no public
     switch to skip its preparation (SFT's `dataset_kwargs.skip_prepare_dataset`), so this overrides
-    its `_prepare_dataset`; the versions it is tested on: docs/training.md, checked by
-    train/compat.py. Any other dataset goes through TRL's own preparation as before."""
+    its `_prepare_dataset`, on the TRL versions it is tested on (train/compat.py); on another, TRL's
+    own DPOTrainer (and TRAINER declares no token columns). Any other dataset goes through TRL's own
+    preparation as before."""
     from trl import DPOTrainer
+
+    if not compat.within("dpo_prepare_dataset"):
+        compat.note("dpo_prepare_dataset")
+        return DPOTrainer
 
     class TokenizedDPOTrainer(DPOTrainer):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name: str) -> Any:
@@ -61,8 +66,11 @@ def main(argv: list[str], prog: str = "train/dpo.py") -> int:
     return utils.train_and_save(trainer, job)
 
 
-TRAINER = Trainer(name="dpo", config="trl:DPOConfig", pairs="dpo", main=main, label="DPO", help="LoRA DPO from a recipe (same as python train/dpo.py RECIPE)",
-                  tokenize=dpo_columns, token_columns=TOKEN_COLUMNS, concatenated_forward=True, order=20)
+# the pair set tokenized once where TRL takes it as prepared (dpo_trainer_class), else by TRL itself
+TOKENIZED = compat.within("dpo_prepare_dataset")
+TRAINER = Trainer(name="dpo", config="trl:DPOConfig", pairs="dpo", main=main, label="DPO",
+                  help="LoRA DPO from a recipe (same as python train/dpo.py RECIPE)", concatenated_forward=True, order=20,
+                  tokenize=dpo_columns if TOKENIZED else None, token_columns=TOKEN_COLUMNS if TOKENIZED else ())
 
 
 if __name__ == "__main__":

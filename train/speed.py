@@ -3,7 +3,7 @@
 
 - `plan_memory` (before the trainer exists): under a GPU memory budget, the micro-batch,
   accumulation and recomputed layers (train/memory.py), the effective batch kept;
-- `apply` (after it exists, before it trains): prefix sharing on the model's forwards
+- `apply` (after it exists, before it trains): prefix sharing on the forwards TRL calls
   (train/packing.py) and gradient checkpointing on the planned layers only;
 - what ran goes into flipguard_training.json under "speed" (`record`).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from flipguard.train import memory, packing
+from flipguard.train import compat, memory, packing
 
 # set before CUDA starts: the caching allocator grows segments instead of keeping one per size,
 # so micro-batches of changing lengths do not fragment the card
@@ -86,8 +86,11 @@ def apply(trainer, speed_args, plan: dict[str, Any]) -> dict[str, Any]:
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     bases = [m.get_base_model() if hasattr(m, "get_base_model") else m for m in models]
     if plan.get("checkpointed_layers") is not None and not plan.get("as_recipe"):
-        for base in bases:
-            memory.checkpoint_first_layers(base, plan["checkpointed_layers"])
+        if compat.within("first_layers_checkpointing"):
+            for base in bases:
+                memory.checkpoint_first_layers(base, plan["checkpointed_layers"])
+        else:
+            plan["checkpointed_layers_run"] = f"every layer ({compat.note('first_layers_checkpointing')})"
     if not speed_args.prefix_sharing:
         record["prefix_sharing"] = {"on": False, "why": "prefix_sharing: false"}
         return record
@@ -97,8 +100,8 @@ def apply(trainer, speed_args, plan: dict[str, Any]) -> dict[str, Any]:
         say_off(why)
         return record
     stats = packing.PackingStats()
-    for base in bases:
-        packing.install(base, stats)
+    for model in models:  # the objects TRL calls (a PEFT model, or the causal LM itself)
+        packing.install(model, stats)
     record["prefix_sharing"] = {"on": True, "stats": stats}
     return record
 

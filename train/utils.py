@@ -34,7 +34,7 @@ from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, cl
 from flipguard.runtime.adapters import PROVENANCE_FILE
 from flipguard.runtime.resolve import resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
-from flipguard.train import speed, tokenized
+from flipguard.train import compat, speed, tokenized
 
 log = logging.getLogger("flipguard.train")
 
@@ -125,7 +125,8 @@ def prepare(argv: list[str], trainer: Trainer, prog: str, check: Callable[[Any],
                         {"trainer": trainer.name, "base_model": model_path, "lm_head_scores": score_labelled_positions_only(),
                          "pairs_fingerprint": fingerprint,
                          "pairs_tokenized_by": "flipguard" if trainer.tokenize is not None else "trl",
-                         "cuda_alloc_conf": allocator, **process_layout(training_args)})
+                         "cuda_alloc_conf": allocator, "library_checks": dict(compat.OUTSIDE),
+                         **process_layout(training_args)})
     run = init_tracking(training_args, tracking_args, config, trainer.name)
     training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
     return Job(pairs_args, training_args, model_args, tracking_args, model_path, tokenizer, dataset, config, run,
@@ -369,7 +370,11 @@ def score_labelled_positions_only() -> str:
     projects every position of every sequence (one tile shape, so that Neuron compiles once):
     on CPU that was 85% of an SFT step's time on the organism (15 SFT steps: train_runtime
     81 s -> 12 s; 8 DPO steps: 74 s -> 6 s; the same losses). tests/test_train.py checks the
-    log-probs against TRL's own path. Returns what the head computes, for the provenance."""
+    log-probs against TRL's own path. TRL offers no public switch: its private `_use_triton` is
+    wrapped, on the TRL versions it is tested on only (train/compat.py). Returns what the head
+    computes, for the provenance."""
+    if not compat.within("trl_use_triton"):
+        return f"trl default ({compat.note('trl_use_triton')})"
     import trl.trainer.utils as trl_utils
 
     original = getattr(trl_utils, "_use_triton", None)
