@@ -15,14 +15,15 @@ from __future__ import annotations
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-# name -> (package, lowest version tested, first version not tested, what flipguard does, what happens outside)
+# name -> (package, lowest version tested, first version not tested, what flipguard does, what happens outside);
+# the lowest tested is pyproject.toml's floor (.ci/floors runs the tests there), the highest what dev installs
 PRIVATE = {
     "trl_use_triton": (
         "trl", "1.16.0", "1.17",
         "trl.trainer.utils._use_triton is wrapped (TRL's fused LM head scores only the labelled positions on CPU too)",
         "the head scores every position on CPU (TRL's own path: slower, the same losses)"),
     "dpo_prepare_dataset": (
-        "trl", "1.15.0", "1.17",
+        "trl", "1.16.0", "1.17",
         "DPOTrainer._prepare_dataset is overridden (a pair set flipguard tokenized is taken as prepared)",
         "TRL tokenizes the DPO pairs itself"),
     "first_layers_checkpointing": (
