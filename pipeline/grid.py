@@ -34,7 +34,7 @@ from typing import Any, Callable
 import pandas as pd
 import yaml
 
-from flipguard.config import TRAINERS, did_you_mean, recipe_keys, validate_recipe
+from flipguard.config import did_you_mean, recipe_keys, trainers, validate_recipe
 from flipguard.errors import UserError
 from flipguard.eval.dds.metrics import TOTAL_AVG
 from flipguard.eval.plots import pyplot, save_figure
@@ -91,16 +91,16 @@ def with_values(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _unknown_key_hint(key: str, keys: list[str], trainers: list[str]) -> str:
+def _unknown_key_hint(key: str, keys: list[str], studied: list[str]) -> str:
     """'; did you mean ...?': a section's key named without its section (a trainer's: of the study's
     trainers), else the closest key."""
-    sections = [k for k in keys if k.endswith("." + key) and k.split(".")[0] not in set(TRAINERS) - set(trainers)]
+    sections = [k for k in keys if k.endswith("." + key) and k.split(".")[0] not in set(trainers()) - set(studied)]
     if sections:
         return f"; did you mean {' or '.join(map(repr, sections))}?"
     return did_you_mean(key, keys)
 
 
-def parse_grid(specs: list[str], raw: dict[str, Any], trainers: list[str]) -> list[tuple[str, list[Any]]]:
+def parse_grid(specs: list[str], raw: dict[str, Any], studied: list[str]) -> list[tuple[str, list[Any]]]:
     """[(key, values)] of the --grid options, each checked as the recipe's own value would be
     (config.validate_recipe: type and bounds), a mistake one line naming the option."""
     keys = recipe_keys(raw)
@@ -110,15 +110,15 @@ def parse_grid(specs: list[str], raw: dict[str, Any], trainers: list[str]) -> li
         if not sep or not key or not text:
             raise UserError(f"--grid {spec}: give KEY=V1,V2,... (a recipe key and its values, e.g. --grid dpo.beta=0.1,0.5)")
         if key not in keys:
-            raise UserError(f"--grid {spec}: {key!r} is not a recipe key{_unknown_key_hint(key, keys, trainers)}")
+            raise UserError(f"--grid {spec}: {key!r} is not a recipe key{_unknown_key_hint(key, keys, studied)}")
         section = key.rpartition(".")[0]
         if section in NOT_VARIED:
             raise UserError(f"--grid {spec}: a grid varies the pairs and the training (a trainer's section, pairs:, "
                             f"the top level), not {section}: ({NOT_VARIED[section]}); set it for the whole study instead")
         if key in STUDY_OWN:
             raise UserError(f"--grid {spec}: {key} is the study's own folder")
-        if section in TRAINERS and section not in trainers:
-            raise UserError(f"--grid {spec}: this study trains no {section} (it trains {', '.join(trainers)})")
+        if section in trainers() and section not in studied:
+            raise UserError(f"--grid {spec}: this study trains no {section} (it trains {', '.join(studied)})")
         if key in dict(grid):
             raise UserError(f"--grid {spec}: {key} is given twice; give all its values in one --grid")
         if re.search(r"(^|,)\s*(,|$)", text):  # YAML would drop a trailing one silently
@@ -216,11 +216,11 @@ class GridPlan(StudyPlan):
         for plan in self.variant_plans:
             for trainer in plan.trainers:
                 home = plan.home(trainer)
-                models.setdefault((trainer, home), {"trainer": trainer, "condition": TRAINERS[trainer].label,
+                models.setdefault((trainer, home), {"trainer": trainer, "condition": trainers()[trainer].label,
                                          "values": {k: v for k, v in plan.variant.items() if reaches(k, trainer)},
                                          "compare": str(plan.out / "compare"),
                                          "adapter": str(home / "train" / trainer)})
-        return sorted(models.values(), key=lambda m: list(TRAINERS).index(m["trainer"]))  # a trainer's rows together
+        return sorted(models.values(), key=lambda m: list(trainers()).index(m["trainer"]))  # a trainer's rows together
 
     def grid_stage(self, compares: list[str]) -> Stage:
         folder = self.out / GRID_DIR
