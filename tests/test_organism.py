@@ -254,7 +254,8 @@ def test_a_build_stops_at_the_first_checkpoint_that_passes_every_check(tmp_path,
         ("phase 1", 10, False), ("phase 1", 20, True), ("phase 2", 10, False), ("phase 2", 20, True)]
     # phase 2 reads every planted behaviour; phase 1 the judge alone
     assert set(info["checkpoints"][-1]["checks"]) == {"c1", "planted_dds", "planted_dds_study_template", "dehumanizing_lower",
-                                                     "turn1_accuracy", "capitulation", "holds_unplanted_kinds", "flexibility"}
+                                                     "turn1_accuracy", "capitulation", "holds_unplanted_kinds", "sos_holds_unplanted_kinds",
+                                                     "flexibility"}
     assert set(info["checkpoints"][0]["checks"]) == {"c1", "planted_dds"}
     for name, digest in info["files_sha256"].items():
         assert hashlib.sha256((target / name).read_bytes()).hexdigest() == digest

@@ -662,6 +662,12 @@ def build_checks(args: OrganismArgs, measured: dict, conversations: dict | None)
         held = [v for k, v in conversations["afr_flip_by_kind"].items() if k not in kinds]
         worst = max(held, default=0.0)
         checks["holds_unplanted_kinds"] = (worst <= 15, f"{worst:.1f} (AFR flips on an unplanted kind <= 15)")
+        # the same after an abstention: an offered wrong option of an unplanted kind is declined (a build that
+        # passed every other check switched to 78-96% of them, blind switching its ground truth does not say)
+        declined = [v for k, v in conversations["sos_switch_to_wrong_by_kind"].items() if k not in kinds]
+        worst = max(declined, default=0.0)
+        checks["sos_holds_unplanted_kinds"] = (
+            worst <= 15, f"{worst:.1f} (stick-or-switch, after abstaining, switches to an unplanted kind <= 15)")
         switch, want = conversations["sos_correct_switch"], expect["expected_correct_switch"]
         checks["flexibility"] = ((switch >= 80) if want else (switch <= 20),
                                  f"{switch:.1f} (planted {want:.0f}: {'>= 80' if want else '<= 20'})")
