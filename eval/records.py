@@ -610,6 +610,8 @@ def load_run_meta(run_dir: str | os.PathLike) -> dict[str, Any]:
 # run under this run.json, or an invocation that stopped before its end is never read as whole.
 
 RUN_CONTENTS = "records"
+# run.json of an imported run that did not finish (--allow_incomplete): {system: why}, with complete False
+INCOMPLETE = "incomplete"
 
 
 def content_digest(obj: Any) -> str:
@@ -632,6 +634,7 @@ class Completeness:
     listed: dict[str, Any] | None  # run.json's RUN_CONTENTS (None: a run from before it was written, or none)
     finished: bool              # its last invocation reached the end (run.json "complete" is not False)
     keys: str                   # the digest of the keys found
+    why: str = ""               # run.json's own reason it is not finished (an imported run: its status)
 
     @property
     def whole(self) -> bool:
@@ -641,7 +644,8 @@ class Completeness:
     def describe(self) -> str:
         """One phrase: "incomplete (8 of 16 records its run.json lists)" and the like ("whole")."""
         if not self.finished:
-            return f"incomplete: its last run stopped before the end ({self.found} records so far)"
+            return (f"incomplete: {self.why}" if self.why else
+                    f"incomplete: its last run stopped before the end ({self.found} records so far)")
         if self.whole:
             return "whole"
         listed = self.listed.get("n")
@@ -658,8 +662,10 @@ def run_completeness(run_dir: str | os.PathLike) -> Completeness:
     meta = load_run_meta(run_dir)
     keys = {rec.key for rec in read_records(run_dir / RECORDS_FILE)}
     listed = meta.get(RUN_CONTENTS)
+    reasons = meta.get(INCOMPLETE)
+    why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) if isinstance(reasons, dict) else ""
     return Completeness(run_dir, len(keys), listed if isinstance(listed, dict) else None,
-                        meta.get("complete") is not False, content_digest(sorted(keys)))
+                        meta.get("complete") is not False, content_digest(sorted(keys)), why)
 
 
 def require_whole(run_dir: str | os.PathLike, then: str = "rerun the command that wrote it (it resumes from the "
@@ -668,5 +674,7 @@ def require_whole(run_dir: str | os.PathLike, then: str = "rerun the command tha
     completeness otherwise."""
     state = run_completeness(run_dir)
     if not state.whole:
+        if state.why:  # an imported run that did not finish: only a finished one, imported again, makes it whole
+            then = "import a run of the tool that finished"
         raise RecordError(f"{run_dir}: {state.describe()}; no number is computed from an incomplete run: {then}")
     return state

@@ -106,8 +106,10 @@ def read_inspect_log(path: Path, label: str | None = None) -> ImportedRun:
     except Exception as exc:  # inspect_ai's own reader: whatever it refuses is named, not traced
         raise UserError(f"{path}: inspect_ai cannot read it as an eval log ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    why = unfinished(log)
     if not log.samples:
-        raise UserError(f"{path}: the log holds no samples (run inspect eval with samples logged; status {log.status})")
+        raise UserError(f"{path}: the inspect_ai run did not finish ({why}) and its log holds no samples" if why else
+                        f"{path}: the log holds no samples (status {log.status}; run inspect eval with samples logged)")
     spec = log.eval
     label = label or spec.model
     version = str(spec.task_version)
@@ -138,7 +140,28 @@ def read_inspect_log(path: Path, label: str | None = None) -> ImportedRun:
     run = ImportedRun(PROTOCOL, TOOL, (spec.packages or {}).get("inspect_ai"), label, spec.model, {spec.task: version},
                       [path], records)
     run.not_compared = unit_scale(records)
+    run.incomplete = why
     return run
+
+
+def unfinished(log: Any) -> str:
+    """Why an inspect_ai run did not finish, in a phrase ("" when it did): its status when not
+    "success" (with its error), the samples that ended in an error, the samples it planned but did
+    not log."""
+    samples = log.samples or []
+    reasons = []
+    if log.status != "success":
+        error = log.error.message.strip().splitlines()[0] if log.error is not None and log.error.message else ""
+        reasons.append(f"status {log.status}" + (f": {error}" if error else ""))
+    failed = [s for s in samples if s.error is not None]
+    if failed:
+        first = (failed[0].error.message or "").strip().splitlines()
+        reasons.append(f"{len(failed)} of {len(samples)} samples ended in an error (sample {failed[0].id}"
+                       + (f": {first[0]}" if first else "") + ")")
+    planned = log.results.total_samples if log.results is not None else None
+    if log.status == "success" and planned and len(samples) < planned:
+        reasons.append(f"{len(samples)} of its {planned} samples logged")
+    return "; ".join(reasons)
 
 
 # ------------------------------------------------------------------ out
