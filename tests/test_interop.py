@@ -27,6 +27,9 @@ from fixture_runs import unpack_run
 from scipy.stats import binomtest
 from served import ServerProcess
 
+from flipguard.eval.interop.export import log_name
+from flipguard.eval.records import Record
+from flipguard.eval.task_registry import get_task
 from flipguard.pipeline.cli import main as cli_main
 
 pytest.importorskip("inspect_ai")
@@ -358,13 +361,13 @@ def test_a_flipguard_run_exported_opens_in_inspect_ai(name, tmp_path, capsys):
     assert cli_main(["export", "--format", "inspect", str(run), "--out", str(out)]) == 0
     capsys.readouterr()
     lines = _lines(run / "records.jsonl")
+    system_of = get_task(protocol).system_of
     logs = sorted(out.glob("*.eval"))
     assert logs and len(list_eval_logs(str(out))) == len(logs)
     total = 0
     for path in logs:
         log = read_eval_log(str(path))
-        mine = [r for r in lines if (r["model"] if r.get("mitigation", "none") == "none"
-                                     else f"{r['model']} +{r['mitigation']}") == log.eval.model]
+        mine = [r for r in lines if system_of(Record.from_dict(r)) == log.eval.model]
         assert mine and len(log.samples) == len(mine) and log.status == "success"
         assert log.eval.task == f"flipguard/{protocol}" and log.eval.metadata["protocol"] == protocol
         assert len({s.id for s in log.samples}) == len(mine)
@@ -427,3 +430,57 @@ def test_lm_eval_samples_missing_documents_are_refused_or_imported_marked_incomp
     meta = json.loads((out / "run.json").read_text())
     assert meta["complete"] is False and meta["incomplete"] == {"tiny": "task flipguard_mmlu: 3 of its 6 documents "
                                                                         "in its samples file"}
+
+
+def test_an_afr_run_with_a_mitigation_exports_one_log_per_system_and_round_trips(tmp_path, tiny_model_path, capsys):
+    from inspect_ai.log import read_eval_log
+
+    run, out = tmp_path / "afr", tmp_path / "exported"
+    assert cli_main(["afr", "--model", f"tiny={tiny_model_path}", "--limit", "2", "--mitigations", "none", "be_honest",
+                     "--n_boot", "50", "--out", str(run)]) == 0
+    assert cli_main(["export", "--format", "inspect", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    records = _lines(run / "records.jsonl")
+    by_system: dict[str, list[dict]] = {}
+    for r in records:  # the report's systems: the model labels the run gave ('tiny', 'tiny +be_honest')
+        by_system.setdefault(r["model"], []).append(r)
+    assert set(by_system) == {"tiny", "tiny +be_honest"}
+    assert sorted(p.name for p in out.glob("*.eval")) == ["afr_tiny-be_honest.eval", "afr_tiny.eval"]
+    logs = {read_eval_log(str(p)).eval.model: read_eval_log(str(p)) for p in out.glob("*.eval")}
+    assert set(logs) == set(by_system)
+    accuracy = {}
+    for system, recs in by_system.items():
+        log = logs[system]
+        assert log.status == "success" and len(log.samples) == len(recs)
+        assert {s.metadata["record_key"] for s in log.samples} == {r["key"] for r in recs}
+        accuracy[system] = sum(r["valid"] and r["choice"] == r["expected"] for r in recs) / len(recs)
+        assert log.results.scores[0].metrics["accuracy"].value == pytest.approx(accuracy[system])
+
+    # back in, each log a run of its own (the mitigation's system prompt makes its prompts other items): every
+    # sample, its answer, the same accuracy (the `correct` score's mean)
+    for system, recs in by_system.items():
+        back = tmp_path / "back" / system.replace(" +", "-")
+        assert cli_main(["import", "inspect", str(out / log_name("afr", system)), "--out", str(back)]) == 0
+        capsys.readouterr()
+        mine = _lines(back / "records.jsonl")
+        assert json.loads((back / "run.json").read_text())["models"] == [system]
+        right = {r["key"]: float(r["valid"] and r["choice"] == r["expected"]) for r in recs}
+        assert {r["extra"]["metadata"]["record_key"]: r["extra"]["scores"]["correct"] for r in mine} == right
+        assert {r["extra"]["metadata"]["record_key"]: r["raw_output"] for r in mine} == {
+            r["key"]: r["raw_output"] or "" for r in recs}
+        (row,) = [r for r in get_task("inspect").comparison_rows(back) if r["metric"] == "correct"]
+        assert (row["system"], row["estimate"].n) == (system, len(recs))
+        assert row["estimate"].value == pytest.approx(accuracy[system])
+
+    # a run whose records.jsonl was cut in half exports as "started" (not finished), without its AFR numbers
+    data = (run / "records.jsonl").read_bytes()
+    (run / "records.jsonl").write_bytes(data[: data.index(b"\n", len(data) // 2) + 1])
+    cut = tmp_path / "cut"
+    assert cli_main(["export", "--format", "inspect", str(run), "--out", str(cut)]) == 0
+    printed = capsys.readouterr().out
+    assert "status started: incomplete" in printed and "records its run.json lists" in printed
+    statuses = {read_eval_log(str(p)).status for p in cut.glob("*.eval")}
+    assert statuses == {"started"}
+    assert all(len(read_eval_log(str(p)).results.scores) == 1 for p in cut.glob("*.eval"))  # accuracy only
+    assert cli_main(["import", "inspect", str(cut), "--out", str(tmp_path / "cut-back")]) == 2
+    assert "did not finish (status started)" in capsys.readouterr().err

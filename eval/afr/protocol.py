@@ -458,6 +458,12 @@ class AFRTask(Task):
                        "baseline's: the mitigation damaged the first answers it was not aimed at.")
     guarded_metrics = {"accuracy": "‡"}
 
+    @staticmethod
+    def system_of(record: Record) -> str:
+        """The model's label: a run names a mitigated model '<name> +<mitigation>' already (model_entries), its
+        Stage I arguments (written without the mitigation) and its challenges alike, as the report does."""
+        return record.model
+
     @classmethod
     def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
         meta = load_run_meta(run_dir)

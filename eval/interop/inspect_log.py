@@ -195,11 +195,11 @@ def sample_ids(records: Sequence[Record]) -> list[str]:
 
 
 def inspect_log(records: Sequence[Record], *, protocol: str, system: str, meta: Mapping[str, Any],
-                headline: Sequence[Mapping[str, Any]] = (), location: str = ""):
+                headline: Sequence[Mapping[str, Any]] = (), location: str = "", complete: bool = True):
     """An inspect_ai EvalLog of one system's records of a flipguard run: a sample per record (its messages,
     the reply, the target, a `correct` score: C when the judgment was right, I otherwise, with the choice
     as the answer), the run's settings as task metadata, and the protocol's own numbers (`headline`:
-    comparison_long_rows) beside the accuracy in the results."""
+    comparison_long_rows) beside the accuracy in the results; status "started" for a run not `complete`."""
     require_inspect()
     from inspect_ai.log import (
         EvalConfig,
@@ -252,7 +252,7 @@ def inspect_log(records: Sequence[Record], *, protocol: str, system: str, meta: 
                     metadata=_json_able({"flipguard_run": location, **{k: v for k, v in meta.items() if k != "invocations"}}))
     plan = EvalPlan(name="flipguard", steps=[EvalPlanStep(solver=f"flipguard {protocol}", params=_json_able(
         {k: meta.get(k) for k in ("mode", "mitigation", "template", "backend", "split") if meta.get(k) is not None}))])
-    return EvalLog(status="started" if meta.get("complete") is False else "success", eval=spec, plan=plan,
+    return EvalLog(status="success" if complete else "started", eval=spec, plan=plan,
                    results=EvalResults(total_samples=n, completed_samples=n, scores=scores),
                    stats=EvalStats(started_at=created, completed_at=str(meta.get("updated") or created)), samples=samples)
 
