@@ -329,20 +329,10 @@ class RecordStore:
         return n
 
 
-def is_run_log(path: Path) -> bool:
-    """A run.json written by flipguard (a run log naming its protocol): adopted as flipguard's
-    in a run directory from before manifests."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(doc, dict) and isinstance(doc.get("protocol"), str)
-
-
 def check_records_owned(path: Path) -> None:
     """A records file a writer is about to append to (and repair) must be flipguard's: listed as
-    a log in its folder's manifest, or (a run from before manifests) beside a run log. Anything
-    else is the user's file: refused, unmodified."""
+    a log in its folder's manifest. Anything else (the user's file; a run from before flipguard
+    recorded what it wrote) is refused, unmodified."""
     refuse_link(path.parent)
     refuse_link(path)
     if not os.path.lexists(path):
@@ -350,10 +340,10 @@ def check_records_owned(path: Path) -> None:
     doc = read_manifest(path.parent)
     if doc is not None and path.name in doc["logs"]:
         return
-    if (doc is None or path.name not in doc["files"]) and is_run_log(path.parent / RUN_META_FILE):
-        return
-    raise RecordError(f"{path}: exists and was not written by flipguard (no run log beside it, not listed in "
-                      f"{path.parent / OWNER_FILE}); nothing was changed: move it away or choose another --out")
+    why = (f"not listed in {path.parent / OWNER_FILE}" if doc is not None else
+           f"no {OWNER_FILE} beside it: a file of yours, or a run from before flipguard recorded what it wrote")
+    raise RecordError(f"{path}: exists and was not written by flipguard ({why}); nothing was changed: move it away "
+                      "or choose another --out")
 
 
 def _write_error(path: Path, exc: OSError, n: int) -> RecordError:
@@ -523,7 +513,7 @@ class RunLog:
 
     def write(self, run_dir: str | os.PathLike) -> None:
         """run_dir/run.json, atomically (temp file + rename)."""
-        atomic_write_text(Path(run_dir) / RUN_META_FILE, dumps_utf8(self.to_dict(), indent=2) + "\n", adopt=is_run_log)
+        atomic_write_text(Path(run_dir) / RUN_META_FILE, dumps_utf8(self.to_dict(), indent=2) + "\n")
 
 
 def _version() -> str:

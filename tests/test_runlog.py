@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fixture_runs import unpack_run
+from fixture_runs import unpack_run, written_by_flipguard
 
 from flipguard.errors import RecordError
 from flipguard.eval.records import RUN_LOG_VERSION, RunLog, load_records, load_run_meta, read_run_log
@@ -103,8 +103,16 @@ def test_a_release_run_resumes_with_zero_calls_and_is_stamped_with_the_current_f
 
     monkeypatch.setattr(ModelRef, "load", load)
     monkeypatch.delenv("FLIPGUARD_DATA", raising=False)  # the shipped samples, as the fixture run used
-    run = _copy("dds_logprob", tmp_path)
+    release = _copy("dds_logprob", tmp_path)
+    before = {p.name: p.read_bytes() for p in release.iterdir()}
+    # the release folder has no manifest: nothing proves its files flipguard's, so it is never written into
+    assert cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa,aio", "--limit", "2", "--mode",
+                     "logprob", "--out", str(release), "--report", "false"]) == 2
+    assert {p.name: p.read_bytes() for p in release.iterdir() if p.name != ".lock"} == before
+    # its records and run.json, written into a folder by flipguard's own writers, resume and are stamped anew
+    run = written_by_flipguard(release, tmp_path / "run")
     old = json.loads((run / "run.json").read_text(encoding="utf-8"))
+    assert old.get("format_version", 0) < RUN_LOG_VERSION  # the release wrote none
     records = (run / "records.jsonl").read_bytes()
     assert cli_main(["eval", "--model", "flipguard:tiny", "--device", "cpu", "--datasets", "truthfulqa,aio",
                      "--limit", "2", "--mode", "logprob", "--min_label_mass", "0", "--out", str(run),

@@ -539,21 +539,24 @@ def test_killed_while_saving_an_adapter_leaves_no_stale_provenance(tmp_path):
     assert not (out / "flipguard_training.json").exists()  # the old provenance does not vouch for it
 
 
-def test_a_merged_model_from_before_owner_files_is_replaced_file_by_file(tmp_path):
+def test_a_merged_model_folder_without_a_manifest_is_refused_unchanged(tmp_path):
+    """Ownership is proven by the manifest's hashes only: a folder holding a `flipguard_merge.json` (a merged model
+    from before manifests, or the user's folder named alike) proves nothing, so nothing in it is replaced."""
+    from flipguard.errors import RecordError
     from flipguard.publish import publish_dir
 
     out = tmp_path / "merged"
     out.mkdir()
     for name, text in (("flipguard_merge.json", "{}"), ("model.safetensors", "old"), ("notes.md", "mine")):
         (out / name).write_text(text)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     tmp = tmp_path / ".merged.new"
     tmp.mkdir()
     (tmp / "model.safetensors").write_text("new")
     (tmp / "flipguard_merge.json").write_text('{"new": 1}')
-    publish_dir(tmp, out, writer="test", last=("flipguard_merge.json",), legacy_marker="flipguard_merge.json")
-    assert (out / "model.safetensors").read_text() == "new" and (out / "notes.md").read_text() == "mine"
-    assert json.loads((out / OWNER_FILE).read_text())["files"] == ["flipguard_merge.json", "model.safetensors"]
-    assert not tmp.exists()
+    with pytest.raises(RecordError, match="was not written by flipguard"):
+        publish_dir(tmp, out, writer="test", last=("flipguard_merge.json",))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not tmp.exists()
 
 
 def test_c1_from_is_checked_before_any_judgment(tmp_path, capsys):

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fixture_runs import written_by_flipguard
 
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
@@ -291,10 +292,10 @@ def afr_run(tmp_path_factory) -> Path:
     """The AFR run of tests/fixtures/afr_8f327eb (tiny model as systems a and b=be_honest, with
     challenges), its report rewritten by flipguard afr with zero model calls."""
     fixture = REPO / "tests" / "fixtures" / "afr_8f327eb"
-    run = tmp_path_factory.mktemp("view") / "afr"
-    run.mkdir()
-    (run / "records.jsonl").write_bytes(gzip.decompress((fixture / "records.jsonl.gz").read_bytes()))
-    shutil.copy(fixture / "run.json", run / "run.json")
+    old = tmp_path_factory.mktemp("view") / "afr-8f327eb"
+    (old / "records.jsonl").write_bytes(gzip.decompress((fixture / "records.jsonl.gz").read_bytes()))
+    shutil.copy(fixture / "run.json", old / "run.json")
+    run = written_by_flipguard(old, old.parent / "afr")  # a folder flipguard can prove it wrote: it resumes there
     assert cli_main(["afr", str(fixture / "afr.yaml"), "--out", str(run), "--n_boot", "10", "--progress", "false"]) == 0
     return run
 

@@ -96,7 +96,6 @@ SFT_DIR, DPO_DIR = "sft", "dpo"
 COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
 # everything write_pairs puts in a pair set (a folder holding only these, written before
 # the owner file existed, is recognised as flipguard's)
-PAIR_SET_NAMES = (SFT_DIR, DPO_DIR, f"{SFT_DIR}.jsonl", f"{DPO_DIR}.jsonl", COUNTS_FILE, META_FILE)
 
 
 def read_counts(pairs_dir: str | Path | None, flag: str | None = None) -> dict[str, Any] | None:
@@ -654,8 +653,7 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
                      "fingerprints": fingerprints, "sft_jsonl_sha256": digest, "rows": len(pairs.rows)}
         (tmp / META_FILE).write_text(json.dumps(full_meta, indent=2, default=str) + "\n", encoding="utf-8")
         try:
-            publish_dir(tmp, out_dir, writer="flipguard pairs", last=(META_FILE, COUNTS_FILE),
-                        legacy_names=PAIR_SET_NAMES)
+            publish_dir(tmp, out_dir, writer="flipguard pairs", last=(META_FILE, COUNTS_FILE))
         except RecordError as exc:
             raise UserError(str(exc)) from None
     except BaseException:
