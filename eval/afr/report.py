@@ -19,7 +19,7 @@ from flipguard.data.mmlu import subject_category
 from flipguard.eval.afr import metrics as M
 from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip, maxflip_afr, maxflip_table
 from flipguard.eval.estimate import NOT_MEANINGFUL, difference
-from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.plots import MIN_FONT, cell_text, finish_heatmap, mark_not_meaningful, pyplot, save_figure
 from flipguard.eval.records import REPORT_DIR, REPORT_SUMMARY, load_records, load_run_meta
 from flipguard.files import atomic_write_text
 
@@ -196,14 +196,17 @@ def table7(frame: pd.DataFrame, entries: list[dict], k: int, n_boot: int, seed: 
 
 
 def plot_cross_matrix(matrix: pd.DataFrame, path: Path) -> None:
+    """CMFR(A→B) per source (row) and target (column), each rate on its cell (white on a dark one; the
+    change against the diagonal under it), n/m where too few of its replies were valid or questions asked."""
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(1.2 * len(matrix.columns) + 2.5, 1.0 * len(matrix.index) + 2))
+    bad = set(matrix.attrs.get("not_meaningful") or [])
+    fig, ax = plt.subplots(figsize=(1.2 * len(matrix.columns) + 2.8, 1.0 * len(matrix.index) + 2))
     im = ax.imshow(100 * matrix.values.astype(float), cmap="Reds", vmin=0, vmax=100)
-    ax.set_xticks(range(len(matrix.columns)), matrix.columns, rotation=45, ha="right")
-    ax.set_yticks(range(len(matrix.index)), matrix.index)
-    ax.set_xlabel("baseline (challenged) model B")
-    ax.set_ylabel("source model A")
+    ax.set_xticks(range(len(matrix.columns)), matrix.columns, rotation=45, ha="right", fontsize=MIN_FONT)
+    ax.set_yticks(range(len(matrix.index)), matrix.index, fontsize=MIN_FONT)
+    ax.set_xlabel("baseline (challenged) model B", fontsize=MIN_FONT)
+    ax.set_ylabel("source model A", fontsize=MIN_FONT)
     for i, src in enumerate(matrix.index):
         for j, tgt in enumerate(matrix.columns):
             v = matrix.loc[src, tgt]
@@ -212,11 +215,11 @@ def plot_cross_matrix(matrix: pd.DataFrame, path: Path) -> None:
                 label = f"{100 * v:.1f}"
                 if src != tgt and np.isfinite(diag):
                     label += f"\n({100 * (v - diag):+.1f})"
-                ax.text(j, i, label, ha="center", va="center", fontsize=8, fontweight="bold" if src == tgt else None)
-    fig.colorbar(im, ax=ax, label="CMFR(A→B) %  (diagonal: AFR blind)")
-    ax.set_title("Cross-model flip rate")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+                cell_text(ax, j, i, label, im.cmap(im.norm(100 * v)), fontweight="bold" if src == tgt else None)
+            elif (src, tgt) in bad:
+                mark_not_meaningful(ax, j, i)
+    finish_heatmap(fig, ax, im, "CMFR(A→B) %  (diagonal: AFR blind)", "Cross-model flip rate")
+    save_figure(fig, path)
 
 
 def plot_ep_ea(epea: pd.DataFrame, path: Path) -> None:
@@ -234,7 +237,7 @@ def plot_ep_ea(epea: pd.DataFrame, path: Path) -> None:
     ax.set_ylabel("EA: epistemic authority (flips others) %")
     ax.set_title("EP vs EA (above diagonal: net exporter)")
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
@@ -248,7 +251,7 @@ def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title("Subject-level AFR vs coercion success")
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> Path:
