@@ -6,8 +6,8 @@ element; above COMPRESS_ABOVE bytes it travels gzipped and base64-encoded instea
 browser inflates it with DecompressionStream. The script builds the page with createElement
 and textContent only: model replies, dataset items and arguments are always text, never markup.
 
-Order on the page: the answer (a comparison's or a study's), the plots, the tables (a long one
-folded: its first rows shown, the rest one click away), the items, then provenance and the tail
+Order on the page: the answer (a comparison's or a study's), a study grid's removed-vs-damaged
+section (pipeline/view/grid.py), the plots, the tables (a long one folded: its first rows shown, the rest one click away), the items, then provenance and the tail
 tables (a study's stages and their times) last. Figures are shown at their own pixel size (shrunk
 only to fit a narrow window): eval/plots.py makes them to be read at that size.
 
@@ -16,6 +16,7 @@ Data layout (what the script reads):
   answer: optional {title, note, notes: [text], charts: [{protocol, title, src}],
           verdicts: [{condition, target, damage, text, details: [{title, lines: [text]}]}]}
           (pipeline/view/answer.py; a chart of another kind is one more entry of charts)
+  grid: optional {title, note, chart: {title, src}, table: a table as below}  (a study --grid)
   provenance: [[key, value], ...]
   tables: [{id, title, note, columns: [[key, label], ...], rows: [{key, cells: {col: cell}}]}]
           a cell is a string or {t: text, v: raw value, c: css class}
@@ -350,6 +351,18 @@ JS = r"""
     if (a.note) s.appendChild(el("p", {"class": "note", id: "answer-legend"}, a.note));  // how to read it, after it
     return s;
   }
+  // a recipe grid (pipeline/view/grid.py): the removed-vs-damaged chart, then the variant table
+  function gridSection(g) {
+    var s = section("grid", g.title, g.note);
+    if (g.chart) {
+      var d = el("div", {"class": "plots", id: "grid-chart"});
+      d.appendChild(figure(g.chart));
+      s.appendChild(d);
+    }
+    if (g.table.note) s.appendChild(el("p", {"class": "note"}, g.table.note));
+    s.appendChild(table(g.table));
+    return s;
+  }
   // a table of more than LONG rows is folded: its heading and note stay, the rows one click away
   var LONG = 25;
   function tableSection(spec) {
@@ -372,6 +385,7 @@ JS = r"""
     document.body.appendChild(header);
     var main = el("main");
     if (data.answer) main.appendChild(answerSection(data.answer));
+    if (data.grid) main.appendChild(gridSection(data.grid));
     if (data.plots && data.plots.length) {
       var ps = section("plots", "Plots");
       var pd = el("div", {"class": "plots"});
