@@ -7,9 +7,10 @@ browser inflates it with DecompressionStream. The script builds the page with cr
 and textContent only: model replies, dataset items and arguments are always text, never markup.
 
 Order on the page: the answer (a comparison's or a study's), a study grid's removed-vs-damaged
-section (pipeline/view/grid.py), the plots, the tables (a long one folded: its first rows shown, the rest one click away), the items, then provenance and the tail
-tables (a study's stages and their times) last. Figures are shown at their own pixel size (shrunk
-only to fit a narrow window): eval/plots.py makes them to be read at that size.
+section (pipeline/view/grid.py), the plots, the tables (a long one folded: the rest one click
+away), the items, then provenance and the tail tables (a study's stages and their times) last.
+Figures are shown at their own pixel size (shrunk only to fit a narrow window): eval/plots.py
+makes them to be read at that size.
 
 Data layout (what the script reads):
   title, subtitle
