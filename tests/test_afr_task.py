@@ -30,7 +30,7 @@ def _settings(**kw) -> PR.AFRSettings:
     config = yaml.safe_load((FIXTURE / "afr.yaml").read_text())
     config.pop("progress")
     config.update(kw)
-    return PR.build_settings(config.pop("models"), **config)
+    return PR.build_settings(config.pop("model"), **config)
 
 
 def _old_run(tmp_path: Path) -> Path:
@@ -99,7 +99,7 @@ def test_a_run_directory_from_before_manifests_is_refused_unchanged(tmp_path, no
     (["--targets", "a"], "targets"),
     (["--maxflip", "false"], "maxflip"),
     # b without its mitigation: another model under the same label
-    (["--models", "a=hf:flipguard:tiny", "b=hf:flipguard:tiny"], "models"),
+    (["--model", "a=hf:flipguard:tiny", "b=hf:flipguard:tiny"], "models"),
 ])
 def test_rerun_with_another_condition_is_refused_with_nothing_written(tmp_path, capsys, no_model_loads, flags, key):
     run = _old_run(tmp_path)
@@ -143,7 +143,7 @@ def test_flipguard_run_afr_is_flipguard_afr(tmp_path):
     """Real processes on the tiny model: the same flags write the same records through
     either command, each resumes the other's run with zero calls, a changed setting is
     refused by the runner (exit 2, one line, nothing written), a larger --limit grows it."""
-    flags = ["--models", "tiny=hf:flipguard:tiny", "--limit", "1", "--k_values", "1", "--cross", "false",
+    flags = ["--model", "tiny=hf:flipguard:tiny", "--limit", "1", "--k_values", "1", "--cross", "false",
              "--answer_mode", "logprob", "--coercion_temperature", "1.0", "--coercion_max_new_tokens", "4",
              "--n_boot", "10", "--progress", "false"]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -190,4 +190,4 @@ def test_flipguard_run_afr_is_flipguard_afr(tmp_path):
         assert proc.returncode == 0, proc.stderr
         options[tuple(argv)] = set(re.findall(r"--\w+", proc.stdout))
     assert options[("afr",)] == options[("run", "afr")] and {"--model", "--mitigations", "--limit"} <= options[("afr",)]
-    assert not {"--models", "--report_only"} & options[("afr",)]  # the old spellings: read, not listed
+    assert not {"--models", "--report_only"} & options[("afr",)]  # an old word (refused) and a hidden one: not listed

@@ -27,9 +27,9 @@ BEFORE = REPO / "tests" / "fixtures" / "sos_8f327eb"
 KEYS = json.loads((BEFORE / "keys.json").read_text())
 BOUND = 1200  # seconds: an upper bound only, never a synchronisation point
 # the flags of the run that made BEFORE/records.jsonl (its README)
-BEFORE_FLAGS = ["--dataset", "medqa", "--models", "flipguard:tiny", "--device", "cpu", "--n_items", "2",
+BEFORE_FLAGS = ["--datasets", "medqa", "--model", "flipguard:tiny", "--device", "cpu", "--limit", "2",
                 "--n_shots", "1", "--max_new_tokens", "8", "--mitigations", "none", "be_honest", "--n_boot", "50"]
-BEFORE_ARGS = SosArgs(dataset="medqa", models=["flipguard:tiny"], device="cpu", n_items=2, n_shots=1, max_new_tokens=8,
+BEFORE_ARGS = SosArgs(datasets="medqa", model=["flipguard:tiny"], device="cpu", limit=2, n_shots=1, max_new_tokens=8,
                       mitigations=["none", "be_honest"], n_boot=50)
 
 
@@ -115,7 +115,7 @@ def test_another_setting_into_the_same_out_is_refused_by_the_runner(tmp_path):
 def test_run_sos_and_sos_are_one_command(tmp_path, tiny_model_path):
     """The same YAML and flags through `flipguard run sos` and `flipguard sos` (real
     processes): the same requests; each resumes the other's directory with zero calls."""
-    flags = [str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
+    flags = [str(REPO / "recipes" / "sos_tiny.yaml"), "--model", f"tiny={tiny_model_path}", "--limit", "1",
              "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none"]
     runs = {}
     for command in (["run", "sos"], ["sos"]):

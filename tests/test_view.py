@@ -125,8 +125,8 @@ def dds_run(tmp_path_factory) -> Path:
     """A DDS run of the tiny model with deference flips on two items and skepticism on one."""
     run = tmp_path_factory.mktemp("view") / "dds"
     assert cli_main(["eval", *TINY_FLAGS, "--out", str(run)]) == 0
-    bbq = _items(run, "bbq")[1]
-    _set_choice(run, {("truthfulqa-0", "c1_false"): "2", (bbq, "c1_false"): "2", ("truthfulqa-2", "c2_correct"): "2"})
+    bbq, tqa = _items(run, "bbq")[1], _items(run, "truthfulqa")  # --limit's seeded sample of each dataset
+    _set_choice(run, {(tqa[0], "c1_false"): "2", (bbq, "c1_false"): "2", (tqa[2], "c2_correct"): "2"})
     assert cli_main(["report", str(run), "--n_boot", "50"]) == 0
     return run
 
@@ -159,10 +159,10 @@ def test_dds_page_shows_the_summary_and_the_flips_with_both_prompts(browser, dds
     page.page.select_option("#filter-type", "deference")
     rows = page.rows()
     assert rows.count() == int(total["deference"]) == 2
-    bbq = _items(dds_run, "bbq")[1]
-    assert sorted(rows.nth(i).locator("td").nth(4).text_content() for i in range(2)) == sorted([bbq, "truthfulqa-0"])
+    bbq, tqa = _items(dds_run, "bbq")[1], _items(dds_run, "truthfulqa")
+    assert sorted(rows.nth(i).locator("td").nth(4).text_content() for i in range(2)) == sorted([bbq, tqa[0]])
     page.page.select_option("#filter-type", "skepticism")
-    assert page.rows().count() == 1 and page.rows().first.locator("td").nth(4).text_content() == "truthfulqa-2"
+    assert page.rows().count() == 1 and page.rows().first.locator("td").nth(4).text_content() == tqa[2]
     page.page.select_option("#filter-type", "")
     page.page.select_option("#filter-dataset", "bbq")
     assert page.rows().count() == len([r for r in flips if r["dataset"] == "bbq"])  # no invalid judgment: label mass 0 allowed
@@ -184,7 +184,7 @@ def test_dds_page_shows_the_summary_and_the_flips_with_both_prompts(browser, dds
 
     # search finds the item by its text; the screenshot is the page as a user sees it
     page.page.select_option("#filter-dataset", "")
-    page.page.fill("#search", "truthfulqa-2")
+    page.page.fill("#search", tqa[2])
     assert page.rows().count() == 1
     shot = tmp_path / "dds.png"
     page.page.screenshot(path=str(shot), full_page=True)
@@ -209,8 +209,9 @@ def test_compressed_page_reads_the_same(browser, dds_run, tmp_path):
 def honest_run(tmp_path_factory, dds_run) -> Path:
     """The tiny model with the Be Honest prompt, C1 from dds_run: one C2 judgment fixed, one broken."""
     honest = tmp_path_factory.mktemp("view") / "honest"
-    assert cli_main(["eval", *TINY_FLAGS, "--mitigation", "be_honest", "--c1_from", str(dds_run), "--out", str(honest)]) == 0
-    _set_choice(honest, {("truthfulqa-0", "c2_incorrect"): "2", (_items(honest, "bbq")[0], "c2_correct"): "2"})  # one fixed, one broken
+    assert cli_main(["eval", *TINY_FLAGS, "--mitigations", "be_honest", "--c1_from", str(dds_run), "--out", str(honest)]) == 0
+    _set_choice(honest, {(_items(honest, "truthfulqa")[0], "c2_incorrect"): "2",
+                         (_items(honest, "bbq")[0], "c2_correct"): "2"})  # one fixed, one broken
     return honest
 
 
@@ -304,7 +305,7 @@ def afr_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sos_run(tmp_path_factory, tiny_model_path) -> Path:
     run = tmp_path_factory.mktemp("view") / "sos"
-    assert cli_main(["sos", str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
+    assert cli_main(["sos", str(REPO / "recipes" / "sos_tiny.yaml"), "--model", f"tiny={tiny_model_path}", "--limit", "1",
                      "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none",
                      "--out", str(run)]) == 0
     return run
