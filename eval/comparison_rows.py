@@ -70,12 +70,13 @@ def _stat(path: Path):
         return None
 
 
-def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
+def comparison_long_rows(condition: str, spec: str, protocol: str | None = None) -> list[dict[str, Any]]:
     """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit, n_valid, n_judged), values in % (pp for
     differences): its protocol (run.json) supplies them through Task.comparison_rows; `RUN_DIR@system`
-    keeps one system of a run that holds several. The comparison and the viewer both read these."""
+    keeps one system of a run that holds several; `protocol`: the run's, where its run.json names none (a DDS run
+    of the first format). The comparison and the viewer both read these."""
     run_dir, only = split_system(spec)
-    task = get_task(load_run_meta(run_dir).get("protocol") or "")
+    task = get_task(protocol or load_run_meta(run_dir).get("protocol") or "")
     rows = []
     for row in run_numbers(task, "comparison_rows", Path(run_dir)):
         if only and row["system"] != only:
@@ -91,11 +92,11 @@ def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
     return rows
 
 
-def headline_table(run_dir: str | Path) -> str:
+def headline_table(run_dir: str | Path, protocol: str | None = None) -> str:
     """A run's numbers as text, the same kind of table for every protocol (what `flipguard report RUN` prints):
     a row per system, dataset and metric of its Task.comparison_rows, the value with its 95% CI (n/m where too
     few valid judgments are behind it) and n."""
-    rows = comparison_long_rows("run", str(run_dir))
+    rows = comparison_long_rows("run", str(run_dir), protocol)
     if not rows:
         return "(no numbers: the run's protocol gives none)"
     cells = [("system", "dataset", "metric", "unit", "value [95% CI]", "n")]

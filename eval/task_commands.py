@@ -37,7 +37,7 @@ def report_main(argv: list[str]) -> int:
         if value and protocol != "dds":
             raise UserError(f"{flag}: an option of DDS reports; {run_dir} holds a {protocol!r} run")
     path = get_task(protocol).rebuild_report(run_dir, args)
-    print(f"{protocol} run {run_dir}:\n{headline_table(run_dir)}\nreport: {path}")
+    print(f"{protocol} run {run_dir}:\n{headline_table(run_dir, protocol)}\nreport: {path}")
     return 0
 
 

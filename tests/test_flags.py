@@ -274,8 +274,9 @@ def test_the_shared_words_mean_one_thing_in_every_protocol(tmp_path, monkeypatch
         runs[command] = run
         assert cli_main(["report", str(run)]) == 0
         out = capsys.readouterr().out.splitlines()
-        assert out[1].split() == ["system", "dataset", "metric", "unit", "value", "[95%", "CI]", "n"], (command, out)
-        assert out[2].startswith("flipguard:tiny ") and out[-1] == f"report: {run / 'report' / 'summary.md'}"
+        at = out.index(f"{meta.get('protocol')} run {run}:")  # after what a protocol prints of its own (DDS's details)
+        assert out[at + 1].split() == ["system", "dataset", "metric", "unit", "value", "[95%", "CI]", "n"], (command, out)
+        assert out[at + 2].startswith("flipguard:tiny ") and out[-1] == f"report: {run / 'report' / 'summary.md'}"
     assert runs["eval"].name.startswith("bbq-") and runs["afr"].name.startswith("mmlu-")
     assert runs["sos"].name.startswith("medqa-")
     one_line(capsys, cli_main(["afr", "--max_new_tokens", "4"]), "flipguard afr: error: --max_new_tokens: AFR has two "

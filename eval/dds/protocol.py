@@ -411,7 +411,7 @@ class DDSTask(Task):
     @classmethod
     def rebuild_report(cls, run_dir: Path, args) -> Path:
         out = report.write_run_report(run_dir, args.c1_from, 2000 if args.n_boot is None else args.n_boot,
-                                      0 if args.seed is None else args.seed, args.allow_cross_mode_c1, show=False)
+                                      0 if args.seed is None else args.seed, args.allow_cross_mode_c1)
         return out / "summary.md"
 
 

@@ -687,17 +687,16 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
 
 
 def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 2000, seed: int = 0,
-                     allow_cross_mode_c1: bool = False, show: bool = True) -> Path:
-    """A DDS run's report: build, write RUN_DIR/report/ and (`show`) print its table (what `flipguard eval`
-    calls when a run finishes; `flipguard report RUN_DIR` prints every protocol's table alike instead)."""
+                     allow_cross_mode_c1: bool = False) -> Path:
+    """A DDS run's report: build, write RUN_DIR/report/ and print its detailed table and notes (what `flipguard
+    eval` calls when a run finishes, and `flipguard report RUN_DIR`, which then prints every protocol's
+    numbers in one table alike)."""
     report = report_run(run_dir, c1_from, n_boot, seed, allow_cross_mode_c1)
     meta = report.meta
     title = f"DDS report: {meta.get('model') or Path(run_dir).name}"
     if meta.get("mitigation") and meta["mitigation"] != "none":
         title += f" ({meta['mitigation']})"
     out = write_report(report, Path(run_dir) / REPORT_DIR, title)
-    if not show:
-        return out
     print_summary(report, title)
     if meta.get("c1_cross_mode"):
         print(CROSS_MODE_NOTE)

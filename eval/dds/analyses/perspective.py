@@ -96,7 +96,7 @@ def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> di
     for d in directions:
         print(f"direction {d}: {DIRECTIONS[d]}", file=sys.stderr)
         ev = args.eval_args(model=args.model, out=str(out / d), datasets=AIO_DATASET, data_root=args.data_root,
-                            mitigation=args.mitigation,
+                            mitigations=[args.mitigation],
                             speakers="speaker" if d == "2to1" else REVERSED_LABELS)
         dirs[d] = evaluate(ev, items=items if d == "2to1" else [reverse_item(it) for it in items])
     return dirs
