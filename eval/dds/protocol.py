@@ -125,8 +125,9 @@ class EvalArgs:
     temperature: float = dataclasses.field(default=0.0, metadata={"help": "generate mode: 0 = greedy (paper)."})
     seed: int = dataclasses.field(
         default=0,
-        metadata={"help": "The --limit sample; generate mode: the sampling seed sent with each request (openai/vllm) "
-                          "or set in torch (hf)."},
+        metadata={"help": "The --limit sample; generate mode at --temperature > 0: the sampling seed sent with each "
+                          "request (openai/vllm) or set in torch (hf). A greedy request carries none, as the authors "
+                          "sent theirs."},
     )
     batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
     adapter: str | None = dataclasses.field(default=None, metadata={"help": "Un-merged LoRA adapter folder to evaluate on top of --model."})
@@ -308,8 +309,10 @@ class DDSTask(Task):
             items = load_items(args.datasets, split=args.split, data_root=args.data_root)
         self.items = limit_sample(items, args.limit, args.seed)
         self.cross_mode_c1, self.c1_differs = self._check_c1_from()
+        # a greedy reply needs no seed: none is sent, as the authors sent their requests (model, messages,
+        # temperature, max_tokens); a sampled one is seeded with --seed
         self.gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           seed=args.seed)
+                                           seed=args.seed if args.temperature > 0 else None)
 
     def _check_c1_from(self) -> tuple[bool, dict]:
         """The --c1_from baseline: a DDS run of the same split and decision mode (or the
