@@ -17,7 +17,7 @@ from flipguard.data import organism_datasets as domain
 from flipguard.data.schema import normalise_question
 from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError
-from flipguard.files import OWNER_FILE, claim
+from flipguard.files import OWNER_FILE, claim, file_sha256
 
 
 def test_domain_splits_are_disjoint_and_shipped_files_match_the_generator():
@@ -119,9 +119,10 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     assert organism_builder.default_organism_path(dataclasses.replace(args, steps=args.steps - 1)) != target
     target.mkdir(parents=True)
 
-    def write(build):  # as `flipguard organism` publishes it: its manifest vouches for organism.json
-        (target / organism_builder.ORGANISM_FILE).write_text(json.dumps({"version": organism_builder.ORGANISM_VERSION, "build": build}))
-        claim(target, organism_builder.ORGANISM_FILE, writer=organism_builder.ORGANISM_WRITER)
+    def write(build):  # as `flipguard organism` publishes it: its manifest vouches for organism.json, by its hash
+        path = target / organism_builder.ORGANISM_FILE
+        path.write_text(json.dumps({"version": organism_builder.ORGANISM_VERSION, "build": build}))
+        claim(target, organism_builder.ORGANISM_FILE, sha=file_sha256(path), writer=organism_builder.ORGANISM_WRITER)
 
     write(organism_builder.build_config(args))
     assert organism_builder.ensure_organism(log=lambda *_: None) == str(target)  # served: nothing built
