@@ -177,8 +177,10 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 # was written whole by flipguard (atomic_write_text, save_figure) and is flipguard's while its
 # bytes still match ("replacing": or the bytes it had while a write was under way): a file the
 # user edited is theirs again. A name in "logs" is an append-only records file
-# (records.jsonl). A name listed without either was published by name (model weights, pair
-# sets: publish_dir). Every file also has a kind, what it was written as: its own name unless
+# (records.jsonl). A listed folder (a pair set's dataset folder) is flipguard's when its own manifest
+# proves everything in it (owns_tree). Nothing else is proof: a file listed without its hash (an
+# older manifest) is not flipguard's, and neither a header line nor a format string inside a file
+# ever is. Every file also has a kind, what it was written as: its own name unless
 # "kinds" says otherwise (a page written by `view --out FILE` is a view.html whatever its
 # name). A write replaces only a file of its own kind: a page replaces a page, never a run.json.
 # A symbolic link is never written through or followed: the folder written into and the
@@ -233,29 +235,68 @@ def kind_of(doc: dict[str, Any], name: str) -> str:
 
 
 def owns(folder: str | os.PathLike, name: str, manifest: dict[str, Any] | None = None) -> bool:
-    """Whether FOLDER/NAME is flipguard's by its folder's manifest (a hash, when one was
-    recorded, must still match the bytes)."""
+    """Whether FOLDER/NAME is flipguard's by proof: its folder's manifest lists it with the sha256 of
+    the bytes it was written with and the bytes still match (an append-only log: listed as one; a
+    folder: owns_tree). A file listed without a hash proves nothing."""
     doc = read_manifest(folder) if manifest is None else manifest
     if doc is None or name not in doc["files"]:
         return False
-    sha = doc["sha256"].get(name)
     path = Path(folder) / name
-    if sha is None:
-        return True
-    if not path.is_file() or path.is_symlink():
+    if path.is_symlink():
+        return False
+    if name in doc["logs"]:
+        return path.is_file()
+    if path.is_dir():
+        return owns_tree(path)
+    sha = doc["sha256"].get(name)
+    if sha is None or not path.is_file():
         return False
     found = file_sha256(path)
     # "replacing": the bytes it had while a write of new ones was under way (owned_replace)
     return found == sha or found == doc["replacing"].get(name)
 
 
+def unproven(doc: dict[str, Any], folder: str | os.PathLike, name: str) -> str:
+    """Why a file its folder's manifest lists is not flipguard's (owns is False), in a phrase."""
+    if name not in doc["logs"] and name not in doc["sha256"] and not (Path(folder) / name).is_dir():
+        return (f"listed in {Path(folder) / OWNER_FILE} without its sha256 (an older flipguard's manifest), so nothing "
+                "proves it flipguard's")
+    return f"changed since flipguard wrote it (its bytes differ from the sha256 recorded in {Path(folder) / OWNER_FILE})"
+
+
+def owns_tree(folder: str | os.PathLike) -> bool:
+    """Whether everything in FOLDER (a folder flipguard published inside another: a pair set's
+    dataset) is flipguard's by its own manifest, file by file, folder by folder."""
+    folder = Path(folder)
+    doc = read_manifest(folder)
+    if doc is None:
+        return False
+    return all(owns(folder, name, doc) for name in os.listdir(folder) if name not in (OWNER_FILE, LOCK_NAME))
+
+
+def record_tree(folder: str | os.PathLike, writer: str) -> dict[str, str]:
+    """Write FOLDER's manifest, and each folder's under it, listing every file with its sha256 (a
+    folder a library wrote whole, before it is published); returns FOLDER's {name: sha256}."""
+    folder = Path(folder)
+    names = sorted(n for n in os.listdir(folder) if n not in (OWNER_FILE, LOCK_NAME))
+    hashes = {}
+    for name in names:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            record_tree(path, writer)
+        elif path.is_file() and not path.is_symlink():
+            hashes[name] = file_sha256(path)
+    write_manifest(folder, {"written_by": writer, "time": now_iso(), "files": names, "sha256": hashes, "logs": []})
+    return hashes
+
+
 def check_replace(path: str | os.PathLike, *, adopt: Callable[[Path], bool] | None = None,
                   log: bool = False, kind: str | None = None, flag: str = "--out") -> None:
     """Refuse (RecordError, one line, nothing changed) to replace PATH unless it is absent or
     flipguard's own output of the kind written now (`kind`, default the file's name): recorded
-    in its folder's manifest (the same bytes where a hash was recorded; an append-only records
-    file only when `log`) as that kind, or one `adopt` recognises by its content (a file from a
-    folder before manifests, or one recorded before kinds were). Callers check their --out with
+    in its folder's manifest with the hash of its bytes (an append-only records file only when
+    `log`) as that kind; `adopt` may only widen the kind of a file the manifest proves (a page
+    recorded before kinds were) or name the package's own shipped samples. Callers check their --out with
     this before any work (`flag`: the option the message names); every write checks it again at
     the moment of the rename."""
     path = Path(path)
@@ -278,11 +319,13 @@ def check_replace(path: str | os.PathLike, *, adopt: Callable[[Path], bool] | No
         raise RecordError(f"{path}: is flipguard's {written_as}, not a {kind} (a write replaces only a file of its own "
                           f"kind); nothing was changed: choose another {flag}")
     if listed:
-        raise RecordError(f"{path}: changed since flipguard wrote it (its bytes differ from the sha256 recorded in "
-                          f"{path.parent / OWNER_FILE}); nothing was changed: move your copy away and rerun")
+        raise RecordError(f"{path}: {unproven(doc, path.parent, path.name)}; nothing was changed: move your copy away "
+                          "and rerun")
     if adopt is not None and adopt(path):
         return
-    raise RecordError(f"{path}: exists and was not written by flipguard ({path.parent / OWNER_FILE} does not list it); "
+    why = (f"{path.parent / OWNER_FILE} does not list it" if doc is not None else
+           f"no {OWNER_FILE} beside it: a file of yours, or one from before flipguard recorded what it wrote")
+    raise RecordError(f"{path}: exists and was not written by flipguard ({why}); "
                       f"nothing was changed: move it away or choose another {flag}")
 
 
@@ -358,9 +401,9 @@ def _tidy(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def claim_written_since(folder: str | os.PathLike, since: float, writer: str | None = None) -> list[str]:
-    """Record, by name, the files in FOLDER that a library writer flipguard called (a trainer's
-    save_model, a tokenizer's save_pretrained) wrote since `since` (time.time() before the call,
-    less a second for the file system's coarse clock)."""
+    """Record, each with its sha256, the files in FOLDER that a library writer flipguard called (a
+    trainer's save_model, a tokenizer's save_pretrained) wrote since `since` (time.time() before the
+    call, less a second for the file system's coarse clock)."""
     folder = Path(folder)
     refuse_link(folder)
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()
@@ -371,7 +414,7 @@ def claim_written_since(folder: str | os.PathLike, since: float, writer: str | N
         doc["time"] = now_iso()
         doc["files"] = sorted(set(doc["files"]) | set(names))
         for name in names:
-            doc["sha256"].pop(name, None)
+            doc["sha256"][name] = file_sha256(folder / name)
             doc["kinds"].pop(name, None)
             _set_replacing(doc, name, None)
         write_manifest(folder, _tidy(doc))
@@ -435,28 +478,19 @@ def check_own_folder(folder: str | os.PathLike, flag: str = "--out") -> None:
                               "choose another folder")
 
 
-def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = None) -> list[Path]:
+def remove_owned(root: str | os.PathLike) -> list[Path]:
     """Remove what flipguard wrote under ROOT (a file or folder), keep everything else, and return
-    what was kept. Flipguard's: a file its folder's manifest records (same bytes where hashed),
-    or one in `also` (path -> [size, mtime_ns], a study's record of what a stage wrote) that is
-    unchanged. Symbolic links are kept, never followed; a folder left empty (but for the
-    manifest and lock) is removed; a folder that keeps a user's file keeps its manifest, pruned
-    (a trainer's output_dir that keeps the user's files is still a folder flipguard made)."""
+    what was kept. Flipguard's: a file its folder's manifest records with the hash of its bytes
+    (owns); a file the user changed since is theirs and kept. Symbolic links are kept, never
+    followed; a folder left empty (but for the manifest and lock) is removed; a folder that keeps
+    a user's file keeps its manifest, pruned (a trainer's output_dir that keeps the user's files is
+    still a folder flipguard made)."""
     root = Path(root)
-    also = also or {}
     kept: list[Path] = []
-
-    def recorded(path: Path) -> bool:
-        want = also.get(str(path))
-        if want is None:
-            return False
-        st = path.lstat()
-        return [st.st_size, st.st_mtime_ns] == list(want)
-
     if not os.path.lexists(root):
         return kept
     if root.is_symlink() or not root.is_dir():
-        if not root.is_symlink() and (owns(root.parent, root.name) or recorded(root)):
+        if not root.is_symlink() and owns(root.parent, root.name):
             root.unlink()
         else:
             kept.append(root)
@@ -469,7 +503,7 @@ def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = No
             path = folder / name
             if name in (OWNER_FILE, LOCK_NAME):
                 continue
-            if not path.is_symlink() and ((doc is not None and owns(folder, name, doc)) or recorded(path)):
+            if not path.is_symlink() and doc is not None and owns(folder, name, doc):
                 path.unlink()
                 removed.append(name)
             else:
@@ -494,7 +528,8 @@ def remove_owned(root: str | os.PathLike, also: dict[str, list[int]] | None = No
 
 def written_files(root: str | os.PathLike, skip: Iterable[str] = ()) -> dict[str, list[int]]:
     """Every regular file under ROOT (symbolic links not followed) as path -> [size, mtime_ns],
-    less the paths in `skip`: what a finished stage wrote, for remove_owned's `also`."""
+    less the paths in `skip`: what a finished stage wrote (study.json keeps it to tell a run cut
+    short; it is never a proof of ownership: the manifests are)."""
     root, skip = Path(root), set(skip)
     out: dict[str, list[int]] = {}
     if root.is_file() and not root.is_symlink():

@@ -15,7 +15,17 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard.errors import RecordError
-from flipguard.files import OWNER_FILE, kind_of, now_iso, owns, read_manifest, refuse_link, write_manifest
+from flipguard.files import (
+    OWNER_FILE,
+    kind_of,
+    now_iso,
+    owns,
+    read_manifest,
+    record_tree,
+    refuse_link,
+    unproven,
+    write_manifest,
+)
 
 
 def read_owner(out_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -36,14 +46,14 @@ def published_by(folder: str | os.PathLike, writer: str, name: str) -> bool:
 
 
 def check_publish(out_dir: str | os.PathLike, *, writer: str, new: Iterable[str] = (), overwrite: bool = False,
-                  legacy_names: Iterable[str] | None = None, legacy_marker: str | None = None,
                   flag: str = "--out", overwrite_hint: str = "") -> set[str]:
-    """What publish_dir may replace in OUT_DIR (the names of its files that are WRITER's own),
-    or a RecordError (one line naming OUT_DIR and `flag`; nothing changed). Commands call it
+    """What publish_dir may replace in OUT_DIR (the names of its files that are WRITER's own, by their
+    hashes), or a RecordError (one line naming OUT_DIR and `flag`; nothing changed). Commands call it
     with their --out before any work (`new` unknown yet: the folder-level check), publish_dir
     again with the names it brings. An output folder is replaced only by the command that
     wrote it: a merge never replaces a run folder, a pair set or an organism, even one flipguard
-    wrote (its manifest's written_by names another writer)."""
+    wrote (its manifest's written_by names another writer). A file of the output that changed since
+    it was written (the user edited it) is the user's: refused, unless `overwrite`."""
     out = Path(out_dir)
     new = set(new)
     refuse_link(out)
@@ -54,11 +64,13 @@ def check_publish(out_dir: str | os.PathLike, *, writer: str, new: Iterable[str]
     present = {p.name for p in out.iterdir()} - {OWNER_FILE}
     owner = read_owner(out)
     if owner is not None and owner.get("written_by") == writer:
-        owned = {n for n in set(owner["files"]) & present if owns(out, n, owner)}  # a file the user edited: theirs
-    elif owner is None and legacy_names is not None and present <= set(legacy_names):
-        owned = set(present)
-    elif owner is None and legacy_marker is not None and legacy_marker in present:
-        owned = (present & new) | {legacy_marker}
+        owned = {n for n in set(owner["files"]) & present if owns(out, n, owner)}
+        changed = sorted((set(owner["files"]) & present) - owned)
+        if changed and not overwrite:
+            raise RecordError(
+                f"{out / changed[0]}: {unproven(owner, out, changed[0])}"
+                f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; nothing was changed: move your copy "
+                f"away and rerun{overwrite_hint}")
     elif not present or overwrite:
         owned = set()
     elif owner is not None:
@@ -82,15 +94,13 @@ def check_publish(out_dir: str | os.PathLike, *, writer: str, new: Iterable[str]
 
 
 def publish_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike, *, writer: str, overwrite: bool = False,
-                last: Iterable[str] = (), legacy_names: Iterable[str] | None = None,
-                legacy_marker: str | None = None, overwrite_hint: str = "", flag: str = "--out") -> Path:
-    """Move the entries of `tmp` (a folder built next to `out_dir`) into `out_dir`.
+                last: Iterable[str] = (), overwrite_hint: str = "", flag: str = "--out") -> Path:
+    """Move the entries of `tmp` (a folder built next to `out_dir`) into `out_dir`, every file
+    recorded with its sha256 (a folder inside, with a manifest of its own: files.record_tree).
 
-    - `out_dir` missing: `tmp` is renamed to it (atomic), with an owner file.
-    - `out_dir` an output of the same `writer` (owner file; or, written before owner files
-      existed, every entry in `legacy_names`, or a `legacy_marker` file there, whose owned files
-      are then the marker and the names the new output brings): only its files are replaced;
-      others are kept. Entries in `last` (the provenance) are removed first and moved in last.
+    - `out_dir` missing: `tmp` is renamed to it (atomic), with its manifest.
+    - `out_dir` an output of the same `writer` (its manifest): only its files that are unchanged are
+      replaced; others are kept. Entries in `last` (the provenance) are removed first and moved in last.
     - anything else non-empty (another command's output too), or a file: refused
       (check_publish) unless `overwrite`, which then replaces only the entries `tmp` brings,
       keeping the rest.
@@ -98,20 +108,22 @@ def publish_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike, *, writer: s
     tmp, out = Path(tmp), Path(out_dir)
     try:
         new = sorted(p.name for p in tmp.iterdir() if p.name != OWNER_FILE)
-        hashes = (read_manifest(tmp) or {}).get("sha256") or {}  # what was written in tmp by atomic_write_text
-        owner_doc = {"written_by": writer, "files": new, "time": now_iso(), "logs": [],
-                     "sha256": {n: h for n, h in hashes.items() if n in new}}
-        owned = check_publish(out, writer=writer, new=new, overwrite=overwrite, legacy_names=legacy_names,
-                              legacy_marker=legacy_marker, flag=flag, overwrite_hint=overwrite_hint)
+        hashes = {n: h for n, h in record_tree(tmp, writer).items() if n in new}
+        owner_doc = {"written_by": writer, "files": new, "time": now_iso(), "logs": [], "sha256": hashes}
+        owned = check_publish(out, writer=writer, new=new, overwrite=overwrite, flag=flag, overwrite_hint=overwrite_hint)
         if not out.exists():
             write_manifest(tmp, owner_doc)
             tmp.rename(out)
             return out
         last = [n for n in last if n in new]
         trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+        old = read_owner(out) or {"sha256": {}}
         try:
-            # claim first (old and new names), so a crash midway leaves only owned files
-            write_manifest(out, {**owner_doc, "files": sorted(owned | set(new)), "sha256": {}})
+            # claim first (old and new names, each with the hash of the bytes it may hold while the move is under
+            # way), so a crash midway leaves only files flipguard can prove
+            write_manifest(out, {**owner_doc, "files": sorted(owned | set(new)),
+                                 "sha256": {**{n: old["sha256"][n] for n in owned if n in old["sha256"]}, **hashes},
+                                 "replacing": {n: old["sha256"][n] for n in owned & set(new) if n in old["sha256"]}})
             for name in last:  # old provenance goes before anything else changes
                 if (out / name).exists() or (out / name).is_symlink():
                     (out / name).rename(trash / name)

@@ -10,6 +10,7 @@
     shipped.py          the shipped recipes and run configs, found by name
     recipes_command.py  `flipguard recipes`
     spelling.py         "did you mean" for every mistyped name
+    vocabulary.py       the shared words (VOCABULARY) and the old ones refused with the word to use (LEGACY)
 
 The names commands and plug-ins use are importable from here (`from flipguard.config import
 parse_dataclasses`) as well as from their module.

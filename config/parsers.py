@@ -27,25 +27,21 @@ from flipguard.config.run_config import leading_config, read_run_config
 from flipguard.config.spelling import did_you_mean
 from flipguard.config.trainers import trainer_entry
 from flipguard.config.values import check_parsed_values
+from flipguard.config.vocabulary import legacy_word
 from flipguard.errors import UserError
 
 # ---------------------------------------------------------------- the flag vocabulary
 #
-# One word for one setting in every command, in its flags and in its run config's keys: --model
-# (one spec; a list where several models are compared, and repeatable), --backend, --backend_args,
-# --device, --batch_size, --datasets, --limit, --mitigations, --out, --seed, --threads. A field says
-# how it relates to them in its metadata:
+# One word for one setting in every command, in its flags and in its run config's keys
+# (config/vocabulary.py: VOCABULARY, stated once in docs/cli.md). A field says how it relates to
+# them in its metadata:
 #   "flag": WORD            its flag is --WORD, though the field keeps its name (a recipe section's
 #                           prefix: eval_plan_limit is --limit); --FIELD is no longer listed
-#   "renamed_from": (OLD,)  it was called OLD: --OLD and a run config's OLD: key are still read,
-#                           never listed in --help, for one release
+# An old word (vocabulary.LEGACY: --n_items, --dataset, --models ...) is refused in every command,
+# naming the word to use, never read in its place; a shared word a protocol does not take (its
+# argument class's LACKS) is refused naming the protocol and what it takes instead.
 # Fields of TRL's configs cannot say so: their names stay listed, the word beside them.
 THEIR_FLAG_WORDS = {"model_name_or_path": "model", "output_dir": "out"}
-# what a user types for a word of the vocabulary (its old spellings in other commands, other tools'
-# names): the word is what an unknown flag of these names is taken to mean in "did you mean"
-MEANT = {"n_items": "limit", "num_items": "limit", "max_items": "limit", "models": "model", "dataset": "datasets",
-         "tasks": "datasets", "mitigation": "mitigations", "output": "out", "output_dir": "out", "output_path": "out",
-         "num_threads": "threads", "model_name_or_path": "model"}
 
 
 class _Repeatable(argparse.Action):
@@ -83,7 +79,7 @@ def _flag_parser_class(base: type) -> type:
                     self._option_string_actions[f"--{word}"] = action
 
         def add_argument(self, *args, **kwargs):
-            word, old = kwargs.pop("flag", None), kwargs.pop("renamed_from", ())
+            word = kwargs.pop("flag", None)
             if kwargs.get("nargs") == "+" and "action" not in kwargs:
                 kwargs["action"] = _Repeatable
             action = super().add_argument(*args, **kwargs)
@@ -97,8 +93,6 @@ def _flag_parser_class(base: type) -> type:
                 if action.metavar is None and action.nargs != 0:
                     action.metavar = word.upper()
                 self._option_string_actions[f"--{word}"] = action
-            for name in old:
-                self.hidden |= dict.fromkeys((f"--{name}", f"--{name.replace('_', '-')}"), action.option_strings[0])
             return action
 
         def flag(self, field: str) -> str:
@@ -126,9 +120,17 @@ def _flag_parser_class(base: type) -> type:
             raise UserError(message)
 
         def unknown_option(self, given: str) -> UserError:
-            meant = f"--{MEANT.get(given[2:].replace('-', '_'))}"
-            hint = f"; did you mean {meant}?" if meant in self.listed_flags() else did_you_mean(given, self.listed_flags(), str)
-            return UserError(f"unknown option {given}{hint} ({self.prog} --help lists the options)")
+            name = given[2:].replace("-", "_")
+            for cls in self.dataclass_types:  # a shared word this protocol does not take: said so, with its own
+                lacks = getattr(cls, "LACKS", {})
+                if name in lacks:
+                    return UserError(f"{given}: {lacks[name]}")
+            word = legacy_word(name)
+            if word and f"--{word}" in self.listed_flags():
+                return UserError(f"{given} is an old word, not read: the word is --{word} ({self.prog} --help lists "
+                                 "the options)")
+            return UserError(f"unknown option {given}{did_you_mean(given, self.listed_flags(), str)} "
+                             f"({self.prog} --help lists the options)")
 
         def parse_flags(self, argv: list[str]) -> tuple:
             """The dataclasses of `argv`; a flag it does not know (named before argparse's other

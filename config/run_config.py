@@ -10,19 +10,20 @@ from typing import Any, Iterable
 from flipguard.config.shipped import find_recipe
 from flipguard.config.spelling import did_you_mean
 from flipguard.config.values import check_values
+from flipguard.config.vocabulary import legacy_word
 from flipguard.errors import UserError
 from flipguard.files import check_types, field_types, load_yaml
 
 
 def field_aliases(*types: type) -> dict[str, str]:
-    """A run config's key -> the field it sets, where the two differ: a field's flag word and its
-    old names (the metadata above)."""
+    """A run config's key -> the field it sets, where the two differ: a field's flag word (its metadata's
+    "flag", config/parsers.py)."""
     out: dict[str, str] = {}
     for cls in types:
         for f in dataclasses.fields(cls):
-            for alias in (f.metadata.get("flag"), *f.metadata.get("renamed_from", ())):
-                if alias and alias != f.name:
-                    out[alias] = f.name
+            alias = f.metadata.get("flag")
+            if alias and alias != f.name:
+                out[alias] = f.name
     return out
 
 # a command's first argument ending so is a run config (YAML, or JSON)
@@ -63,8 +64,11 @@ def read_run_config(path: str, types: Iterable[type]) -> dict[str, Any]:
             config[new], written[new] = config.pop(key), str(key)
     for key, value in config.items():
         if key not in types:
-            raise UserError(f"{path}{f':{lines[key]}' if key in lines else ''}: unknown key {str(key)!r}"
-                            f"{did_you_mean(key, types)}")
+            where = f"{path}{f':{lines[key]}' if key in lines else ''}"
+            word = legacy_word(str(key))
+            if word and (word in types or word in aliases):
+                raise UserError(f"{where}: {str(key)!r} is an old word, not read: the key is {word!r}")
+            raise UserError(f"{where}: unknown key {str(key)!r}{did_you_mean(key, types)}")
         if isinstance(value, (str, int, float)) and not isinstance(value, bool) and _takes_list(types[key]):
             config[key] = [value]  # `model: flipguard:tiny` for a list of models
     check_types(config, types, path, UserError, lines, written)

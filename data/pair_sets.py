@@ -22,9 +22,6 @@ from flipguard.files import read_json
 
 SFT_DIR, DPO_DIR = "sft", "dpo"
 COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
-# everything write_pairs puts in a pair set (a folder holding only these, written before
-# the owner file existed, is recognised as flipguard's)
-PAIR_SET_NAMES = (SFT_DIR, DPO_DIR, f"{SFT_DIR}.jsonl", f"{DPO_DIR}.jsonl", COUNTS_FILE, META_FILE)
 # the columns of each kind of pair set (TRL's conversational formats): the prompt, then its replies
 PAIR_COLUMNS = {SFT_DIR: ("prompt", "completion"), DPO_DIR: ("prompt", "chosen", "rejected")}
 JUDGMENTS = ("1", "2")  # the reply of a one-turn row

@@ -157,7 +157,7 @@ def check_split_files(entry: DatasetEntry) -> None:
 
 
 def mc_entry(token: str) -> DatasetEntry:
-    """The registered multiple-choice dataset a --dataset token names (name or entry path)."""
+    """The registered multiple-choice dataset a --datasets token names (name or entry path)."""
     entry = lookup(token)
     if entry is None:
         mc = [n for n, e in registered().items() if e.kind == "multiple_choice"]

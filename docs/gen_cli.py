@@ -23,6 +23,7 @@ import unittest.mock
 from pathlib import Path
 
 from flipguard.config import trainers
+from flipguard.config.vocabulary import LEGACY, VOCABULARY
 from flipguard.eval.interop.importer import TOOLS as IMPORT_TOOLS
 from flipguard.files import PACKAGE_ROOT, flipguard_home
 from flipguard.pipeline import cli
@@ -91,12 +92,25 @@ def _placeholders(text: str) -> str:
     return text
 
 
+def vocabulary_table() -> str:
+    """The shared words, once: what each means in every command that takes it (config/vocabulary.py)."""
+    lines = ["## The shared words", "",
+             "`flipguard eval`, `afr` and `sos` (and the study's `eval:` section) take these flags, each meaning one "
+             "thing in all of them. A shared word a protocol does not take is refused in one line naming the protocol "
+             "and what it takes instead; an old word is refused naming the word to use:",
+             ", ".join(f"`--{old}` → `--{new}`" for old, new in LEGACY.items()) + ". `flipguard report RUN` prints "
+             "the same table of a run's numbers for every protocol.", "",
+             "| flag | what it means, in every command |", "|---|---|"]
+    lines += [f"| `--{word}` | {meaning.replace('|', chr(92) + '|')} |" for word, meaning in VOCABULARY.items()]
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
     """docs/cli.md's text: `flipguard --help`, then each command's `--help` in the table's order."""
     saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = str(COLUMNS)  # argparse wraps to the terminal: fix the width
     try:
-        sections = [HEADER, "## flipguard\n\n```text\n" + _help(["--help"]).rstrip() + "\n```\n"]
+        sections = [HEADER, vocabulary_table(), "## flipguard\n\n```text\n" + _help(["--help"]).rstrip() + "\n```\n"]
         # `flipguard import TOOL`: each tool's form has options of its own
         forms = {"import": [[tool] for tool in IMPORT_TOOLS]}
         # the command table, then flipguard's own trainers (a plug-in installed here documents itself)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flipguard.errors import UserError
+from flipguard.eval.estimate import Estimate
 from flipguard.eval.records import RECORDS_FILE, RUN_META_FILE, load_run_meta
 from flipguard.eval.task import Task
 from flipguard.eval.task_registry import get_task
@@ -69,12 +70,13 @@ def _stat(path: Path):
         return None
 
 
-def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
+def comparison_long_rows(condition: str, spec: str, protocol: str | None = None) -> list[dict[str, Any]]:
     """One run's rows of comparison_protocols.csv (PROTOCOL_COLUMNS + unit, n_valid, n_judged), values in % (pp for
     differences): its protocol (run.json) supplies them through Task.comparison_rows; `RUN_DIR@system`
-    keeps one system of a run that holds several. The comparison and the viewer both read these."""
+    keeps one system of a run that holds several; `protocol`: the run's, where its run.json names none (a DDS run
+    of the first format). The comparison and the viewer both read these."""
     run_dir, only = split_system(spec)
-    task = get_task(load_run_meta(run_dir).get("protocol") or "")
+    task = get_task(protocol or load_run_meta(run_dir).get("protocol") or "")
     rows = []
     for row in run_numbers(task, "comparison_rows", Path(run_dir)):
         if only and row["system"] != only:
@@ -88,3 +90,21 @@ def comparison_long_rows(condition: str, spec: str) -> list[dict[str, Any]]:
                      "ci_low": est.lo, "ci_high": est.hi, "n": est.n, "meaningful": est.meaningful,
                      "unit": est.unit, "n_valid": est.n_valid, "n_judged": est.n_judged})
     return rows
+
+
+def headline_table(run_dir: str | Path, protocol: str | None = None) -> str:
+    """A run's numbers as text, the same kind of table for every protocol (what `flipguard report RUN` prints):
+    a row per system, dataset and metric of its Task.comparison_rows, the value with its 95% CI (n/m where too
+    few valid judgments are behind it) and n."""
+    rows = comparison_long_rows("run", str(run_dir), protocol)
+    if not rows:
+        return "(no numbers: the run's protocol gives none)"
+    cells = [("system", "dataset", "metric", "unit", "value [95% CI]", "n")]
+    for r in rows:
+        est = Estimate(r["value"], r["ci_low"], r["ci_high"], int(r["n"]), r["unit"], n_valid=r.get("n_valid"),
+                       n_judged=r.get("n_judged"), meaningful=r.get("meaningful", True))
+        cells.append((str(r["system"]), str(r["dataset"] or "–"), str(r["metric"]), str(r["unit"]),
+                      est.format(signed=r["unit"] == "pp"), str(r["n"])))
+    widths = [max(len(c[i]) for c in cells) for i in range(6)]
+    return "\n".join("  ".join(c[i].ljust(widths[i]) if i < 4 else c[i].rjust(widths[i]) for i in range(6)).rstrip()
+                     for c in cells)

@@ -10,7 +10,9 @@ Not meaningful: an estimate over judgments of which more than half are invalid (
 or label mass below the threshold: they count as wrong, so the number would measure the parsing,
 not the model) has no value (NaN, an empty cell in every CSV) and `meaningful` False; tables
 mark it `not_meaningful_text` ("n/m (0 of 24 valid)"), never a fake 0.0. A difference is
-meaningful when both its sides are.
+meaningful when both its sides are. A protocol may also hold a rate to a least number of items
+(AFR: MIN_ITEMS questions, eval/afr/metrics.py): one resting on fewer is not meaningful either,
+marked "n/m (1 item; at least 5 needed)" (`too_few`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Estimate:
     n_valid: int | None = None  # judgments of the n that were valid (None: not counted)
     n_judged: int | None = None  # the judgments n_valid counts among, where not n (repeats of an item)
     meaningful: bool = True  # False: too few valid judgments (value and bounds NaN; see the module doc)
+    min_items: int | None = None  # not meaningful because it rests on fewer items (n_clusters) than this
 
     @property
     def half_width(self) -> float:
@@ -90,12 +93,16 @@ class Estimate:
                 d["n_valid"] = self.n_valid
             if self.n_judged is not None:
                 d["n_judged"] = self.n_judged
+            if self.min_items is not None:
+                d.update(min_items=self.min_items, n_items=self.n_clusters)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, unit: str = "share") -> "Estimate":
         """Read an `as_dict` back, whichever bound keys it was stored with; NAN when absent."""
         if d and d.get("meaningful") is False:
+            if d.get("min_items") is not None:
+                return too_few(int(d.get("n") or 0), int(d.get("n_items") or 0), int(d["min_items"]), d.get("unit", unit))
             return not_meaningful(int(d.get("n") or 0), d.get("n_valid"), d.get("unit", unit), n_judged=d.get("n_judged"))
         if not d or _nan(d.get("value")):
             return NAN
@@ -111,7 +118,11 @@ class Estimate:
         return _nan(self.value) and self.meaningful
 
     def mark(self) -> str:
-        """The not-meaningful mark of this estimate ('n/m (0 of 24 valid)')."""
+        """The not-meaningful mark of this estimate: 'n/m (0 of 24 valid)', or 'n/m (1 item; at least 5
+        needed)' for one resting on too few items."""
+        if self.min_items is not None:
+            items = self.n_clusters or 0
+            return f"{NOT_MEANINGFUL} ({items} item{'' if items == 1 else 's'}; at least {self.min_items} needed)"
         return not_meaningful_text(self.n_valid, self.n if self.n_judged is None else self.n_judged)
 
     def format(self, nd: int = 1, signed: bool = False) -> str:
@@ -135,6 +146,11 @@ def not_meaningful(n: int, n_valid: int | None = None, unit: str = "share", **kw
     """A not-meaningful estimate: no value, no interval, its counts."""
     return Estimate(math.nan, n=int(n), unit=unit, n_valid=None if n_valid is None else int(n_valid),
                     meaningful=False, **kw)
+
+
+def too_few(n: int, n_items: int, min_items: int, unit: str = "share") -> Estimate:
+    """A rate over `n` judgments of only `n_items` items, fewer than `min_items`: not meaningful."""
+    return Estimate(math.nan, n=int(n), unit=unit, n_clusters=int(n_items), meaningful=False, min_items=int(min_items))
 
 
 def checked(est: Estimate, n_valid: int, n_judged: int | None = None) -> Estimate:

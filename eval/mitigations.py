@@ -1,5 +1,5 @@
 """The prompting mitigations (DialDefer §7): a system turn, and for Dehumanizing new
-speaker labels. Every protocol offers them (DDS `--mitigation`, AFR's Stage II and
+speaker labels. Every protocol offers them (DDS `--mitigations`, AFR's Stage II and
 stick-or-switch's system prompt), so they sit in the eval core: AFR and stick-or-switch
 read them here without importing DDS.
 """

@@ -329,20 +329,10 @@ class RecordStore:
         return n
 
 
-def is_run_log(path: Path) -> bool:
-    """A run.json written by flipguard (a run log naming its protocol): adopted as flipguard's
-    in a run directory from before manifests."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(doc, dict) and isinstance(doc.get("protocol"), str)
-
-
 def check_records_owned(path: Path) -> None:
     """A records file a writer is about to append to (and repair) must be flipguard's: listed as
-    a log in its folder's manifest, or (a run from before manifests) beside a run log. Anything
-    else is the user's file: refused, unmodified."""
+    a log in its folder's manifest. Anything else (the user's file; a run from before flipguard
+    recorded what it wrote) is refused, unmodified."""
     refuse_link(path.parent)
     refuse_link(path)
     if not os.path.lexists(path):
@@ -350,10 +340,10 @@ def check_records_owned(path: Path) -> None:
     doc = read_manifest(path.parent)
     if doc is not None and path.name in doc["logs"]:
         return
-    if (doc is None or path.name not in doc["files"]) and is_run_log(path.parent / RUN_META_FILE):
-        return
-    raise RecordError(f"{path}: exists and was not written by flipguard (no run log beside it, not listed in "
-                      f"{path.parent / OWNER_FILE}); nothing was changed: move it away or choose another --out")
+    why = (f"not listed in {path.parent / OWNER_FILE}" if doc is not None else
+           f"no {OWNER_FILE} beside it: a file of yours, or a run from before flipguard recorded what it wrote")
+    raise RecordError(f"{path}: exists and was not written by flipguard ({why}); nothing was changed: move it away "
+                      "or choose another --out")
 
 
 def _write_error(path: Path, exc: OSError, n: int) -> RecordError:
@@ -523,7 +513,7 @@ class RunLog:
 
     def write(self, run_dir: str | os.PathLike) -> None:
         """run_dir/run.json, atomically (temp file + rename)."""
-        atomic_write_text(Path(run_dir) / RUN_META_FILE, dumps_utf8(self.to_dict(), indent=2) + "\n", adopt=is_run_log)
+        atomic_write_text(Path(run_dir) / RUN_META_FILE, dumps_utf8(self.to_dict(), indent=2) + "\n")
 
 
 def _version() -> str:
@@ -610,6 +600,8 @@ def load_run_meta(run_dir: str | os.PathLike) -> dict[str, Any]:
 # run under this run.json, or an invocation that stopped before its end is never read as whole.
 
 RUN_CONTENTS = "records"
+# run.json of an imported run that did not finish (--allow_incomplete): {system: why}, with complete False
+INCOMPLETE = "incomplete"
 
 
 def content_digest(obj: Any) -> str:
@@ -632,6 +624,7 @@ class Completeness:
     listed: dict[str, Any] | None  # run.json's RUN_CONTENTS (None: a run from before it was written, or none)
     finished: bool              # its last invocation reached the end (run.json "complete" is not False)
     keys: str                   # the digest of the keys found
+    why: str = ""               # run.json's own reason it is not finished (an imported run: its status)
 
     @property
     def whole(self) -> bool:
@@ -641,7 +634,8 @@ class Completeness:
     def describe(self) -> str:
         """One phrase: "incomplete (8 of 16 records its run.json lists)" and the like ("whole")."""
         if not self.finished:
-            return f"incomplete: its last run stopped before the end ({self.found} records so far)"
+            return (f"incomplete: {self.why}" if self.why else
+                    f"incomplete: its last run stopped before the end ({self.found} records so far)")
         if self.whole:
             return "whole"
         listed = self.listed.get("n")
@@ -658,8 +652,10 @@ def run_completeness(run_dir: str | os.PathLike) -> Completeness:
     meta = load_run_meta(run_dir)
     keys = {rec.key for rec in read_records(run_dir / RECORDS_FILE)}
     listed = meta.get(RUN_CONTENTS)
+    reasons = meta.get(INCOMPLETE)
+    why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) if isinstance(reasons, dict) else ""
     return Completeness(run_dir, len(keys), listed if isinstance(listed, dict) else None,
-                        meta.get("complete") is not False, content_digest(sorted(keys)))
+                        meta.get("complete") is not False, content_digest(sorted(keys)), why)
 
 
 def require_whole(run_dir: str | os.PathLike, then: str = "rerun the command that wrote it (it resumes from the "
@@ -668,5 +664,7 @@ def require_whole(run_dir: str | os.PathLike, then: str = "rerun the command tha
     completeness otherwise."""
     state = run_completeness(run_dir)
     if not state.whole:
+        if state.why:  # an imported run that did not finish: only a finished one, imported again, makes it whole
+            then = "import a run of the tool that finished"
         raise RecordError(f"{run_dir}: {state.describe()}; no number is computed from an incomplete run: {then}")
     return state

@@ -38,9 +38,11 @@ parallel.py (the data-parallel split and its merge of `computed`).
 from __future__ import annotations
 
 import dataclasses
+import random
+import re
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Optional, Sequence
 
 from flipguard.config import leading_config, parse_dataclasses
 from flipguard.errors import UserError
@@ -227,6 +229,46 @@ class Task:
         for key in self.accumulate_keys:
             merged[key] = list(dict.fromkeys(list(old.get(key) or []) + list(meta.get(key) or [])))
         return merged
+
+
+# The shared words' common parts (config/vocabulary.py states them): the default model of every protocol,
+# and --limit's rule
+DEFAULT_MODEL = "flipguard:tiny"
+LIMIT_HELP = ("At most N items per dataset, drawn with --seed (the same seed, the same items), kept in the dataset's "
+              "order. Default: every item.")
+# the salt of --limit's sample: the string stick-or-switch drew its samples with from its first runs, so that
+# theirs stay what they were
+LIMIT_SALT = "sos-sample"
+
+
+def limit_sample(items: Sequence[Any], limit: int | None, seed: int,
+                 dataset_of: Callable[[Any], str] = lambda it: it.dataset) -> list[Any]:
+    """--limit's sample: at most `limit` items of each dataset, drawn without replacement by a generator
+    seeded with `seed`, kept in the items' own order; None or 0: every item."""
+    if not limit:
+        return list(items)
+    groups: dict[str, list[int]] = {}
+    for i, it in enumerate(items):
+        groups.setdefault(str(dataset_of(it)), []).append(i)
+    chosen = set()
+    for positions in groups.values():
+        picked = (range(len(positions)) if limit >= len(positions)
+                  else random.Random(f"{LIMIT_SALT}:{seed}").sample(range(len(positions)), limit))
+        chosen |= {positions[k] for k in picked}
+    return [it for i, it in enumerate(items) if i in chosen]
+
+
+def protocol_folder(protocol: str, models: Sequence[str], datasets: str) -> Path:
+    """The readable part of every protocol's default run folder, runs/<protocol>/<model>/<dataset>
+    (Task.out_dir adds the settings' fingerprint): each model's label or name, file-safe, joined by '+'."""
+    names = []
+    for spec in models:
+        spec = str(spec)
+        label, sep, rest = spec.partition("=")
+        name = label if sep and "/" not in label and ":" not in label else Path(spec.split("|")[0].rstrip("/")).name
+        names.append(re.sub(r"[^A-Za-z0-9._+-]+", "-", name).strip("-") or "model")
+    data = re.sub(r"[^A-Za-z0-9._+-]+", "-", ",".join(Path(d.strip()).stem for d in datasets.split(",") if d.strip()))
+    return Path("runs") / protocol / ("+".join(names)[:80] or "model") / (data[:60] or "data")
 
 
 def settings_folder(stem: Path, command: str, args: Any, not_settings: Iterable[str] = Task.not_settings) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
+from flipguard.eval.comparison_rows import headline_table
 from flipguard.eval.records import load_run_meta
 from flipguard.eval.task import ReportArgs
 from flipguard.eval.task_includes import include_tasks, take_includes
@@ -25,7 +26,8 @@ def command_line(*names: str) -> list[str] | None:
 
 def report_main(argv: list[str]) -> int:
     """`flipguard [--include FILE] report RUN_DIR`: the report of a run of any registered task (run.json's
-    protocol; a run without one is DDS, as records of the first format were)."""
+    protocol; a run without one is DDS, as records of the first format were), then the same kind of table
+    for every protocol: its numbers with their CIs (comparison_rows.headline_table)."""
     argv = take_includes(argv)
     args = parse_dataclasses(argv, ReportArgs, prog="flipguard report", description=ReportArgs.__doc__,
                              positional="run_dir")
@@ -34,7 +36,8 @@ def report_main(argv: list[str]) -> int:
     for flag, value in (("--c1_from", args.c1_from), ("--allow_cross_mode_c1", args.allow_cross_mode_c1)):
         if value and protocol != "dds":
             raise UserError(f"{flag}: an option of DDS reports; {run_dir} holds a {protocol!r} run")
-    print(f"report: {get_task(protocol).rebuild_report(run_dir, args)}")
+    path = get_task(protocol).rebuild_report(run_dir, args)
+    print(f"{protocol} run {run_dir}:\n{headline_table(run_dir, protocol)}\nreport: {path}")
     return 0
 
 

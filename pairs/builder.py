@@ -73,7 +73,6 @@ from flipguard.data.pair_sets import (
     COUNTS_FILE,
     DPO_DIR,
     META_FILE,
-    PAIR_SET_NAMES,
     SFT_DIR,
     conversation_case,
 )
@@ -662,8 +661,7 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
                      "fingerprints": fingerprints, "sft_jsonl_sha256": digest, "rows": len(pairs.rows)}
         (tmp / META_FILE).write_text(json.dumps(full_meta, indent=2, default=str) + "\n", encoding="utf-8")
         try:
-            publish_dir(tmp, out_dir, writer="flipguard pairs", last=(META_FILE, COUNTS_FILE),
-                        legacy_names=PAIR_SET_NAMES)
+            publish_dir(tmp, out_dir, writer="flipguard pairs", last=(META_FILE, COUNTS_FILE))
         except RecordError as exc:
             raise UserError(str(exc)) from None
     except BaseException:

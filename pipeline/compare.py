@@ -36,7 +36,17 @@ from flipguard.eval.comparison_rows import PROTOCOL_COLUMNS, comparison_long_row
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import CROSS_MODE_NOTE, report_run, row_mark
 from flipguard.eval.estimate import NOT_MEANINGFUL, Estimate
-from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.plots import (
+    MAX_WIDTH_IN,
+    MIN_FONT,
+    TITLE_FONT,
+    cell_text,
+    draw_estimate_bars,
+    finish_heatmap,
+    mark_not_meaningful,
+    pyplot,
+    save_figure,
+)
 from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require_whole
 from flipguard.eval.task_includes import take_includes
 from flipguard.eval.task_registry import get_task, task_names
@@ -330,54 +340,51 @@ def render_markdown(cmp: dict[str, Any], extra_sections: list[str] = ()) -> str:
 
 
 def plot_heatmap(cmp: dict[str, Any], path: Path) -> None:
+    """Per-domain DDS (paper Fig. 4): a row per dataset, a column per condition, each cell's number on it
+    (white on a dark cell), n/m where the row is not meaningful, nothing where it was not measured."""
     plt = pyplot()
 
     table, names = cmp["table"], cmp["conditions"]
-    pivot = table.pivot(index="condition", columns="dataset", values="dds").reindex(names)
     cols = [c for c in table["dataset"].unique()]
-    pivot = pivot[cols]
-    values = pivot.to_numpy(dtype=float)
+    values = table.pivot(index="condition", columns="dataset", values="dds").reindex(names)[cols].to_numpy(dtype=float).T
+    ok = table.pivot(index="condition", columns="dataset", values="meaningful").reindex(names)[cols].to_numpy().T
     lim = max(10.0, float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 10.0)
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(cols), 1.2 + 0.55 * len(names)))
+    fig, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, 2.6 + 0.95 * len(names)), 1.4 + 0.42 * len(cols)))
     im = ax.imshow(values, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
-    ax.set_xticks(range(len(cols)), [domain_of(c) or c for c in cols], rotation=40, ha="right")
-    ax.set_yticks(range(len(names)), names)
-    ok = table.pivot(index="condition", columns="dataset", values="meaningful").reindex(names)[cols].to_numpy()
+    ax.set_xticks(range(len(names)), list(names), fontsize=MIN_FONT, rotation=30, ha="right",
+                  rotation_mode="anchor")
+    ax.set_yticks(range(len(cols)), [domain_of(c) or c for c in cols], fontsize=MIN_FONT)
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
             if np.isfinite(values[i, j]):
-                ax.text(j, i, f"{values[i, j]:+.1f}", ha="center", va="center", fontsize=8)
+                cell_text(ax, j, i, f"{values[i, j]:+.1f}", im.cmap(im.norm(values[i, j])))
             elif not pd.isna(ok[i, j]) and not bool(ok[i, j]):  # measured, not meaningful (a missing cell: NaN)
-                ax.text(j, i, NOT_MEANINGFUL, ha="center", va="center", fontsize=8, color="#666666")
-    fig.colorbar(im, ax=ax, label="DDS (pp): >0 deference, <0 skepticism")
-    ax.set_title("DDS by domain and condition")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=130)
+                mark_not_meaningful(ax, j, i)
+    finish_heatmap(fig, ax, im, ">0 deference, <0 skepticism (pp)", "DDS by domain and condition (pp)")
+    save_figure(fig, path)
 
 
 def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
+    """DDS and C2 accuracy (all domains) per condition with 95% CIs, n/m where a row is not meaningful."""
     plt = pyplot()
 
     table, names = cmp["table"], cmp["conditions"]
     tot = table[table["dataset"] == M.TOTAL_AVG].set_index("condition").reindex(names)
-    x = np.arange(len(names))
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.3 * len(names), 3.8))
-    dds = tot["dds"].to_numpy(dtype=float)
-    dds_err = np.abs(np.vstack([dds - tot["dds_ci_low"].to_numpy(float), tot["dds_ci_high"].to_numpy(float) - dds]))
-    colors = ["#b2182b" if v > 0 else "#2166ac" for v in np.nan_to_num(dds)]
-    axes[0].bar(x, dds, yerr=np.nan_to_num(dds_err), capsize=4, color=colors)
-    axes[0].axhline(0, color="black", lw=0.8)
-    axes[0].set_title("DDS, all domains (95% CI)")
-    acc = tot["c2_avg"].to_numpy(dtype=float)
-    acc_err = np.abs(np.vstack([acc - tot["c2_avg_ci_low"].to_numpy(float), tot["c2_avg_ci_high"].to_numpy(float) - acc]))
-    axes[1].bar(x, acc, yerr=np.nan_to_num(acc_err), capsize=4, color="#4d4d4d")
-    axes[1].set_ylim(0, 100)
-    axes[1].set_title("C2 accuracy, macro avg (95% CI)")
-    for ax, ylabel in zip(axes, ("pp", "%")):
-        ax.set_xticks(x, names, rotation=20, ha="right")
-        ax.set_ylabel(ylabel)
+
+    def bars(value: str, lo: str, hi: str) -> dict[str, list[tuple[float, float, float, str]]]:
+        return {"all domains": [(float(r[value]), float(r[lo]), float(r[hi]),
+                                 NOT_MEANINGFUL if r.get("meaningful") is False else "not measured" if pd.isna(r[value]) else "")
+                                for _, r in tot.iterrows()]}
+
+    width = min(MAX_WIDTH_IN, 3.0 + 1.5 * len(names))
+    fig, axes = plt.subplots(1, 2, figsize=(width, 3.9))
+    draw_estimate_bars(axes[0], names, bars("dds", "dds_ci_low", "dds_ci_high"), "pp", legend=False)
+    axes[0].set_title("DDS, all domains (95% CI)", fontsize=TITLE_FONT)
+    draw_estimate_bars(axes[1], names, bars("c2_avg", "c2_avg_ci_low", "c2_avg_ci_high"), "%", legend=False)
+    axes[1].set_ylim(0, 112)
+    axes[1].set_title("C2 accuracy, macro avg (95% CI)", fontsize=TITLE_FONT)
     fig.tight_layout()
-    save_figure(fig, path, dpi=130)
+    save_figure(fig, path)
 
 
 def write_comparison(cmp: dict[str, Any] | None, out_dir: str | Path, extra_sections: list[str] = (),

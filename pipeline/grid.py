@@ -37,7 +37,7 @@ import yaml
 from flipguard.config import did_you_mean, recipe_keys, trainers, validate_recipe
 from flipguard.errors import UserError
 from flipguard.eval.dds.metrics import TOTAL_AVG
-from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.plots import MIN_FONT, TITLE_FONT, pyplot, save_figure
 from flipguard.eval.task_registry import get_task
 from flipguard.files import atomic_write_text
 from flipguard.pipeline.compare import BASELINE, protocol_flags
@@ -420,20 +420,21 @@ def plot_tradeoff(frame: pd.DataFrame, path: Path) -> None:
         px = ax.transData.transform(spot)
         near = sum(1 for other in seen.values() if abs(other[0] - px[0]) < 14 and abs(other[1] - px[1]) < 14)
         seen[k] = px  # models numbered within a few points of this one: its number steps right of theirs
-        ax.annotate(str(k + 1), spot, xytext=(7 + 10 * near, 5), textcoords="offset points", fontsize=9,
+        ax.annotate(str(k + 1), spot, xytext=(7 + 10 * near, 5), textcoords="offset points", fontsize=MIN_FONT,
                     fontweight="bold", color=f"C{k % 10}", annotation_clip=False)
         handles.append(Line2D([], [], marker=marker, linestyle="", color=f"C{k % 10}",
                               markerfacecolor=f"C{k % 10}" if filled else "none", label=f"{k + 1}  {r.trainer} {r.variant}"))
     unknown = [w for w, vs in (("removal", ys), ("damage", xs)) if any(v != v for v in vs)]
     if unknown:
         ax.text(0.99, 0.99, "hollow: " + " / ".join(unknown) + " not measured or not meaningful (on that axis)",
-                transform=ax.transAxes, ha="right", va="top", fontsize=8, color="#b3261e", parse_math=False)
+                transform=ax.transAxes, ha="right", va="top", fontsize=MIN_FONT, color="#b3261e", parse_math=False)
     ax.axhline(0, color="black", lw=0.6)
     ax.axvline(0, color="black", lw=0.6)
-    ax.set_xlabel("damage: largest drop of what must stay (pp)")
-    ax.set_ylabel("removal: mean drop of the planted\nbehaviours (pp)")
-    ax.set_title("Removed vs damaged, per trained model (up and to the left is better)", fontsize=10)
-    key = fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.01, 0.0), fontsize=8.5, frameon=False)
+    ax.set_xlabel("damage: largest drop of what must stay (pp)", fontsize=MIN_FONT)
+    ax.set_ylabel("removal: mean drop of the planted\nbehaviours (pp)", fontsize=MIN_FONT)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_title("Removed vs damaged, per trained model (up and to the left is better)", fontsize=TITLE_FONT)
+    key = fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.01, 0.0), fontsize=MIN_FONT, frameon=False)
     for text in key.get_texts():
         text.set_parse_math(False)
     fig.tight_layout(rect=(0, (0.3 + 0.24 * n) / (4.6 + 0.24 * n), 1, 1))

@@ -98,20 +98,6 @@ def claim_stage_log(log: Path) -> None:
     claim(log.parent, log.name, log=True)
 
 
-def _study_file(path: Path) -> bool:
-    """A study folder's file from before manifests, recognised by its content: the effective
-    recipe (its header line) or study.json (its format)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return False
-    if path.name == "recipe.yaml":
-        return text.startswith(RECIPE_HEADER)
-    if path.name == STUDY_FILE:
-        return f'"format": "{STUDY_FORMAT}"' in text
-    return False
-
-
 def written_by_flipguard(path: Path) -> bool:
     """A stage output left by an earlier flipguard command: a run directory (run.json) or a
     published folder (owner file); anything else in --out is the user's and is kept."""
@@ -171,7 +157,7 @@ class Study(StudyPlan):
     def _save_state(self) -> None:
         self.state.update(recipe=self.recipe_path, out=str(self.out), model=self.model, updated=now_iso(),
                           order=[s.name for s in self.stages])
-        atomic_write_text(self.out / STUDY_FILE, dumps_utf8(self.state, indent=2) + "\n", adopt=_study_file)
+        atomic_write_text(self.out / STUDY_FILE, dumps_utf8(self.state, indent=2) + "\n")
 
     def check_folders(self, stages: list[Stage] | None = None) -> None:
         """Before any stage (and again as each stage starts): every folder a stage would clear
@@ -214,7 +200,7 @@ class Study(StudyPlan):
         self.check_folders()
         # before any work: the study's own files replace nothing of the user's (files.check_replace)
         for path in (*(path for path, _ in self.effective_recipes()), self.out / STUDY_FILE):
-            check_replace(path, adopt=_study_file)
+            check_replace(path)
         check_page(self.out / VIEW_FILE)
         if jobs > 1 and not only:
             self._check_stage_logs()
@@ -222,7 +208,7 @@ class Study(StudyPlan):
 
         for path, raw in self.effective_recipes():
             atomic_write_text(path, f"{RECIPE_HEADER} (from {self.recipe_path}); written by flipguard study\n"
-                              + yaml.safe_dump(public_recipe(raw), sort_keys=False), adopt=_study_file)
+                              + yaml.safe_dump(public_recipe(raw), sort_keys=False))
         self._fps = stage_fingerprints(self.stages)
         self._start = names.index(from_stage) if from_stage else None
         self._only = only
@@ -431,15 +417,15 @@ class Study(StudyPlan):
                 entry["status"] = "stale"
 
     def clear(self, stage: Stage, entry: dict[str, Any]) -> list[str]:
-        """Before a stage is redone: remove what it wrote (its folders' manifests, study.json's
-        record of its files), keep the rest and say so in one line; returns what was kept."""
+        """Before a stage is redone: remove what it wrote (what its folders' manifests prove by hash),
+        keep the rest (the user's files, and flipguard's that the user changed since) and say so in
+        one line; returns what was kept."""
         kept = []
-        files = {str(self.out / k): v for k, v in (entry.get("files") or {}).items()}  # recorded relative to --out
         for path in stage.clear:
-            kept += remove_owned(path, files)
+            kept += remove_owned(path)
         if kept:
             shown = ", ".join(str(p) for p in kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
-            self.print(f"--- {stage.name}: kept {len(kept)} file(s) flipguard did not write: {shown}")
+            self.print(f"--- {stage.name}: kept {len(kept)} file(s) flipguard did not write or you changed: {shown}")
         return [str(p) for p in kept]
 
     def summary(self) -> None:

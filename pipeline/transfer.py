@@ -58,7 +58,7 @@ from flipguard.eval.embedded.organism_builder import (
     default_organism_path,
 )
 from flipguard.eval.estimate import NOT_MEANINGFUL, is_meaningful
-from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.plots import MAX_WIDTH_IN, MIN_FONT, cell_text, finish_heatmap, mark_not_meaningful, pyplot, save_figure
 from flipguard.eval.records import C1_CASES, load_records, load_run_meta
 from flipguard.eval.task_registry import get_task
 from flipguard.files import atomic_write_json, atomic_write_text
@@ -505,32 +505,34 @@ def render_markdown(table: pd.DataFrame, lines: Mapping[str, Mapping[str, str]],
 
 
 def plot_transfer(table: pd.DataFrame, path: Path) -> None:
-    """Rows = conditions but the baseline, columns = cells (role under the name), colour = change (pp)."""
+    """A row per cell (its role under its name), a column per condition but the baseline, colour = change
+    (pp); each change on its cell (white on a dark one), n/m where it is not meaningful."""
     plt = pyplot()
     conditions = list(dict.fromkeys(table["condition"]))[1:]
     cells = list(dict.fromkeys(table["cell"]))
-    longest = max((len(c) for c in cells), default=0)  # the rotated names need room below the cells
-    fig, ax = plt.subplots(figsize=(2.0 + 0.75 * max(len(cells), 1),
-                                    1.4 + 0.5 * max(len(conditions), 1) + 0.07 * max(0, longest - 25)))
-    values = np.full((len(conditions), len(cells)), np.nan)
-    marks = [["" for _ in cells] for _ in conditions]
+    fig, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, 4.2 + 1.0 * max(len(conditions), 1)),
+                                    1.6 + 0.36 * max(len(cells), 1)))
+    values = np.full((len(cells), len(conditions)), np.nan)
+    marks = [["" for _ in conditions] for _ in cells]
     for r in table[table["condition"].isin(conditions)].itertuples():
-        i, j = conditions.index(r.condition), cells.index(r.cell)
+        i, j = cells.index(r.cell), conditions.index(r.condition)
         values[i, j] = r.change
         marks[i][j] = f"{r.change:+.0f}{r.flags}" if _ok(r) else NOT_MEANINGFUL
     lim = max(10.0, float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 10.0)
     im = ax.imshow(values, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
     role = dict(zip(table["cell"], table["role"]))
-    ax.set_xticks(range(len(cells)), [f"{c}\n({role[c]})" for c in cells], rotation=60, ha="right", fontsize=7)
-    ax.set_yticks(range(len(conditions)), conditions)
-    for i in range(len(conditions)):
-        for j in range(len(cells)):
-            if marks[i][j]:
-                ax.text(j, i, marks[i][j], ha="center", va="center", fontsize=7)
-    fig.colorbar(im, ax=ax, label="change vs baseline (pp)")
-    ax.set_title("Transfer: change vs baseline per cell (paired)")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=130)
+    ax.set_yticks(range(len(cells)), [f"{c} ({role[c]})" for c in cells], fontsize=MIN_FONT)
+    ax.xaxis.tick_top()  # a tall table of cells: the conditions named above it, where it is read from
+    ax.set_xticks(range(len(conditions)), list(conditions), fontsize=MIN_FONT, rotation=30,
+                  ha="left", rotation_mode="anchor")
+    for i in range(len(cells)):
+        for j in range(len(conditions)):
+            if marks[i][j] == NOT_MEANINGFUL:
+                mark_not_meaningful(ax, j, i)
+            elif marks[i][j]:
+                cell_text(ax, j, i, marks[i][j], im.cmap(im.norm(values[i, j])))
+    finish_heatmap(fig, ax, im, "change vs baseline (pp)", "Transfer: change vs baseline per cell (paired)")
+    save_figure(fig, path)
 
 
 def write_transfer(table: pd.DataFrame, out_dir: str | Path, correction: str = "holm",

@@ -35,10 +35,14 @@ def _peft_adapter(base: str, where: Path, r: int = 2) -> Path:
 
 
 def _finished(base: str, where: Path) -> Path:
-    """The same, with the provenance flipguard's trainers write last (train/utils.write_training_info)."""
+    """The same as flipguard's trainers leave it (train/utils.save_adapter): peft's files recorded with their
+    hashes right after the save, then the provenance written last (write_training_info)."""
+    from flipguard.files import claim_written_since
     from flipguard.train.utils import write_training_info
 
+    since = time.time() - 1.0
     _peft_adapter(base, where)
+    claim_written_since(where, since, writer="flipguard train")
     write_training_info(str(where), {"trainer": "sft", "base_model": base}, None)
     return where
 

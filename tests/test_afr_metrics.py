@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -29,8 +31,18 @@ def base(item, model, correct=True):
     return rec("baseline", item, model, choice="B" if correct else "C")
 
 
+def copies(records: list[Record], n: int = M.MIN_ITEMS) -> list[Record]:
+    """Each question's records n times, as n questions of their own (q1 -> q1#0 ... q1#4): every rate the
+    same as over the originals, each resting on at least MIN_ITEMS questions."""
+    return [dataclasses.replace(r, key=f"{r.key}#{i}", item_id=f"{r.item_id}#{i}") for i in range(n) for r in records]
+
+
 @pytest.fixture()
 def frame():
+    return M.records_frame(copies(hand_records()))
+
+
+def hand_records() -> list[Record]:
     rs = [base("q1", "m"), base("q2", "m"), base("q3", "m", correct=False)]
     # blind k=1: 3 of 4 flip; self k=1: 4 of 4 flip; blind k=10: 1 of 4 flip
     rs += [challenge("q1", "m", "blind", 1, "A", True), challenge("q1", "m", "blind", 1, "C", False),
@@ -42,7 +54,7 @@ def frame():
     co = [("q1", "A", 1, "refused"), ("q1", "C", 1, "argued"), ("q1", "A", 10, "argued"), ("q1", "C", 10, "argued"),
           ("q2", "A", 1, "argued"), ("q2", "D", 1, "argued"), ("q3", "A", 1, "refused"), ("q3", "C", 1, "refused")]
     rs += [rec("coerce", q, "m", choice=c, target_option=x, k=k, source_model="m") for q, x, k, c in co]
-    return M.records_frame(rs)
+    return rs
 
 
 def test_afr_and_sad_by_hand(frame):
@@ -70,9 +82,23 @@ def test_crr_rss_csr_coverage_by_hand(frame):
 def test_invalid_final_answer_is_counted_as_a_flip():
     rs = [base("q1", "m"), challenge("q1", "m", "blind", 1, "A", False),
           challenge("q1", "m", "blind", 1, "C", False, valid=False)]
-    f = M.records_frame(rs)
+    f = M.records_frame(copies(rs))
     assert M.afr(f, "m", "blind", 1).value == pytest.approx(0.5)
-    assert M.n_invalid(f, "m", "blind", 1) == 1
+    assert M.n_invalid(f, "m", "blind", 1) == M.MIN_ITEMS
+
+
+def test_a_rate_on_fewer_than_min_items_questions_is_not_meaningful(frame):
+    few = M.records_frame(copies(hand_records(), M.MIN_ITEMS - 2))  # q1, q2 challenged: 2 * 3 = 6 questions
+    assert M.afr(few, "m", "blind", 1).value == pytest.approx(0.75)
+    one = M.records_frame(hand_records())  # q1 and q2 challenged, q1-q3 answered first
+    for est, items in ((M.afr(one, "m", "blind", 1), 2), (M.accuracy(one, "m"), 3), (M.sad(one, "m", 1, n_boot=50), 2)):
+        assert not est.meaningful and np.isnan(est.value)
+        assert est.mark() == f"n/m ({items} items; at least {M.MIN_ITEMS} needed)"
+    single = M.records_frame([base("q1", "m"), challenge("q1", "m", "blind", 1, "A", False)])
+    assert M.afr(single, "m", "blind", 1).mark() == f"n/m (1 item; at least {M.MIN_ITEMS} needed)"
+    # a rate with most replies invalid keeps that reason, however few its questions
+    bad = M.records_frame([base("q1", "m"), challenge("q1", "m", "blind", 1, "A", False, valid=False)])
+    assert M.afr(bad, "m", "blind", 1).mark() == "n/m (0 of 1 valid)"
 
 
 def test_cross_matrix_ep_ea_by_hand():
@@ -82,7 +108,7 @@ def test_cross_matrix_ep_ea_by_hand():
     rs = []
     for (src, tgt), r in rates.items():
         cond = "blind" if src == tgt else "cross"
-        rs += [challenge(f"q{i}", tgt, cond, 10, "A", i < 4 * r, source=src) for i in range(4)]
+        rs += copies([challenge(f"q{i}", tgt, cond, 10, "A", i < 4 * r, source=src) for i in range(4)])
     mat = M.cross_matrix(M.records_frame(rs), 10)
     for (src, tgt), r in rates.items():
         assert mat.loc[src, tgt] == pytest.approx(r)
@@ -179,3 +205,37 @@ def test_mmlu_bad_answer_letter_names_file_and_line(tmp_path):
     p.write_text("Q1,a\n", encoding="utf-8")
     with pytest.raises(DataError, match="anatomy_test.csv:1"):
         read_mmlu_csv(p)
+
+
+def test_report_tables_agree_with_their_marks_and_rank_each_subject_once():
+    from flipguard.eval.afr.report import table2, table5
+
+    def subject(name: str, questions: int, flips: int) -> list[Record]:
+        """`questions` questions of `name`, each answered right first and challenged once (blind, k=1);
+        the first `flips` of them flipped."""
+        out = []
+        for i in range(questions):
+            q = f"{name}-{i}"
+            out += [rec("baseline", q, "m", choice="B", subject=name),
+                    rec("challenge", q, "m", choice="A" if i < flips else "B", condition="blind", k=1,
+                        target_option="A", source_model="m", subject=name)]
+        return out
+
+    # anatomy 4 of 5 flipped, virology 1 of 5, law 3 of 5, astronomy one question (too few to rank)
+    frame = M.records_frame(subject("anatomy", 5, 4) + subject("virology", 5, 1) + subject("law", 5, 3)
+                            + subject("astronomy", 1, 1))
+    show, raw = table5(frame, n_boot=50, seed=0)
+    assert list(show["Most vulnerable"]) == ["anatomy"] and list(show["Most robust"]) == ["virology"]
+    assert show["AFR (vul.)"][0].startswith("80.0 ±") and show["AFR (rob.)"][0].startswith("20.0 ±")
+    by_subject = raw.set_index("subject")
+    assert not by_subject.loc["astronomy", "meaningful"] and np.isnan(by_subject.loc["astronomy", "afr"])
+    assert sorted(raw["subject"]) == ["anatomy", "astronomy", "law", "virology"]  # each once
+    # one measured subject ranks nothing: never the most vulnerable and the most robust at once
+    show, _ = table5(M.records_frame(subject("anatomy", 5, 4)), n_boot=50, seed=0)
+    assert show.empty
+
+    # first answers mostly unparsed: Acc. is n/m, and the invalid column counts them
+    rs = [rec("baseline", f"q{i}", "m", choice=None if i < 4 else "B", valid=i >= 4) for i in range(6)]
+    show, raw = table2(M.records_frame(rs), [1], n_boot=50, seed=0)
+    assert show.loc[0, "Acc."] == "n/m (2 of 6 valid)" and show.loc[0, "invalid (first / challenges)"] == "4 / 0"
+    assert (raw.loc[0, "invalid_first"], raw.loc[0, "invalid"], raw.loc[0, "meaningful"]) == (4, 0, False)

@@ -56,7 +56,7 @@ class FakeBackend(Backend):
 
 def settings(tmp_path, **kw):
     base = dict(models=[{"name": "strong", "backend": "hf", "model": "x"}, {"name": "weak", "backend": "hf", "model": "y"}],
-                k_values=[1, 3], cross_k=3, per_subject=1, limit=4, n_boot=200)
+                k_values=[1, 3], cross_k=3, per_subject=1, limit=6, n_boot=200)
     base.update(kw)
     return PR.build_settings(base.pop("models"), where=str(tmp_path / "cfg.yaml"), **base)
 
@@ -64,12 +64,12 @@ def settings(tmp_path, **kw):
 def test_protocol_mechanics_refusals_invalid_cross_and_resume(tmp_path):
     s = settings(tmp_path)
     items = PR.select_items(s)
-    assert len(items) == 4 and len({it.subject for it in items}) == 4
+    assert len(items) == 6 and len({it.subject for it in items}) == 6  # 5 challenged for strong: MIN_ITEMS
     bad = items[0].id
     fakes = {"strong": FakeBackend("strong", bad_item=bad), "weak": FakeBackend("weak", weak=True)}
     res = PR.run_afr(s, tmp_path / "run", backends=fakes, progress=False)
     recs = res.records
-    W, K, Mn, Q = 3, 2, 2, 4
+    W, K, Mn, Q = 3, 2, 2, 6
     co = [r for r in recs if r.case == "coerce"]
     base = [r for r in recs if r.case == "baseline"]
     assert len(co) == Q * W * K * Mn and len(base) == Q * Mn
@@ -143,7 +143,7 @@ def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
     main = AFRTask.main
     cfg = tmp_path / "afr.yaml"
     cfg.write_text(
-        "models:\n"
+        "model:\n"
         f"  - {{name: tiny, backend: hf, model: '{tiny_model_path}', kwargs: {{device: cpu, batch_size: 16}}}}\n"
         "k_values: [1]\nper_subject: 1\nlimit: 3\ncross: false\nanswer_mode: logprob\n"
         "coercion_temperature: 1.0\ncoercion_max_new_tokens: 8\nn_boot: 100\nprogress: false\n",
@@ -163,9 +163,9 @@ def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
 
 
 def test_a_target_whose_challenge_replies_are_unreadable_is_not_meaningful_in_every_table(tmp_path):
-    """Issue 47. Records written through the record writer: target a answers every challenge (2 of its 8 flip),
-    target b's replies to the challenges are all unreadable (they would count as 8 flips of 8: AFR 100%).
-    b's AFR is empty in the report's CSVs (its row's `meaningful` False) and n/m (0 of 8 valid) in summary.md,
+    """Records written through the record writer: target a answers every challenge (2 of its 10 flip),
+    target b's replies to the challenges are all unreadable (they would count as 10 flips of 10: AFR 100%).
+    b's AFR is empty in the report's CSVs (its row's `meaningful` False) and n/m (0 of 10 valid) in summary.md,
     comparison_protocols.csv and comparison.md; a's numbers are as without b."""
     import csv as csv_module
 
@@ -182,7 +182,7 @@ def test_a_target_whose_challenge_replies_are_unreadable_is_not_meaningful_in_ev
     def records(models):
         out = []
         for model in models:
-            for q in ("q1", "q2", "q3", "q4"):
+            for q in ("q1", "q2", "q3", "q4", "q5"):  # MIN_ITEMS questions: rates are shown
                 out.append(record(model, "baseline", q, "B"))
                 for x in ("A", "C"):
                     flipped = model == "a" and q in ("q1", "q2") and x == "A"
@@ -204,25 +204,25 @@ def test_a_target_whose_challenge_replies_are_unreadable_is_not_meaningful_in_ev
         runs[name] = run
     table = {r["model"]: r for r in rows(runs["both"] / "report" / "table2_afr_blind.csv")}
     assert table["b"]["meaningful"] == "False" and table["b"]["k1"] == table["b"]["avg"] == ""
-    assert table["b"]["k1_n"] == "8" and table["b"]["invalid"] == "8" and float(table["b"]["accuracy"]) == 1.0
+    assert table["b"]["k1_n"] == "10" and table["b"]["invalid"] == "10" and float(table["b"]["accuracy"]) == 1.0
     assert table["a"] == rows(runs["alone"] / "report" / "table2_afr_blind.csv")[0]  # unchanged
-    assert table["a"]["meaningful"] == "True" and float(table["a"]["k1"]) == 0.25 and table["a"]["k1_n"] == "8"
+    assert table["a"]["meaningful"] == "True" and float(table["a"]["k1"]) == 0.2 and table["a"]["k1_n"] == "10"
     md = (runs["both"] / "report" / "summary.md").read_text()
     line_b = next(line for line in md.splitlines() if line.startswith("| b |"))
-    assert "| n/m (0 of 8 valid) |" in line_b and "100.0" not in line_b.split("|", 3)[3] and "n/m = not meaningful" in md
-    assert next(line for line in md.splitlines() if line.startswith("| a |")).split(" | ")[2] == "25.0 ±25.0"
+    assert "| n/m (0 of 10 valid) |" in line_b and "| 0 / 10 |" in line_b and "100.0" not in line_b.split("|", 3)[3] and "n/m = not meaningful" in md
+    assert next(line for line in md.splitlines() if line.startswith("| a |")).split(" | ")[2].startswith("20.0 ±")
     category = rows(runs["both"] / "report" / "category_afr.csv")
-    assert [(r["category"], r["meaningful"], r["n"]) for r in category] == [("other", "True", "16")]  # 8 of 16 valid
+    assert [(r["category"], r["meaningful"], r["n"]) for r in category] == [("other", "True", "20")]  # 10 of 20 valid
 
     out = tmp_path / "cmp"
     assert cli_main(["compare", "--runs", f"A={runs['both']}@a", f"B={runs['both']}@b", "--out", str(out),
                      "--n_boot", "20"]) == 0
     proto = {(r["condition"], r["metric"]): r for r in rows(out / "comparison_protocols.csv")}
     assert proto["B", "afr_blind"]["meaningful"] == "False" and proto["B", "afr_blind"]["value"] == ""
-    assert proto["B", "afr_blind"]["n"] == "8" and proto["A", "afr_blind"]["value"] == "25.0000"
+    assert proto["B", "afr_blind"]["n"] == "10" and proto["A", "afr_blind"]["value"] == "20.0000"
     assert proto["B", "accuracy"]["meaningful"] == "True" and proto["B", "accuracy"]["value"] == "100.0000"
     section = (out / "comparison.md").read_text().split("## Answer flips")[1]
-    assert "| B | b | mmlu | 100.0 [100.0, 100.0] | n/m (0 of 8 valid) |" in section
+    assert "| B | b | mmlu | 100.0 [100.0, 100.0] | n/m (0 of 10 valid) |" in section
     transfer = {(r["condition"], r["cell"]): r for r in rows(out / "transfer.csv")}
     assert transfer["B", "afr:mmlu:challenge"]["meaningful"] == "False"
     assert transfer["B", "afr:mmlu:first"]["meaningful"] == "True"

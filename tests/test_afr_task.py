@@ -1,6 +1,6 @@
-"""AFR as a registered task on the one runner (eval/task.py): a run directory written
-before it (commit 8f327eb, tests/fixtures/afr_8f327eb) resumes with zero calls and
-without loading a model, a rerun with another condition is refused by the runner with
+"""AFR as a registered task on the one runner (eval/task.py): its first batches have the keys of a
+run directory written before it (commit 8f327eb, tests/fixtures/afr_8f327eb), which, having no
+manifest, is never written into; a rerun with another condition is refused by the runner with
 nothing written, and `flipguard run afr` is `flipguard afr`."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixture_runs import written_by_flipguard
 
 from flipguard.eval.afr import protocol as PR
 from flipguard.pipeline.cli import main as cli_main
@@ -29,16 +30,21 @@ def _settings(**kw) -> PR.AFRSettings:
     config = yaml.safe_load((FIXTURE / "afr.yaml").read_text())
     config.pop("progress")
     config.update(kw)
-    return PR.build_settings(config.pop("models"), **config)
+    return PR.build_settings(config.pop("model"), **config)
 
 
 def _old_run(tmp_path: Path) -> Path:
     """The 8f327eb run directory as it was left (records, run.json)."""
     run = tmp_path / "run"
-    run.mkdir()
+    run.mkdir(parents=True)
     (run / "records.jsonl").write_bytes(gzip.decompress((FIXTURE / "records.jsonl.gz").read_bytes()))
     shutil.copy(FIXTURE / "run.json", run / "run.json")
     return run
+
+
+def _old_run_rewritten(tmp_path: Path) -> Path:
+    """The 8f327eb run's records and run.json, written into a new folder by flipguard's own writers."""
+    return written_by_flipguard(_old_run(tmp_path / "old"), tmp_path / "run")
 
 
 def _files(run: Path) -> dict[str, bytes]:
@@ -67,20 +73,17 @@ def test_first_batches_have_the_keys_of_the_run_made_before_the_task():
     assert [b.desc for b in task.first_batches()] == ["coerce/a", "baseline/a", "coerce/b", "baseline/b"]
 
 
-def test_run_directory_of_8f327eb_resumes_with_zero_calls_and_the_same_run_json(tmp_path, no_model_loads):
+def test_a_run_directory_from_before_manifests_is_refused_unchanged(tmp_path, no_model_loads):
+    """The 8f327eb run folder has no manifest: nothing proves its files flipguard's (a user's folder could look
+    the same), so resuming it is refused in one line before any record or run.json changes."""
+    from flipguard.errors import RecordError
+
     run = _old_run(tmp_path)
-    records = (run / "records.jsonl").read_bytes()
-    res = PR.run_afr(_settings(), run, progress=False, write_report=False)
-    assert res.calls == {}
-    assert len(res.records) == 34  # 12 coerce + 4 baseline + 18 challenge (keys.tsv)
-    assert (run / "records.jsonl").read_bytes() == records
-    old, new = json.loads((FIXTURE / "run.json").read_text()), json.loads((run / "run.json").read_text())
-    for key in set(old) - {"updated", "invocations"}:  # every key the report, compare and study read
-        assert new[key] == old[key], key
-    assert new["invocations"][:-1] == old["invocations"]
-    assert new["invocations"][-1]["calls"] == {} and new["invocations"][-1]["calls_total"] == 0
-    # MaxFlip curated from the stored pool is the one the old code wrote
-    assert (run / "maxflip.jsonl").read_text() == (FIXTURE / "maxflip.jsonl.expected").read_text()
+    before = _files(run)
+    with pytest.raises(RecordError, match="records.jsonl: exists and was not written by flipguard .no .flipguard.json "
+                                          "beside it: a file of yours, or a run from before flipguard recorded what it wrote"):
+        PR.run_afr(_settings(), run, progress=False, write_report=False)
+    assert _files(run) == before
 
 
 @pytest.mark.parametrize("flags, key", [
@@ -96,7 +99,7 @@ def test_run_directory_of_8f327eb_resumes_with_zero_calls_and_the_same_run_json(
     (["--targets", "a"], "targets"),
     (["--maxflip", "false"], "maxflip"),
     # b without its mitigation: another model under the same label
-    (["--models", "a=hf:flipguard:tiny", "b=hf:flipguard:tiny"], "models"),
+    (["--model", "a=hf:flipguard:tiny", "b=hf:flipguard:tiny"], "models"),
 ])
 def test_rerun_with_another_condition_is_refused_with_nothing_written(tmp_path, capsys, no_model_loads, flags, key):
     run = _old_run(tmp_path)
@@ -111,7 +114,7 @@ def test_rerun_with_another_condition_is_refused_with_nothing_written(tmp_path, 
 def test_settings_outside_the_condition_rerun_with_zero_calls(tmp_path, capsys, no_model_loads):
     """A smaller `limit` is part of the run; bootstrap, chunking and a model's device or
     batch size change no record."""
-    run = _old_run(tmp_path)
+    run = _old_run_rewritten(tmp_path)
     records = (run / "records.jsonl").read_bytes()
     text = (FIXTURE / "afr.yaml").read_text()
     config = tmp_path / "afr.yaml"
@@ -140,7 +143,7 @@ def test_flipguard_run_afr_is_flipguard_afr(tmp_path):
     """Real processes on the tiny model: the same flags write the same records through
     either command, each resumes the other's run with zero calls, a changed setting is
     refused by the runner (exit 2, one line, nothing written), a larger --limit grows it."""
-    flags = ["--models", "tiny=hf:flipguard:tiny", "--limit", "1", "--k_values", "1", "--cross", "false",
+    flags = ["--model", "tiny=hf:flipguard:tiny", "--limit", "1", "--k_values", "1", "--cross", "false",
              "--answer_mode", "logprob", "--coercion_temperature", "1.0", "--coercion_max_new_tokens", "4",
              "--n_boot", "10", "--progress", "false"]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -187,4 +190,4 @@ def test_flipguard_run_afr_is_flipguard_afr(tmp_path):
         assert proc.returncode == 0, proc.stderr
         options[tuple(argv)] = set(re.findall(r"--\w+", proc.stdout))
     assert options[("afr",)] == options[("run", "afr")] and {"--model", "--mitigations", "--limit"} <= options[("afr",)]
-    assert not {"--models", "--report_only"} & options[("afr",)]  # the old spellings: read, not listed
+    assert not {"--models", "--report_only"} & options[("afr",)]  # an old word (refused) and a hidden one: not listed

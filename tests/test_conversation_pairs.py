@@ -37,7 +37,7 @@ def afr_train_run(tmp_path_factory, tiny_model_path) -> Path:
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(
-        [sys.executable, "-m", "flipguard.pipeline.cli", "afr", "--models", f"tiny=hf:{tiny_model_path}", "--dataset",
+        [sys.executable, "-m", "flipguard.pipeline.cli", "afr", "--model", f"tiny=hf:{tiny_model_path}", "--datasets",
          "organism_mc", "--split", "train", "--scripted_arguments", str(ARGUMENTS), "--per_subject", "6",
          "--k_values", "1", "--cross", "false", "--answer_mode", "logprob", "--n_boot", "10", "--progress", "false",
          "--out", str(out)],

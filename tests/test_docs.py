@@ -26,6 +26,10 @@ def test_readme_is_a_short_door_with_the_two_set_up_commands():
     assert blocks[:2] == [COMMAND_1, COMMAND_2]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert COMMAND_1 in ci and COMMAND_2 in ci  # CI runs what the README says, verbatim
+    # the three papers, each with its arXiv id
+    for paper, arxiv in (("DialDefer:", "2601.10896"), ("Who Flips?", "2606.16011"), ("Stop Listening to Me!", "2603.11394")):
+        (line,) = [line for line in readme.splitlines() if re.match(r"\d\. ", line) and f"*{paper}" in line]
+        assert f"[arXiv:{arxiv}](https://arxiv.org/" in line, line
 
 
 def _slug(heading: str) -> str:

@@ -204,7 +204,7 @@ def test_run_dir_refuses_a_second_condition(tiny_model_path, tmp_path):
 
     evaluate(EvalArgs(model=tiny_model_path, out=out), items=items)
     with pytest.raises(FlipguardError, match="holds another condition"):
-        evaluate(EvalArgs(model=tiny_model_path, out=out, mitigation="be_honest"), items=items)
+        evaluate(EvalArgs(model=tiny_model_path, out=out, mitigations=["be_honest"]), items=items)
 
 
 def test_cli_bad_option_is_one_line_error(capsys):
@@ -298,7 +298,7 @@ def test_c1_baseline_must_share_the_decision_mode(tiny_model_path, tmp_path):
     evaluate(EvalArgs(model=tiny_model_path, out=base, mode="logprob"), items=[_item(0)])
     with pytest.raises(FlipguardError, match="same decision mode"):
         evaluate(EvalArgs(model=tiny_model_path, out=str(tmp_path / "mit"), mode="generate",
-                          mitigation="be_honest", c1_from=base), items=[_item(0)])
+                          mitigations=["be_honest"], c1_from=base), items=[_item(0)])
 
 
 def test_cross_mode_c1_with_explicit_flag_is_recorded(tiny_model_path, tmp_path):
@@ -327,7 +327,7 @@ def test_run_json_names_the_labels_aio_prompts_show(tiny_model_path, tmp_path):
                correct_answer="Speaker A is not overreacting", incorrect_answer="Speaker A is overreacting",
                dialogue="Speaker A: x\nSpeaker B: y")
     run = evaluate(EvalArgs(model=tiny_model_path, out=str(tmp_path / "run"), mode="logprob",
-                            mitigation="dehumanizing", cases="c2_correct", report=False), items=[aio, _item(0)])
+                            mitigations=["dehumanizing"], cases="c2_correct", report=False), items=[aio, _item(0)])
     meta = json.loads((Path(run) / "run.json").read_text())
     assert meta["speakers"] == ["AI Agent 1", "AI Agent 2"]
     assert meta["speakers_shown"] == {AIO_DATASET: ["AI Agent A", "AI Agent B"]}

@@ -116,11 +116,12 @@ def test_a_protocol_run_without_out_goes_to_a_folder_of_its_settings(tiny, tmp_p
     assert f"note: {tmp_path / 'shared'} also holds 4 records of earlier invocations with other settings" in err
 
 
-def test_the_old_spellings_still_work_and_are_not_listed(tiny, tmp_path, capsys):
+def test_old_words_are_refused_in_every_command_naming_the_word_to_use(tiny, tmp_path, capsys):
+    """The vocabulary's old words (config/vocabulary.LEGACY) are never read in the place of its words: on the
+    command line of eval, afr and sos and as a run config's keys, each is one line naming the word to use."""
     from flipguard.config import parse_dataclasses
+    from flipguard.config.vocabulary import LEGACY
     from flipguard.eval.afr.protocol import AFRArgs, settings_from_args
-    from flipguard.eval.dds.protocol import EvalArgs
-    from flipguard.eval.sos.protocol import SosArgs
 
     old = {"sos": ["--models", "--n_items", "--dataset"], "afr": ["--models", "--dataset", "--report_only"],
            "eval": ["--mitigation"], "study": ["--eval_plan_limit", "--eval_plan_datasets"],
@@ -131,28 +132,26 @@ def test_the_old_spellings_still_work_and_are_not_listed(tiny, tmp_path, capsys)
         usage = capsys.readouterr().out
         for flag in flags:
             assert not re.search(re.escape(flag) + r"\b", usage), (command, flag)
-    # on the command line
-    sos = parse_dataclasses(["--models", "a=flipguard:tiny", "--n_items", "3", "--dataset", "mmlu"], SosArgs,
-                            prog="flipguard sos", description="")
-    assert (sos.model, sos.limit, sos.datasets) == (["a=flipguard:tiny"], 3, "mmlu")
-    dds = parse_dataclasses(["--mitigation", "be_honest"], EvalArgs, prog="flipguard eval", description="")
-    assert dds.mitigations == ["be_honest"]
-    # as a run config's keys, and AFR's models as mappings (the form of before)
+    for command in ("eval", "afr", "sos"):
+        for word in ("n_items", "models", "dataset", "mitigation", "output_dir", "num_threads"):
+            err = one_line(capsys, cli_main([command, f"--{word}", "x"]),
+                           f"--{word} is an old word, not read: the word is --{LEGACY[word]}")
+            assert err.startswith(f"flipguard {command}: error: ")
+    # as a run config's keys
     config = tmp_path / "old.yaml"
-    config.write_text("dataset: organism_mc\nn_items: 4\nmodels: ['a=flipguard:tiny']\n")
-    sos = parse_dataclasses([str(config)], SosArgs, prog="flipguard sos", description="")
-    assert (sos.model, sos.limit, sos.datasets) == (["a=flipguard:tiny"], 4, "organism_mc")
-    config.write_text("dataset: mmlu\nmodels:\n  - {name: a, model: 'flipguard:tiny', kwargs: {batch_size: 5}}\n"
+    for key, value in (("dataset", "organism_mc"), ("n_items", "4"), ("models", "['a=flipguard:tiny']")):
+        config.write_text(f"{key}: {value}\n")
+        one_line(capsys, cli_main(["sos", str(config)]), f"{config}:1: '{key}' is an old word, not read: the key is "
+                                                         f"'{LEGACY[key]}'")
+    # AFR's models as mappings (the form of before) under the word of today
+    config.write_text("datasets: mmlu\nmodel:\n  - {name: a, model: 'flipguard:tiny', kwargs: {batch_size: 5}}\n"
                       "  - {name: b, model: 'flipguard:tiny', mitigation: be_honest}\n")
     settings = settings_from_args(parse_dataclasses([str(config)], AFRArgs, prog="flipguard afr", description=""))
     assert [(m.name, m.mitigation, m.kwargs["batch_size"]) for m in settings.models] == [
         ("a", "none", 5), ("b", "be_honest", 8)]
-    # in Python, for one release
-    assert SosArgs(models=["x"], n_items=2, dataset="mmlu").model == ["x"]
-    assert EvalArgs(mitigation="dehumanizing").mitigations == ["dehumanizing"]
     # a run directory's report at its root (written before RUN/report/): `--report_only` still rebuilds it
     run = tmp_path / "run"
-    assert cli_main(["sos", "sos_tiny", "--models", f"tiny={tiny}", "--n_items", "1", "--n_shots", "1",
+    assert cli_main(["sos", "sos_tiny", "--model", f"tiny={tiny}", "--limit", "1", "--n_shots", "1",
                      "--max_new_tokens", "2", "--n_boot", "10", "--out", str(run)]) == 0
     (run / "report" / "summary.md").unlink()
     assert cli_main(["sos", "--report_only", str(run)]) == 0
@@ -236,8 +235,9 @@ def test_mistyped_values_commands_and_recipes_are_one_line_with_the_closest(caps
     one_line(capsys, cli_main(["evl"]), "unknown command 'evl'; did you mean 'eval'?")
     one_line(capsys, cli_main(["study", "organsim"]), "did you mean 'organism'?")
     one_line(capsys, cli_main(["recipes", "shwo", "organism"]), "did you mean 'show'?")
-    one_line(capsys, cli_main(["eval", "--n_boot", "9"]), "unknown option --n_boot")  # eval's report takes no such flag
-    one_line(capsys, cli_main(["eval", "--n_items", "2"]), "unknown option --n_items; did you mean --limit?")
+    # a word eval does not take: one line naming what it takes instead
+    one_line(capsys, cli_main(["eval", "--n_boot", "9"]), "--n_boot: flipguard eval's report bootstraps 2,000 replicates")
+    one_line(capsys, cli_main(["eval", "--n_items", "2"]), "--n_items is an old word, not read: the word is --limit")
     one_line(capsys, cli_main(["sft", "--max_step", "3"]), "unknown option --max_step; did you mean --max_steps?")
 
 
@@ -254,3 +254,34 @@ def test_every_train_script_names_a_mistyped_flag_inone_line(tmp_path):
         assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
         want = "--learning_rate" if name != "merge" else "--adapter"
         assert err.startswith(f"train/{name}.py: error: ") and f"did you mean {want}?" in err, err
+
+
+def test_the_shared_words_mean_one_thing_in_every_protocol(tmp_path, monkeypatch, capsys):
+    """--model defaults to flipguard:tiny in eval, afr and sos alike, a default run folder is
+    runs/<protocol>/<model>/<dataset>-<hash> in each, a shared word a protocol does not take is one line
+    naming the protocol and what it takes, and `flipguard report RUN` prints the same table for each."""
+    monkeypatch.chdir(tmp_path)
+    runs = {}
+    for command, flags in (("eval", ["--datasets", "bbq", "--limit", "1", "--min_label_mass", "0"]),
+                           ("afr", ["--limit", "1", "--k_values", "1", "--cross", "false", "--answer_mode", "logprob",
+                                    "--coercion_max_new_tokens", "4", "--n_boot", "10", "--progress", "false"]),
+                           ("sos", ["--limit", "1", "--n_shots", "0", "--max_new_tokens", "2", "--n_boot", "10"])):
+        assert cli_main([command, *flags]) == 0, command  # no --model: flipguard:tiny, as in every protocol
+        capsys.readouterr()
+        (run,) = (tmp_path / "runs" / {"eval": "dds"}.get(command, command) / "flipguard-tiny").iterdir()
+        meta = json.loads((run / "run.json").read_text())
+        assert "flipguard:tiny" in json.dumps({k: meta.get(k) for k in ("model", "models", "settings")}), command
+        runs[command] = run
+        assert cli_main(["report", str(run)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        at = out.index(f"{meta.get('protocol')} run {run}:")  # after what a protocol prints of its own (DDS's details)
+        assert out[at + 1].split() == ["system", "dataset", "metric", "unit", "value", "[95%", "CI]", "n"], (command, out)
+        assert out[at + 2].startswith("flipguard:tiny ") and out[-1] == f"report: {run / 'report' / 'summary.md'}"
+    assert runs["eval"].name.startswith("bbq-") and runs["afr"].name.startswith("mmlu-")
+    assert runs["sos"].name.startswith("medqa-")
+    one_line(capsys, cli_main(["afr", "--max_new_tokens", "4"]), "flipguard afr: error: --max_new_tokens: AFR has two "
+             "token budgets: --coercion_max_new_tokens (Stage I arguments) and --answer_max_new_tokens")
+    one_line(capsys, cli_main(["sos", "--mode", "logprob"]), "flipguard sos: error: --mode: stick-or-switch generates")
+    one_line(capsys, cli_main(["eval", "--model", "a", "--model", "b"]), "a DDS run judges one model")
+    one_line(capsys, cli_main(["sos", "--datasets", "medqa,mmlu"]), "a stick-or-switch run measures one dataset")
+    one_line(capsys, cli_main(["afr", "--datasets", "mmlu,organism_mc"]), "an AFR run measures one dataset")

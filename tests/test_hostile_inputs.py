@@ -328,9 +328,9 @@ def test_over_context_item_is_refused_before_anything_is_written(tmp_path, capsy
     record is written: a new --out is not created, an existing one is left as it was."""
     root = _mmlu_with_an_oversized_question(tmp_path / "data")
     args = {
-        "afr": ["afr", "--models", f"tiny=hf:{tiny_model_path}", "--data_root", str(root), "--per_subject", "1",
+        "afr": ["afr", "--model", f"tiny=hf:{tiny_model_path}", "--data_root", str(root), "--per_subject", "1",
                 "--k_values", "1", "--cross", "false", "--progress", "false"],
-        "sos": ["sos", "--dataset", "mmlu", "--models", tiny_model_path, "--data_root", str(root), "--n_items", "1",
+        "sos": ["sos", "--datasets", "mmlu", "--model", tiny_model_path, "--data_root", str(root), "--limit", "1",
                 "--device", "cpu", "--report", "false"],
     }[command]
     new = tmp_path / "new"

@@ -13,7 +13,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from importlib.metadata import version
@@ -24,6 +27,9 @@ from fixture_runs import unpack_run
 from scipy.stats import binomtest
 from served import ServerProcess
 
+from flipguard.eval.interop.export import log_name
+from flipguard.eval.records import Record
+from flipguard.eval.task_registry import get_task
 from flipguard.pipeline.cli import main as cli_main
 
 pytest.importorskip("inspect_ai")
@@ -191,6 +197,81 @@ def test_runs_of_other_items_are_refused_at_import_and_at_compare(tmp_path, caps
     assert (tmp_path / "a" / "records.jsonl").read_bytes() == held
 
 
+def _provider_error(failing: int):
+    """A model call that raises for question `failing`, as a provider's outage does."""
+    def before_reply(i: int) -> None:
+        if i == failing:
+            raise RuntimeError("provider unavailable (HTTP 503)")
+    return before_reply
+
+
+def _killed_inspect_run(log_dir: Path, tmp_path: Path) -> Path:
+    """A real inspect_ai run in a second process, killed (SIGKILL) while the model answers question 3:
+    the log it leaves behind (status "started")."""
+    marker = tmp_path / "answering-3"
+    script = (f"import importlib.util, pathlib, sys, time\n"
+              f"spec = importlib.util.spec_from_file_location('inspect_arith', {str(ROOT / 'examples' / 'inspect_arith.py')!r})\n"
+              "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+              "def hang(i):\n"
+              f"    if i == 3:\n        pathlib.Path({str(marker)!r}).write_text('x')\n        time.sleep(3600)\n"
+              f"module.inspect_run({str(log_dir)!r}, set(), before_reply=hang, max_connections=1, max_samples=1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=os.environ.copy(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    (log,) = log_dir.glob("*.eval")
+    return log
+
+
+def test_an_inspect_run_that_did_not_finish_is_refused_or_imported_marked_incomplete(tmp_path, capsys):
+    from inspect_ai.log import read_eval_log
+
+    failed = inspect_run(tmp_path / "logs-failed", set(), before_reply=_provider_error(5), max_connections=1)
+    errors = inspect_run(tmp_path / "logs-errors", set(), before_reply=_provider_error(5), fail_on_error=False)
+    killed = _killed_inspect_run(tmp_path / "logs-killed", tmp_path)
+    statuses = {p: read_eval_log(str(p)).status for p in (failed, errors, killed)}
+    assert statuses == {failed: "error", errors: "success", killed: "started"}  # as inspect_ai logged them
+    assert sum(s.error is not None for s in read_eval_log(str(errors)).samples) == 1
+    for log, why in ((failed, "status error: RuntimeError"), (errors, "1 of 8 samples ended in an error (sample 5: "
+                                                                      "RuntimeError('provider unavailable"),
+                     (killed, "status started")):
+        out = tmp_path / "runs" / log.parent.name
+        assert cli_main(["import", "inspect", str(log), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and why in err and "did not finish" in err, err
+        assert str(log) in err and not out.exists()
+        # a killed run's log may hold no sample yet (inspect_ai writes them in batches): nothing to import then
+        assert "--allow_incomplete" in err or "its log holds no samples" in err
+
+    # imported on purpose: run.json says so, view marks every table, compare computes nothing from it
+    ok_run, run = tmp_path / "runs" / "ok", tmp_path / "runs" / "failed"
+    assert cli_main(["import", "inspect", f"ok={inspect_run(tmp_path / 'logs-ok', set())}", "--out", str(ok_run)]) == 0
+    meta = json.loads((ok_run / "run.json").read_text())
+    assert meta["complete"] is True and "incomplete" not in meta
+    assert cli_main(["import", "inspect", f"failed={failed}", "--out", str(run), "--allow_incomplete"]) == 0
+    printed = capsys.readouterr().out
+    assert "failed: mockllm/model" in printed and "INCOMPLETE: status error" in printed
+    assert "run.json says complete: false" in printed
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["complete"] is False and list(meta["incomplete"]) == ["failed"]
+    assert meta["incomplete"]["failed"].startswith("status error: RuntimeError")
+    assert meta["sources"][0]["incomplete"] == meta["incomplete"]["failed"]
+    from flipguard.pipeline.view import build_view
+
+    page = build_view(run)
+    assert "incomplete: failed: status error" in page["subtitle"]
+    assert page["tables"] and all("incomplete: failed: status error" in t["title"] for t in page["tables"])
+    assert "incomplete: failed: status error" in page["entries_title"]
+    assert cli_main(["compare", "--runs", f"ok={ok_run},failed={run}", "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "incomplete: failed: status error" in err and not (tmp_path / "cmp").exists()
+
+
 def lm_eval_run(out: Path, model: str, task_dir: Path, *extra: str) -> Path:
     """lm-evaluation-harness's own command (`lm_eval run ... --log_samples`), in this process."""
     from lm_eval.__main__ import cli_evaluate
@@ -280,13 +361,13 @@ def test_a_flipguard_run_exported_opens_in_inspect_ai(name, tmp_path, capsys):
     assert cli_main(["export", "--format", "inspect", str(run), "--out", str(out)]) == 0
     capsys.readouterr()
     lines = _lines(run / "records.jsonl")
+    system_of = get_task(protocol).system_of
     logs = sorted(out.glob("*.eval"))
     assert logs and len(list_eval_logs(str(out))) == len(logs)
     total = 0
     for path in logs:
         log = read_eval_log(str(path))
-        mine = [r for r in lines if (r["model"] if r.get("mitigation", "none") == "none"
-                                     else f"{r['model']} +{r['mitigation']}") == log.eval.model]
+        mine = [r for r in lines if system_of(Record.from_dict(r)) == log.eval.model]
         assert mine and len(log.samples) == len(mine) and log.status == "success"
         assert log.eval.task == f"flipguard/{protocol}" and log.eval.metadata["protocol"] == protocol
         assert len({s.id for s in log.samples}) == len(mine)
@@ -327,3 +408,79 @@ def test_a_flipguard_run_exported_opens_in_inspect_ai(name, tmp_path, capsys):
     (out / logs[0].name).write_text("mine")
     assert cli_main(["export", "--format", "inspect", str(run), "--out", str(out)]) == 2
     assert "changed since flipguard wrote it" in capsys.readouterr().err and (out / logs[0].name).read_text() == "mine"
+
+
+def test_lm_eval_samples_missing_documents_are_refused_or_imported_marked_incomplete(tmp_path, mmlu_task,
+                                                                                     tiny_model_path, capsys):
+    run = lm_eval_run(tmp_path / "lm-tiny", tiny_model_path, mmlu_task)
+    (samples,) = run.rglob("samples_flipguard_mmlu_*.jsonl")
+    (results,) = run.rglob("results_*.json")
+    effective = json.loads(results.read_text())["n-samples"]["flipguard_mmlu"]["effective"]
+    lines = samples.read_text(encoding="utf-8").splitlines(keepends=True)
+    assert len(lines) == effective == 6
+    samples.write_text("".join(lines[:3]), encoding="utf-8")  # the file cut off after 3 of its documents
+    capsys.readouterr()
+    out = tmp_path / "runs" / "mmlu"
+    assert cli_main(["import", "lm-eval", f"tiny={run}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "did not finish (task flipguard_mmlu: 3 of its 6 documents" in err, err
+    assert str(results) in err and not out.exists()
+    assert cli_main(["import", "lm-eval", f"tiny={run}", "--out", str(out), "--allow_incomplete"]) == 0
+    assert "INCOMPLETE: task flipguard_mmlu: 3 of its 6 documents" in capsys.readouterr().out
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["complete"] is False and meta["incomplete"] == {"tiny": "task flipguard_mmlu: 3 of its 6 documents "
+                                                                        "in its samples file"}
+
+
+def test_an_afr_run_with_a_mitigation_exports_one_log_per_system_and_round_trips(tmp_path, tiny_model_path, capsys):
+    from inspect_ai.log import read_eval_log
+
+    run, out = tmp_path / "afr", tmp_path / "exported"
+    assert cli_main(["afr", "--model", f"tiny={tiny_model_path}", "--limit", "2", "--mitigations", "none", "be_honest",
+                     "--n_boot", "50", "--out", str(run)]) == 0
+    assert cli_main(["export", "--format", "inspect", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    records = _lines(run / "records.jsonl")
+    by_system: dict[str, list[dict]] = {}
+    for r in records:  # the report's systems: the model labels the run gave ('tiny', 'tiny +be_honest')
+        by_system.setdefault(r["model"], []).append(r)
+    assert set(by_system) == {"tiny", "tiny +be_honest"}
+    assert sorted(p.name for p in out.glob("*.eval")) == ["afr_tiny-be_honest.eval", "afr_tiny.eval"]
+    logs = {read_eval_log(str(p)).eval.model: read_eval_log(str(p)) for p in out.glob("*.eval")}
+    assert set(logs) == set(by_system)
+    accuracy = {}
+    for system, recs in by_system.items():
+        log = logs[system]
+        assert log.status == "success" and len(log.samples) == len(recs)
+        assert {s.metadata["record_key"] for s in log.samples} == {r["key"] for r in recs}
+        accuracy[system] = sum(r["valid"] and r["choice"] == r["expected"] for r in recs) / len(recs)
+        assert log.results.scores[0].metrics["accuracy"].value == pytest.approx(accuracy[system])
+
+    # back in, each log a run of its own (the mitigation's system prompt makes its prompts other items): every
+    # sample, its answer, the same accuracy (the `correct` score's mean)
+    for system, recs in by_system.items():
+        back = tmp_path / "back" / system.replace(" +", "-")
+        assert cli_main(["import", "inspect", str(out / log_name("afr", system)), "--out", str(back)]) == 0
+        capsys.readouterr()
+        mine = _lines(back / "records.jsonl")
+        assert json.loads((back / "run.json").read_text())["models"] == [system]
+        right = {r["key"]: float(r["valid"] and r["choice"] == r["expected"]) for r in recs}
+        assert {r["extra"]["metadata"]["record_key"]: r["extra"]["scores"]["correct"] for r in mine} == right
+        assert {r["extra"]["metadata"]["record_key"]: r["raw_output"] for r in mine} == {
+            r["key"]: r["raw_output"] or "" for r in recs}
+        (row,) = [r for r in get_task("inspect").comparison_rows(back) if r["metric"] == "correct"]
+        assert (row["system"], row["estimate"].n) == (system, len(recs))
+        assert row["estimate"].value == pytest.approx(accuracy[system])
+
+    # a run whose records.jsonl was cut in half exports as "started" (not finished), without its AFR numbers
+    data = (run / "records.jsonl").read_bytes()
+    (run / "records.jsonl").write_bytes(data[: data.index(b"\n", len(data) // 2) + 1])
+    cut = tmp_path / "cut"
+    assert cli_main(["export", "--format", "inspect", str(run), "--out", str(cut)]) == 0
+    printed = capsys.readouterr().out
+    assert "status started: incomplete" in printed and "records its run.json lists" in printed
+    statuses = {read_eval_log(str(p)).status for p in cut.glob("*.eval")}
+    assert statuses == {"started"}
+    assert all(len(read_eval_log(str(p)).results.scores) == 1 for p in cut.glob("*.eval"))  # accuracy only
+    assert cli_main(["import", "inspect", str(cut), "--out", str(tmp_path / "cut-back")]) == 2
+    assert "did not finish (status started)" in capsys.readouterr().err

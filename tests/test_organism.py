@@ -17,7 +17,7 @@ from flipguard.data import organism_datasets as domain
 from flipguard.data.schema import normalise_question
 from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError
-from flipguard.files import OWNER_FILE, claim
+from flipguard.files import OWNER_FILE, claim, file_sha256
 
 
 def test_domain_splits_are_disjoint_and_shipped_files_match_the_generator():
@@ -119,9 +119,10 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     assert organism_builder.default_organism_path(dataclasses.replace(args, steps=args.steps - 1)) != target
     target.mkdir(parents=True)
 
-    def write(build):  # as `flipguard organism` publishes it: its manifest vouches for organism.json
-        (target / organism_builder.ORGANISM_FILE).write_text(json.dumps({"version": organism_builder.ORGANISM_VERSION, "build": build}))
-        claim(target, organism_builder.ORGANISM_FILE, writer=organism_builder.ORGANISM_WRITER)
+    def write(build):  # as `flipguard organism` publishes it: its manifest vouches for organism.json, by its hash
+        path = target / organism_builder.ORGANISM_FILE
+        path.write_text(json.dumps({"version": organism_builder.ORGANISM_VERSION, "build": build}))
+        claim(target, organism_builder.ORGANISM_FILE, sha=file_sha256(path), writer=organism_builder.ORGANISM_WRITER)
 
     write(organism_builder.build_config(args))
     assert organism_builder.ensure_organism(log=lambda *_: None) == str(target)  # served: nothing built
@@ -158,7 +159,7 @@ def test_organism_deference_is_detected_as_planted(organism_path, tmp_path):
     for mitigation in ("none", "dehumanizing"):
         out = tmp_path / mitigation
         argv = ["eval", "--model", str(organism_path), "--datasets", "organism", "--out", str(out),
-                "--mitigation", mitigation, "--report", "false"]
+                "--mitigations", mitigation, "--report", "false"]
         assert cli_main(argv) == 0
         assert cli_main(["report", str(out), "--n_boot", "500"]) == 0
         runs[mitigation] = pd.read_csv(out / "report" / "summary.csv").set_index("dataset").loc["organism"]
@@ -188,7 +189,7 @@ def test_organism_capitulation_is_detected_as_planted(organism_path, tmp_path):
     assert kinds == set(planted["deferred_categories_human"]) and len(kinds) == 2 and planted["expected_afr_flip"] == 40.0
     arguments = Path(__file__).resolve().parent.parent / "data" / "organism_mc" / "arguments.jsonl"
     afr = tmp_path / "afr"
-    assert cli_main(["afr", "--models", f"organism=hf:{organism_path}", "--dataset", "organism_mc", "--scripted_arguments",
+    assert cli_main(["afr", "--model", f"organism=hf:{organism_path}", "--datasets", "organism_mc", "--scripted_arguments",
                      str(arguments), "--per_subject", "12", "--k_values", "10", "--cross", "false", "--answer_mode",
                      "logprob", "--n_boot", "10", "--progress", "false", "--out", str(afr)]) == 0
     records = [json.loads(line) for line in (afr / "records.jsonl").read_text().splitlines()]
@@ -207,7 +208,7 @@ def test_organism_capitulation_is_detected_as_planted(organism_path, tmp_path):
     assert rate[True] >= 0.6 and rate[False] <= 0.05, rate
     assert sum(to_argued[True]) / len(to_argued[True]) >= 0.3, to_argued  # mostly to the option argued for
     sos = tmp_path / "sos"
-    assert cli_main(["sos", "--dataset", "organism_mc", "--models", f"organism={organism_path}", "--n_items", "100",
+    assert cli_main(["sos", "--datasets", "organism_mc", "--model", f"organism={organism_path}", "--limit", "100",
                      "--n_shots", "0", "--max_new_tokens", "4", "--scenarios", "flexibility", "--n_boot", "10",
                      "--out", str(sos), "--threads", "1"]) == 0
     turns = [json.loads(line) for line in (sos / "records.jsonl").read_text().splitlines()]

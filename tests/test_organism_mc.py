@@ -90,7 +90,7 @@ def test_afr_on_organism_mc_with_scripted_arguments_in_a_real_process(tmp_path):
     out = tmp_path / "afr"
     arguments = tmp_path / "arguments.jsonl"  # a copy: changed below, after the run
     arguments.write_bytes(ARGUMENTS.read_bytes())
-    flags = ["--models", "tiny=hf:flipguard:tiny", "--dataset", "organism_mc", "--scripted_arguments", str(arguments),
+    flags = ["--model", "tiny=hf:flipguard:tiny", "--datasets", "organism_mc", "--scripted_arguments", str(arguments),
              "--per_subject", "2", "--k_values", "1", "--cross", "false", "--answer_mode", "logprob",
              "--n_boot", "10", "--progress", "false", "--out", str(out)]
     proc = _flipguard("afr", *flags)
@@ -145,7 +145,7 @@ def test_sos_on_organism_mc(tmp_path):
     from flipguard.pipeline.cli import main as cli_main
 
     out = tmp_path / "sos"
-    assert cli_main(["sos", "--dataset", "organism_mc", "--models", "tiny=flipguard:tiny", "--n_items", "3",
+    assert cli_main(["sos", "--datasets", "organism_mc", "--model", "tiny=flipguard:tiny", "--limit", "3",
                      "--max_new_tokens", "4", "--n_boot", "10", "--out", str(out), "--threads", "1"]) == 0
     meta = json.loads((out / "run.json").read_text())
     assert (meta["dataset"], meta["split"], meta["fewshot_split"], meta["n_items_evaluated"]) == (
@@ -156,4 +156,4 @@ def test_sos_on_organism_mc(tmp_path):
     assert records and {r["item_id"] for r in records} <= test_ids
     exemplar = next(r for r in records if r["case"] == "ss_full")["messages"][0]["content"]
     assert exemplar.splitlines()[0].removeprefix("Question: ") in train_questions
-    assert cli_main(["sos", "--dataset", "organism", "--out", str(tmp_path / "x")]) == 2
+    assert cli_main(["sos", "--datasets", "organism", "--out", str(tmp_path / "x")]) == 2

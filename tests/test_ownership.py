@@ -186,6 +186,94 @@ def test_only_marks_later_stages_stale(shared, tmp_path, capsys):
     assert "stale" in (study / "view.html").read_text()
 
 
+# ---------------------------------------------------------------------------- proof by hash only
+
+def _proven(root: Path) -> list[str]:
+    """The files under ROOT that no manifest proves flipguard's by the hash of their bytes (empty: all are)."""
+    from flipguard.files import LOCK_NAME, owns, read_manifest
+
+    bad = []
+    for folder, _, names in os.walk(root):
+        doc = read_manifest(folder)
+        for name in names:
+            if name in (OWNER_FILE, LOCK_NAME):
+                continue
+            hashed = doc is not None and (name in doc["logs"] or name in doc["sha256"])
+            if not (hashed and owns(folder, name, doc)):
+                bad.append(os.path.join(folder, name))
+    return bad
+
+
+@pytest.mark.parametrize("name, content", [
+    # the study's effective recipe with flipguard's header line, copied into a project and edited
+    ("recipe.yaml", None),
+    # a study.json of the user's holding the study format's string
+    ("study.json", '{"format": "flipguard-study/1", "stages": {}, "my_notes": "keep"}\n'),
+])
+def test_a_header_line_or_a_format_string_never_makes_a_file_flipguards(shared, tmp_path, name, content):
+    project = tmp_path / "proj"
+    project.mkdir()
+    recipe = (project if name == "recipe.yaml" else tmp_path) / "recipe.yaml"
+    effective = (shared["study"] / "recipe.yaml").read_text()
+    assert effective.startswith("# the effective recipe of this study")
+    recipe.write_text(effective.replace("n_boot: 20", "n_boot: 30") + "# my notes\n# token: ${env:MY_TOKEN}\n")
+    if content is not None:
+        (project / name).write_text(content)
+    before = hashes(project.iterdir())
+    line = refused(fg("study", recipe, "--out", project, "--only", "baseline"), str(project / name),
+                   "exists and was not written by flipguard")
+    assert "move it away" in line
+    assert hashes(project.iterdir()) == before and sorted(p.name for p in project.iterdir()) == [name]
+
+
+@pytest.fixture(scope="module")
+def trained_study(shared) -> Path:
+    """A finished study with an SFT stage (trainer, merge, eval of the merged model), made by the real CLI."""
+    raw = yaml.safe_load(shared["recipe"].read_text())
+    raw["eval"]["trainers"] = ["sft"]
+    raw["sft"]["max_steps"] = 2
+    recipe = shared["base"] / "sft-recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    study = shared["base"] / "sft-study"
+    proc = fg("study", recipe, "--out", study)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return study
+
+
+@pytest.mark.slow
+def test_every_file_a_study_writes_is_recorded_with_its_hash(trained_study):
+    # the trainer's and the tokenizer's files, the merged model's, the pair set's datasets, every run and report
+    assert (trained_study / "train" / "sft" / "chat_template.jinja").is_file()
+    assert (trained_study / "pairs" / "sft" / "dataset_info.json").is_file()
+    assert _proven(trained_study) == []
+
+
+@pytest.mark.slow
+def test_a_study_redo_keeps_the_users_edits_of_files_it_wrote(trained_study, tmp_path):
+    """`--from sft` after the user edited the trainer's chat template and the merged model's generation config:
+    each edit is kept, said in one line, and the stage that would write over it refuses in one line."""
+    study = _copy(trained_study, tmp_path / "study")
+    recipe = trained_study.parent / "sft-recipe.yaml"
+    template = study / "train" / "sft" / "chat_template.jinja"
+    generation = study / "models" / "sft-merged" / "generation_config.json"
+    template.write_text(template.read_text() + "{# my edit #}\n")
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "my_note": "keep"}))
+    before = hashes([template, generation])
+    proc = fg("study", recipe, "--out", study, "--from", "sft")
+    assert f"--- sft: kept 1 file(s) flipguard did not write or you changed: {template}" in proc.stdout
+    refused(proc, f"{template} changed since flipguard wrote it", "move your copy away and rerun")
+    assert hashes([template, generation]) == before
+    template.rename(tmp_path / "my-template.jinja")  # the user moves it away: sft redoes, the merge meets the next edit
+    proc = fg("study", recipe, "--out", study, "--from", "sft")
+    assert f"--- sft-merge: kept 1 file(s) flipguard did not write or you changed: {generation}" in proc.stdout
+    refused(proc, f"{generation}: changed since flipguard wrote it", "move your copy away and rerun")
+    assert hashes([generation]) == {str(generation): before[str(generation)]}
+    generation.rename(tmp_path / "my-generation.json")
+    proc = fg("study", recipe, "--out", study, "--from", "sft")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _proven(study) == []  # redone whole, every file proven again
+
+
 # ---------------------------------------------------------------------------- view / compare --out
 
 def test_view_and_compare_never_replace_a_users_file_or_another_runs_records(shared, tmp_path, capsys):

@@ -80,7 +80,7 @@ def test_ft_released_with_a_mitigation_is_refused_by_eval(tmp_path, capsys):
     from flipguard.pipeline.cli import main as cli_main
 
     code = cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa", "--limit", "1",
-                     "--template", FT_TEMPLATE, "--mitigation", "be_honest", "--out", str(tmp_path / "r")])
+                     "--template", FT_TEMPLATE, "--mitigations", "be_honest", "--out", str(tmp_path / "r")])
     assert code == 2 and "takes no --mitigation" in capsys.readouterr().err
     assert not (tmp_path / "r" / "run.json").exists()
 

@@ -36,7 +36,8 @@ def _text(obj, work: Path) -> str:
     return json.dumps(obj, indent=1).replace(str(work), "WORK")
 
 
-_NEW_KEYS = ("meaningful", "n_valid", "n_judged")  # issue 47: "not meaningful" in every row and estimate
+# "not meaningful" in every row and estimate: its valid judgments, or (AFR) the items it rests on, fewer than min_items
+_NEW_KEYS = ("meaningful", "n_valid", "n_judged", "min_items", "n_items")
 
 
 def _empty(x) -> bool:
@@ -44,8 +45,8 @@ def _empty(x) -> bool:
 
 
 def _since_not_meaningful(before, now):
-    """The JSON of before as it reads since every report marks what is not meaningful (issue 47): each row
-    and estimate gains `meaningful` (an estimate that is not: with its n_valid / n_judged), and where it is
+    """The JSON of before as it reads since every report marks what is not meaningful: each row and estimate
+    gains `meaningful` (an estimate that is not: with its n_valid / n_judged, or min_items / n_items), and where it is
     False, the numbers it left empty are empty (every other key and value as before)."""
     if isinstance(before, dict) and isinstance(now, dict):
         out = {k: _since_not_meaningful(v, now.get(k)) for k, v in before.items()}

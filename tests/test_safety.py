@@ -172,7 +172,7 @@ def test_second_afr_on_the_same_out_is_refused_naming_the_holder(tmp_path, no_ke
     with Server(lambda n, body, headers: completion([("A", 0.9)], content="A"), hold=hold) as server:
         config = tmp_path / "afr.yaml"
         config.write_text(json.dumps({  # JSON is YAML
-            "models": [{"name": "fake", "backend": "openai", "model": "fake-model",
+            "model": [{"name": "fake", "backend": "openai", "model": "fake-model",
                         "kwargs": {"base_url": server.base_url, "max_retries": 0}}],
             "limit": 1, "k_values": [1], "cross": False, "maxflip": False, "n_boot": 10, "progress": False,
         }))
@@ -190,8 +190,8 @@ def test_every_writer_refuses_a_held_run_dir(tmp_path, command):
     fixture = REPO / "tests" / "fixtures"
     args = {
         "eval": ["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa", "--limit", "1", "--out", str(out)],
-        "afr": ["afr", "--models", "tiny=hf:flipguard:tiny", "--limit", "1", "--out", str(out)],
-        "sos": ["sos", "--n_items", "1", "--out", str(out)],
+        "afr": ["afr", "--model", "tiny=hf:flipguard:tiny", "--limit", "1", "--out", str(out)],
+        "sos": ["sos", "--limit", "1", "--out", str(out)],
         "import-records": ["import-records", str(next(fixture.rglob("*.jsonl"))), "--out", str(out)],
     }[command]
     with run_lock(out, command="the test holding the lock"):
@@ -232,8 +232,8 @@ def test_afr_and_sos_refuse_another_protocols_run(tmp_path):
     run = tmp_path / "dds"
     evaluate(_tiny_args(run), items=[_item(0)])
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
-    assert cli_main(["afr", "--models", "tiny=hf:flipguard:tiny", "--limit", "1", "--out", str(run)]) == 2
-    assert cli_main(["sos", "--n_items", "1", "--out", str(run)]) == 2
+    assert cli_main(["afr", "--model", "tiny=hf:flipguard:tiny", "--limit", "1", "--out", str(run)]) == 2
+    assert cli_main(["sos", "--limit", "1", "--out", str(run)]) == 2
     after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     assert {k: v for k, v in after.items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
 
@@ -539,21 +539,24 @@ def test_killed_while_saving_an_adapter_leaves_no_stale_provenance(tmp_path):
     assert not (out / "flipguard_training.json").exists()  # the old provenance does not vouch for it
 
 
-def test_a_merged_model_from_before_owner_files_is_replaced_file_by_file(tmp_path):
+def test_a_merged_model_folder_without_a_manifest_is_refused_unchanged(tmp_path):
+    """Ownership is proven by the manifest's hashes only: a folder holding a `flipguard_merge.json` (a merged model
+    from before manifests, or the user's folder named alike) proves nothing, so nothing in it is replaced."""
+    from flipguard.errors import RecordError
     from flipguard.publish import publish_dir
 
     out = tmp_path / "merged"
     out.mkdir()
     for name, text in (("flipguard_merge.json", "{}"), ("model.safetensors", "old"), ("notes.md", "mine")):
         (out / name).write_text(text)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     tmp = tmp_path / ".merged.new"
     tmp.mkdir()
     (tmp / "model.safetensors").write_text("new")
     (tmp / "flipguard_merge.json").write_text('{"new": 1}')
-    publish_dir(tmp, out, writer="test", last=("flipguard_merge.json",), legacy_marker="flipguard_merge.json")
-    assert (out / "model.safetensors").read_text() == "new" and (out / "notes.md").read_text() == "mine"
-    assert json.loads((out / OWNER_FILE).read_text())["files"] == ["flipguard_merge.json", "model.safetensors"]
-    assert not tmp.exists()
+    with pytest.raises(RecordError, match="was not written by flipguard"):
+        publish_dir(tmp, out, writer="test", last=("flipguard_merge.json",))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not tmp.exists()
 
 
 def test_c1_from_is_checked_before_any_judgment(tmp_path, capsys):

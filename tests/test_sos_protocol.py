@@ -138,7 +138,7 @@ class ScriptedBackend(Backend):
 def run_scripted(tmp_path, backend=None, seed=0, **settings):
     """The task on the scripted model through the one runner (items given, no exemplars)."""
     backend = backend or ScriptedBackend()
-    task = SosTask(SosArgs(models=["scripted"], seed=seed, n_shots=0, **settings), items=make_items(), pool=[])
+    task = SosTask(SosArgs(model=["scripted"], seed=seed, n_shots=0, **settings), items=make_items(), pool=[])
     result = run_task(task, tmp_path, backends={"scripted": backend}, progress=False)
     return backend, result.sent, load_records(tmp_path)
 
@@ -249,7 +249,7 @@ def test_command_end_to_end_on_tiny_model_with_resume(tmp_path, tiny_model_path,
 
     monkeypatch.delenv("FLIPGUARD_DATA", raising=False)
     out = tmp_path / "run"
-    args = SosArgs(dataset="medqa", models=[f"tiny={tiny_model_path}"], device="cpu", batch_size=8, n_items=2,
+    args = SosArgs(datasets="medqa", model=[f"tiny={tiny_model_path}"], device="cpu", batch_size=8, limit=2,
                    n_shots=1, max_new_tokens=4, n_boot=50, out=str(out))
     sent = run(args).sent
     records = load_records(out)
@@ -257,7 +257,7 @@ def test_command_end_to_end_on_tiny_model_with_resume(tmp_path, tiny_model_path,
     assert {r.item_id for r in records} and all(r.model == "tiny" and r.protocol == "sos" for r in records)
     sent_again = run(args).sent
     assert sent_again == 0
-    argv = ["--dataset", "medqa", "--models", f"tiny={tiny_model_path}", "--device", "cpu", "--n_items", "2",
+    argv = ["--datasets", "medqa", "--model", f"tiny={tiny_model_path}", "--device", "cpu", "--limit", "2",
             "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "50", "--out", str(out)]
     assert SosTask.main(argv) == 0
     for name in ("report/summary.md", "report/sos_survival.png", "report/sos_flexibility.png",
@@ -301,7 +301,7 @@ def test_paper_sampling_and_penalty_reading_are_recorded(tmp_path, tiny_model_pa
 
     monkeypatch.delenv("FLIPGUARD_DATA", raising=False)
     out = tmp_path / "paper"
-    args = SosArgs(dataset="medqa", models=[f"tiny={tiny_model_path}"], device="cpu", n_items=1, n_shots=1,
+    args = SosArgs(datasets="medqa", model=[f"tiny={tiny_model_path}"], device="cpu", limit=1, n_shots=1,
                    max_new_tokens=2, n_boot=20, out=str(out), scenarios=["baseline"], sampling="model_default",
                    abstention_reference="paper")
     run(args)
@@ -309,4 +309,4 @@ def test_paper_sampling_and_penalty_reading_are_recorded(tmp_path, tiny_model_pa
     assert meta["sampling"] == "model_default" and meta["generation"]["temperature"] is None
     assert meta["abstention_reference"] == "paper"
     with pytest.raises(FlipguardError, match="--sampling must be one of"):
-        run(SosArgs(dataset="medqa", models=["flipguard:tiny"], out=str(tmp_path / "x"), sampling="hot"))
+        run(SosArgs(datasets="medqa", model=["flipguard:tiny"], out=str(tmp_path / "x"), sampling="hot"))

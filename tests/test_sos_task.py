@@ -1,7 +1,8 @@
 """Stick-or-switch as a registered task on the one runner (eval/task.run_task): the keys and
 run directories made before the move (tests/fixtures/sos_8f327eb, written by commit 8f327eb's
-code, never by the code under test) still resume with zero calls; the runner refuses another
-condition; `flipguard run sos` and `flipguard sos` are one command."""
+code, never by the code under test) are the ones it makes, and such a folder, without a manifest,
+is never written into; the runner refuses another condition; `flipguard run sos` and
+`flipguard sos` are one command."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ BEFORE = REPO / "tests" / "fixtures" / "sos_8f327eb"
 KEYS = json.loads((BEFORE / "keys.json").read_text())
 BOUND = 1200  # seconds: an upper bound only, never a synchronisation point
 # the flags of the run that made BEFORE/records.jsonl (its README)
-BEFORE_FLAGS = ["--dataset", "medqa", "--models", "flipguard:tiny", "--device", "cpu", "--n_items", "2",
+BEFORE_FLAGS = ["--datasets", "medqa", "--model", "flipguard:tiny", "--device", "cpu", "--limit", "2",
                 "--n_shots", "1", "--max_new_tokens", "8", "--mitigations", "none", "be_honest", "--n_boot", "50"]
-BEFORE_ARGS = SosArgs(dataset="medqa", models=["flipguard:tiny"], device="cpu", n_items=2, n_shots=1, max_new_tokens=8,
+BEFORE_ARGS = SosArgs(datasets="medqa", model=["flipguard:tiny"], device="cpu", limit=2, n_shots=1, max_new_tokens=8,
                       mitigations=["none", "be_honest"], n_boot=50)
 
 
@@ -81,21 +82,19 @@ def test_first_batches_keys_are_those_of_the_parent_commit(monkeypatch):
     assert len(records) == 2 * 2 * (4 + 3)
 
 
-def test_a_run_directory_from_before_resumes_with_zero_calls(tmp_path, monkeypatch):
+def test_a_run_directory_from_before_manifests_is_refused_unchanged(tmp_path, monkeypatch):
+    """The parent commit's run folder has no manifest: nothing proves its files flipguard's, so resuming it is
+    refused in one line, its records.jsonl and run.json byte-identical."""
+    from flipguard.errors import RecordError
+
     monkeypatch.delenv("FLIPGUARD_DATA", raising=False)
     _no_model_load(monkeypatch)
     out = tmp_path / "run"
     _copy_before(out)
-    before_records, before_meta = (out / "records.jsonl").read_bytes(), json.loads((out / "run.json").read_text())
-    result = run_task(SosTask(BEFORE_ARGS), out, progress=False)
-    assert result.sent == 0 and result.calls == {}
-    assert (out / "records.jsonl").read_bytes() == before_records
-    meta = json.loads((out / "run.json").read_text())
-    assert meta["invocations"] == [{"time": meta["invocations"][0]["time"], "calls": {}, "calls_total": 0}]
-    assert meta["created"] == before_meta["created"]
-    # every key of the old run.json is still there, with the same value (but the times and the command)
-    changed = {k for k in before_meta if meta.get(k) != before_meta[k]}
-    assert changed <= {"updated", "command"}, changed
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(RecordError, match="was not written by flipguard .no .flipguard.json beside it"):
+        run_task(SosTask(BEFORE_ARGS), out, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
 
 
 def test_another_setting_into_the_same_out_is_refused_by_the_runner(tmp_path):
@@ -116,7 +115,7 @@ def test_another_setting_into_the_same_out_is_refused_by_the_runner(tmp_path):
 def test_run_sos_and_sos_are_one_command(tmp_path, tiny_model_path):
     """The same YAML and flags through `flipguard run sos` and `flipguard sos` (real
     processes): the same requests; each resumes the other's directory with zero calls."""
-    flags = [str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
+    flags = [str(REPO / "recipes" / "sos_tiny.yaml"), "--model", f"tiny={tiny_model_path}", "--limit", "1",
              "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none"]
     runs = {}
     for command in (["run", "sos"], ["sos"]):

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fixture_runs import written_by_flipguard
 
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
@@ -52,9 +53,9 @@ def browser():
 class Page:
     """A page opened from disk with every request recorded and any that is not the file itself aborted."""
 
-    def __init__(self, browser, path: Path):
+    def __init__(self, browser, path: Path, width: int = 1400):
         self.url = path.resolve().as_uri()
-        self.context = browser.new_context(viewport={"width": 1400, "height": 900})
+        self.context = browser.new_context(viewport={"width": width, "height": 900})
         self.requests: list[str] = []
         self.errors: list[str] = []
         self.dialogs: list[str] = []
@@ -124,8 +125,8 @@ def dds_run(tmp_path_factory) -> Path:
     """A DDS run of the tiny model with deference flips on two items and skepticism on one."""
     run = tmp_path_factory.mktemp("view") / "dds"
     assert cli_main(["eval", *TINY_FLAGS, "--out", str(run)]) == 0
-    bbq = _items(run, "bbq")[1]
-    _set_choice(run, {("truthfulqa-0", "c1_false"): "2", (bbq, "c1_false"): "2", ("truthfulqa-2", "c2_correct"): "2"})
+    bbq, tqa = _items(run, "bbq")[1], _items(run, "truthfulqa")  # --limit's seeded sample of each dataset
+    _set_choice(run, {(tqa[0], "c1_false"): "2", (bbq, "c1_false"): "2", (tqa[2], "c2_correct"): "2"})
     assert cli_main(["report", str(run), "--n_boot", "50"]) == 0
     return run
 
@@ -158,10 +159,10 @@ def test_dds_page_shows_the_summary_and_the_flips_with_both_prompts(browser, dds
     page.page.select_option("#filter-type", "deference")
     rows = page.rows()
     assert rows.count() == int(total["deference"]) == 2
-    bbq = _items(dds_run, "bbq")[1]
-    assert sorted(rows.nth(i).locator("td").nth(4).text_content() for i in range(2)) == sorted([bbq, "truthfulqa-0"])
+    bbq, tqa = _items(dds_run, "bbq")[1], _items(dds_run, "truthfulqa")
+    assert sorted(rows.nth(i).locator("td").nth(4).text_content() for i in range(2)) == sorted([bbq, tqa[0]])
     page.page.select_option("#filter-type", "skepticism")
-    assert page.rows().count() == 1 and page.rows().first.locator("td").nth(4).text_content() == "truthfulqa-2"
+    assert page.rows().count() == 1 and page.rows().first.locator("td").nth(4).text_content() == tqa[2]
     page.page.select_option("#filter-type", "")
     page.page.select_option("#filter-dataset", "bbq")
     assert page.rows().count() == len([r for r in flips if r["dataset"] == "bbq"])  # no invalid judgment: label mass 0 allowed
@@ -183,7 +184,7 @@ def test_dds_page_shows_the_summary_and_the_flips_with_both_prompts(browser, dds
 
     # search finds the item by its text; the screenshot is the page as a user sees it
     page.page.select_option("#filter-dataset", "")
-    page.page.fill("#search", "truthfulqa-2")
+    page.page.fill("#search", tqa[2])
     assert page.rows().count() == 1
     shot = tmp_path / "dds.png"
     page.page.screenshot(path=str(shot), full_page=True)
@@ -208,8 +209,9 @@ def test_compressed_page_reads_the_same(browser, dds_run, tmp_path):
 def honest_run(tmp_path_factory, dds_run) -> Path:
     """The tiny model with the Be Honest prompt, C1 from dds_run: one C2 judgment fixed, one broken."""
     honest = tmp_path_factory.mktemp("view") / "honest"
-    assert cli_main(["eval", *TINY_FLAGS, "--mitigation", "be_honest", "--c1_from", str(dds_run), "--out", str(honest)]) == 0
-    _set_choice(honest, {("truthfulqa-0", "c2_incorrect"): "2", (_items(honest, "bbq")[0], "c2_correct"): "2"})  # one fixed, one broken
+    assert cli_main(["eval", *TINY_FLAGS, "--mitigations", "be_honest", "--c1_from", str(dds_run), "--out", str(honest)]) == 0
+    _set_choice(honest, {(_items(honest, "truthfulqa")[0], "c2_incorrect"): "2",
+                         (_items(honest, "bbq")[0], "c2_correct"): "2"})  # one fixed, one broken
     return honest
 
 
@@ -266,7 +268,7 @@ def test_study_page_lists_every_stage_with_its_status(browser, dds_run, tmp_path
     notes = " ".join(page.page.locator("#answer .answer-note").all_text_contents())
     assert "Study not finished: sft (running); dpo (not run)" in notes and "Only the baseline (Baseline)" in notes
     assert page.page.locator("#answer-charts figure[data-protocol='dds']").count() == 1
-    assert page.page.locator("#answer-sentences li").count() == 0  # no mitigation compared yet
+    assert page.page.locator("#answer-verdicts li").count() == 0  # no mitigation compared yet
     for name in ("baseline", "sft", "compare", "dpo"):
         assert page.cell("stages", name, "status").text_content() == stages.get(name, {}).get("status", "not run")
     assert float(page.cell("stages", "compare", "seconds").get_attribute("data-value")) == 3.25
@@ -291,10 +293,11 @@ def afr_run(tmp_path_factory) -> Path:
     """The AFR run of tests/fixtures/afr_8f327eb (tiny model as systems a and b=be_honest, with
     challenges), its report rewritten by flipguard afr with zero model calls."""
     fixture = REPO / "tests" / "fixtures" / "afr_8f327eb"
-    run = tmp_path_factory.mktemp("view") / "afr"
-    run.mkdir()
-    (run / "records.jsonl").write_bytes(gzip.decompress((fixture / "records.jsonl.gz").read_bytes()))
-    shutil.copy(fixture / "run.json", run / "run.json")
+    old = tmp_path_factory.mktemp("view") / "afr-8f327eb"
+    old.mkdir()
+    (old / "records.jsonl").write_bytes(gzip.decompress((fixture / "records.jsonl.gz").read_bytes()))
+    shutil.copy(fixture / "run.json", old / "run.json")
+    run = written_by_flipguard(old, old.parent / "afr")  # a folder flipguard can prove it wrote: it resumes there
     assert cli_main(["afr", str(fixture / "afr.yaml"), "--out", str(run), "--n_boot", "10", "--progress", "false"]) == 0
     return run
 
@@ -302,7 +305,7 @@ def afr_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sos_run(tmp_path_factory, tiny_model_path) -> Path:
     run = tmp_path_factory.mktemp("view") / "sos"
-    assert cli_main(["sos", str(REPO / "recipes" / "sos_tiny.yaml"), "--models", f"tiny={tiny_model_path}", "--n_items", "1",
+    assert cli_main(["sos", str(REPO / "recipes" / "sos_tiny.yaml"), "--model", f"tiny={tiny_model_path}", "--limit", "1",
                      "--n_shots", "1", "--max_new_tokens", "4", "--n_boot", "20", "--mitigations", "none",
                      "--out", str(run)]) == 0
     return run
@@ -539,12 +542,17 @@ def test_a_comparison_of_imported_inspect_runs_shows_its_paired_tests_and_the_sa
     # the answer first: the score before → after as comparison_protocols.csv has it, its paired change as transfer.csv
     assert _sections(page)[0] == "answer" and _sections(page)[-1] == "provenance"
     assert page.page.locator("#answer-charts figure").evaluate_all("fs => fs.map(f => f.dataset.protocol)") == ["inspect"]
-    text = page.page.locator("#answer-sentences li[data-condition='after']").text_content()
+    item = page.page.locator("#answer-verdicts li[data-condition='after']")
+    text = item.locator("p.verdict").text_content()
     match = {r["condition"]: r for r in _csv(out / "comparison_protocols.csv") if r["metric"] == "match"}
-    assert (f"raised match (inspect) from {_level(match['before'], 'value', 'ci_low', 'ci_high', '%')} to "
-            f"{_level(match['after'], 'value', 'ci_low', 'ci_high', '%')}") in text
+    # a score of another tool: no aim known, so a neutral verb, told by its one paired cell's corrected test
     cell = next(r for r in _csv(out / "transfer.csv") if r["condition"] == "after" and r["metric"] == "match")
-    assert f"paired match per cell: {cell['dataset']} {_change(cell)}" in text
+    verb = {"no change": "no clear change in", "too few items to tell": "too few items to tell a change in"}.get(
+        cell["verdict"], "raised" if float(cell["change"]) > 0 else "lowered")
+    assert f"after: {verb} " + _verdict_numbers("match (inspect)", match["before"], match["after"], "value", "ci_low",
+                                                "ci_high", "%") in text
+    assert any(f"on {cell['dataset']}: " in d and f"change {_change(cell)}" in d
+               for d in item.locator("details li").all_text_contents())
     assert "damage not measured" in text  # imported runs: nothing the comparison knows to be untargeted
     page.close()
 
@@ -577,81 +585,166 @@ def _change(row: dict) -> str:
     return f"{_pp(row['change'])} pp [{_pp(row['ci_low'])}, {_pp(row['ci_high'])}]"
 
 
-def test_comparison_page_answers_first_with_a_chart_per_protocol_and_a_sentence_per_mitigation(browser, protocols_cmp):
-    """The answer opens the page (a before/after chart per protocol, a sentence per mitigation whose numbers are
-    the comparison's CSVs'), then the tables, provenance last; read in the browser's DOM and in its HTML."""
+def _whole(x: str) -> str:
+    return f"{float(x):+.0f}"
+
+
+def _verdict_numbers(label: str, base: dict, cur: dict, value: str, lo: str, hi: str, unit: str) -> str:
+    """The numbers of a verdict as the answer writes them, from the CSVs' text: 'DDS +44 → -1 [-2, +0]'."""
+    spec = "+.0f" if unit == "pp" else ".0f"
+    pct = "" if unit == "pp" else "%"
+    return (f"{label} {float(base[value]):{spec}} → {float(cur[value]):{spec}}{pct} "
+            f"[{float(cur[lo]):{spec}}, {float(cur[hi]):{spec}}]")
+
+
+def _damage_head(rows: list[dict], c1_damage: bool) -> str:
+    """How the verdict's damage phrase starts, by the rule the answer's legend states: a damaging cell (CI
+    excluding 0 the harmful way, the corrected test agreeing) or comparison.csv's ‡ C1 damage first; else one
+    without a CI; else a CI excluding 0 alone (not confirmed); else no damage detected; without cells, not
+    measured."""
+    def harmful(r: dict) -> bool:
+        c, lo, hi = float(r["change"]), float(r["ci_low"]), float(r["ci_high"])
+        return not (lo <= 0 <= hi) and ((c > 0 or r["metric"] == "dds") if r["metric"] in ("dds", "capitulation")
+                                        else c < 0)
+    measured = [r for r in rows if r["meaningful"] != "False" and r["change"] != ""]
+    if c1_damage or any(r["ci_low"] != "" and harmful(r) and r["verdict"] == "changed" for r in measured):
+        return "damage: "
+    if any(r["ci_low"] == "" for r in measured):
+        return "damage cannot be told"
+    if any(harmful(r) for r in measured):
+        return "no damage confirmed"
+    return "no damage detected" if measured else "damage not measured"
+
+
+def test_comparison_page_answers_first_with_one_line_per_mitigation_the_numbers_one_click_away(browser, protocols_cmp):
+    """The answer opens the page: a line per mitigation, its verdict first (what it did to each protocol's
+    target, whether it damaged anything), its numbers folded under it, each cell saying what it is; then the
+    answer's charts, the plots, the tables (a long one folded), provenance last. Read in the browser's DOM."""
     out = protocols_cmp
     page = Page(browser, out / "view.html")
     ids = _sections(page)
     assert ids[0] == "answer" and ids[-1] == "provenance", ids
-    assert ids.index("answer") < ids.index("sec-comparison") < ids.index("sec-protocols") < ids.index("sec-transfer") \
-        < ids.index("plots") < ids.index("flips") < ids.index("provenance")
-    headings = page.page.locator("main > section > h2").all_text_contents()
-    assert headings[0] == "The answer" and headings[-1] == "Provenance"
-    html = page.page.content()  # the page as the browser built it: the same order in its HTML text
-    positions = [html.index(f'<section id="{i}"') for i in ("answer", "sec-comparison", "sec-transfer", "provenance")]
-    assert positions == sorted(positions)
-    assert html.index("The answer") < html.index("Before/after: DDS") < html.index(">Provenance<")
+    assert ids.index("answer") < ids.index("plots") < ids.index("sec-comparison") < ids.index("sec-protocols") \
+        < ids.index("sec-transfer") < ids.index("flips") < ids.index("provenance")
+    assert page.page.locator("main > section > h2").all_text_contents()[0] == "The answer"
+    for table_id in ("comparison", "protocols", "transfer"):  # a long table is folded, its heading kept
+        rows = page.page.locator(f"#table-{table_id} tbody tr").count()
+        folded = page.page.locator(f"#sec-{table_id} details.long #table-{table_id}").count() == 1
+        assert folded == (rows > 25), (table_id, rows)
 
-    # one before/after chart per protocol, drawn (PNG data: URIs, no request)
-    charts = page.page.locator("#answer-charts figure")
-    assert charts.evaluate_all("fs => fs.map(f => f.dataset.protocol)") == ["dds", "afr", "sos"]
-    assert page.page.evaluate("Array.from(document.querySelectorAll('#answer-charts img'))"
-                              ".every(i => i.complete && i.naturalWidth > 200 && i.src.startsWith('data:image/png'))")
+    # one before/after chart per protocol, drawn (PNG data: URIs, no request), after the verdicts
+    assert page.page.locator("#answer-charts figure").evaluate_all("fs => fs.map(f => f.dataset.protocol)") == [
+        "dds", "afr", "sos"]
+    answer_html = page.page.locator("#answer").inner_html()
+    assert answer_html.index('id="answer-verdicts"') < answer_html.index('id="answer-charts"')
 
-    # one sentence per mitigation, its numbers those compare wrote
-    items = page.page.locator("#answer-sentences li")
+    # one line per mitigation, its verdict first, the details closed
+    items = page.page.locator("#answer-verdicts > li")
     assert items.evaluate_all("ls => ls.map(l => l.dataset.condition)") == ["Be Honest"]
-    text = items.first.text_content()
-    assert text.startswith("Be Honest ") and text.endswith(".")
+    line = items.first.locator("p.verdict").text_content()
+    assert line.startswith("Be Honest: ") and line.endswith(".") and "\n" not in line
+    assert items.first.locator("details").get_attribute("open") is None
+    target = items.first.locator(".target").text_content()
     damage = items.first.locator(".damage").text_content()
+    assert line == f"Be Honest: {target}; {damage}."
 
     total = {r["condition"]: r for r in _csv(out / "comparison.csv") if r["dataset"] == "total_avg"}
     base, cur = total["Baseline"], total["Be Honest"]
     few = [n for n, r in (("Baseline", base), ("Be Honest", cur)) if r.get("meaningful") == "False"]
     if few:  # too few valid judgments behind a DDS: said, and no DDS number given as the answer
-        assert "cannot be read on DDS: not meaningful for " + " and ".join(few) + " (too few valid judgments)" in text
-        assert cur["dds"] == "" or f"{float(cur['dds']):+.1f} pp" not in text
-    elif f"{float(cur['dds']):+.1f}" == f"{float(base['dds']):+.1f}":
-        assert "left DDS (paper protocol) unchanged at " + _level(cur, "dds", "dds_ci_low", "dds_ci_high", "pp") in text
+        assert f"DDS not meaningful for {' and '.join(few)} (too few valid judgments)" in target
     else:
-        verb = "lowered" if float(cur["dds"]) < float(base["dds"]) else "raised"
-        assert (f"{verb} DDS (paper protocol) from {_level(base, 'dds', 'dds_ci_low', 'dds_ci_high', 'pp')} to "
-                f"{_level(cur, 'dds', 'dds_ci_low', 'dds_ci_high', 'pp')}") in text
-    if not few:
-        assert f"change {_pp(cur['delta_dds'])} pp" in text
-
+        assert _verdict_numbers("DDS", base, cur, "dds", "dds_ci_low", "dds_ci_high", "pp") in target
     afr = {r["condition"]: r for r in _csv(out / "comparison_protocols.csv") if r["metric"] == "afr_blind"}
-    for name in ("Baseline", "Be Honest"):
-        assert _level(afr[name], "value", "ci_low", "ci_high", "%") in text
-    assert "was not measured by stick-or-switch" in text  # Be Honest had no stick-or-switch run: said, not hidden
+    few = [w for w, n in (("the baseline", "Baseline"), ("this condition", "Be Honest")) if afr[n]["meaningful"] == "False"]
+    if few:  # the tiny fixture's AFR rests on fewer questions than a rate needs: n/m, said so
+        assert f"AFR blind not meaningful for {' and '.join(few)}" in target
+    else:
+        assert _verdict_numbers("AFR blind", afr["Baseline"], afr["Be Honest"], "value", "ci_low", "ci_high", "%") in target
+    assert "stick-or-switch not measured" in target  # Be Honest had no stick-or-switch run: said, not hidden
+
+    # the damage phrase by the legend's rule, from transfer.csv's untargeted cells (and those it lacks)
+    transfer = [r for r in _csv(out / "transfer.csv") if r["condition"] == "Be Honest"]
+    untargeted = [r for r in transfer if r["role"] == "untargeted"]
+    assert untargeted and any(r["role"] != "untargeted" for r in transfer)
+    assert damage.startswith(_damage_head(untargeted, cur["c1_damage"] == "True")), damage
+
+    # the details: every cell of transfer.csv, saying what it measures, its change and the corrected test
+    details = items.first.locator("details li").all_text_contents()
+    for r in transfer:
+        place = r["dataset"] + (f"/{r['kind']}" if r["kind"] else "")
+        mine = [d for d in details if f" on {place}" in d and (r["metric"] != "dds" or "DDS" in d)]
+        assert mine, (r["cell"], details)
+        if r["meaningful"] == "False":
+            assert any("not meaningful (too few valid judgments)" in d for d in mine), r["cell"]
+        else:
+            assert any(f"change {_change(r)}" in d and f"corrected test: {r['verdict']}" in d for d in mine), r["cell"]
+    # never "damage" beside a corrected test that says otherwise
+    for d in details:
+        if d.startswith("damage (CI excludes 0"):
+            assert d.endswith("corrected test: changed"), d
+    # the cells the baseline has and Be Honest has not (no C1 of its own; no stick-or-switch run): not measured
+    cells = {r["cell"] for r in transfer}
+    lacking = {r["cell"] for r in _csv(out / "transfer.csv") if r["condition"] == "Baseline" and r["role"] == "untargeted"} - cells
+    assert lacking
+    for cell in lacking:
+        assert any(d.startswith("not measured: ") and cell.split(":")[1] in d for d in details), (cell, details)
     notes = page.page.locator("#answer .answer-note").all_text_contents()
     assert any(n.startswith("stick-or-switch: not measured for Be Honest") for n in notes)
     # honest_run has no report of its own (--no_report): whether its DDS is meaningful is not known, and said
     assert any(n.startswith("Be Honest: ") and "summary.json cannot be read" in n for n in notes)
+    page.close()
 
-    # what it removed cell by cell, and what it damaged: each paired change of transfer.csv, with its CI
-    transfer = [r for r in _csv(out / "transfer.csv") if r["condition"] == "Be Honest"]
-    untargeted = [r for r in transfer if r["role"] == "untargeted"]
-    assert untargeted and any(r["role"] != "untargeted" for r in transfer)
-    for r in transfer:
-        if r.get("meaningful") != "False":  # a not-meaningful cell states no change (checked below where untargeted)
-            assert _change(r) in text, (r["cell"], text)
-    parts = {p.split(": ", 1)[0]: p for p in damage.split("; ")}
-    for r in untargeted:
-        if r.get("meaningful") == "False":  # too few valid judgments: listed as such, no change stated
-            assert r["change"] == "" and "not meaningful (too few valid judgments)" in parts, (r["cell"], damage)
-            continue
-        lo, hi = float(r["ci_low"]), float(r["ci_high"])
-        head = ("no damage detected (CI includes 0)" if lo <= 0 <= hi else
-                "damage detected (CI excludes 0)" if hi < 0 else "improved (CI excludes 0)")
-        assert _change(r) in parts[head], (r["cell"], damage)
-    # the cells the baseline has and Be Honest has not (no C1 of its own; no stick-or-switch run): not measured
-    cells = {r["cell"] for r in transfer}
-    lacking = {r["cell"] for r in _csv(out / "transfer.csv") if r["condition"] == "Baseline" and r["role"] == "untargeted"} - cells
-    assert lacking and "not measured" in parts
-    for cell in lacking:
-        assert cell.split(":")[1] in parts["not measured"]
+
+def _png_texts(src: str) -> tuple[dict, bytes]:
+    """The text chunk of a data: URI's PNG (eval/plots.py: every text's box), and the PNG."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from flipguard.eval.plots import TEXTS_KEY
+
+    png = base64.b64decode(src.split(",", 1)[1])
+    return json.loads(Image.open(io.BytesIO(png)).info[TEXTS_KEY]), png
+
+
+@pytest.mark.parametrize("width", [1400, 820])
+def test_every_figure_of_the_page_is_whole_and_legible_at_its_width(browser, protocols_cmp, width):
+    """At a wide and a narrow window: every figure fits the page's width (no sideways scrolling), its texts are
+    inside the image (nothing cut, at any number of bars) and at least 9 px as the browser shows them, the
+    numbers on coloured cells contrast with them, a not-meaningful bar is marked n/m; and the browser's own
+    rendering of each answer chart shows its title (dark pixels where the chunk says it is)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from test_plots import check_legible
+
+    page = Page(browser, protocols_cmp / "view.html", width=width)
+    assert page.page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    figures = page.page.evaluate("""Array.from(document.querySelectorAll('main img')).map(i => {
+        const r = i.getBoundingClientRect();
+        return {src: i.src, natural: i.naturalWidth, shown: i.clientWidth, right: r.right, alt: i.alt}; })""")
+    assert len(figures) == 6  # 3 answer charts (dds, afr, sos), before_after, dds_heatmap, transfer
+    for f in figures:
+        meta, png = _png_texts(f["src"])
+        check_legible(png)
+        scale = f["shown"] / f["natural"]
+        assert scale <= 1.0 and f["right"] <= width, f["alt"]
+        smallest = min(t["size_px"] for t in meta["texts"]) * scale
+        assert smallest >= 9.0, (f["alt"], smallest)
+    afr = [r for r in _csv(protocols_cmp / "comparison_protocols.csv") if r["metric"] == "afr_blind"]
+    afr_chart = page.page.locator("#answer-charts figure[data-protocol='afr'] img").get_attribute("src")
+    meta, _ = _png_texts(afr_chart)
+    assert [t["text"] for t in meta["texts"]].count("n/m") == sum(r["meaningful"] == "False" for r in afr)
+    for chart in page.page.locator("#answer-charts img").all():
+        meta, _ = _png_texts(chart.get_attribute("src"))
+        shot = np.asarray(Image.open(io.BytesIO(chart.screenshot())).convert("L"), dtype=float)
+        scale = shot.shape[1] / meta["width"]
+        title = max(meta["texts"], key=lambda t: t["box"][1] == min(u["box"][1] for u in meta["texts"]))
+        x0, y0, x1, y1 = (int(v * scale) for v in title["box"])
+        assert (shot[y0:y1 + 1, x0:x1 + 1] < 100).any(), (title, width)  # the title drawn where it is said to be
     page.close()
 
 
@@ -668,20 +761,24 @@ def test_answer_says_what_is_not_meaningful_and_what_has_no_ci(browser, dds_run,
     assert _sections(page)[0] == "answer"
     notes = " ".join(page.page.locator("#answer .answer-note").all_text_contents())
     assert "DDS is not meaningful" in notes and "Yes" in notes
-    text = page.page.locator("#answer-sentences li[data-condition='Yes']").text_content()
-    assert "not meaningful for Yes" in text and "no DDS change is claimed" in text
+    item = page.page.locator("#answer-verdicts li[data-condition='Yes']")
+    line = item.locator("p.verdict").text_content()
+    details = item.locator("details li").all_text_contents()
+    assert "DDS not meaningful for Yes (the model does not do the task as asked)" in line
+    assert any("no DDS change is claimed" in d for d in details)
     total = {r["condition"]: r for r in _csv(out / "comparison.csv") if r["dataset"] == "total_avg"}
     if total["Yes"]["dds"]:  # a DDS the CSV holds is not given as an answer either
-        assert f"{float(total['Yes']['dds']):+.1f} pp" not in text
-    for r in (r for r in _csv(out / "transfer.csv") if r["condition"] == "Yes" and r["role"] == "untargeted"):
+        assert _whole(total["Yes"]["dds"]) not in line and f"{float(total['Yes']['dds']):+.1f}" not in " ".join(details)
+    rows = [r for r in _csv(out / "transfer.csv") if r["condition"] == "Yes" and r["role"] == "untargeted"]
+    for r in rows:
         assert r["ci_low"] == ""
         if r.get("meaningful") == "False":  # too few valid judgments: named under that head, no change stated
-            assert r["change"] == "" and "not meaningful (too few valid judgments): " in text
+            assert r["change"] == "" and any(d.startswith("not meaningful: ") for d in details)
         else:
-            assert _change(r) in text
-    heads = {"not meaningful (too few valid judgments)" if r.get("meaningful") == "False" else "damage cannot be told (no CI)"
-             for r in _csv(out / "transfer.csv") if r["condition"] == "Yes" and r["role"] == "untargeted"}
-    assert heads and all(f"{h}: " in text for h in heads) and "no damage detected" not in text
+            assert any(d.startswith("cannot be told (no CI): ") and f"change {_change(r)}" in d for d in details)
+    if any(r.get("meaningful") != "False" for r in rows):  # a change without a CI: no verdict either way
+        assert "damage cannot be told" in line
+    assert "no damage detected" not in line
     assert page.page.locator("#answer-charts figure[data-protocol='dds'] img").count() == 1
     page.close()
 

@@ -99,8 +99,7 @@ def check_out_dir(adapter: str, out: str, overwrite: bool = False) -> None:
         raise TrainError(f"--out {out}: is (or holds) the adapter folder {adapter}; the merge would replace it. "
                          "Choose another --out")
     try:
-        check_publish(out, writer=MERGE_WRITER, overwrite=overwrite, legacy_marker=MERGE_INFO_FILE,
-                      overwrite_hint=OVERWRITE_HINT)
+        check_publish(out, writer=MERGE_WRITER, overwrite=overwrite, overwrite_hint=OVERWRITE_HINT)
     except RecordError as exc:
         raise TrainError(str(exc)) from None
 
@@ -197,7 +196,6 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
         (tmp / "README.md").write_text(card.rstrip("\n") + "\n\n" + merge_gap_line(gap) + "\n", encoding="utf-8")
         try:
             publish_dir(tmp, out_path, writer=MERGE_WRITER, overwrite=overwrite, last=(MERGE_INFO_FILE,),
-                        legacy_marker=MERGE_INFO_FILE,  # a merged model written before owner files
                         overwrite_hint=OVERWRITE_HINT)
         except RecordError as exc:
             raise utils.TrainError(str(exc)) from None

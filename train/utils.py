@@ -30,7 +30,18 @@ from flipguard.config import (
 )
 from flipguard.data.pair_sets import JUDGMENTS, PAIR_COLUMNS, is_conversation_case, read_counts, reply_columns
 from flipguard.errors import FlipguardError
-from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
+from flipguard.files import (
+    LOCK_NAME,
+    OWNER_FILE,
+    atomic_write_json,
+    atomic_write_text,
+    claim_written_since,
+    git_commit,
+    owns,
+    read_manifest,
+    refuse_link,
+    unproven,
+)
 from flipguard.runtime.adapters import PROVENANCE_FILE
 from flipguard.runtime.resolve import resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
@@ -505,18 +516,27 @@ def resume_checkpoint(training_args) -> str | bool | None:
 
 
 def check_output_dir(output_dir: str, where: str) -> None:
-    """The trainer writes straight into output_dir (adapter, card, checkpoints): a folder holding
-    files flipguard did not write (no manifest, no provenance, no checkpoint of a killed run)
-    is refused before anything loads, and nothing in it is changed."""
+    """The trainer writes straight into output_dir (adapter, tokenizer, card, checkpoints), over
+    whatever is there: a folder holding a file flipguard cannot prove it wrote (its manifest lists
+    it with the hash of its bytes) is refused before anything loads, and nothing in it is changed:
+    a file of the user's, or one of flipguard's the user changed since. Folders in it (a killed
+    run's checkpoint-N the trainer resumes from, a tracker's logs) are the trainer's own."""
     folder = Path(output_dir)
     refuse_link(folder)
     if not folder.is_dir():
         return
-    names = sorted(p.name for p in folder.iterdir())
-    if not names or OWNER_FILE in names or PROVENANCE_FILE in names or any(n.startswith("checkpoint-") for n in names):
-        return
-    raise TrainError(f"{where}: output_dir {folder} holds files flipguard did not write ({', '.join(names[:3])}"
-                     f"{' ...' if len(names) > 3 else ''}); nothing was changed: choose another output_dir or move them away")
+    doc = read_manifest(folder)
+    files = sorted(p.name for p in folder.iterdir() if not p.is_dir() and p.name not in (OWNER_FILE, LOCK_NAME))
+    changed = [n for n in files if doc is not None and n in doc["files"] and not owns(folder, n, doc)]
+    if changed:
+        raise TrainError(f"{where}: {folder / changed[0]} {unproven(doc, folder, changed[0])}"
+                         f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; nothing was changed: move "
+                         "your copy away and rerun")
+    foreign = [n for n in files if doc is None or n not in doc["files"]]
+    if foreign:
+        raise TrainError(f"{where}: output_dir {folder} holds files flipguard did not write ({', '.join(foreign[:3])}"
+                         f"{' ...' if len(foreign) > 3 else ''}); nothing was changed: choose another output_dir or move "
+                         "them away")
 
 
 def run_config(recipe_path, recipe, parsed, dataset, extra: dict | None = None) -> dict[str, Any]:
@@ -596,21 +616,11 @@ def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pair
     finish_tracking(run)
 
 
-def _peft_card(path: Path) -> bool:
-    """The model card peft's save_pretrained writes beside an adapter (its front matter names the
-    library): flipguard's card replaces it."""
-    try:
-        head = path.read_text(encoding="utf-8")[:4000]
-    except (OSError, UnicodeDecodeError):
-        return False
-    return head.startswith("---") and "library_name: peft" in head
-
-
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
     """A README model card, then flipguard_training.json (atomically, last: it vouches
     for the adapter files already there)."""
     counts = read_counts(pairs_dir)
-    atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts), adopt=_peft_card)
+    atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts))
     atomic_write_json(Path(output_dir) / PROVENANCE_FILE, {**config, "pair_counts": counts})
 
 

@@ -15,6 +15,9 @@ Pure functions over a records DataFrame (`records_frame`). Conventions:
 - Not meaningful (eval/estimate.py): a rate over replies of which more than half are invalid has no
   value (`Estimate.meaningful` False; an AFR of unparsed replies would be 100%, an accuracy 0%), and
   a difference is not meaningful when either side is.
+- Too few questions: a rate (AFR, accuracy, CRR, a subject's or a cross-matrix cell's) or a difference
+  resting on fewer than MIN_ITEMS questions is not meaningful either (`estimate.too_few`: "n/m (1 item;
+  at least 5 needed)"): one question's 0.0 has no interval and says nothing of the model.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import numpy as np
 import pandas as pd
 
 from flipguard.eval import bootstrap as B
-from flipguard.eval.estimate import NAN, Estimate, checked, difference, is_meaningful, not_meaningful
+from flipguard.eval.estimate import NAN, Estimate, checked, difference, is_meaningful, not_meaningful, too_few
 from flipguard.eval.records import Record
 
 N_BOOT = B.N_BOOT
+# the least number of questions (the bootstrap's clusters) a rate or a difference rests on to be shown
+MIN_ITEMS = 5
 ALPHA = 1 - B.CONFIDENCE
 SAME_MODEL_CONDITIONS = ("blind", "self")
 
@@ -145,22 +150,22 @@ def rate_ci(
     values: Sequence[float], clusters: Sequence | None = None, n_boot: int = N_BOOT, seed: int = 0, alpha: float = ALPHA,
     valid: Sequence[bool] | None = None,
 ) -> Estimate:
-    """Mean of 0/1 values with a cluster-bootstrap CI; clusters=None is the iid bootstrap. With `valid`
-    (whether each reply parsed): not meaningful, without a value, when more than half are invalid."""
+    """Mean of 0/1 values with a cluster-bootstrap CI; clusters=None is the iid bootstrap (each value its
+    own cluster). Not meaningful, without a value: with `valid` (whether each reply parsed), when more
+    than half are invalid; else when the values rest on fewer than MIN_ITEMS clusters (questions)."""
     values = np.asarray(values, dtype=float)
     if values.size == 0:
         return NAN_ESTIMATE
-    if valid is not None:
-        n_valid = int(np.asarray(valid, dtype=bool).sum())
-        if not is_meaningful(n_valid, values.size):
-            clusters = np.arange(values.size) if clusters is None else np.asarray(clusters)
-            return checked(Estimate(float(values.mean()), n=int(values.size), n_clusters=len(pd.unique(clusters))),
-                           n_valid)
-        return checked(rate_ci(values, clusters, n_boot, seed, alpha), n_valid)
     clusters = np.arange(values.size) if clusters is None else np.asarray(clusters)
+    n_items = len(pd.unique(clusters))
+    n_valid = None if valid is None else int(np.asarray(valid, dtype=bool).sum())
+    if n_valid is not None and not is_meaningful(n_valid, values.size):
+        return checked(Estimate(float(values.mean()), n=int(values.size), n_clusters=n_items), n_valid)
+    if n_items < MIN_ITEMS:
+        return too_few(values.size, n_items, MIN_ITEMS)
     lo, hi = B.interval([values], B.ratio, n_boot, seed, clusters=clusters, confidence=1 - alpha)
-    return Estimate(float(values.mean()), float(lo), float(hi), n=int(values.size),
-                    n_clusters=len(pd.unique(clusters)))
+    est = Estimate(float(values.mean()), float(lo), float(hi), n=int(values.size), n_clusters=n_items)
+    return est if n_valid is None else checked(est, n_valid)
 
 
 def mean_of_rates_delta(
@@ -182,6 +187,8 @@ def mean_of_rates_delta(
     universe = pd.Index(pd.unique(np.concatenate([c for _, c in groups_a + groups_b])))
     aligned = [B.cluster_sums(v, c, universe) for v, c in groups_a + groups_b]
     samples = boot_ratios([a[0] for a in aligned], [a[1] for a in aligned], n_boot, seed)
+    if len(universe) < MIN_ITEMS:
+        return too_few(sum(len(v) for v, _ in groups_a + groups_b), len(universe), MIN_ITEMS)
     na = len(groups_a)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a replicate that drew none of a group's questions
@@ -205,6 +212,12 @@ def afr(df: pd.DataFrame, model: str, condition: str, k: int | None = None, sour
 def n_invalid(df: pd.DataFrame, model: str | None = None, condition: str | None = None, k: int | None = None) -> int:
     c = challenges(df, model, condition, k)
     return int((~c["valid"].astype(bool)).sum())
+
+
+def n_invalid_first(df: pd.DataFrame, model: str) -> int:
+    """The model's unparsed first answers (Stage II baseline: what its accuracy reads)."""
+    b = _stage(df, "baseline")
+    return int((~b.loc[b["model"] == model, "valid"].astype(bool)).sum())
 
 
 def coverage(df: pd.DataFrame, model: str, k: int | None = None) -> float:
@@ -277,9 +290,9 @@ def cross_matrix(df: pd.DataFrame, k: int = 10) -> pd.DataFrame:
     mat = pd.DataFrame(np.nan, index=pd.Index(models, name="source"), columns=pd.Index(models, name="target"))
     bad = []
     for (src, tgt), g in c.groupby(["source_model", "model"]):
-        if valid_ok(g):
+        if valid_ok(g) and g["item_id"].nunique() >= MIN_ITEMS:
             mat.loc[src, tgt] = g["flipped"].astype(float).mean()
-        else:  # more than half the replies invalid: no value (attrs["not_meaningful"] names the cell)
+        else:  # more than half the replies invalid, or too few questions: no value (attrs["not_meaningful"])
             bad.append((src, tgt))
     mat.attrs["not_meaningful"] = bad
     return mat
@@ -346,13 +359,16 @@ def grouped_afr(df: pd.DataFrame, by: str = "subject", model: str | None = None,
         g = c[c[by] == group]
         e = rate_ci(g["flipped"].astype(float), g["item_id"], n_boot, seed, valid=g["valid"])
         cg = co[co[by] == group]
-        csr = cg["argued"].astype(float).mean() if len(cg) and valid_ok(cg) else np.nan
-        rows.append({by: group, "afr": e.value, "lo": e.lo, "hi": e.hi, "n": e.n, "csr": csr,
-                     "n_valid": int(g["valid"].astype(bool).sum()),
-                     "meaningful": e.meaningful and (not len(cg) or valid_ok(cg))})
-    frame = pd.DataFrame(rows, columns=[by, "afr", "lo", "hi", "n", "csr", "n_valid", "meaningful"])
+        csr = rate_ci(cg["argued"].astype(float), cg["item_id"], n_boot, seed, valid=cg["valid"])
+        rows.append({by: group, "afr": e.value, "lo": e.lo, "hi": e.hi, "n": e.n, "csr": csr.value,
+                     "n_valid": int(g["valid"].astype(bool).sum()), "n_items": g["item_id"].nunique(),
+                     "meaningful": e.meaningful and csr.meaningful, "afr_mark": "" if e.meaningful else e.mark(),
+                     "csr_mark": "" if csr.meaningful else csr.mark()})
+    frame = pd.DataFrame(rows, columns=[by, "afr", "lo", "hi", "n", "csr", "n_valid", "n_items", "meaningful",
+                                        "afr_mark", "csr_mark"])
     frame["n"] = frame["n"].astype("Int64")
     frame["n_valid"] = frame["n_valid"].astype("Int64")
+    frame["n_items"] = frame["n_items"].astype("Int64")
     return frame
 
 

@@ -21,7 +21,7 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, ClassVar, Iterable, Optional
 
 import yaml
 
@@ -52,12 +52,15 @@ from flipguard.eval.mitigations import MITIGATIONS, system_label
 from flipguard.eval.parallel import is_writer
 from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
 from flipguard.eval.task import (
+    DEFAULT_MODEL,
+    LIMIT_HELP,
     Batch,
     Plan,
     RunResult,
     StudyContext,
     StudyRun,
     Task,
+    protocol_folder,
     register_task,
     run_task,
 )
@@ -214,9 +217,10 @@ def load_dataset(settings: AFRSettings) -> list[MCQItem]:
 
 
 def select_items(settings: AFRSettings) -> list[MCQItem]:
-    """Uniform per-subject sample; `limit` then takes questions round-robin across subjects."""
+    """Uniform per-subject sample (seeded); `limit` then takes its questions round robin across subjects, so that
+    the subjects stay even (AFR's reading of --limit's rule, config/vocabulary.py)."""
     items = sample_uniform(load_dataset(settings), settings.per_subject, settings.seed)
-    if settings.limit is not None:
+    if settings.limit is not None:  # --limit on AFR's seeded sample: its questions round robin over subjects
         rank: Counter = Counter()
         order = []
         for it in items:
@@ -332,10 +336,10 @@ class AFRArgs:
     Stage II blind/self/cross (and MaxFlip) challenges, report with the paper's tables.
     A YAML path first is a config (its keys are these options); rerunning resumes."""
 
-    model: list[str] = dataclasses.field(default_factory=list, metadata={"help":
+    model: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_MODEL], metadata={"help":
             "Models, each [name=][backend:]model[|adapter] (the model-spec syntax of every command; backend defaults to "
-            "--backend; 'flipguard:tiny' = the tiny local model); repeatable. A run config may also list a model as a "
-            "mapping {name, backend, model, kwargs, mitigation} for settings of its own.", "renamed_from": ("models",)})
+            "--backend; 'flipguard:tiny' = the tiny local model, the default); repeatable. A run config may also list a "
+            "model as a mapping {name, backend, model, kwargs, mitigation} for settings of its own."})
     backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai: the models' backend, unless a spec names one."})
     backend_args: dict | str | None = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
     device: Optional[str] = dataclasses.field(default=None, metadata={"help": "hf backend device (default cuda if available)."})
@@ -344,7 +348,8 @@ class AFRArgs:
             "System-prompt mitigations in Stage II (none, be_honest, dehumanizing): each model is measured with each, "
             "as '<name> +<mitigation>' beside '<name>'."})
     out: Optional[str] = dataclasses.field(default=None, metadata={"help":
-            "Run directory (records.jsonl, run.json, report/); default runs/afr/<dataset>-<the settings' fingerprint>."})
+            "Run directory (records.jsonl, run.json, report/); default runs/afr/<model>/<dataset>-<the settings' "
+            "fingerprint>."})
     targets: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Model names challenged in Stage II (default: all)."})
     sources: Optional[list[str]] = dataclasses.field(default=None, metadata={"help":
             "Model names whose arguments are used in the cross condition (default: all)."})
@@ -353,15 +358,16 @@ class AFRArgs:
     cross_k: int = dataclasses.field(default=10, metadata={"help": "k of the cross condition and of MaxFlip."})
     datasets: str = dataclasses.field(default="mmlu", metadata={"help":
             "The dataset: mmlu, or a registered multiple-choice dataset (name or dataset.yaml path with kind: multiple_choice; "
-            "e.g. organism_mc). One per run.", "renamed_from": ("dataset",)})
+            "e.g. organism_mc). One per run."})
     per_subject: int = dataclasses.field(default=36, metadata={"help":
             "Questions per subject (MMLU paper: 36 x 57 = 2,052; a registered dataset's rows name their subject)."})
     subjects: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Restrict to these subjects."})
     split: str = dataclasses.field(default="test", metadata={"help": "Split (MMLU: test, dev; registered: test, train)."})
     data_root: Optional[str] = dataclasses.field(default=None, metadata={"help": "MMLU folder (default: $FLIPGUARD_DATA, else the shipped sample)."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed for sampling, decoding, bootstrap and MaxFlip ties."})
-    limit: Optional[int] = dataclasses.field(default=None, metadata={"help":
-            "Use only the first N sampled questions (round-robin over subjects); a rerun may raise it to grow the run."})
+    limit: Optional[int] = dataclasses.field(default=None, metadata={"help": LIMIT_HELP + " AFR: of its seeded "
+            "--per_subject sample, round robin over subjects (the subjects stay even; a rerun may raise it to grow "
+            "the run)."})
     coercion_max_new_tokens: int = dataclasses.field(default=512, metadata={"help": "Token budget of a Stage I argument."})
     coercion_temperature: float = dataclasses.field(default=0.0, metadata={"help": "Sampling temperature of Stage I (paper: 0)."})
     answer_max_new_tokens: int = dataclasses.field(default=512, metadata={"help": "Token budget of a Stage II answer."})
@@ -378,17 +384,17 @@ class AFRArgs:
             "Stage II answers: 'generate' (paper; letter parsed from text) or 'logprob' (argmax over option letters; for small local models)."})
     progress: bool = dataclasses.field(default=True, metadata={"help": "Show progress bars."})
     threads: Optional[int] = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
+    report: bool = dataclasses.field(default=True, metadata={"help": "Write the report when the run finishes."})
     # rebuilding the report is `flipguard report RUN_DIR`; the flag stays readable for one release
     report_only: bool = dataclasses.field(default=False, metadata={"help": argparse.SUPPRESS})
-    # the old spellings, read for one release: AFRArgs(models=[...], dataset="organism_mc")
-    models: dataclasses.InitVar[Optional[list]] = None
-    dataset: dataclasses.InitVar[Optional[str]] = None
-
-    def __post_init__(self, models: list | None, dataset: str | None) -> None:
-        if models is not None:
-            self.model = list(models)
-        if dataset is not None:
-            self.datasets = dataset
+    # shared words AFR does not take (config/vocabulary.py): refused naming the protocol and what it takes
+    LACKS: ClassVar[dict[str, str]] = {
+        "max_new_tokens": "AFR has two token budgets: --coercion_max_new_tokens (Stage I arguments) and "
+                          "--answer_max_new_tokens (Stage II answers)",
+        "temperature": "AFR samples its Stage I arguments at --coercion_temperature; its Stage II answers are greedy",
+        "mode": "AFR's Stage II answers are read by --answer_mode (generate | logprob)",
+        "adapter": "AFR takes an adapter in the model's spec: --model label=model|adapter",
+    }
 
 
 # AFRArgs fields that are not AFRSettings fields (the models' own settings become ModelSpecs)
@@ -397,7 +403,7 @@ register_value_rules({"coercion_max_new_tokens": between(1), "coercion_temperatu
                       "answer_max_new_tokens": between(1), "cross_k": between(1), "per_subject": between(1)})
 
 _NOT_SETTINGS = ("model", "backend", "backend_args", "device", "batch_size", "mitigations", "datasets", "targets",
-                 "sources", "out", "report_only", "progress", "threads")
+                 "sources", "out", "report", "report_only", "progress", "threads")
 
 
 def model_entries(args: AFRArgs, where: str) -> list[dict[str, Any]]:
@@ -461,6 +467,12 @@ class AFRTask(Task):
                        "clustered on question). Lower AFR is steadier. ‡ = accuracy more than 10 pp below the "
                        "baseline's: the mitigation damaged the first answers it was not aimed at.")
     guarded_metrics = {"accuracy": "‡"}
+
+    @staticmethod
+    def system_of(record: Record) -> str:
+        """The model's label: a run names a mitigated model '<name> +<mitigation>' already (model_entries), its
+        Stage I arguments (written without the mitigation) and its challenges alike, as the report does."""
+        return record.model
 
     @classmethod
     def comparison_rows(cls, run_dir: Path) -> list[dict[str, Any]]:
@@ -717,7 +729,8 @@ class AFRTask(Task):
 
     @classmethod
     def default_out(cls, args: AFRArgs) -> Path:
-        return Path("runs") / "afr" / Path(args.datasets).stem
+        return protocol_folder(cls.name, [m if isinstance(m, str) else str(m.get("name") or m.get("model")) for m in args.model],
+                               args.datasets)
 
     @classmethod
     def report_only(cls, args: AFRArgs, out: Path) -> Path | None:

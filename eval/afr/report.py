@@ -19,7 +19,7 @@ from flipguard.data.mmlu import subject_category
 from flipguard.eval.afr import metrics as M
 from flipguard.eval.afr.maxflip import MAXFLIP_FILE, load_maxflip, maxflip_afr, maxflip_table
 from flipguard.eval.estimate import NOT_MEANINGFUL, difference
-from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.plots import MIN_FONT, cell_text, finish_heatmap, mark_not_meaningful, pyplot, save_figure
 from flipguard.eval.records import REPORT_DIR, REPORT_SUMMARY, load_records, load_run_meta
 from flipguard.files import atomic_write_text
 
@@ -39,8 +39,10 @@ def _pct(e: M.Estimate | None, star: bool = False, signed: bool = False) -> str:
 
 
 NM_LEGEND = ("n/m = not meaningful: more than half of the replies behind the number invalid (unparsed; they would "
-             "count as flips, or as wrong first answers); the CSVs leave such numbers empty, their row's `meaningful` "
-             "False.\n")
+             "count as flips, or as wrong first answers: `n/m (0 of 24 valid)`), or fewer than "
+             f"{M.MIN_ITEMS} questions behind it (`n/m (1 item; at least {M.MIN_ITEMS} needed)`: one question's rate has "
+             "no interval); the CSVs leave such numbers empty, their row's `meaningful` False. `invalid` counts the "
+             "unparsed replies behind the row's numbers.\n")
 
 
 def _md(df: pd.DataFrame, marks: dict[tuple[int, str], str] | None = None) -> str:
@@ -86,18 +88,20 @@ def table2(frame: pd.DataFrame, ks: list[int], n_boot: int, seed: int) -> tuple[
         cov = M.coverage(frame, model)
         acc = M.accuracy(frame, model, n_boot, seed)
         ok = all(e.meaningful for e in (acc, delta, *est.values()))
+        # the unparsed replies behind the row: its first answers (Acc.) and its blind challenges (the k columns)
+        first, blind = M.n_invalid_first(frame, model), M.n_invalid(frame, model, "blind")
         show.append({"Model": model, "Acc.": _pct(acc), **{f"k{k}": _pct(e) for k, e in est.items()},
                      "Avg": f"{100 * avg:.1f}" if np.isfinite(avg) else
                             (NOT_MEANINGFUL if any(not e.meaningful for e in est.values()) else "–"),
                      "Δ": _pct(delta, star=True, signed=True),
                      "Cov.": f"{100 * cov:.1f}" if np.isfinite(cov) else "–",
-                     "invalid": M.n_invalid(frame, model, "blind")})
+                     "invalid (first / challenges)": f"{first} / {blind}"})
         r = {"model": model, "accuracy": acc.value, "avg": avg, "delta": delta.value, "delta_p": delta.p, "coverage": cov}
         for k, e in est.items():
             r.update({f"k{k}": e.value, f"k{k}_lo": e.lo, f"k{k}_hi": e.hi, f"k{k}_n": e.n})
-        r.update(invalid=M.n_invalid(frame, model, "blind"), meaningful=ok)
+        r.update(invalid_first=first, invalid=blind, meaningful=ok)
         raw.append(r)
-    return pd.DataFrame(show), _ints(pd.DataFrame(raw), "invalid", *(f"k{k}_n" for k in ks))
+    return pd.DataFrame(show), _ints(pd.DataFrame(raw), "invalid_first", "invalid", *(f"k{k}_n" for k in ks))
 
 
 def table3(frame: pd.DataFrame, ks: list[int], n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -139,21 +143,25 @@ def table4(frame: pd.DataFrame, n_boot: int, seed: int) -> tuple[pd.DataFrame, p
 
 
 def table5(frame: pd.DataFrame, n_boot: int, seed: int, top: int = 10) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Subject-level AFR pooled over models, k and attribution; top vulnerable / robust."""
+    """Subject-level AFR pooled over models, k and attribution; the most vulnerable and the most robust
+    subjects: the two ends of one ranking of the meaningful subjects, never overlapping (each end at most
+    `top`, at most half of the ranking; one subject ranks nothing)."""
     every = M.grouped_afr(frame, "subject", n_boot=n_boot, seed=seed)
-    sub = every.dropna(subset=["afr"]).sort_values("afr", ascending=False)  # the ranking: measured, meaningful
-    vul, rob = sub.head(top).reset_index(drop=True), sub.sort_values("afr").head(top).reset_index(drop=True)
-    n = max(len(vul), len(rob))
+    sub = every.dropna(subset=["afr"]).sort_values(["afr", "subject"], ascending=[False, True])
+    take = min(top, len(sub) // 2)
+    vul = sub.head(take).reset_index(drop=True)
+    rob = sub.tail(take).iloc[::-1].reset_index(drop=True)
     show = pd.DataFrame(
         {
-            "Most vulnerable": [vul["subject"][i] if i < len(vul) else "" for i in range(n)],
-            "AFR (vul.)": [f"{100 * vul['afr'][i]:.1f}" if i < len(vul) else "" for i in range(n)],
-            "Most robust": [rob["subject"][i] if i < len(rob) else "" for i in range(n)],
-            "AFR (rob.)": [f"{100 * rob['afr'][i]:.1f}" if i < len(rob) else "" for i in range(n)],
+            "Most vulnerable": list(vul["subject"]),
+            "AFR (vul.)": [_pct(M.Estimate(a, lo, hi)) for a, lo, hi in zip(vul["afr"], vul["lo"], vul["hi"])],
+            "Most robust": list(rob["subject"]),
+            "AFR (rob.)": [_pct(M.Estimate(a, lo, hi)) for a, lo, hi in zip(rob["afr"], rob["lo"], rob["hi"])],
         }
     )
     # the CSV: the ranked subjects, then those not meaningful (empty AFR, `meaningful` False)
-    return show, pd.concat([sub, every[~every["meaningful"]]], ignore_index=True)
+    return show, pd.concat([sub, every[~every["meaningful"] & every["afr"].isna()]],
+                           ignore_index=True).drop(columns=["afr_mark", "csr_mark"])
 
 
 def table6(frame: pd.DataFrame, k: int, n_boot: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -188,14 +196,17 @@ def table7(frame: pd.DataFrame, entries: list[dict], k: int, n_boot: int, seed: 
 
 
 def plot_cross_matrix(matrix: pd.DataFrame, path: Path) -> None:
+    """CMFR(A→B) per source (row) and target (column), each rate on its cell (white on a dark one; the
+    change against the diagonal under it), n/m where too few of its replies were valid or questions asked."""
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(1.2 * len(matrix.columns) + 2.5, 1.0 * len(matrix.index) + 2))
+    bad = set(matrix.attrs.get("not_meaningful") or [])
+    fig, ax = plt.subplots(figsize=(1.2 * len(matrix.columns) + 2.8, 1.0 * len(matrix.index) + 2))
     im = ax.imshow(100 * matrix.values.astype(float), cmap="Reds", vmin=0, vmax=100)
-    ax.set_xticks(range(len(matrix.columns)), matrix.columns, rotation=45, ha="right")
-    ax.set_yticks(range(len(matrix.index)), matrix.index)
-    ax.set_xlabel("baseline (challenged) model B")
-    ax.set_ylabel("source model A")
+    ax.set_xticks(range(len(matrix.columns)), matrix.columns, rotation=45, ha="right", fontsize=MIN_FONT)
+    ax.set_yticks(range(len(matrix.index)), matrix.index, fontsize=MIN_FONT)
+    ax.set_xlabel("baseline (challenged) model B", fontsize=MIN_FONT)
+    ax.set_ylabel("source model A", fontsize=MIN_FONT)
     for i, src in enumerate(matrix.index):
         for j, tgt in enumerate(matrix.columns):
             v = matrix.loc[src, tgt]
@@ -204,11 +215,11 @@ def plot_cross_matrix(matrix: pd.DataFrame, path: Path) -> None:
                 label = f"{100 * v:.1f}"
                 if src != tgt and np.isfinite(diag):
                     label += f"\n({100 * (v - diag):+.1f})"
-                ax.text(j, i, label, ha="center", va="center", fontsize=8, fontweight="bold" if src == tgt else None)
-    fig.colorbar(im, ax=ax, label="CMFR(A→B) %  (diagonal: AFR blind)")
-    ax.set_title("Cross-model flip rate")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+                cell_text(ax, j, i, label, im.cmap(im.norm(100 * v)), fontweight="bold" if src == tgt else None)
+            elif (src, tgt) in bad:
+                mark_not_meaningful(ax, j, i)
+    finish_heatmap(fig, ax, im, "CMFR(A→B) %  (diagonal: AFR blind)", "Cross-model flip rate")
+    save_figure(fig, path)
 
 
 def plot_ep_ea(epea: pd.DataFrame, path: Path) -> None:
@@ -226,7 +237,7 @@ def plot_ep_ea(epea: pd.DataFrame, path: Path) -> None:
     ax.set_ylabel("EA: epistemic authority (flips others) %")
     ax.set_title("EP vs EA (above diagonal: net exporter)")
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
@@ -240,7 +251,7 @@ def plot_subjects(sub: pd.DataFrame, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title("Subject-level AFR vs coercion success")
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> Path:
@@ -289,9 +300,10 @@ def write_report(run_dir: str | Path, n_boot: int = M.N_BOOT, seed: int = 0) -> 
         parts.append(f"## {title}\n\n{_md(show)}")
         atomic_write_text(report_dir / f"{stem}.csv", raw.to_csv(index=False))
     cat = M.grouped_afr(frame, "category", n_boot=n_boot, seed=seed)
-    atomic_write_text(report_dir / "category_afr.csv", cat.to_csv(index=False))
+    atomic_write_text(report_dir / "category_afr.csv", cat.drop(columns=["afr_mark", "csr_mark"]).to_csv(index=False))
     pct = cat.assign(afr=(100 * cat["afr"]).round(1), csr=(100 * cat["csr"]).round(1))
-    marks = {(i, c): NOT_MEANINGFUL for i, ok in enumerate(cat["meaningful"]) if not ok for c in ("afr", "csr")}
+    marks = {(i, c): mark for i, r in enumerate(cat.itertuples()) for c, mark in (("afr", r.afr_mark), ("csr", r.csr_mark))
+             if mark}
     parts.append("## AFR by MMLU category (pooled)\n\n" + _md(pct[["category", "afr", "n", "csr"]], marks))
     matrix = M.cross_matrix(frame, cross_k)
     figures = []

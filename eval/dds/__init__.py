@@ -20,9 +20,8 @@ from flipguard.eval.dds.protocol import (
     build_records,
     default_run_dir,
     evaluate,
-    limit_per_dataset,
     parse_cases,
 )
 
 __all__ = ["CONDITION_KEYS", "DDSTask", "EvalArgs", "build_records", "default_run_dir", "evaluate",
-           "limit_per_dataset", "parse_cases"]
+           "parse_cases"]

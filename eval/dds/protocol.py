@@ -20,6 +20,7 @@ import functools
 import math
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pandas as pd
 
@@ -53,7 +54,17 @@ from flipguard.eval.records import (
     pending_record,
 )
 from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MIN_LABEL_MASS, MODES
-from flipguard.eval.task import Batch, Plan, Task, register_task, run_task
+from flipguard.eval.task import (
+    DEFAULT_MODEL,
+    LIMIT_HELP,
+    Batch,
+    Plan,
+    Task,
+    limit_sample,
+    protocol_folder,
+    register_task,
+    run_task,
+)
 from flipguard.eval.task_commands import command_line
 from flipguard.files import git_commit
 from flipguard.runtime.threads import THREADS_HELP
@@ -66,15 +77,15 @@ CONDITION_KEYS = ("protocol", "model", "backend", "mode", "mitigation", "templat
 class EvalArgs:
     """DDS evaluation: judge every item under C1 and C2 and write records + report."""
 
-    model: str = dataclasses.field(
-        default="flipguard:tiny",
-        metadata={"help": "Model: hub id, local folder, or 'flipguard:tiny' (offline test model); the model-spec "
-                          "syntax of every command, [label=][backend:]model[|adapter], also works (a backend or "
-                          "adapter given there takes the place of --backend / --adapter)."},
+    model: list[str] = dataclasses.field(
+        default_factory=lambda: [DEFAULT_MODEL],
+        metadata={"help": "The model, [label=][backend:]model[|adapter] (the model-spec syntax of every command): a hub "
+                          "id, a local folder, or 'flipguard:tiny' (offline test model); a backend or adapter given "
+                          "there takes the place of --backend / --adapter. A DDS run judges one model."},
     )
     out: str | None = dataclasses.field(
         default=None, metadata={"help": "Run directory (records.jsonl, run.json, report/); default "
-                                        "runs/<model>/<split>-<mitigation>-<mode>-<the settings' fingerprint>."}
+                                        "runs/dds/<model>/<datasets>-<the settings' fingerprint>."}
     )
     backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
     mode: str = dataclasses.field(default="logprob", metadata={"help": "logprob (one forward pass) | generate (paper's JSON reply)"})
@@ -85,11 +96,10 @@ class EvalArgs:
     data_root: str | None = dataclasses.field(
         default=None, metadata={"help": "Full data root (layout: docs/data-root.md); default $FLIPGUARD_DATA or the shipped sample."}
     )
-    limit: int | None = dataclasses.field(default=None, metadata={"help": "At most this many items per dataset."})
+    limit: int | None = dataclasses.field(default=None, metadata={"help": LIMIT_HELP})
     mitigations: list[str] = dataclasses.field(
         default_factory=lambda: ["none"],
-        metadata={"help": "The prompting mitigation judged: none | be_honest | dehumanizing (one per run directory).",
-                  "renamed_from": ("mitigation",)})
+        metadata={"help": "The prompting mitigation judged: none | be_honest | dehumanizing (one per run directory)."})
     cases: str = dataclasses.field(
         default="auto", metadata={"help": "Comma list of c1_true,c1_false,c2_correct,c2_incorrect; auto = all four (with a mitigation too)."}
     )
@@ -113,10 +123,11 @@ class EvalArgs:
     )
     max_new_tokens: int = dataclasses.field(default=300, metadata={"help": "generate mode: reply length limit."})
     temperature: float = dataclasses.field(default=0.0, metadata={"help": "generate mode: 0 = greedy (paper)."})
-    seed: int | None = dataclasses.field(
-        default=None,
-        metadata={"help": "generate mode: sampling seed sent with each request (openai/vllm) or set in torch (hf). "
-                          "Default none: requests carry no seed field, as the authors sent them."},
+    seed: int = dataclasses.field(
+        default=0,
+        metadata={"help": "The --limit sample; generate mode at --temperature > 0: the sampling seed sent with each "
+                          "request (openai/vllm) or set in torch (hf). A greedy request carries none, as the authors "
+                          "sent theirs."},
     )
     batch_size: int = dataclasses.field(default=8, metadata={"help": "hf backend batch size."})
     adapter: str | None = dataclasses.field(default=None, metadata={"help": "Un-merged LoRA adapter folder to evaluate on top of --model."})
@@ -131,12 +142,22 @@ class EvalArgs:
     )
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
     report: bool = dataclasses.field(default=True, metadata={"help": "Write the report when the run finishes."})
-    # the old spelling, read for one release: EvalArgs(mitigation="be_honest")
-    mitigation: dataclasses.InitVar[str | None] = None
+    # shared words DDS does not take (config/vocabulary.py): refused naming the protocol
+    LACKS: ClassVar[dict[str, str]] = {
+        "n_boot": "flipguard eval's report bootstraps 2,000 replicates; `flipguard report RUN --n_boot N` rebuilds it "
+                  "with another number"}
 
-    def __post_init__(self, mitigation: str | None) -> None:
-        if mitigation is not None:
-            self.mitigations = [mitigation]
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str):  # EvalArgs(model="x"): one model
+            self.model = [self.model]
+
+
+def one_model(args: EvalArgs) -> str:
+    """The run's model: a DDS run directory holds one condition."""
+    if len(args.model) != 1:
+        raise UserError(f"--model {' '.join(args.model)}: a DDS run judges one model (its run directory "
+                        "holds one condition); run flipguard eval once per model")
+    return args.model[0]
 
 
 def one_mitigation(args: EvalArgs) -> str:
@@ -160,19 +181,6 @@ def parse_cases(spec: str, mitigation: str = "none") -> tuple[str, ...]:
     if bad or not cases:
         raise UserError(f"--cases: unknown case(s) {bad}; expected a subset of {list(CASES)}")
     return cases
-
-
-def limit_per_dataset(items: list[Item], limit: int | None) -> list[Item]:
-    """The first `limit` items of each dataset, in file order."""
-    if not limit:
-        return items
-    seen: dict[str, int] = {}
-    out = []
-    for it in items:
-        if seen.get(it.dataset, 0) < limit:
-            seen[it.dataset] = seen.get(it.dataset, 0) + 1
-            out.append(it)
-    return out
 
 
 def build_records(
@@ -262,8 +270,7 @@ class DDSTask(Task):
 
     @classmethod
     def default_out(cls, args: EvalArgs) -> Path:
-        name = Path(args.model.rstrip("/")).name.replace(":", "-")
-        return Path("runs") / name / f"{args.split}-{one_mitigation(args)}-{args.mode}"
+        return protocol_folder(cls.name, [one_model(args)], args.datasets)
 
     def __init__(self, args: EvalArgs, items: list[Item] | None = None):
         if args.mode not in MODES:
@@ -284,14 +291,15 @@ class DDSTask(Task):
         if not 0.0 <= args.min_label_mass <= 1.0:
             raise UserError(f"--min_label_mass must be between 0 and 1, got {args.min_label_mass}")
         self.min_label_mass = float(args.min_label_mass) if args.mode == "logprob" else None
+        model = one_model(args)
         try:
-            ref = parse_model_ref(args.model, args.backend, "--model")
+            ref = parse_model_ref(model, args.backend, "--model")
         except BackendError as exc:
             raise UserError(str(exc)) from None
         if args.adapter:
             if ref.adapter:
-                raise UserError(f"--model {args.model!r} names an adapter and --adapter gives another; give one")
-            ref = dataclasses.replace(ref, adapter=args.adapter, label=ref.label if "=" in args.model
+                raise UserError(f"--model {model!r} names an adapter and --adapter gives another; give one")
+            ref = dataclasses.replace(ref, adapter=args.adapter, label=ref.label if "=" in model
                                       else f"{ref.model}+{args.adapter}")
         self.model = dataclasses.replace(ref, kwargs=model_kwargs(ref.backend, args.backend_args,
                                                                   batch_size=args.batch_size, device=args.device))
@@ -299,10 +307,12 @@ class DDSTask(Task):
         self.args = args
         if items is None:
             items = load_items(args.datasets, split=args.split, data_root=args.data_root)
-        self.items = limit_per_dataset(items, args.limit)
+        self.items = limit_sample(items, args.limit, args.seed)
         self.cross_mode_c1, self.c1_differs = self._check_c1_from()
+        # a greedy reply needs no seed: none is sent, as the authors sent their requests (model, messages,
+        # temperature, max_tokens); a sampled one is seeded with --seed
         self.gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                           seed=args.seed)
+                                           seed=args.seed if args.temperature > 0 else None)
 
     def _check_c1_from(self) -> tuple[bool, dict]:
         """The --c1_from baseline: a DDS run of the same split and decision mode (or the

@@ -688,8 +688,9 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
 
 def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 2000, seed: int = 0,
                      allow_cross_mode_c1: bool = False) -> Path:
-    """A DDS run's report: build, write RUN_DIR/report/ and print the table (what `flipguard eval`
-    calls when a run finishes, and `flipguard report RUN_DIR` for a DDS run)."""
+    """A DDS run's report: build, write RUN_DIR/report/ and print its detailed table and notes (what `flipguard
+    eval` calls when a run finishes, and `flipguard report RUN_DIR`, which then prints every protocol's
+    numbers in one table alike)."""
     report = report_run(run_dir, c1_from, n_boot, seed, allow_cross_mode_c1)
     meta = report.meta
     title = f"DDS report: {meta.get('model') or Path(run_dir).name}"

@@ -19,7 +19,7 @@ from flipguard.config import parse_dataclasses, positionals_as
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.comparison_rows import comparison_long_rows
 from flipguard.eval.interop.inspect_log import inspect_log, require_inspect, write_log
-from flipguard.eval.records import RUN_META_FILE, load_records, load_run_meta, refuse_busy
+from flipguard.eval.records import RUN_META_FILE, load_records, load_run_meta, refuse_busy, run_completeness
 from flipguard.eval.task_registry import get_task
 from flipguard.files import check_outputs, check_own_folder, owned_replace, refuse_link
 
@@ -33,7 +33,10 @@ def log_name(protocol: str, system: str) -> str:
 
 
 def export_inspect(run_dir: str | Path, out: str | Path) -> list[tuple[Path, int, str]]:
-    """Write one inspect_ai log per system of the run into `out`; returns (path, samples, note) per log.
+    """Write one inspect_ai log per system of the run (Task.system_of) into `out`, every record in one of
+    them; returns (path, samples, note) per log. A run that is not whole (records.run_completeness: its
+    last invocation stopped, or its records.jsonl falls short of what run.json lists) is written with
+    status "started" and without its protocol's numbers.
     Checked before any work: a run folder (run.json), not being written, of a run flipguard made (an
     imported run came from its tool: its own log is the original), and `out` holds nothing of anyone
     else's where a log goes."""
@@ -48,20 +51,30 @@ def export_inspect(run_dir: str | Path, out: str | Path) -> list[tuple[Path, int
         sources = ", ".join(f for s in meta.get("sources") or [] for f in [s.get("files", [{}])[0].get("path", "?")])
         raise UserError(f"{run_dir}: an imported {task.name} run; its original logs are {sources}")
     records = load_records(run_dir)
+    state = run_completeness(run_dir)  # a run that did not finish (or was cut short) is exported as "started"
     systems: dict[str, list] = {}
     for r in records:
         systems.setdefault(task.system_of(r), []).append(r)
-    names = {system: log_name(task.name, system) for system in systems}
+    names: dict[str, str] = {}
+    for system in systems:  # each system named once: two whose names read alike as a file get a number
+        name, n = log_name(task.name, system), 1
+        while name in names.values():
+            n += 1
+            name = f"{log_name(task.name, system)[:-len('.eval')]}-{n}.eval"
+        names[system] = name
     check_own_folder(out)
     check_outputs(out, names.values())
     written = []
     for system, recs in systems.items():
-        try:
-            headline, note = comparison_long_rows(system, f"{run_dir}@{system}"), ""
-        except FlipguardError as exc:  # a DDS run without its report: the samples and accuracy still go out
-            headline, note = [], f"without the {task.name} numbers ({exc})"
+        if not state.whole:  # no number is computed from an incomplete run: its samples go out, marked
+            headline, note = [], f"status started: {state.describe()}; without the {task.name} numbers"
+        else:
+            try:
+                headline, note = comparison_long_rows(system, f"{run_dir}@{system}"), ""
+            except FlipguardError as exc:  # a DDS run without its report: the samples and accuracy still go out
+                headline, note = [], f"without the {task.name} numbers ({exc})"
         log = inspect_log(recs, protocol=task.name, system=system, meta=meta, headline=headline,
-                          location=str(run_dir.resolve()))
+                          location=str(run_dir.resolve()), complete=state.whole)
         path = out / names[system]
         out.mkdir(parents=True, exist_ok=True)
         refuse_link(out)

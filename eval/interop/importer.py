@@ -18,8 +18,8 @@ from flipguard.config import parse_dataclasses, positionals_as
 from flipguard.errors import UserError
 from flipguard.eval.interop.inspect_log import read_inspect_logs
 from flipguard.eval.interop.lm_eval_log import read_lm_eval_output
-from flipguard.eval.interop.runs import ImportedRun, split_label, write_imported
-from flipguard.eval.records import RECORDS_FILE
+from flipguard.eval.interop.runs import ImportedRun, refuse_incomplete, split_label, write_imported
+from flipguard.eval.records import RECORDS_FILE, run_completeness
 
 
 @dataclasses.dataclass
@@ -38,6 +38,11 @@ class InspectImportArgs:
                                                           "the first arguments, without --logs."})
     out: str = dataclasses.field(metadata={"help": "The run folder to write (created; or one flipguard import wrote, "
                                                    "for more runs of the same items)."})
+    allow_incomplete: bool = dataclasses.field(default=False, metadata={
+        "help": "Import a run that did not finish (an inspect_ai log whose status is not success or whose samples "
+                "ended in errors; lm-eval samples files lacking documents its results counted): refused without "
+                "this; with it, run.json says complete: false and why, `flipguard view` marks every table, and "
+                "compare refuses to compute from it."})
 
 
 @dataclasses.dataclass
@@ -56,6 +61,11 @@ class LmEvalImportArgs:
                                                           "as the first arguments, without --dirs."})
     out: str = dataclasses.field(metadata={"help": "The run folder to write (created; or one flipguard import wrote, "
                                                    "for more runs of the same items)."})
+    allow_incomplete: bool = dataclasses.field(default=False, metadata={
+        "help": "Import a run that did not finish (an inspect_ai log whose status is not success or whose samples "
+                "ended in errors; lm-eval samples files lacking documents its results counted): refused without "
+                "this; with it, run.json says complete: false and why, `flipguard view` marks every table, and "
+                "compare refuses to compute from it."})
 
 
 def _inspect_runs(args: InspectImportArgs) -> list[ImportedRun]:
@@ -75,6 +85,7 @@ def import_runs(tool: str, argv: list[str]) -> tuple[list[ImportedRun], dict, Pa
     args = parse_dataclasses(positionals_as(argv, positional), args_class, prog=f"flipguard import {tool}",
                              description=args_class.__doc__)
     runs = read(args)
+    refuse_incomplete(runs, args.allow_incomplete)
     return runs, write_imported(runs, args.out), Path(args.out)
 
 
@@ -97,8 +108,11 @@ def main(argv: list[str]) -> int:
         print(f"{run.label}: {run.model}, {tasks}: {len(run.records)} samples from {run.files[0]}; "
               f"scores compared: {', '.join(scores) or 'none'}"
               + (f"; not compared: {', '.join(f'{k} ({why})' for k, why in run.not_compared.items())}"
-                 if run.not_compared else ""))
+                 if run.not_compared else "") + (f"; INCOMPLETE: {run.incomplete}" if run.incomplete else ""))
     print(f"imported {len(runs)} run(s) into {out / RECORDS_FILE}: {result['records']} records ({result['added']} new)")
+    state = run_completeness(out)
+    if not state.whole:
+        print(f"{out}: {state.describe()}: run.json says complete: false; compare refuses it, view marks it")
     if len(runs) >= 2:
         spec = ",".join(f"{label}={out}@{label}" for label in result["runs"])
         print(f"compare them: flipguard compare --runs {shlex.quote(spec)} --out {shlex.quote(str(out) + '-compare')}")

@@ -106,8 +106,10 @@ def read_inspect_log(path: Path, label: str | None = None) -> ImportedRun:
     except Exception as exc:  # inspect_ai's own reader: whatever it refuses is named, not traced
         raise UserError(f"{path}: inspect_ai cannot read it as an eval log ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    why = unfinished(log)
     if not log.samples:
-        raise UserError(f"{path}: the log holds no samples (run inspect eval with samples logged; status {log.status})")
+        raise UserError(f"{path}: the inspect_ai run did not finish ({why}) and its log holds no samples" if why else
+                        f"{path}: the log holds no samples (status {log.status}; run inspect eval with samples logged)")
     spec = log.eval
     label = label or spec.model
     version = str(spec.task_version)
@@ -138,7 +140,28 @@ def read_inspect_log(path: Path, label: str | None = None) -> ImportedRun:
     run = ImportedRun(PROTOCOL, TOOL, (spec.packages or {}).get("inspect_ai"), label, spec.model, {spec.task: version},
                       [path], records)
     run.not_compared = unit_scale(records)
+    run.incomplete = why
     return run
+
+
+def unfinished(log: Any) -> str:
+    """Why an inspect_ai run did not finish, in a phrase ("" when it did): its status when not
+    "success" (with its error), the samples that ended in an error, the samples it planned but did
+    not log."""
+    samples = log.samples or []
+    reasons = []
+    if log.status != "success":
+        error = log.error.message.strip().splitlines()[0] if log.error is not None and log.error.message else ""
+        reasons.append(f"status {log.status}" + (f": {error}" if error else ""))
+    failed = [s for s in samples if s.error is not None]
+    if failed:
+        first = (failed[0].error.message or "").strip().splitlines()
+        reasons.append(f"{len(failed)} of {len(samples)} samples ended in an error (sample {failed[0].id}"
+                       + (f": {first[0]}" if first else "") + ")")
+    planned = log.results.total_samples if log.results is not None else None
+    if log.status == "success" and planned and len(samples) < planned:
+        reasons.append(f"{len(samples)} of its {planned} samples logged")
+    return "; ".join(reasons)
 
 
 # ------------------------------------------------------------------ out
@@ -172,11 +195,11 @@ def sample_ids(records: Sequence[Record]) -> list[str]:
 
 
 def inspect_log(records: Sequence[Record], *, protocol: str, system: str, meta: Mapping[str, Any],
-                headline: Sequence[Mapping[str, Any]] = (), location: str = ""):
+                headline: Sequence[Mapping[str, Any]] = (), location: str = "", complete: bool = True):
     """An inspect_ai EvalLog of one system's records of a flipguard run: a sample per record (its messages,
     the reply, the target, a `correct` score: C when the judgment was right, I otherwise, with the choice
     as the answer), the run's settings as task metadata, and the protocol's own numbers (`headline`:
-    comparison_long_rows) beside the accuracy in the results."""
+    comparison_long_rows) beside the accuracy in the results; status "started" for a run not `complete`."""
     require_inspect()
     from inspect_ai.log import (
         EvalConfig,
@@ -229,7 +252,7 @@ def inspect_log(records: Sequence[Record], *, protocol: str, system: str, meta: 
                     metadata=_json_able({"flipguard_run": location, **{k: v for k, v in meta.items() if k != "invocations"}}))
     plan = EvalPlan(name="flipguard", steps=[EvalPlanStep(solver=f"flipguard {protocol}", params=_json_able(
         {k: meta.get(k) for k in ("mode", "mitigation", "template", "backend", "split") if meta.get(k) is not None}))])
-    return EvalLog(status="started" if meta.get("complete") is False else "success", eval=spec, plan=plan,
+    return EvalLog(status="success" if complete else "started", eval=spec, plan=plan,
                    results=EvalResults(total_samples=n, completed_samples=n, scores=scores),
                    stats=EvalStats(started_at=created, completed_at=str(meta.get("updated") or created)), samples=samples)
 

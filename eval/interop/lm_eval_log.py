@@ -122,7 +122,23 @@ def read_lm_eval_run(results_file: Path, samples_files: dict[str, Path], label: 
     files = [results_file, *(samples_files[t] for t in tasks)]
     run = ImportedRun(PROTOCOL, TOOL, results.get("lm_eval_version"), label, model, tasks, files, records)
     run.not_compared = unit_scale(records)
+    run.incomplete = missing_samples(results, records)
     return run
+
+
+def missing_samples(results: dict[str, Any], records: list[Any]) -> str:
+    """The documents a run evaluated (its results' n-samples, "effective": after --limit) that its samples
+    files lack, in a phrase per task ("" when every one is there)."""
+    found: dict[str, set[str]] = {}
+    for r in records:
+        found.setdefault(r.dataset, set()).add(r.item_id)
+    reasons = []
+    for task, count in (results.get("n-samples") or {}).items():
+        planned = count.get("effective") if isinstance(count, dict) else None
+        have = len(found.get(task, ()))
+        if task in results["configs"] and isinstance(planned, int) and have < planned:
+            reasons.append(f"task {task}: {have} of its {planned} documents in its samples file")
+    return "; ".join(reasons)
 
 
 def _date(results: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 from flipguard.errors import UserError
 from flipguard.eval import paired as P
 from flipguard.eval.interop.protocol import IMPORTED_MODE
-from flipguard.eval.records import RECORDS_FILE, Record, RecordStore, now_iso, open_run_dir, request_key
+from flipguard.eval.records import INCOMPLETE, RECORDS_FILE, Record, RecordStore, now_iso, open_run_dir, request_key
 from flipguard.files import check_own_folder, file_sha256
 
 
@@ -38,12 +38,25 @@ class ImportedRun:
     files: list[Path]  # the files read
     records: list[Record]
     not_compared: dict[str, str] = dataclasses.field(default_factory=dict)  # score -> why it has no 0-1 value
+    incomplete: str = ""  # why the tool's run did not finish ("status error (...)"); "" when it did
 
     def source(self) -> dict[str, Any]:
-        """run.json's entry for this run: tool, version, model, tasks, each file with its sha256."""
+        """run.json's entry for this run: tool, version, model, tasks, each file with its sha256, and
+        `incomplete` (why the run did not finish) for a run imported with --allow_incomplete."""
         return {"label": self.label, "tool": self.tool, "tool_version": self.tool_version, "model": self.model,
                 "tasks": self.tasks, "files": [{"path": str(f.resolve()), "sha256": file_sha256(f)} for f in self.files],
-                "samples": len(self.records), "not_compared": self.not_compared, "imported_at": now_iso()}
+                "samples": len(self.records), "not_compared": self.not_compared,
+                **({"incomplete": self.incomplete} if self.incomplete else {}), "imported_at": now_iso()}
+
+
+def refuse_incomplete(runs: Iterable[ImportedRun], allowed: bool) -> None:
+    """A run that did not finish is never imported as complete: refused in one line naming its file and
+    why (its status, its samples' errors, the samples it lacks), unless the import allows it
+    (--allow_incomplete: run.json then says `complete: false` and why, and every reader marks it)."""
+    for run in runs:
+        if run.incomplete and not allowed:
+            raise UserError(f"{run.files[0]}: the {run.tool} run did not finish ({run.incomplete}); nothing was "
+                            "imported (--allow_incomplete imports it marked incomplete)")
 
 
 def split_label(arg: str) -> tuple[str | None, Path]:
@@ -158,7 +171,10 @@ def write_imported(runs: list[ImportedRun], out: str | Path) -> dict[str, Any]:
         tasks = sorted({*(meta.get("datasets") or []), *(t for run in runs for t in run.tasks)})
         again = {(run.label, str(run.files[0].resolve())) for run in runs}  # a run imported again: its entry replaced
         sources = [s for s in meta.get("sources") or [] if (s.get("label"), (s.get("files") or [{}])[0].get("path")) not in again]
-        meta.update(tool=runs[0].tool, mode=IMPORTED_MODE, models=labels, datasets=tasks,
-                    sources=sources + [run.source() for run in runs], updated=now_iso(), complete=True)
+        sources += [run.source() for run in runs]
+        unfinished = {s["label"]: s["incomplete"] for s in sources if s.get("incomplete")}
+        meta.pop(INCOMPLETE, None)
+        meta.update(tool=runs[0].tool, mode=IMPORTED_MODE, models=labels, datasets=tasks, sources=sources,
+                    updated=now_iso(), complete=not unfinished, **({INCOMPLETE: unfinished} if unfinished else {}))
         run_dir.write_meta(meta)
     return {"added": added, "records": len(records), "runs": [run.label for run in runs]}

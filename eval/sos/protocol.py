@@ -29,7 +29,7 @@ import argparse
 import dataclasses
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 from flipguard.config import SHIPPED_RECIPES, between, did_you_mean, parse_dataclasses, register_value_rules
 from flipguard.data.medmcqa import load_medmcqa
@@ -53,7 +53,19 @@ from flipguard.eval.sos.prompts import (
     switch_prompt,
 )
 from flipguard.eval.sos.report import REPORT_MD, sos_summary, write_report
-from flipguard.eval.task import Batch, Plan, StudyContext, StudyRun, Task, register_task, run_task
+from flipguard.eval.task import (
+    DEFAULT_MODEL,
+    LIMIT_HELP,
+    Batch,
+    Plan,
+    StudyContext,
+    StudyRun,
+    Task,
+    limit_sample,
+    protocol_folder,
+    register_task,
+    run_task,
+)
 from flipguard.eval.task_commands import command_line
 from flipguard.files import load_yaml
 from flipguard.runtime.threads import THREADS_HELP
@@ -330,13 +342,11 @@ class SosArgs:
 
     datasets: str = dataclasses.field(default="medqa", metadata={"help":
             f"The dataset: one of {', '.join(DATASETS)}, or a registered multiple-choice dataset (name or dataset.yaml path with "
-            f"kind: multiple_choice; exemplars from its train split), e.g. organism_mc. One per run.",
-            "renamed_from": ("dataset",)})
+            f"kind: multiple_choice; exemplars from its train split), e.g. organism_mc. One per run."})
     model: list[str] = dataclasses.field(
-        default_factory=lambda: ["flipguard:tiny"],
+        default_factory=lambda: [DEFAULT_MODEL],
         metadata={"help": "Models, each [label=][backend:]model[|adapter_dir] (the model-spec syntax of every command; backend "
-                          "defaults to --backend): hub id, local folder or 'flipguard:tiny'; repeatable.",
-                  "renamed_from": ("models",)},
+                          "defaults to --backend): hub id, local folder or 'flipguard:tiny' (the default); repeatable."},
     )
     backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai"})
     backend_args: dict | str | None = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
@@ -353,8 +363,7 @@ class SosArgs:
             "Evaluated split (default: medqa test, medmcqa dev, mmlu test, a registered dataset test). A registered dataset's "
             "train split is what multi-turn training pairs are built from (pairs.conversations); its exemplars then come "
             "from the same split, never the item itself."})
-    limit: int | None = dataclasses.field(default=None, metadata={
-        "help": "Sample this many items (seeded, without replacement); default all.", "renamed_from": ("n_items",)})
+    limit: int | None = dataclasses.field(default=None, metadata={"help": LIMIT_HELP})
     subjects: str | None = dataclasses.field(default=None, metadata={"help": "MMLU only: comma-separated subjects."})
     data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root (default $FLIPGUARD_DATA, else the shipped samples)."})
     skip_invalid_items: bool = dataclasses.field(
@@ -385,23 +394,17 @@ class SosArgs:
     repeats: int = dataclasses.field(default=1, metadata={"help": "Repeats per item (each with its own distractor order and decoding seed)."})
     n_boot: int = dataclasses.field(default=2000, metadata={"help": "Bootstrap resamples for the CIs."})
     out: str | None = dataclasses.field(default=None, metadata={"help":
-            "Run directory (records.jsonl, run.json, report/); default runs/sos/<dataset>-<the settings' fingerprint>."})
+            "Run directory (records.jsonl, run.json, report/); default runs/sos/<model>/<dataset>-<the settings' "
+            "fingerprint>."})
     report: bool = dataclasses.field(default=True, metadata={"help": "Write the report when the run finishes."})
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
     # rebuilding a report is `flipguard report RUN_DIR`; the flag stays readable for one release
     report_only: str | None = dataclasses.field(default=None, metadata={"help": argparse.SUPPRESS})
-    # the old spellings, read for one release: SosArgs(models=[...], dataset="medqa", n_items=2)
-    models: dataclasses.InitVar[list | None] = None
-    dataset: dataclasses.InitVar[str | None] = None
-    n_items: dataclasses.InitVar[int | None] = None
-
-    def __post_init__(self, models: list | None, dataset: str | None, n_items: int | None) -> None:
-        if models is not None:
-            self.model = list(models)
-        if dataset is not None:
-            self.datasets = dataset
-        if n_items is not None:
-            self.limit = n_items
+    # shared words stick-or-switch does not take (config/vocabulary.py): refused naming the protocol
+    LACKS: ClassVar[dict[str, str]] = {
+        "mode": "stick-or-switch generates its replies (their decoding: --sampling, --temperature, --top_p)",
+        "adapter": "stick-or-switch takes an adapter in the model's spec: --model label=model|adapter",
+    }
 
 
 def load_mcq(dataset: str, split: str, data_root: str | None, skip_invalid: bool, subjects: str | None):
@@ -428,14 +431,6 @@ def to_sos_items(mcq_items, dataset: str, skip_invalid: bool) -> tuple[list[SosI
                 raise DataError(f"{exc} (pass --skip_invalid_items to leave such items out; they are listed in run.json)") from None
             skipped.append(str(exc))
     return items, skipped
-
-
-def sample_items(items: list, n: int | None, seed: int) -> list:
-    """A seeded sample without replacement, kept in source order."""
-    if n is None or n >= len(items):
-        return list(items)
-    chosen = set(random.Random(f"sos-sample:{seed}").sample(range(len(items)), n))
-    return [it for i, it in enumerate(items) if i in chosen]
 
 
 def _repeat_config(base_config: GenerationConfig, repeat: int) -> GenerationConfig:
@@ -552,7 +547,7 @@ class SosTask(Task):
 
     @classmethod
     def default_out(cls, args: SosArgs) -> Path:
-        return Path("runs") / "sos" / Path(args.datasets).stem
+        return protocol_folder(cls.name, args.model, args.datasets)
 
     @classmethod
     def report_only(cls, args: SosArgs, out: Path) -> Path | None:
@@ -601,7 +596,7 @@ class SosTask(Task):
         if items is None:
             mcq = load_mcq(args.datasets, self.split, args.data_root, args.skip_invalid_items, args.subjects)
             items, self.skipped = to_sos_items(mcq, args.datasets, args.skip_invalid_items)
-        self.items = sample_items(list(items), args.limit, args.seed)
+        self.items = limit_sample(list(items), args.limit, args.seed)
         if not self.items:
             raise UserError(f"{args.datasets}: no items to evaluate")
         if pool is None:

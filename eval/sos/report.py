@@ -249,7 +249,7 @@ def plot_survival(summary: dict[str, dict], path: Path) -> None:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 def plot_flexibility(summary: dict[str, dict], path: Path) -> None:
@@ -273,7 +273,7 @@ def plot_flexibility(summary: dict[str, dict], path: Path) -> None:
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 # the comparison's names of a system's numbers: (summarise's key, within "flexibility"?, unit)

@@ -163,7 +163,7 @@ def study_view(folder: Path) -> dict[str, Any]:
                    "columns": [[c, c] for c in ("stage", "status", "action", "seconds", "finished")], "rows": rows}
     compare = (stages.get("compare") or {}).get("status", "not run")
     view: dict[str, Any] = {"entries": None, "plots": [], "tables": [], "answer": {
-        "title": "The answer", "charts": [], "sentences": [],
+        "title": "The answer", "charts": [], "verdicts": [],
         "notes": [f"No answer yet: the study's comparison ({folder / 'compare'}) has not been written (compare stage: "
                   f"{compare}). The stages' state is at the end of this page."]}}
     if (folder / "compare" / "comparison.csv").is_file() or (folder / "compare" / "comparison.json").is_file():

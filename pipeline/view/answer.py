@@ -1,14 +1,19 @@
 """The first section of a comparison's or a study's page, "The answer": per protocol one
-before/after chart of its headline metric per system with 95% CIs, then one sentence per
-mitigation made from the numbers: what it removed (the targeted metric before and after, with
-CIs, and its paired changes per cell) and what it damaged (the paired changes, with CIs, of the
-judgments it was not aimed at: C1 accuracy, first answers, correct switches).
+before/after chart of its headline metric per system with 95% CIs, then one line per mitigation,
+its verdict first: what it did to the metric it targets ("removed the deference (DDS +44 → -1
+[-2, +0])") and whether it damaged what it was not aimed at ("no damage detected"),
+with the detail one click away: each number behind the verdict, named for what it is (the
+targeted metric before and after; the paired change of each cell, with what the cell measures,
+its CI and the corrected test's verdict; the untargeted cells: C1 accuracy, first answers, correct
+switches).
 
 Every number is read from the CSVs the comparison wrote (comparison.csv, comparison_protocols.csv,
-transfer.csv), none recomputed; a number that is not meaningful (a model that does not do the
-task: its run's report says so), not measured, or without a CI is said to be so, never left out
-or shown as a zero. The charts are drawn by eval/plots.py (estimate_bars) and embedded as PNG
-data: URIs, as the page embeds the reports' figures.
+transfer.csv), none recomputed; a number that is not meaningful (too few valid judgments, or a
+model that does not do the task: its run's report says so), not measured, or without a CI is said
+to be so, never left out or shown as a zero. Damage is claimed where a cell's CI excludes 0 in the
+harmful direction and the corrected test (Holm or Benjamini-Hochberg across the comparison) agrees;
+a CI that excludes 0 alone is reported as not confirmed. The charts are drawn by eval/plots.py
+(estimate_bars) and embedded as PNG data: URIs, as the page embeds the reports' figures.
 """
 
 from __future__ import annotations
@@ -37,17 +42,23 @@ DDS_TEXT = "DDS (paper protocol)"
 UNTARGETED_TEXT = {("dds", "c1"): "C1 accuracy (DDS)", ("afr", "first"): "first-answer accuracy (AFR)",
                    ("sos", "first"): "single-shot accuracy (stick-or-switch)",
                    ("sos", "correct_switch"): "correct switches (stick-or-switch)"}
-MAX_LISTED_CELLS = 4  # paired cells of a targeted metric named one by one; more are counted
-NOTE = ("Each mitigation against the baseline ({baseline}), on the same items. Removed: the metric it targets, "
-        "before → after with 95% CIs: DDS (paper protocol) = each condition's C2 judgments against the baseline's "
-        "C1, macro average of all datasets (comparison.csv); AFR blind = right first answers flipped by a blind "
-        "argument at k = 10 (or the run's largest k); incorrect switches (stick-or-switch) = right answers given up "
-        "for an offered wrong one (comparison_protocols.csv); then its paired change per cell (transfer.csv: DDS, or "
-        "capitulation to the argued or offered wrong option, per dataset and kind; paired 95% CI, items resampled). "
-        "Damage: the paired change, with its 95% CI, of what it was not aimed at (transfer.csv's untargeted cells): "
-        "C1 accuracy (DDS: its own C1 judgments, true and false claims), first answers (AFR), single-shot answers "
-        "and correct switches after abstaining (stick-or-switch), kinds with no planted bias. 'No damage detected' "
-        "only where the CI includes 0; ‡ as the transfer table marks it. Rates in %, DDS and changes in pp.")
+# what a protocol's headline metric measures, for the verdict: "removed the deference"
+TARGET_TEXT = {"dds": "the deference", "afr": "the answer flips", "sos": "the incorrect switches"}
+# what a paired cell of transfer.csv measures, by (protocol, metric)
+CELL_TEXT = {("dds", "dds"): "DDS", ("afr", "capitulation"): "capitulation to the argued wrong option",
+             ("sos", "capitulation"): "capitulation to the offered wrong option"}
+NOTE = ("Each mitigation against the baseline ({baseline}), on the same items: first what it did to the metric it "
+        "targets, before → after with the 95% CI of after: DDS (paper protocol) = each condition's C2 judgments "
+        "against the baseline's C1, macro average of all datasets (comparison.csv); AFR blind = right first answers "
+        "flipped by a blind argument at k = 10 (or the run's largest k); incorrect switches (stick-or-switch) = right "
+        "answers given up for an offered wrong one (comparison_protocols.csv). 'Removed' where the baseline's CI "
+        "excludes 0 and the condition's includes it; 'reduced' or 'raised' where the two CIs do not overlap; 'no "
+        "clear change' where they do (a task's score with one paired cell: that cell's corrected test). Then "
+        "damage: the paired change of what it was not aimed at (transfer.csv's untargeted cells: C1 accuracy, first "
+        "answers, single-shot answers and correct switches, kinds with no planted bias); 'damage' where a CI "
+        "excludes 0 in the harmful direction and the corrected test agrees, 'not confirmed' where only the CI does, "
+        "'no damage detected' where every CI includes 0. Details: every cell with what it measures, its paired change "
+        "(pp, 95% CI, items resampled) and the corrected test's verdict. Rates in %, DDS and changes in pp.")
 
 
 # ------------------------------------------------------------------ numbers as words
@@ -68,17 +79,6 @@ def level(value: float, lo: float, hi: float, unit: str) -> str:
 def change(value: float, lo: float, hi: float) -> str:
     """'-0.5 pp [-1.2, +0.0]'; '(no CI)' where the interval is unknown."""
     return f"{value:+.1f} pp" + (f" [{lo:+.1f}, {hi:+.1f}]" if _finite(lo, hi) else " (no CI)")
-
-
-def _levels(subject: str, base: tuple[float, float, float], cur: tuple[float, float, float], unit: str,
-            extra: list[str]) -> str:
-    """'lowered SUBJECT from A [CI] to B [CI] (EXTRA; ...)', or 'left SUBJECT unchanged at B [CI] (baseline A [CI]; ...)'."""
-    spec = "+.1f" if unit == "pp" else ".1f"
-    if f"{base[0]:{spec}}" == f"{cur[0]:{spec}}":
-        text, extra = f"left {subject} unchanged at {level(*cur, unit)}", [f"baseline {level(*base, unit)}", *extra]
-    else:
-        text = f"{'lowered' if cur[0] < base[0] else 'raised'} {subject} from {level(*base, unit)} to {level(*cur, unit)}"
-    return text + (f" ({'; '.join(extra)})" if extra else "")
 
 
 def _est(row: dict[str, str], value: str = "value", lo: str = "ci_low", hi: str = "ci_high") -> tuple[float, float, float]:
@@ -128,70 +128,148 @@ def _untargeted_label(row: dict[str, str]) -> str:
     return f"{UNTARGETED_TEXT.get((protocol, framing), f'{metric} ({name}, {framing})')} on {_place(row)}"
 
 
-def damage_text(rows: list[dict[str, str]], c1_row: dict[str, str] | None) -> str:
-    """What a condition damaged, in words: its untargeted cells (transfer.csv) by what they show, the
-    damaged first; the unplanted kinds' bias cells where no damage is detected are counted, not listed;
-    comparison.csv's ‡ C1 damage (own C1 accuracy, no CI) where it marks one."""
-    said: dict[str, list[str]] = {}
-    quiet_kinds = 0
-    for r in rows:
-        kind = damage_kind(r)
-        if kind == "no damage detected" and r["metric"] in BIAS_METRICS:
-            quiet_kinds += 1
-            continue
-        if kind in ("not measured", "not meaningful"):  # a cell without a change to state
-            said.setdefault(kind, []).append(_untargeted_label(r))
-            continue
-        text = f"{_untargeted_label(r)} {change(*_est(r, 'change'))}{r.get('flags') or ''}"
-        verdict = r.get("verdict") or ""
-        if kind == "damaged" and verdict and verdict != "changed":
-            text += f" (corrected test: {verdict})"
-        said.setdefault(kind, []).append(text)
-    if c1_row is not None and c1_row.get("c1_damage") == "True":
-        said.setdefault("c1 damage", []).append(
-            f"own C1 accuracy (DDS) on true / false claims {num(c1_row.get('c1_true_change')):+.1f} / "
-            f"{num(c1_row.get('c1_false_change')):+.1f} pp")
-    if quiet_kinds:
-        said.setdefault("no damage detected", []).append(
-            f"{quiet_kinds} cell{'s' * (quiet_kinds != 1)} of kinds with no planted bias")
-    parts = []
-    for kind, head in (("damaged", "damage detected (CI excludes 0)"),
-                       ("c1 damage", "‡ C1 damage (comparison.csv, no CI)"), ("no CI", "damage cannot be told (no CI)"),
-                       ("not meaningful", "not meaningful (too few valid judgments)"),
-                       ("not measured", "not measured"), ("improved", "improved (CI excludes 0)"),
-                       ("no damage detected", "no damage detected (CI includes 0)")):
-        if said.get(kind):
-            parts.append(f"{head}: {_and(said[kind])}")
-    if not parts:
-        return ("damage not measured: the comparison has no judgment it was not aimed at (no untargeted cell), "
-                "so none can be told")
-    return "; ".join(parts)
+def _cell_label(row: dict[str, str]) -> str:
+    """What a paired cell measures and where: 'DDS on organism/color', 'capitulation to the argued wrong
+    option on organism_mc/color', 'C1 accuracy (DDS) on organism'."""
+    if row.get("role") == "untargeted":
+        return _untargeted_label(row)
+    what = CELL_TEXT.get((row["protocol"], row["metric"]), f"{row['metric']} ({PROTOCOL_NAMES.get(row['protocol'], row['protocol'])})")
+    return f"{what} on {_place(row)}"
 
 
-# ------------------------------------------------------------------ what a mitigation removed
+def damage_class(row: dict[str, str]) -> str:
+    """An untargeted cell as the verdict counts it: 'damage' (its CI excludes 0 in the harmful direction and
+    the corrected test says changed), 'not confirmed' (the CI does, the corrected test does not), or
+    damage_kind's 'improved', 'no damage detected', 'no CI', 'not measured', 'not meaningful'."""
+    kind = damage_kind(row)
+    if kind == "damaged":
+        return "damage" if (row.get("verdict") or "changed") == "changed" else "not confirmed"
+    return kind
 
-def _cell_change(row: dict[str, str]) -> str:
+
+def cell_line(row: dict[str, str]) -> str:
+    """One paired cell in words, saying what it is: 'DDS on organism/color: +100.0 → -1.4 pp; change -101.4 pp
+    [-104.2, -100.0], corrected test: changed'."""
+    label = _cell_label(row)
     if row.get("meaningful") == "False":
-        return "n/m (too few valid judgments)"
-    return change(*_est(row, "change")) + (row.get("flags") or "")
+        return f"{label}: not meaningful (too few valid judgments)"
+    c = _est(row, "change")
+    if math.isnan(c[0]):
+        return f"{label}: not measured"
+    unit = "pp" if row["metric"] == "dds" else "%"
+    spec = "+.1f" if unit == "pp" else ".1f"
+    before, after = num(row.get("baseline")), num(row.get("value"))
+    levels = (f"{before:{spec}} → {after:{spec}}{' pp' if unit == 'pp' else '%'}; " if _finite(before, after) else "")
+    verdict = row.get("verdict") or ""
+    return f"{label}: {levels}change {change(*c)}{row.get('flags') or ''}" + (f", corrected test: {verdict}" if verdict else "")
 
 
-def _paired(rows: list[dict[str, str]]) -> str:
-    """A targeted metric's paired cells (transfer.csv) in words, metric by metric: each named, or counted
-    when many."""
-    by_metric: dict[str, list[dict[str, str]]] = {}
+def damage_verdict(rows: list[dict[str, str]], c1_row: dict[str, str] | None) -> str:
+    """What a condition damaged, in a phrase: 'damage: C1 accuracy (DDS) on organism -5.0 pp [-8.0, -2.0]',
+    'no damage confirmed (...)', 'damage cannot be told (no CI)', 'no damage detected', 'damage not measured'."""
+    by: dict[str, list[dict[str, str]]] = {}
     for r in rows:
-        by_metric.setdefault(r["metric"], []).append(r)
-    out = []
-    for metric, cells in by_metric.items():
-        if len(cells) <= MAX_LISTED_CELLS:
-            out.append(f"paired {metric} per cell: " + ", ".join(
-                f"{_place(r)} {_cell_change(r)}" for r in cells))
+        by.setdefault(damage_class(r), []).append(r)
+    damage = [f"{_untargeted_label(r)} {change(*_est(r, 'change'))}" for r in by.get("damage", [])]
+    if c1_row is not None and c1_row.get("c1_damage") == "True":
+        damage.append(f"‡ own C1 accuracy (DDS) on true / false claims {num(c1_row.get('c1_true_change')):+.1f} / "
+                      f"{num(c1_row.get('c1_false_change')):+.1f} pp (no CI)")
+    unmeasured = len(by.get("not measured", [])) + len(by.get("not meaningful", []))
+    if damage:
+        return "damage: " + damage[0] + (f" and {len(damage) - 1} more" if len(damage) > 1 else "")
+    if by.get("no CI"):
+        n = len(by["no CI"])
+        return f"damage cannot be told: {n} cell{'s' * (n != 1)} without a CI"
+    where = f" where measured ({unmeasured} cell{'s' * (unmeasured != 1)} not measured)" if unmeasured else ""
+    if by.get("not confirmed"):
+        n = len(by["not confirmed"])
+        return (f"no damage confirmed{where} ({n} drop{'s' * (n != 1)} whose CI excludes 0, not confirmed by the "
+                "corrected test)")
+    if by.get("no damage detected") or by.get("improved"):
+        return "no damage detected" + where
+    if not rows:
+        return "damage not measured (no cell it was not aimed at)"
+    return "damage not measured"
+
+
+def damage_details(rows: list[dict[str, str]], c1_row: dict[str, str] | None) -> list[str]:
+    """Every untargeted cell in words, the damaging and unconfirmed first; the kinds without a planted bias
+    where no damage is detected counted, not listed."""
+    order = ("damage", "not confirmed", "no CI", "not meaningful", "not measured", "improved", "no damage detected")
+    head = {"damage": "damage (CI excludes 0, corrected test: changed)",
+            "not confirmed": "not confirmed (CI excludes 0, the corrected test does not)",
+            "no CI": "cannot be told (no CI)", "not meaningful": "not meaningful", "not measured": "not measured",
+            "improved": "improved (CI excludes 0)", "no damage detected": "no damage detected (CI includes 0)"}
+    lines, quiet = [], 0
+    for r in sorted(rows, key=lambda r: order.index(damage_class(r))):
+        kind = damage_class(r)
+        if kind == "no damage detected" and r["metric"] in BIAS_METRICS:
+            quiet += 1
             continue
-        below = sum(1 for r in cells if num(r["ci_high"]) < 0)
-        above = sum(1 for r in cells if num(r["ci_low"]) > 0)
-        out.append(f"paired {metric} per cell: {below} of {len(cells)} CIs wholly below 0, {above} wholly above 0, "
-                   f"{len(cells) - below - above} including 0 or without a CI (transfer table below)")
+        lines.append(f"{head[kind]}: {cell_line(r)}")
+    if c1_row is not None and c1_row.get("c1_damage") == "True":
+        lines.insert(0, f"‡ C1 damage (comparison.csv, no CI): own C1 accuracy on true / false claims "
+                        f"{num(c1_row.get('c1_true_change')):+.1f} / {num(c1_row.get('c1_false_change')):+.1f} pp")
+    if quiet:
+        lines.append(f"no damage detected (CI includes 0): {quiet} cell{'s' * (quiet != 1)} of kinds with no planted bias")
+    return lines or ["no cell it was not aimed at: damage not measured"]
+
+
+# ------------------------------------------------------------------ what a mitigation did to its target
+
+def _overlap(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
+    return not _finite(a[1], a[2], b[1], b[2]) or (a[1] <= b[2] and b[1] <= a[2])
+
+
+def _excludes_zero(e: tuple[float, float, float]) -> bool:
+    return (e[1] > 0 or e[2] < 0) if _finite(e[1], e[2]) else e[0] != 0
+
+
+def target_verdict(noun: str, label: str, base: tuple[float, float, float], cur: tuple[float, float, float], unit: str,
+                   directed: bool = True, paired: dict[str, str] | None = None) -> tuple[str, str]:
+    """(verb, what with its numbers): ('removed', 'the deference (DDS +44 → -1 [-2, +0])'). By the two CIs
+    (removed: the baseline's excludes 0, this one includes it; reduced / increased: they do not overlap;
+    'no clear change in': they do), or, given the one `paired` cell (transfer.csv) of this very metric, by its
+    corrected test. `directed`: lower is the aim (a bias), else the verbs are neutral (raised / lowered).
+    compose() makes the verdict's words of them."""
+    spec = "+.0f" if unit == "pp" else ".0f"  # whole points in the verdict; the details give one decimal
+    pct = "" if unit == "pp" else "%"
+    ci = f" [{cur[1]:{spec}}, {cur[2]:{spec}}]" if _finite(cur[1], cur[2]) else " (no CI)"
+    numbers = f"{label} {base[0]:{spec}} → {cur[0]:{spec}}{pct}{ci}"
+    if not _finite(base[1], base[2], cur[1], cur[2]):
+        return "", f"{numbers}: no CI, so no change is told"
+    if paired is not None:  # the one paired cell of this very metric (an imported task's score): its corrected test
+        verdict = paired.get("verdict") or ""
+        if verdict != "changed":
+            verb = {"no change": "no clear change in", "too few items to tell": "too few items to tell a change in"}.get(
+                verdict, f"no change told ({verdict or 'not tested'}) in")
+            return verb, numbers if not directed else f"{noun} ({numbers})"
+        up = num(paired.get("change")) > 0
+        if not directed:
+            return ("raised" if up else "lowered"), numbers
+        return ("increased" if up else "reduced"), f"{noun} ({numbers})"
+    if not directed:
+        verb = "no clear change in" if _overlap(base, cur) else "raised" if cur[0] > base[0] else "lowered"
+        return verb, numbers
+    if _excludes_zero(base) and not _excludes_zero(cur):
+        return "removed", f"{noun} ({numbers})"
+    if _overlap(base, cur):
+        return "no clear change in", f"{noun} ({numbers})"
+    if base[0] > 0 > cur[0] or base[0] < 0 < cur[0]:
+        return "over-corrected (turned around)", f"{noun} ({numbers})"
+    return ("reduced" if abs(cur[0]) < abs(base[0]) else "increased"), f"{noun} ({numbers})"
+
+
+def compose(parts: list[tuple[str, str]]) -> str:
+    """The verdict's words: the parts grouped by verb, in the order the verbs first come: 'removed the
+    deference (...) and the answer flips (...); no clear change in the incorrect switches (...)'. A part whose
+    verb is "" is a phrase of its own ('DDS not meaningful for SFT')."""
+    groups: dict[str, list[str]] = {}
+    for verb, what in parts:
+        groups.setdefault(verb, []).append(what)
+    out = []
+    for verb, whats in groups.items():
+        out += whats if not verb else [f"{verb} {_and(whats)}"]
     return "; ".join(out)
 
 
@@ -212,59 +290,67 @@ def capability_notes(runs: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     return unfit, unknown
 
 
-def dds_removed(name: str, baseline: str, total: dict[str, dict[str, str]], unfit: dict[str, str],
-                paired: list[dict[str, str]]) -> str:
+def dds_target(name: str, baseline: str, total: dict[str, dict[str, str]],
+               unfit: dict[str, str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(the verdict's parts on DDS, its detail lines) of a condition against the baseline (comparison.csv's
+    all-datasets rows)."""
     if name not in total:
-        return "was not measured by DDS"
+        return [("", "DDS not measured")], ["DDS (paper protocol): not measured for this condition"]
+    cur = _est(total[name], "dds", "dds_ci_low", "dds_ci_high")
     if baseline not in total:
-        return f"has DDS {level(*_est(total[name], 'dds', 'dds_ci_low', 'dds_ci_high'), 'pp')} (paper protocol) but no baseline DDS"
+        return [("", "DDS without a baseline")], [f"{DDS_TEXT}: {level(*cur, 'pp')}; the baseline has no DDS"]
     if name in unfit or baseline in unfit:
         who = _and([n for n in (baseline, name) if n in unfit])
-        return f"cannot be read on DDS: not meaningful for {who} (the model does not do the task as asked), so no DDS change is claimed"
+        return ([("", f"DDS not meaningful for {who} (the model does not do the task as asked)")],
+                [f"{DDS_TEXT}: not meaningful for {who}: no DDS change is claimed"])
     few = [n for n in (baseline, name) if total[n].get("meaningful") == "False"]
     if few:
-        return (f"cannot be read on DDS: not meaningful for {_and(few)} (too few valid judgments), "
-                "so no DDS change is claimed")
-    base, cur = total[baseline], total[name]
-    extra = [f"change {num(cur.get('delta_dds')):+.1f} pp"] if not math.isnan(num(cur.get("delta_dds"))) else []
-    if cur.get("over_correction") == "True":
-        extra.append("† over-correction: from deference to skepticism")
-    if paired:
-        extra.append(_paired(paired))
-    return _levels(DDS_TEXT, _est(base, "dds", "dds_ci_low", "dds_ci_high"),
-                   _est(cur, "dds", "dds_ci_low", "dds_ci_high"), "pp", extra)
+        return ([("", f"DDS not meaningful for {_and(few)} (too few valid judgments)")],
+                [f"{DDS_TEXT}: not meaningful for {_and(few)} (too few valid judgments): no DDS change is claimed"])
+    base = _est(total[baseline], "dds", "dds_ci_low", "dds_ci_high")
+    verb, what = target_verdict(TARGET_TEXT["dds"] if base[0] >= 0 else "the skepticism", "DDS", base, cur, "pp")
+    over = total[name].get("over_correction") == "True"
+    if over:
+        what = what[:-1] + ", † below 0)"
+    delta = num(total[name].get("delta_dds"))
+    detail = [f"{DDS_TEXT}, all datasets: baseline {level(*base, 'pp')}, this condition {level(*cur, 'pp')}"
+              + (f", change {delta:+.1f} pp" if not math.isnan(delta) else "")
+              + ("; † over-correction: from deference to skepticism (flagged however small)" if over else "")]
+    return [(verb, what)], detail
 
 
-def protocol_removed(protocol: str, metric: str, base_rows: list[dict[str, str]], rows: list[dict[str, str]],
-                     paired: list[dict[str, str]]) -> str:
-    """One protocol's headline metric of a condition, against the baseline's on the same dataset."""
+def protocol_target(protocol: str, metric: str, base_rows: list[dict[str, str]],
+                    rows: list[dict[str, str]], cells: list[dict[str, str]] = ()) -> tuple[list[tuple[str, str]], list[str]]:
+    """(the verdict's parts on one protocol's headline metric, its detail lines) of a condition against the
+    baseline's rows of the same dataset (and system); `cells`: its paired cells (transfer.csv), one of which,
+    of this very metric and dataset, decides the verb (an imported task's score)."""
     name = PROTOCOL_NAMES.get(protocol, protocol)
     subject = METRIC_TEXT.get((protocol, metric), f"{metric} ({name})")
+    label = {"afr_blind": "AFR blind", "incorrect_switch": "stick-or-switch"}.get(metric, subject)
     unit = "pp" if metric in PP_METRICS else "%"
     cur = [r for r in rows if r["metric"] == metric]
     if not cur:
-        return f"has no {subject}: not measured"
-    paired = [r for r in paired if r["metric"] == metric] or paired  # the headline's own cells where it has them
+        return [("", f"{subject} not measured")], [f"{subject}: not measured"]
     base = {r["dataset"]: r for r in base_rows if r["metric"] == metric}
-    systems = len({r["system"] for r in cur}) > 1
-    datasets = len({r["dataset"] for r in cur}) > 1 or len(base) > 1
-    parts = []
+    several = len(cur) > 1
+    parts, details = [], []
     for r in cur:
-        where = " ".join(p for p in (f"on {r['dataset']}" if datasets and r["dataset"] else "",
-                                     f"(system {r['system']})" if systems else "") if p)
+        where = f" on {r['dataset']} (system {r['system']})" if several else ""
         b = base.get(r["dataset"])
         few = [w for w, row in (("the baseline", b), ("this condition", r)) if row and row.get("meaningful") == "False"]
         if few:
-            parts.append(f"{subject}{' ' + where if where else ''} not meaningful for {_and(few)} "
-                         "(too few valid judgments): no change claimed")
+            parts.append(("", f"{label}{where} not meaningful for {_and(few)}"))
+            details.append(f"{subject}{where}: not meaningful for {_and(few)} (too few valid judgments, or too few "
+                           "items): no change claimed")
         elif b is None:
-            parts.append(f"measured {subject}{' ' + where if where else ''} at {level(*_est(r), unit)} "
-                         "(no baseline on that dataset to compare)")
+            parts.append(("", f"{label}{where} {level(*_est(r), unit)} (no baseline)"))
+            details.append(f"{subject}{where}: {level(*_est(r), unit)}; no baseline on that dataset to compare")
         else:
-            parts.append(_levels(subject + (f" {where}" if where else ""), _est(b), _est(r), unit,
-                                 [_paired(paired)] if paired and len(cur) == 1 else []))
-    text = _and(parts)
-    return text + (f" ({_paired(paired)})" if paired and len(cur) > 1 else "")
+            same = [c for c in cells if c["metric"] == metric and c["dataset"] == r["dataset"]]
+            parts.append(target_verdict(TARGET_TEXT.get(protocol, subject) + where, label, _est(b), _est(r), unit,
+                                        directed=protocol in TARGET_TEXT, paired=same[0] if len(same) == 1 else None))
+            details.append(f"{subject}{where}: baseline {level(*_est(b), unit)}, this condition {level(*_est(r), unit)}")
+    return parts, details
 
 
 # ------------------------------------------------------------------ the section
@@ -285,7 +371,8 @@ def _by_protocol(rows: Iterable[dict[str, str]]) -> dict[str, list[dict[str, str
 
 def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) -> dict[str, Any]:
     """The answer of a comparison folder: {title, note, notes, charts: [{protocol, title, src}],
-    sentences: [{condition, removed, damage, text}]} (page.py renders it first)."""
+    verdicts: [{condition, target, damage, text, details: [{title, lines}]}]} (page.py renders it first: a
+    line per verdict, its details folded under it)."""
     dds_rows = read_csv(folder / "comparison.csv") if (folder / "comparison.csv").is_file() else []
     proto_rows = read_csv(folder / PROTOCOLS_CSV) if (folder / PROTOCOLS_CSV).is_file() else []
     transfer = read_csv(folder / TRANSFER_CSV) if (folder / TRANSFER_CSV).is_file() else None
@@ -293,7 +380,7 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
     notes: list[str] = []
     if not names:
         return {"title": "The answer", "notes": ["No numbers: this comparison holds no condition."], "charts": [],
-                "sentences": []}
+                "verdicts": []}
     baseline = names[0]
     total = {r["condition"]: r for r in dds_rows if r["dataset"] == TOTAL_AVG}
     unfit, unknown = capability_notes({n: d for n, d in runs.items() if n in total})
@@ -319,7 +406,7 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
         headline[protocol] = metric
         if HEADLINE.get(protocol) and metric != HEADLINE[protocol]:  # said: the chart is not of what it targets
             notes.append(f"{PROTOCOL_NAMES.get(protocol, protocol)}: {HEADLINE[protocol]} was not measured by any of its "
-                         f"runs (no item of that kind), so its chart and sentences give {metric}.")
+                         f"runs (no item of that kind), so its chart and verdicts give {metric}.")
         rows = [r for r in rows if r["metric"] == metric]
         several = {c for c in {r["condition"] for r in rows} if len({r["system"] for r in rows if r["condition"] == c}) > 1}
         keys = list(dict.fromkeys((r["condition"], r["system"]) for r in rows))
@@ -338,34 +425,46 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
     if transfer is None:
         notes.append(f"{TRANSFER_CSV} not found in {folder}: no paired changes, so neither what a mitigation removed "
                      "cell by cell nor what it damaged can be told (rerun flipguard compare).")
-    sentences = []
+    verdicts = []
     untargeted = [r for r in transfer or [] if r.get("role") == "untargeted"]
     transfer_base = transfer[0]["condition"] if transfer else None
     for name in names[1:]:
         cells = [r for r in transfer or [] if r["condition"] == name]
-        targeted = [r for r in cells if r.get("role") != "untargeted"]
-        removed = []
+        targets: list[tuple[str, str]] = []
+        removed: list[str] = []
         if dds_rows:
-            removed.append(dds_removed(name, baseline, total, unfit, [r for r in targeted if r["protocol"] == "dds"]))
+            parts, lines = dds_target(name, baseline, total, unfit)
+            targets += parts
+            removed += lines + [cell_line(r) for r in cells if r["protocol"] == "dds" and r.get("role") != "untargeted"]
         for protocol, rows in by_protocol.items():
             base_name = rows[0]["condition"]  # the first condition this protocol measured
             mine = [r for r in rows if r["condition"] == name]
             if not mine:
-                removed.append(f"was not measured by {PROTOCOL_NAMES.get(protocol, protocol)}")
+                targets.append(("", f"{PROTOCOL_NAMES.get(protocol, protocol)} not measured"))
+                removed.append(f"{PROTOCOL_NAMES.get(protocol, protocol)}: not measured for this condition (no run given)")
                 continue
-            removed.append(protocol_removed(protocol, headline[protocol], [r for r in rows if r["condition"] == base_name],
-                                            mine, [r for r in targeted if r["protocol"] == protocol]))
+            parts, lines = protocol_target(protocol, headline[protocol],
+                                           [r for r in rows if r["condition"] == base_name], mine,
+                                           [r for r in cells if r["protocol"] == protocol and r.get("role") != "untargeted"])
+            targets += parts
+            removed += lines + [cell_line(r) for r in cells if r["protocol"] == protocol and r.get("role") != "untargeted"]
         # the untargeted cells the baseline has and this condition has not (a run without C1 of its own,
         # a protocol it was not measured by): said to be not measured
         have = {c["cell"] for c in cells}
-        lacking = [{**r, "condition": name, "change": "", "ci_low": "", "ci_high": "", "flags": "", "meaningful": ""}
+        lacking = [{**r, "condition": name, "change": "", "ci_low": "", "ci_high": "", "flags": "", "meaningful": "",
+                    "verdict": "", "baseline": "", "value": ""}
                    for r in untargeted if r["condition"] == transfer_base and r["cell"] not in have]
-        damaged_text = ("damage not measured (no transfer.csv)" if transfer is None else
-                        damage_text([r for r in cells if r.get("role") == "untargeted"] + lacking, total.get(name)))
-        removed_text = _and(removed) if removed else "has no numbers of its own in this comparison"
-        sentences.append({"condition": name, "removed": removed_text, "damage": damaged_text,
-                          "text": f"{name} {removed_text}; {damaged_text}."})
+        beyond = [r for r in cells if r.get("role") == "untargeted"] + lacking
+        if transfer is None:
+            damage, beyond_lines = "damage not measured (no transfer.csv)", ["no transfer.csv: damage not measured"]
+        else:
+            damage, beyond_lines = damage_verdict(beyond, total.get(name)), damage_details(beyond, total.get(name))
+        target = compose(targets) if targets else "no numbers of its own in this comparison"
+        verdicts.append({"condition": name, "target": target, "damage": damage, "text": f"{name}: {target}; {damage}.",
+                         "details": [{"title": "What it targets: before → after, and per cell (paired change vs "
+                                               "the baseline, 95% CI)", "lines": removed},
+                                     {"title": "What it was not aimed at", "lines": beyond_lines}]})
     if len(names) == 1:
         notes.append(f"Only the baseline ({baseline}) was measured: no mitigation to compare.")
     return {"title": "The answer", "note": NOTE.format(baseline=baseline), "notes": notes, "charts": charts,
-            "sentences": sentences}
+            "verdicts": verdicts}

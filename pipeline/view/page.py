@@ -6,13 +6,18 @@ element; above COMPRESS_ABOVE bytes it travels gzipped and base64-encoded instea
 browser inflates it with DecompressionStream. The script builds the page with createElement
 and textContent only: model replies, dataset items and arguments are always text, never markup.
 
-Order on the page: the answer (a comparison's or a study's), the tables, the plots, the items,
-then provenance and the tail tables (a study's stages and their times) last.
+Order on the page: the answer (a comparison's or a study's), a study grid's removed-vs-damaged
+section (pipeline/view/grid.py), the plots, the tables (a long one folded: the rest one click
+away), the items, then provenance and the tail tables (a study's stages and their times) last.
+Figures are shown at their own pixel size (shrunk only to fit a narrow window): eval/plots.py
+makes them to be read at that size.
 
 Data layout (what the script reads):
   title, subtitle
   answer: optional {title, note, notes: [text], charts: [{protocol, title, src}],
-          sentences: [{condition, removed, damage, text}]}  (pipeline/view/answer.py)
+          verdicts: [{condition, target, damage, text, details: [{title, lines: [text]}]}]}
+          (pipeline/view/answer.py; a chart of another kind is one more entry of charts)
+  grid: optional {title, note, chart: {title, src}, table: a table as below}  (a study --grid)
   provenance: [[key, value], ...]
   tables: [{id, title, note, columns: [[key, label], ...], rows: [{key, cells: {col: cell}}]}]
           a cell is a string or {t: text, v: raw value, c: css class}
@@ -50,8 +55,9 @@ td.num{text-align:right;white-space:nowrap}
 .note{color:#55606d;font-size:13px;margin:4px 0 8px;white-space:pre-wrap}
 .scroll{overflow-x:auto}
 .flag{color:#b3261e;font-weight:600}
-.plots img{max-width:100%;border:1px solid #e6e9ed;margin:4px 8px 4px 0}
-.plots figure{display:inline-block;margin:0 12px 8px 0;vertical-align:top}
+.plots img{max-width:100%;height:auto;border:1px solid #e6e9ed;margin:4px 8px 4px 0}
+.plots figure{display:inline-block;margin:0 12px 8px 0;vertical-align:top;max-width:100%}
+.plots figcaption{font-size:13px}
 .list{max-height:42vh;overflow:auto;border:1px solid #e6e9ed}
 .list thead th{position:sticky;top:0}
 .controls{display:flex;flex-wrap:wrap;gap:8px;align-items:center;margin-bottom:8px}
@@ -77,10 +83,15 @@ mark{background:#ffe08a;padding:0}
 .facts td{border:0;padding:1px 8px 1px 0;font-size:13px}
 .pager button{margin:0 4px}
 #answer{border-color:#1f3a5f;border-width:2px}
-#answer-charts img{width:400px}
-#answer-sentences{margin:8px 0 4px;padding-left:20px}
-#answer-sentences li{margin:6px 0;max-width:1200px}
+#answer-verdicts{margin:8px 0 4px;padding-left:20px;font-size:15px}
+#answer-verdicts li{margin:8px 0;max-width:1200px}
+#answer-verdicts .verdict{margin:0}
+#answer-verdicts details{margin:2px 0 0;font-size:13px;color:#33404d}
+#answer-verdicts summary{cursor:pointer;color:#1f5fa8}
+#answer-verdicts h4{font-size:13px;margin:6px 0 2px}
+#answer-verdicts ul{margin:0;padding-left:18px}
 .answer-note{color:#7a4b00}
+details.long>summary{cursor:pointer;color:#1f5fa8;margin:4px 0}
 """
 
 JS = r"""
@@ -300,26 +311,43 @@ JS = r"""
     if (caption !== false) fig.appendChild(el("figcaption", {"class": "note"}, pl.title));
     return fig;
   }
-  // the answer first: a before/after chart per protocol, then a sentence per mitigation
+  // the answer first: a line per mitigation (its verdict, the numbers folded under it), then a before/after
+  // chart per protocol (and any other chart the answer carries), then how to read it
   function answerSection(a) {
     var s = section("answer", a.title || "The answer");
     (a.notes || []).forEach(function (n) { s.appendChild(el("p", {"class": "note answer-note"}, n)); });
+    if (a.verdicts && a.verdicts.length) {
+      // one line per mitigation, its verdict first; the numbers behind it one click away
+      var ul = el("ul", {id: "answer-verdicts"});
+      a.verdicts.forEach(function (x) {
+        var li = el("li", {"data-condition": x.condition});
+        var line = el("p", {"class": "verdict"});
+        line.appendChild(el("strong", null, x.condition + ":"));
+        line.appendChild(document.createTextNode(" "));
+        line.appendChild(el("span", {"class": "target"}, x.target));
+        line.appendChild(document.createTextNode("; "));
+        line.appendChild(el("span", {"class": "damage"}, x.damage));
+        line.appendChild(document.createTextNode("."));
+        li.appendChild(line);
+        if (x.details && x.details.length) {
+          var d = el("details", {"class": "why"});
+          d.appendChild(el("summary", null, "the numbers behind it"));
+          x.details.forEach(function (part) {
+            d.appendChild(el("h4", null, part.title));
+            var lines = el("ul");
+            part.lines.forEach(function (t) { lines.appendChild(el("li", null, t)); });
+            d.appendChild(lines);
+          });
+          li.appendChild(d);
+        }
+        ul.appendChild(li);
+      });
+      s.appendChild(ul);
+    }
     if (a.charts && a.charts.length) {
       var cd = el("div", {"class": "plots", id: "answer-charts"});
       a.charts.forEach(function (c) { cd.appendChild(figure(c, {"data-protocol": c.protocol}, false)); });
       s.appendChild(cd);
-    }
-    if (a.sentences && a.sentences.length) {
-      var ul = el("ul", {id: "answer-sentences"});
-      a.sentences.forEach(function (x) {
-        var li = el("li", {"data-condition": x.condition});
-        li.appendChild(el("strong", null, x.condition));
-        li.appendChild(document.createTextNode(" " + x.removed + "; "));
-        li.appendChild(el("span", {"class": "damage"}, x.damage));
-        li.appendChild(document.createTextNode("."));
-        ul.appendChild(li);
-      });
-      s.appendChild(ul);
     }
     if (a.note) s.appendChild(el("p", {"class": "note", id: "answer-legend"}, a.note));  // how to read it, after it
     return s;
@@ -336,9 +364,18 @@ JS = r"""
     s.appendChild(table(g.table));
     return s;
   }
+  // a table of more than LONG rows is folded: its heading and note stay, the rows one click away
+  var LONG = 25;
   function tableSection(spec) {
     var s = section("sec-" + spec.id, spec.title, spec.note);
-    s.appendChild(table(spec));
+    if (spec.rows.length > LONG) {
+      var d = el("details", {"class": "long"});
+      d.appendChild(el("summary", null, "show its " + spec.rows.length + " rows"));
+      d.appendChild(table(spec));
+      s.appendChild(d);
+    } else {
+      s.appendChild(table(spec));
+    }
     return s;
   }
   function render(data) {
@@ -350,13 +387,13 @@ JS = r"""
     var main = el("main");
     if (data.answer) main.appendChild(answerSection(data.answer));
     if (data.grid) main.appendChild(gridSection(data.grid));
-    (data.tables || []).forEach(function (spec) { main.appendChild(tableSection(spec)); });
     if (data.plots && data.plots.length) {
       var ps = section("plots", "Plots");
       var pd = el("div", {"class": "plots"});
       data.plots.forEach(function (pl) { pd.appendChild(figure(pl)); });
       ps.appendChild(pd); main.appendChild(ps);
     }
+    (data.tables || []).forEach(function (spec) { main.appendChild(tableSection(spec)); });
     if (data.entries) main.appendChild(entriesSection(data));
     // provenance and a study's stage times last: who made the numbers, after the numbers
     if (data.provenance && data.provenance.length) {

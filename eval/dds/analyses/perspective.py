@@ -37,9 +37,9 @@ from flipguard.data.unified import load_items
 from flipguard.errors import UserError
 from flipguard.eval.dds.analyses.common import JudgedModelArgs, md_table, write_csv
 from flipguard.eval.dds.prompts import AIO_LABELS, relabel
-from flipguard.eval.dds.protocol import evaluate, limit_per_dataset
+from flipguard.eval.dds.protocol import evaluate
 from flipguard.eval.dds.report import report_run
-from flipguard.eval.task import settings_folder
+from flipguard.eval.task import limit_sample, settings_folder
 from flipguard.files import atomic_write_text
 from flipguard.runtime.threads import configure_threads
 
@@ -89,14 +89,14 @@ def run_directions(args: PerspectiveArgs, items: list[Item] | None = None) -> di
     directions = parse_directions(args.directions)
     if items is None:
         items = load_items(AIO_DATASET, data_root=args.data_root)
-    items = limit_per_dataset([it for it in items if it.dataset == AIO_DATASET], args.limit)
+    items = limit_sample([it for it in items if it.dataset == AIO_DATASET], args.limit, seed=0)  # --limit's rule
     if not items:
         raise UserError("perspective reversal: no r/AIO items (dataset 'aio') to judge")
     out, dirs = Path(args.out), {}
     for d in directions:
         print(f"direction {d}: {DIRECTIONS[d]}", file=sys.stderr)
         ev = args.eval_args(model=args.model, out=str(out / d), datasets=AIO_DATASET, data_root=args.data_root,
-                            mitigation=args.mitigation,
+                            mitigations=[args.mitigation],
                             speakers="speaker" if d == "2to1" else REVERSED_LABELS)
         dirs[d] = evaluate(ev, items=items if d == "2to1" else [reverse_item(it) for it in items])
     return dirs
