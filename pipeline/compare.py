@@ -40,6 +40,7 @@ from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require
 from flipguard.eval.task_includes import take_includes
 from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
+from flipguard.pipeline.ground_truth import GROUND_TRUTH_CSV, GROUND_TRUTH_MD, write_ground_truth
 from flipguard.pipeline.transfer import build_transfer, paired_tests_markdown, write_transfer
 from flipguard.pipeline.view import write_view
 from flipguard.train.pairs import read_counts
@@ -402,6 +403,11 @@ def write_comparison(cmp: dict[str, Any] | None, out_dir: str | Path, extra_sect
         extra_sections = [*protocol_sections(protocols), *extra_sections] if cmp is None else \
             [*extra_sections, *protocol_sections(protocols)]
     names = cmp["conditions"] if cmp is not None else list(dict.fromkeys(name for name, _ in protocol_runs))
+    # a model with known ground truth (organism.json): planted / measured / after, and the success rule
+    if write_ground_truth(out, names, (cmp or {}).get("runs") or {}, cmp["table"] if cmp is not None else None,
+                          protocols, protocol_runs, transfer):
+        extra_sections = [(out / GROUND_TRUTH_MD).read_text(encoding="utf-8").replace("# Ground truth", "## Ground truth", 1),
+                          *extra_sections]
     if cmp is not None:
         atomic_write_text(out / "comparison.csv", cmp["table"].to_csv(index=False, float_format="%.4f"))
         atomic_write_text(out / "significance.csv", cmp["significance"].to_csv(index=False, float_format="%.6g"))
@@ -436,7 +442,7 @@ PROTOCOLS_CSV = "comparison_protocols.csv"
 # what write_comparison writes (checked before any work: each is absent or flipguard's)
 OUTPUT_FILES = ("comparison.csv", "significance.csv", "comparison.md", "comparison.json", PROTOCOLS_CSV,
                 "dds_heatmap.png", "before_after.png", "view.html", "transfer.csv", "transfer.md", "transfer.png",
-                "transfer.json")
+                "transfer.json", GROUND_TRUTH_CSV, GROUND_TRUTH_MD)
 GUARD_DROP_PP = 10.0  # a guarded metric (stick-or-switch's correct switch) this far below the baseline's is flagged
 
 

@@ -55,7 +55,7 @@ import random
 import time
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -258,6 +258,27 @@ def default_organism_path(args: OrganismArgs) -> Path:
         digest = hashlib.sha256(json.dumps(build_config(args), sort_keys=True).encode()).hexdigest()[:10]
         name += f"-{digest}"
     return flipguard_home() / name
+
+
+def organism_info(model: str | None) -> dict[str, Any] | None:
+    """A model's organism.json: the folder's, or for the alias the shipped one (else the default
+    build); None for any other model (nothing planted, nothing built here)."""
+    if not model:
+        return None
+    if Path(model).is_dir():
+        candidates = [Path(model)]
+    elif model == ORGANISM_ALIAS:
+        candidates = [SHIPPED_DIR, default_organism_path(OrganismArgs())]
+    else:
+        return None
+    for path in candidates:
+        try:
+            info = json.loads((path / ORGANISM_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and isinstance(info.get("planted"), dict):
+            return info
+    return None
 
 
 # ---------------------------------------------------------------- the planted rule
@@ -1004,7 +1025,11 @@ def _lora_on_base(tmp: Path, args: OrganismArgs, log) -> dict:
         raise FlipguardError(f"flipguard organism: --lora_layers must be 1..{layers} (the base's decoder layers), "
                              f"got {args.lora_layers}")
     torch.manual_seed(args.seed)  # the LoRA's initial weights
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
+    # every linear layer but the output head (peft's "all-linear", by name: layers_to_transform needs names)
+    head = base.get_output_embeddings()
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules()
+                     if isinstance(m, torch.nn.Linear) and m is not head})
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=linear,
                         task_type="CAUSAL_LM",
                         layers_to_transform=list(range(layers - args.lora_layers, layers)) if args.lora_layers else None)
     peft = get_peft_model(base.to(args.device), config)
