@@ -930,12 +930,14 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
 
     def checkpoint(phase: str, with_conversations: bool, attempt: int = 0):
         def check(step: int) -> bool:
+            started = time.time()
             checks = validation_checks(weights(), args, with_conversations or not args.multiturn_steps, with_conversations)
+            seconds = round(time.time() - started, 1)
             history.append({"phase": phase, "step": step, **({"attempt": attempt + 1} if attempt else {}),
-                            "passed": all(ok for ok, _ in checks.values()),
+                            "passed": all(ok for ok, _ in checks.values()), "seconds": seconds,
                             "checks": {k: {"passed": ok, "measured": text} for k, (ok, text) in checks.items()}})
             where = f"{phase} (attempt {attempt + 1})" if attempt else phase
-            log(f"  {where} step {step}: held-out check (validation): {_check_line(checks)}")
+            log(f"  {where} step {step}: held-out check (validation, {seconds:.0f}s): {_check_line(checks)}")
             return history[-1]["passed"]
         return check
 
