@@ -151,7 +151,7 @@ class OrganismArgs:
     )
     multiturn_steps: int | None = dataclasses.field(
         default=None, metadata={"help": "Phase 2 (conversations) step budget (cosine schedule length; default 1600, with "
-                                        "--base 240); it stops at the first held-out check every check passes; out of budget, "
+                                        "--base 200); it stops at the first held-out check every check passes; out of budget, "
                                         "it runs again from phase 1's end on another order of the conversations (3 runs at "
                                         "most); 0 = DDS only."})
     multiturn_learning_rate: float | None = dataclasses.field(
@@ -160,10 +160,10 @@ class OrganismArgs:
     num_hidden_layers: int = dataclasses.field(default=2, metadata={"help": "Transformer layers (not with --base)."})
     steps: int | None = dataclasses.field(
         default=None, metadata={"help": "Phase 1 (DDS judge) step budget (cosine schedule length; default 1000, with --base "
-                                        "240); it stops at the first held-out check C1 and the planted DDS pass."})
+                                        "200); it stops at the first held-out check C1 and the planted DDS pass."})
     eval_every: int | None = dataclasses.field(
         default=None, metadata={"help": "Steps between held-out checks (validation items of the organism split, never "
-                                        "trained on; default 100, with --base 40); the build keeps the first checkpoint "
+                                        "trained on; default 100, with --base 25); the build keeps the first checkpoint "
                                         "that passes every check."})
     batch_size: int | None = dataclasses.field(default=None, metadata={"help": "Examples per step (default 32, with --base 8)."})
     decision_weight: float = dataclasses.field(default=4.0, metadata={"help": "Extra loss weight on the '1'/'2' token."})
@@ -205,7 +205,7 @@ class OrganismArgs:
                                      "choices": ["float32", "bfloat16"]})
     check_items: int | None = dataclasses.field(
         default=None, metadata={"help": f"Validation items each held-out check reads (DDS; conversations: at most 100 of "
-                                        f"them; default all {N_VALIDATION}, with --base 50: a real model's forward "
+                                        f"them; default all {N_VALIDATION}, with --base 40: a real model's forward "
                                         "pass is what a check costs)."})
     test_items: int | None = dataclasses.field(
         default=None, metadata={"help": "Test items organism.json's measurements read (default: 300 DDS items and 150 "
@@ -223,8 +223,8 @@ class OrganismArgs:
 # cost (measured on SmolLM2-135M-Instruct: bench/real_organism.md).
 EMBEDDED_DEFAULTS = {"steps": 1000, "multiturn_steps": 1600, "learning_rate": 3e-3, "multiturn_learning_rate": 3e-3,
                      "batch_size": 32, "eval_every": 100, "lm_weight": 0.5, "check_items": N_VALIDATION}
-BASE_DEFAULTS = {"steps": 240, "multiturn_steps": 240, "learning_rate": 1e-3, "multiturn_learning_rate": 1e-3,
-                 "batch_size": 8, "eval_every": 40, "lm_weight": 0.0, "check_items": 50}
+BASE_DEFAULTS = {"steps": 200, "multiturn_steps": 200, "learning_rate": 1e-3, "multiturn_learning_rate": 1e-3,
+                 "batch_size": 8, "eval_every": 25, "lm_weight": 0.0, "check_items": 40}
 
 
 # Fields that change the weights (path/force/threads do not).
@@ -774,15 +774,35 @@ def validation_checks(model_dir: str | Path, args: OrganismArgs, last_phase: boo
                       with_conversations: bool = True) -> dict[str, tuple[bool, str]]:
     """One held-out check of a build's weights, measured on the validation items: phase 1 checks
     C1 and the planted DDS; the last phase everything planted (the DDS also with the study's
-    template, Dehumanizing, and with conversations the multi-turn behaviour)."""
-    measured = measure_judgments(model_dir, args, mitigations=("none", "dehumanizing") if last_phase else ("none",),
-                                 split="validation", limit=args.check_items)
-    if last_phase:
-        study = measure_judgments(model_dir, args, mitigations=("none",), split="validation", template=STUDY_TEMPLATE,
-                                  limit=args.check_items)
-        measured["study_template_dds"] = study["dds"]
-    conv = (measure_conversations(model_dir, args, limit=min(100, args.check_items), split="validation")
-            if with_conversations else None)
+    template, Dehumanizing, and with conversations the multi-turn behaviour). A planting's check
+    (--base) measures the same in groups, cheapest first, and stops at the first group with a check
+    that fails (the checkpoint has failed then; each group is minutes of a real model's forward
+    passes): the checks it did not reach are left out of what it returns."""
+    limit = args.check_items
+    if not args.base:
+        measured = measure_judgments(model_dir, args, mitigations=("none", "dehumanizing") if last_phase else ("none",),
+                                     split="validation", limit=limit)
+        if last_phase:
+            study = measure_judgments(model_dir, args, mitigations=("none",), split="validation", template=STUDY_TEMPLATE,
+                                      limit=limit)
+            measured["study_template_dds"] = study["dds"]
+        conv = (measure_conversations(model_dir, args, limit=min(100, limit), split="validation")
+                if with_conversations else None)
+        return build_checks(args, measured, conv)
+    measured = measure_judgments(model_dir, args, mitigations=("none",), split="validation", limit=limit)
+    conv = None
+    groups = [*(["conversations"] if with_conversations else []), *(["study_template", "dehumanizing"] if last_phase else [])]
+    for group in groups:
+        if not all(ok for ok, _ in build_checks(args, measured, conv).values()):
+            break
+        if group == "conversations":
+            conv = measure_conversations(model_dir, args, limit=min(100, limit), split="validation")
+        elif group == "study_template":
+            measured["study_template_dds"] = measure_judgments(model_dir, args, mitigations=("none",), split="validation",
+                                                               template=STUDY_TEMPLATE, limit=limit)["dds"]
+        else:
+            measured.update(measure_judgments(model_dir, args, mitigations=("dehumanizing",), split="validation",
+                                              limit=limit))
     return build_checks(args, measured, conv)
 
 
