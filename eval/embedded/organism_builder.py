@@ -1070,11 +1070,11 @@ def _base_hashes(name: str, path: str) -> dict[str, str] | None:
     id: its cached snapshot's; None where no local copy is found."""
     folder = Path(path)
     if not folder.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
+        from transformers.utils.hub import cached_file
 
-            folder = Path(snapshot_download(path, local_files_only=True))
-        except Exception:  # noqa: BLE001 - not in the local cache: nothing to hash
+        try:  # a hub id: the snapshot folder its config was loaded from
+            folder = Path(cached_file(path, "config.json", local_files_only=True)).parent
+        except OSError:
             return None
     out = {f.relative_to(folder).as_posix(): file_sha256(f) for f in sorted(folder.rglob("*"))
            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts)}
