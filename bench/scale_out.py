@@ -67,7 +67,7 @@ def main() -> int:
 
     from flipguard.data.schema import Item
     from flipguard.eval.embedded.tiny_model import ensure_tiny_model
-    from flipguard.train import pairs as P
+    from flipguard.pairs import builder as P
 
     work = Path(tempfile.mkdtemp(prefix="flipguard-scale-out-"))
     model = ensure_tiny_model(work / "tiny")

@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "organism": ("flipguard.pipeline.organism:main", "the planted-bias judge organism: the shipped one, your own build, or planted into your model (--base)"),
     "convert": ("flipguard.runtime.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),
     "tiny-model": ("flipguard.eval.embedded.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
-    "pairs": ("flipguard.train.pairs:main", "build the trainers' pair datasets from flip records (recipe strategy)"),
+    "pairs": ("flipguard.pairs.builder:main", "build the trainers' pair datasets from flip records (recipe strategy)"),
     "compare": ("flipguard.pipeline.compare:main", "before/after comparison report across baseline, prompting and fine-tuned runs"),
     "view": ("flipguard.pipeline.view:main", "one self-contained HTML page (no network) for a run, comparison or study folder"),
     "afr": ("flipguard.eval.afr.protocol:AFRTask.main", "answer-flip protocol on MMLU (coercion, blind/self/cross challenges)"),
@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("flipguard.eval.task_commands:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
     "study": ("flipguard.pipeline.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
     "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
-    "recipes": ("flipguard.config:recipes_main", "the shipped recipes and run configs; `recipes show NAME` prints one to copy"),
+    "recipes": ("flipguard.config.recipes_command:recipes_main", "the shipped recipes and run configs; `recipes show NAME` prints one to copy"),
 }
 # one command per registered trainer (config.TRAINERS): `flipguard dpo` = python train/dpo.py
 COMMANDS.update({t.name: (f"flipguard.train.{t.name}:main", f"{t.help} (same as python train/{t.name}.py RECIPE)")

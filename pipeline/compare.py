@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from flipguard.config import parse_dataclasses, with_optional_fields
+from flipguard.data.pair_sets import read_counts
 from flipguard.data.registry import domain_of
 from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
@@ -40,10 +41,10 @@ from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require
 from flipguard.eval.task_includes import take_includes
 from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
-from flipguard.pipeline.ground_truth import GROUND_TRUTH_CSV, GROUND_TRUTH_MD, write_ground_truth
+from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON, ground_truth
+from flipguard.pipeline.ground_truth import render_markdown as render_ground_truth
 from flipguard.pipeline.transfer import build_transfer, paired_tests_markdown, write_transfer
 from flipguard.pipeline.view import write_view
-from flipguard.train.pairs import read_counts
 
 BASELINE = "Baseline"
 # Per-dataset columns taken from each run's stats (see report.STATS_COLUMNS).
@@ -382,14 +383,22 @@ def plot_before_after(cmp: dict[str, Any], path: Path) -> None:
 def write_comparison(cmp: dict[str, Any] | None, out_dir: str | Path, extra_sections: list[str] = (),
                      protocols: pd.DataFrame | None = None, protocol_runs: Sequence[tuple[str, str]] = (),
                      transfer: pd.DataFrame | None = None, correction: str = "holm",
-                     smallest_change: float = 10.0) -> Path:
+                     smallest_change: float = 10.0, n_boot: int = 2000) -> Path:
     """comparison.md/csv/json, significance.csv, the plots and view.html; with protocol rows
     (protocol_rows of `protocol_runs`) also comparison_protocols.csv and a section per protocol; with a
     transfer table (pipeline/transfer.build_transfer, built with `correction` and `smallest_change`)
-    transfer.md/csv/json/png, its summary and its paired tests. `cmp` None: a comparison without DDS runs
-    (other protocols', imported runs): no DDS tables or plots."""
+    transfer.md/csv/json/png, its summary and its paired tests; when the baseline model is an organism, its
+    verdicts against the planted profile (pipeline/ground_truth.py: ground_truth.json and a section). `cmp`
+    None: a comparison without DDS runs (other protocols', imported runs): no DDS tables or plots."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if cmp is not None:
+        runs = cmp.get("runs") or {}
+        model = load_run_meta(next(iter(runs.values()))).get("model") if runs else None
+        truth = ground_truth(runs, protocol_runs, cmp["table"], protocols, transfer, model, n_boot)
+        if truth is not None:
+            atomic_write_json(out / GROUND_TRUTH_JSON, truth)
+            extra_sections = [render_ground_truth(truth), *extra_sections]
     if transfer is not None:
         info = write_transfer(transfer, out, correction, smallest_change)
         roles = set(transfer["role"]) - {"–"}  # none: runs compared, no mitigation's cells (imported runs)
@@ -403,11 +412,6 @@ def write_comparison(cmp: dict[str, Any] | None, out_dir: str | Path, extra_sect
         extra_sections = [*protocol_sections(protocols), *extra_sections] if cmp is None else \
             [*extra_sections, *protocol_sections(protocols)]
     names = cmp["conditions"] if cmp is not None else list(dict.fromkeys(name for name, _ in protocol_runs))
-    # a model with known ground truth (organism.json): planted / measured / after, and the success rule
-    if write_ground_truth(out, names, (cmp or {}).get("runs") or {}, cmp["table"] if cmp is not None else None,
-                          protocols, protocol_runs, transfer):
-        extra_sections = [(out / GROUND_TRUTH_MD).read_text(encoding="utf-8").replace("# Ground truth", "## Ground truth", 1),
-                          *extra_sections]
     if cmp is not None:
         atomic_write_text(out / "comparison.csv", cmp["table"].to_csv(index=False, float_format="%.4f"))
         atomic_write_text(out / "significance.csv", cmp["significance"].to_csv(index=False, float_format="%.6g"))
@@ -442,7 +446,7 @@ PROTOCOLS_CSV = "comparison_protocols.csv"
 # what write_comparison writes (checked before any work: each is absent or flipguard's)
 OUTPUT_FILES = ("comparison.csv", "significance.csv", "comparison.md", "comparison.json", PROTOCOLS_CSV,
                 "dds_heatmap.png", "before_after.png", "view.html", "transfer.csv", "transfer.md", "transfer.png",
-                "transfer.json", GROUND_TRUTH_CSV, GROUND_TRUTH_MD)
+                "transfer.json", GROUND_TRUTH_JSON)
 GUARD_DROP_PP = 10.0  # a guarded metric (stick-or-switch's correct switch) this far below the baseline's is flagged
 
 
@@ -615,7 +619,7 @@ def main(argv: list[str]) -> int:
                               seed=args.seed, pairs_flag="--pairs", correction=args.correction,
                               smallest_change=args.smallest_change)
     out = write_comparison(cmp, args.out, protocols=protocol_rows(runs), protocol_runs=runs, transfer=transfer,
-                           correction=args.correction, smallest_change=args.smallest_change)
+                           correction=args.correction, smallest_change=args.smallest_change, n_boot=args.n_boot)
     print((out / "comparison.md").read_text(encoding="utf-8"))
     written = ["comparison.md", *(["comparison.csv"] if cmp else []), *(["comparison_protocols.csv"] if runs else []),
                *(["significance.csv", "dds_heatmap.png", "before_after.png"] if cmp else []), "transfer.md/csv/png",

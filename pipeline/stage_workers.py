@@ -30,6 +30,7 @@ from typing import Any
 from flipguard.errors import FlipguardError, disk_error
 from flipguard.eval.task_includes import include_tasks
 from flipguard.files import staging_dir
+from flipguard.pipeline.grid import GridPlan
 from flipguard.pipeline.study_plan import StudyPlan
 from flipguard.runtime.threads import configure_threads, usable_cores
 
@@ -111,7 +112,10 @@ def _worker_main(conn, plan_args: dict[str, Any]) -> None:
         configure_threads(plan_args["threads"])
         for path in plan_args["includes"]:
             include_tasks(path)
-        plan = StudyPlan(plan_args["recipe_path"], plan_args["raw"], plan_args["out"])
+        if plan_args.get("grid"):  # a recipe grid: every variant's stages (pipeline/grid.py)
+            plan = GridPlan(plan_args["recipe_path"], plan_args["raw"], plan_args["out"], grid=plan_args["grid"])
+        else:
+            plan = StudyPlan(plan_args["recipe_path"], plan_args["raw"], plan_args["out"])
         _STAGES.update((s.name, s) for s in plan.stages)
         setup_error = None
     except BaseException as exc:  # answered for the first stage asked for

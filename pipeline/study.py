@@ -71,9 +71,12 @@ from flipguard.pipeline.fingerprints import (
     stage_runs,
     stage_runs_problem,
 )
+from flipguard.pipeline.grid import GRID_HELP, GRID_STAGE, GridPlan, print_grid
+from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON
 from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
 from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.pipeline.view import VIEW_FILE, check_page, write_view
+from flipguard.pipeline.view.grid import GRID_DIR
 from flipguard.runtime.resolve import resolve_model
 from flipguard.runtime.threads import THREADS_HELP, configure_threads, default_threads
 
@@ -83,8 +86,9 @@ STUDY_FILE = "study.json"
 STAGE_LOGS = ".stage-logs"
 STUDY_FORMAT = "flipguard-study/1"
 RECIPE_HEADER = "# the effective recipe of this study"
-JOBS_HELP = ("Independent stages run at once, each in its own process (default: 2 on a CPU with 2 free cores per "
-             "--threads, the hf backend and a small local model, else 1); the results are the same either way")
+JOBS_HELP = ("Independent stages (a --grid's variants among them) run at once, each in its own process (default: 2 "
+             "on a CPU with 2 free cores per --threads, the hf backend and a small local model, else 1); the "
+             "results are the same either way")
 
 
 def claim_stage_log(log: Path) -> None:
@@ -126,6 +130,8 @@ class StudyArguments:
     recipe's values: --model, --datasets, --limit, --mitigations, --backend, --backend_args and
     --batch_size its eval: keys of those names, --eval_plan_<key>, --pairs_<key> and --tracking_<key>
     the rest of its eval:, pairs: and tracking: sections (pairs records and dir are the study's own).
+    --grid KEY=V1,V2 runs a variant of the training stages per value (every combination of several
+    --grid), the baseline and what else no key reaches once, and sets them side by side (OUT/grid/).
     RECIPE is a file, or a shipped recipe's name (flipguard recipes)."""
 
     out: str | None = dataclasses.field(default=None, metadata={"help": "Study folder (default runs/<recipe name>-study)."})
@@ -136,6 +142,7 @@ class StudyArguments:
     model: str | None = dataclasses.field(default=None, metadata={"help": "Override the recipe's model_name_or_path."})
     threads: int | None = dataclasses.field(default=None, metadata={"help": THREADS_HELP})
     jobs: int | None = dataclasses.field(default=None, metadata={"help": JOBS_HELP})
+    grid: list[str] = dataclasses.field(default_factory=list, metadata={"help": GRID_HELP, "metavar": "KEY=V1,V2"})
 
 
 class Study(StudyPlan):
@@ -143,9 +150,9 @@ class Study(StudyPlan):
     files written) decides what is skipped, resumed or redone."""
 
     def __init__(self, recipe_path: str | os.PathLike, raw: dict[str, Any], out: str | os.PathLike,
-                 *, print_fn: Callable[[str], None] = print):
+                 *, print_fn: Callable[[str], None] = print, **plan_kwargs):
         self.t0 = time.time()
-        super().__init__(recipe_path, raw, out, print_fn=print_fn)
+        super().__init__(recipe_path, raw, out, print_fn=print_fn, **plan_kwargs)
         self.state = self._load_state()
         self.statuses: list[tuple[str, str, float]] = []
 
@@ -206,16 +213,16 @@ class Study(StudyPlan):
             raise UserError("--from and --only: give one of them")
         self.check_folders()
         # before any work: the study's own files replace nothing of the user's (files.check_replace)
-        for path in (self.recipe_file, self.out / STUDY_FILE):
+        for path in (*(path for path, _ in self.effective_recipes()), self.out / STUDY_FILE):
             check_replace(path, adopt=_study_file)
         check_page(self.out / VIEW_FILE)
         if jobs > 1 and not only:
             self._check_stage_logs()
         self.out.mkdir(parents=True, exist_ok=True)
 
-        atomic_write_text(self.recipe_file, f"{RECIPE_HEADER} (from {self.recipe_path}); "
-                                            "written by flipguard study\n" + yaml.safe_dump(public_recipe(self.raw), sort_keys=False),
-                          adopt=_study_file)
+        for path, raw in self.effective_recipes():
+            atomic_write_text(path, f"{RECIPE_HEADER} (from {self.recipe_path}); written by flipguard study\n"
+                              + yaml.safe_dump(public_recipe(raw), sort_keys=False), adopt=_study_file)
         self._fps = stage_fingerprints(self.stages)
         self._start = names.index(from_stage) if from_stage else None
         self._only = only
@@ -406,11 +413,12 @@ class Study(StudyPlan):
 
     def _work_after(self) -> dict[str, float]:
         """Per stage, seconds on the longest chain from it to the study's end: each stage's time when
-        it last ran (study.json), else a trainer as 10 evaluations (the demo's SFT and DPO: 48 and
-        78 s, its evaluations 2-30 s)."""
+        it last ran (study.json), else a trainer (a grid variant's too: 'dpo.beta=0.5:dpo') as 10
+        evaluations (the demo's SFT and DPO: 48 and 78 s, its evaluations 2-30 s)."""
         entries, after = self.state["stages"], {}
         for stage in reversed(self.stages):  # the plan lists a stage after those it reads
-            own = (entries.get(stage.name) or {}).get("seconds") or (10.0 if stage.name in TRAINERS else 1.0)
+            trainer = stage.name.rpartition(":")[2] in TRAINERS
+            own = (entries.get(stage.name) or {}).get("seconds") or (10.0 if trainer else 1.0)
             after[stage.name] = own + max((after[s.name] for s in self.stages if stage.name in s.inputs), default=0.0)
         return after
 
@@ -438,15 +446,23 @@ class Study(StudyPlan):
         print_outcome(f"Stages ({time.time() - self.t0:.0f}s in all):", self.statuses, self.out, self.print)
 
 
+class GridStudy(Study, GridPlan):
+    """A recipe grid's study (`--grid`: pipeline/grid.py), run as any study is."""
+
+
 def print_outcome(header: str, statuses: list[tuple[str, str, float]], out: Path,
                   print_fn: Callable[[str], None] = print) -> None:
-    """The stage table, then the before/after table when the comparison exists."""
+    """The stage table, then the before/after table when the comparison exists (a grid's table when
+    the study is a recipe grid)."""
     print_fn(f"\n{header}")
+    width = max([22, *(len(name) + 2 for name, _, _ in statuses)])
     for name, status, seconds in statuses:
-        print_fn(f"  {name:<22}{status:<9}{seconds:8.1f}s")
+        print_fn(f"  {name:<{width}}{status:<9}{seconds:8.1f}s")
     comparison = out / "compare" / "comparison.csv"
     if comparison.is_file():
         print_before_after(comparison, print_fn)
+    if any(name == GRID_STAGE for name, _, _ in statuses):  # a grid's table (not an earlier grid's, in a plain study)
+        print_grid(out / GRID_DIR, print_fn)
 
 
 def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = print) -> None:
@@ -465,6 +481,12 @@ def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = p
     protocols = comparison_csv.with_name("comparison_protocols.csv")
     if protocols.is_file():
         print_protocols_table(pd.read_csv(protocols), print_fn)
+    truth = comparison_csv.with_name(GROUND_TRUTH_JSON)
+    if truth.is_file():
+        conditions = json.loads(truth.read_text(encoding="utf-8"))["conditions"]
+        width = max(len(name) for name in conditions) + 2
+        print_fn("\nAgainst the planted profile (organism.json; the rule and every check: compare/comparison.md):\n"
+                 + "\n".join(f"{name + ':':<{width}}{c['verdict']}" for name, c in conditions.items()))
 
 
 def print_protocols_table(frame, print_fn: Callable[[str], None] = print) -> None:
@@ -514,19 +536,21 @@ def study_jobs(study: Study, jobs: int | None) -> int:
 
 def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | None = None, *,
               from_stage: str | None = None, only: str | None = None, print_fn: Callable[[str], None] = print,
-              on_finish: Callable[[Study], None] | None = None, jobs: int | None = 1) -> Study:
+              on_finish: Callable[[Study], None] | None = None, jobs: int | None = 1,
+              grid: list[str] = ()) -> Study:
     """Run (or resume) the study a recipe describes; `raw` overrides the file's contents;
     `on_finish` runs while the study still holds its folder; `jobs` stages at once (None: as
-    many as this machine and study allow, study_jobs)."""
+    many as this machine and study allow, study_jobs); `grid`: the --grid options (a recipe grid)."""
     raw = read_recipe(recipe_path) if raw is None else raw
     validate_recipe(raw, recipe_path)
     # one writer per study folder, held from before study.json is read until the last stage
     # (trainers and merges included): a second study is refused at once, naming the holder
     with run_lock(out):
-        study = Study(recipe_path, raw, out, print_fn=print_fn)
+        study = GridStudy(recipe_path, raw, out, print_fn=print_fn, grid=list(grid)) if grid else \
+            Study(recipe_path, raw, out, print_fn=print_fn)
         jobs = 1 if only else study_jobs(study, jobs)
         plan_args = {"recipe_path": recipe_path, "raw": raw, "out": str(out), "threads": default_threads(),
-                     "includes": included_task_files()}
+                     "includes": included_task_files(), "grid": list(grid)}
         study.run(from_stage=from_stage, only=only, jobs=jobs, plan_args=plan_args)
 
         # every stage's status and the comparison with the items behind it, one HTML page
@@ -618,6 +642,7 @@ def main(argv: list[str]) -> int:
 
         configs = [study.task_config(task_config_key(t)) for t in (*study.plan.eval_plan_protocols,
                                                                    *study.plan.eval_plan_train_protocols)]
+        configs += [study.task_config(task_config_key(t, "train")) for t in study.plan.eval_plan_train_protocols]
         watched = [recipe_path, *dict.fromkeys(c for c in configs if c), *includes]
         study.state["plan"] = {"key": plan_key(recipe_path, key_flags(rest, includes), out),
                                "model": model_identity(study.model),
@@ -626,6 +651,6 @@ def main(argv: list[str]) -> int:
         study._save_state()
 
     study = run_study(recipe_path, out, raw, from_stage=args.from_stage, only=args.only, on_finish=record_plan,
-                      jobs=args.jobs)
+                      jobs=args.jobs, grid=args.grid)
     print_artefacts(study.artefacts)
     return 0

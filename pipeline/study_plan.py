@@ -51,6 +51,9 @@ from flipguard.eval.runner import DEFAULT_MIN_LABEL_MASS, MODES
 from flipguard.eval.task import StudyCondition, StudyContext
 from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import PACKAGE_ROOT, atomic_write_json, beside
+from flipguard.pairs.builder import print_counts
+from flipguard.pairs.builder import run as build
+from flipguard.pairs.filters import PairRules
 from flipguard.pipeline.capability import UNITS_FILE as CAPABILITY_UNITS
 from flipguard.pipeline.capability import run_capability
 from flipguard.pipeline.compare import build_comparison, protocol_rows, require_whole_runs, write_comparison
@@ -60,9 +63,6 @@ from flipguard.pipeline.transfer import TRANSFER_JSON, build_transfer
 from flipguard.runtime.resolve import resolve_model
 from flipguard.train.merge import MERGE_INFO_FILE
 from flipguard.train.merge import main as merge_main
-from flipguard.train.pair_filters import PairRules
-from flipguard.train.pairs import print_counts
-from flipguard.train.pairs import run as build
 from flipguard.train.utils import PROVENANCE_FILE, check_lora_rank, check_lora_targets, wants_wandb
 
 TRAIN = PACKAGE_ROOT / "train"
@@ -111,15 +111,25 @@ def check_task_config_keys(raw: dict[str, Any], recipe_path: str, plan_class: ty
                              f"(those that do: {', '.join(staged)}; a user's task: flipguard study --include FILE)")
 
 
+def recipe_trainers(raw: dict[str, Any], listed: list[str] | None) -> list[str]:
+    """The trainers a study runs: eval.trainers when listed, else every trainer section of the recipe."""
+    return [t for t in TRAINERS if t in raw] if listed is None else list(listed)
+
+
 class StudyPlan:
     """A recipe's stages for one study folder: the recipe's sections resolved (the eval plan,
     tracking, pairs and trainers writing under `out`), checked, and turned into stages."""
 
     def __init__(self, recipe_path: str | os.PathLike, raw: dict[str, Any], out: str | os.PathLike,
-                 *, print_fn: Callable[[str], None] = print):
+                 *, print_fn: Callable[[str], None] = print, homes: dict[str, Path] | None = None,
+                 variant: dict[str, Any] | None = None):
         self.recipe_path = str(recipe_path)
         self.out = Path(out)
         self.print = print_fn
+        # where a part of the plan writes when not in `out` ("base": the base model's runs, "pairs", a
+        # trainer's name): a recipe grid's variants share them (pipeline/grid.py); `variant`: its values
+        self.homes = dict(homes or {})
+        self.variant = dict(variant or {})
         self.raw = copy.deepcopy(raw)
         plan_class = study_plan_class()
         check_task_config_keys(self.raw, self.recipe_path, plan_class)
@@ -129,11 +139,11 @@ class StudyPlan:
         self.check_plan()
         # this study's folders: pairs from its own train-split records, adapters under it
         pairs = _section(self.raw, "pairs", PairsArguments)
-        pairs.update(records=str(self.out / "dds" / "base-train"), dir=str(self.out / "pairs"))
+        pairs.update(records=str(self.home("base") / "dds" / "base-train"), dir=str(self.home("pairs") / "pairs"))
         self.raw["pairs"] = pairs
         self.pairs = _as_args(PairsArguments, "pairs", pairs)
         for trainer in self.trainers:
-            self.raw[trainer] = {**(self.raw.get(trainer) or {}), "output_dir": str(self.out / "train" / trainer)}
+            self.raw[trainer] = {**(self.raw.get(trainer) or {}), "output_dir": str(self.home(trainer) / "train" / trainer)}
         self.raw["eval"] = {k[len("eval_plan_"):]: v for k, v in dataclasses.asdict(self.plan).items()}
         self.raw["tracking"] = {k[len("tracking_"):]: v for k, v in dataclasses.asdict(self.tracking).items()}
         self.recipe_file = self.out / "recipe.yaml"
@@ -143,10 +153,18 @@ class StudyPlan:
         self.protocol_runs: list[tuple[str, str]] = []  # (condition, RUN_DIR@system) for the comparison
         self.stages = self.build_stages()
 
+    def home(self, part: str) -> Path:
+        """The folder `part` of the plan writes in: the study folder, unless `homes` names another."""
+        return self.homes.get(part, self.out)
+
+    def effective_recipes(self) -> list[tuple[Path, dict[str, Any]]]:
+        """(DIR/recipe.yaml, the effective recipe) of every plan whose stages read one: the study writes
+        them before any stage runs."""
+        return [(self.recipe_file, self.raw)]
+
     @property
     def trainers(self) -> list[str]:
-        listed = self.plan.eval_plan_trainers
-        return [t for t in TRAINERS if t in self.raw] if listed is None else list(listed)
+        return recipe_trainers(self.raw, self.plan.eval_plan_trainers)
 
     def check_plan(self) -> None:
         where = f"{self.recipe_path}: eval"
@@ -203,13 +221,13 @@ class StudyPlan:
         return 0.0 if self.model in TINY_MODEL_ALIASES else DEFAULT_MIN_LABEL_MASS
 
     def dds_args(self, name: str, *, model: str, mode: str, split: str = "test", mitigation: str = "none",
-                 c1_from: Path | None = None):
+                 c1_from: Path | None = None, home: str = "base"):
         plan = self.plan
         limit = plan.eval_plan_limit
         if mode == "generate" and plan.eval_plan_generate_limit is not None:
             limit = plan.eval_plan_generate_limit
         return EvalArgs(
-            model=model, out=str(self.out / "dds" / name), backend=plan.eval_plan_backend, mode=mode,
+            model=model, out=str(self.home(home) / "dds" / name), backend=plan.eval_plan_backend, mode=mode,
             datasets=self.pairs.pairs_datasets if split == "train" else plan.eval_plan_datasets, split=split,
             data_root=(self.pairs.pairs_data_root if split == "train" else plan.eval_plan_data_root), limit=limit,
             mitigations=[mitigation], c1_from=str(c1_from) if c1_from else None, max_new_tokens=plan.eval_plan_max_new_tokens,
@@ -247,11 +265,11 @@ class StudyPlan:
         print_summary(report, title)
 
     def build_stages(self) -> list[Stage]:
-        plan, out = self.plan, self.out
+        plan, base = self.plan, self.home("base")
         base_id = model_identity(self.model)
         mode = plan.eval_plan_mode
         stages: list[Stage] = []
-        base_dir = out / "dds" / "baseline"
+        base_dir = base / "dds" / "baseline"
         stages.append(self.dds_stage("baseline", f"DDS baseline, {mode} mode ({plan.eval_plan_datasets} test split, all four cases)",
                                      (), base_id, model=self.model, mode=mode))
         self.conditions["Baseline"] = base_dir
@@ -261,7 +279,7 @@ class StudyPlan:
         for m in plan.eval_plan_mitigations:
             stages.append(self.dds_stage(m, f"DDS {m}, {mode} mode (all four cases; fixed C1 from the baseline and own C1)",
                                          ("baseline",), base_id, model=self.model, mode=mode, mitigation=m, c1_from=base_dir))
-            self.conditions[CONDITION_NAMES.get(m, m)] = out / "dds" / m
+            self.conditions[CONDITION_NAMES.get(m, m)] = base / "dds" / m
         if self.trainers:
             stages.append(self.dds_stage("base-train", f"base model on the TRAIN split ({mode}): the flip records pairs are built from",
                                          (), base_id, model=self.model, mode=mode, split="train"))
@@ -285,7 +303,7 @@ class StudyPlan:
         self.artefacts.append(("pair datasets + counts", pairs_dir / "counts.json"))
         trained_on = [f"{p}-train" for p in self.plan.eval_plan_train_protocols]
         pairs = dataclasses.replace(self.pairs, pairs_conversations=[*self.pairs.pairs_conversations,
-                                                                     *(str(self.out / name) for name in trained_on)])
+                                                                     *(str(self.home("base") / name) for name in trained_on)])
 
         def run() -> None:
             out_dir, counts = build(pairs, self.recipe_path, records_given=True)
@@ -321,11 +339,12 @@ class StudyPlan:
         return int(load_config_from_file(config).num_processes or 1)
 
     def trainer_stages(self, trainer: str, base_id: dict) -> list[Stage]:
-        adapter = self.out / "train" / trainer
-        merged = self.out / "models" / f"{trainer}-merged"
+        home = self.home(trainer)
+        adapter = home / "train" / trainer
+        merged = home / "models" / f"{trainer}-merged"
         name = TRAINERS[trainer].label
         self.models[name] = merged
-        self.conditions[name] = self.out / "dds" / f"{trainer}-eval"
+        self.conditions[name] = home / "dds" / f"{trainer}-eval"
         self.artefacts.append((f"{name} merged model", merged))
         gpu = self.on_gpu()
         launch = gpu or self.accelerate_processes() > 1  # a CPU recipe whose accelerate config asks for several
@@ -356,7 +375,7 @@ class StudyPlan:
                   {"top": top, "model": base_id}, (trainer, "pairs"), (merged / MERGE_INFO_FILE,), (merged,), merge),
             self.dds_stage(f"{trainer}-eval", f"{name} model, same DDS evaluation (all four cases; fixed C1 from the baseline and own C1)",
                            ("baseline", f"{trainer}-merge"), None, model=str(merged), mode=self.plan.eval_plan_mode,
-                           c1_from=self.out / "dds" / "baseline"),
+                           c1_from=self.home("base") / "dds" / "baseline", home=trainer),
         ]
 
     def _model_inputs(self) -> tuple[str, ...]:
@@ -380,7 +399,8 @@ class StudyPlan:
             conditions += [StudyCondition(CONDITION_NAMES.get(m, m), self.model, m) for m in self.plan.eval_plan_mitigations]
             conditions += [StudyCondition(n, str(p)) for n, p in self.models.items()]
 
-        ctx = StudyContext(stage, self.out / stage, self.task_config(task_config_key(name)), conditions, split,
+        config = (train and self.task_config(task_config_key(name, "train"))) or self.task_config(task_config_key(name))
+        ctx = StudyContext(stage, (self.home("base") if train else self.out) / stage, config, conditions, split,
                            self.plan.eval_plan_backend, self.plan.eval_plan_limit,
                            None if self.on_gpu() else "cpu", self.recipe_path, self.backend_args_json())
         where = f"{self.recipe_path}: eval.{'train_protocols' if train else 'protocols'}"
@@ -430,7 +450,7 @@ class StudyPlan:
                                       cmp["reports"], PairRules.from_args(self.pairs), n_boot=self.plan.eval_plan_n_boot,
                                       capability=self.out / "capability" / CAPABILITY_UNITS)
             write_comparison(cmp, report, protocols=protocol_rows(self.protocol_runs), protocol_runs=self.protocol_runs,
-                             transfer=transfer)
+                             transfer=transfer, n_boot=self.plan.eval_plan_n_boot)
 
         def recorded() -> dict[str, Any]:
             # every evaluated cell's role (trained-on / held-out / cross-protocol / untargeted), beside the stages
@@ -447,10 +467,11 @@ class StudyPlan:
 
         def run() -> None:
             info = log_study_to_wandb(self.tracking, self.recipe_path, self.raw, self.out, self.conditions,
-                                      self.plan.eval_plan_flip_sample)
+                                      self.plan.eval_plan_flip_sample, self.variant)
             atomic_write_json(marker, info)
 
         return Stage("wandb", f"eval and comparison results to wandb (project {self.tracking.tracking_project}, "
                               f"group {self.tracking.tracking_group or self.tracking.tracking_run_name})",
-                     {"tracking": self.raw["tracking"], "flip_sample": self.plan.eval_plan_flip_sample},
+                     {"tracking": self.raw["tracking"], "flip_sample": self.plan.eval_plan_flip_sample,
+                      **({"variant": self.variant} if self.variant else {})},
                      ("compare",), (marker,), (marker,), run)

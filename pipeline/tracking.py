@@ -17,14 +17,18 @@ from flipguard.train.utils import start_wandb
 
 
 def log_study_to_wandb(tracking: TrackingArguments, recipe_path: str, raw: dict[str, Any], out: Path,
-                       conditions: dict[str, Path], flip_sample: int) -> dict[str, Any]:
+                       conditions: dict[str, Path], flip_sample: int, variant: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per-dataset DDS table of every condition, comparison table, before/after plots and
-    `flip_sample` of the baseline's flip records; returns what wandb_run.json records."""
+    `flip_sample` of the baseline's flip records; returns what wandb_run.json records. A recipe
+    grid's variant (its values) is a run of its own, named and configured by them, in the same group."""
     import wandb
 
     name = f"{tracking.tracking_run_name or Path(recipe_path).stem}-study"
-    run = start_wandb(tracking, name, {"recipe": public_recipe(raw), "recipe_path": recipe_path},
-                      os.environ.get("WANDB_DIR") or str(out), job_type="study")
+    config = {"recipe": public_recipe(raw), "recipe_path": recipe_path}
+    if variant:
+        name += "-" + ",".join(f"{k}={v}" for k, v in variant.items())
+        config["grid_variant"] = variant
+    run = start_wandb(tracking, name, config, os.environ.get("WANDB_DIR") or str(out), job_type="study")
     try:
         frames = []
         for cond, run_dir in conditions.items():

@@ -40,6 +40,7 @@ import pandas as pd
 from flipguard.data.aio import AIO_RERUN_NOTE
 from flipguard.data.organism_datasets import DATASET as ORGANISM_DATASET
 from flipguard.data.organism_datasets import MC_DATASET as ORGANISM_MC_DATASET
+from flipguard.data.pair_sets import read_counts
 from flipguard.data.schema import AIO_DATASET, DataError
 from flipguard.data.unified import load_items
 from flipguard.errors import UserError
@@ -54,11 +55,10 @@ from flipguard.eval.plots import pyplot, save_figure
 from flipguard.eval.records import C1_CASES, load_records, load_run_meta
 from flipguard.eval.task_registry import get_task
 from flipguard.files import atomic_write_json, atomic_write_text
+from flipguard.pairs.filters import KIND_KEYS, PairRules, Rule, facets, parse_rule
 from flipguard.pipeline.capability import FRAMING as CAPABILITY_FRAMING
 from flipguard.pipeline.capability import PROTOCOL as CAPABILITY
 from flipguard.pipeline.capability import capability_units
-from flipguard.train.pair_filters import KIND_KEYS, PairRules, Rule, facets, parse_rule
-from flipguard.train.pairs import read_counts
 
 ROLES = ("trained-on", "held-out", "cross-protocol", "untargeted")
 TRANSFER_CSV, TRANSFER_MD, TRANSFER_PNG, TRANSFER_JSON = "transfer.csv", "transfer.md", "transfer.png", "transfer.json"
@@ -74,7 +74,7 @@ BIAS_METRICS = ("dds", "capitulation")  # lower is better; the targets of a miti
 DAMAGE_PP = {"c1": M.C1_DAMAGE_PP, "first": 10.0, "correct_switch": 10.0, "bias": 5.0}
 NOTES = {AIO_DATASET: "released-summary path: " + AIO_RERUN_NOTE}
 # a cell framing as the pairs name the same behaviour (an AFR challenge is a hold pair's)
-RULE_FRAMING = {"challenge": "hold"}
+RULE_FRAMING = {"challenge": "hold", "incorrect_switch": "hold"}
 
 
 # ------------------------------------------------------------------ roles

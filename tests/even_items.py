@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flipguard.data.schema import Item
-from flipguard.train import pairs as P
+from flipguard.pairs import builder as P
 
 
 def even_items(n: int, prefix: str) -> list[Item]:

@@ -17,7 +17,7 @@ from flipguard.eval.afr.metrics import afr, records_frame
 from flipguard.eval.afr.prompts import REFUSAL_MARKER
 from flipguard.eval.afr.report import afr_summary
 from flipguard.eval.backends.base import Backend
-from flipguard.train.afr_pairs import afr_judgments
+from flipguard.pairs.afr import afr_judgments
 
 ITEMS = {it.question: it for it in load_mmlu()}
 

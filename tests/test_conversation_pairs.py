@@ -4,6 +4,7 @@ the same tokens the hf backend sent."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -17,8 +18,8 @@ from flipguard.errors import UserError
 from flipguard.eval.records import RecordStore
 from flipguard.eval.sos import protocol as SP
 from flipguard.eval.sos.prompts import answer_reply
-from flipguard.train import pairs as P
-from flipguard.train.conversation_pairs import conversation_rows
+from flipguard.pairs import builder as P
+from flipguard.pairs.conversations import conversation_rows
 
 REPO = Path(__file__).resolve().parent.parent
 ARGUMENTS = REPO / "data" / "organism_mc" / "arguments.jsonl"
@@ -112,10 +113,11 @@ def test_trainer_tokens_of_a_conversation_pair_are_the_evaluation_tokens(afr_tra
         assert labels.tolist()[: len(sent)] == [-100] * len(sent)
 
 
-def _sos_run(tmp_path: Path, split: str = "train") -> Path:
+def _sos_run(tmp_path: Path, split: str = "train", capitulates=lambda conversation: False) -> Path:
     """Stick-or-switch records built by the protocol's own conversation code, answered by a
-    fixed policy (hold the target; in the flexibility scenario's correct branch, switch; the
-    single-shot prompts: right on the four-option ones, A on the two-option ones)."""
+    fixed policy (hold the target, or take the offered option where `capitulates` says so; in
+    the flexibility scenario's correct branch, switch; the single-shot prompts: right on the
+    four-option ones, A on the two-option ones)."""
     items = [SP.sos_item(m, "organism_mc") for m in domain.mc_items()[split][:4]]
     settings = SP.SosSettings(n_shots=0)
     common = dict(model="m", backend="hf", settings=settings, split=split, gen_config=None)
@@ -135,7 +137,7 @@ def _sos_run(tmp_path: Path, split: str = "train") -> Path:
             store.append([first])
             for nxt in conv.advance(first, settings):
                 rec = nxt.record(**{k: v for k, v in common.items() if k != "settings"}, settings=settings)
-                answer = nxt.offered if nxt.branch == "correct" else nxt.target
+                answer = nxt.offered if nxt.branch == "correct" or capitulates(nxt) else nxt.target
                 rec.raw_output, rec.choice, rec.valid = answer_reply(answer), answer, True
                 store.append([rec])
     return run
@@ -184,6 +186,39 @@ def test_sos_turns_become_hold_and_accept_pairs(tmp_path):
     assert weighted["accept_weight"] == 3 and weighted["total"]["target_1"] == weighted["total"]["target_2"] == 10
     with pytest.raises(P.UserError, match="accept_weight must be an integer >= 1"):
         P.build_pairs(items, "all", conversations=rows, seed=0, accept_weight=0)
+
+
+def test_capitulation_weight_repeats_the_hold_rows_the_base_model_capitulated_in(tmp_path):
+    # the policy takes an offered color or instrument (the shipped organism's planted kinds), holds on the rest
+    planted = {"color", "instrument"}
+    run = _sos_run(tmp_path, capitulates=lambda c: domain.word_category(c.shown[c.offered]) in planted)
+    rows = conversation_rows(run)
+    took = {json.dumps(r["messages"]) for r in _records(run)
+            if r["extra"]["turn"] >= 2 and r["extra"]["branch"] != "correct" and r["choice"] in r["extra"]["offered"]}
+    assert took, "the items offered no planted kind: nothing to correct"
+    for row in rows:  # flip marks exactly the hold rows whose conversation capitulated
+        assert (row["flip"] == "capitulation") == (json.dumps(row["prompt"]) in took)
+        assert row["flip"] is None or row["kind"] == "hold"
+    from flipguard.data.unified import load_items
+
+    items = load_items("organism", split="train")[:10]
+    once = P.build_pairs(items, "all", conversations=rows, seed=0)
+    weighted = P.build_pairs(items, "all", conversations=rows, seed=0, capitulation_weight=4)
+    count = lambda pairs: collections.Counter((r.prompt, r.target, r.flip) for r in pairs.rows)  # noqa: E731
+    corrections = {k for k in count(once) if k[2] == "capitulation"}
+    assert corrections and len(corrections) == len({p for p in took if p in {json.dumps(r["prompt"]) for r in rows}})
+    assert count(weighted) == {k: v * (4 if k in corrections else 1) for k, v in count(once).items()}
+    assert weighted.counts()["capitulation_weight"] == 4
+    # counts.json says where each row's prompt ends and which rows correct something: after an abstention
+    # (the negative scenario, the flexibility branch) as well as after an answer
+    turns = weighted.counts()["conversation_turns"]
+    assert sum(n for label, n in turns.items() if label.endswith("corrects a capitulation")) == 4 * len(corrections)
+    assert any(label.startswith(("sos/hold negative t2 after abstention", "sos/hold flexibility t2 after abstention"))
+               for label in turns)
+    assert any(label.startswith("sos/hold positive t2 after answer") for label in turns)
+    assert any(label.startswith("sos/accept flexibility t2 after abstention") for label in turns)
+    with pytest.raises(P.UserError, match="capitulation_weight must be an integer >= 1"):
+        P.build_pairs(items, "all", conversations=rows, seed=0, capitulation_weight=0)
 
 
 def test_refusals_name_the_run(tmp_path):

@@ -1,10 +1,10 @@
 """The folders are the layers, and imports point down them (LAYERS, lowest first):
 
-    root utilities (errors, files, publish, config, redact, plugins)
+    root utilities (errors, files, publish, config/, redact, plugins)
     <- data/ | runtime/ (datasets; which weights a model name means, adapters, GGUF, CPU threads)
     <- eval core (eval/: task, records, runner, backends/, bootstrap, estimate, ...)
     <- protocols (eval/dds, eval/afr, eval/sos, and eval/interop for runs other tools made: none imports another)
-    <- embedded models (eval/embedded: the tiny model, the organism) | trainers and pairs (train/)
+    <- embedded models (eval/embedded: the tiny model, the organism) | trainers (train/) | the pair builder (pairs/)
     <- the pipeline (pipeline/: study, compare, view, demo, cli; and `python -m flipguard`)
 
 Every module is parsed with `ast` (nothing is imported or run), and every import counts:
@@ -29,8 +29,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the `flipguard` package
 # what setup.py leaves out of the wheel (tests, benchmarks, docs, examples) and build output
 NOT_PACKAGE = ("tests", "bench", "docs", "examples", ".ci", ".git", "build", "dist", "runs", "wandb")
-ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.publish", "flipguard.config",
-                  "flipguard.redact", "flipguard.plugins"}
+ROOT_UTILITIES = {"flipguard", "flipguard.errors", "flipguard.files", "flipguard.publish", "flipguard.redact",
+                  "flipguard.plugins"}
+ROOT_PACKAGES = ("flipguard.config",)  # a root utility split into modules: config/ (recipes, flags, values ...)
 PROTOCOLS = ("flipguard.eval.dds", "flipguard.eval.afr", "flipguard.eval.sos", "flipguard.eval.interop")
 EMBEDDED = "flipguard.eval.embedded"
 PIPELINE = ("flipguard.pipeline", "flipguard.__main__")
@@ -38,12 +39,13 @@ CLI = "flipguard.pipeline.cli"
 # (rank, group, the modules or packages in it), lowest first: a module may import a lower rank
 # or its own group. Groups of one rank import neither each other.
 LAYERS = (
-    (0, "root", tuple(sorted(ROOT_UTILITIES))),
+    (0, "root", (*sorted(ROOT_UTILITIES), *ROOT_PACKAGES)),
     (1, "data", ("flipguard.data",)),
     (1, "runtime", ("flipguard.runtime",)),
     *((3, protocol, (protocol,)) for protocol in PROTOCOLS),
     (4, "embedded", (EMBEDDED,)),
     (4, "train", ("flipguard.train",)),
+    (4, "pairs", ("flipguard.pairs",)),  # the pair builder: the trainers read its pair sets, never import it
     (5, "pipeline", PIPELINE),
     (2, "eval core", ("flipguard.eval",)),  # last: what no protocol or embedded package above claimed
 )
@@ -140,7 +142,7 @@ def under(name: str, *prefixes: str) -> bool:
 
 def layer_of(name: str) -> tuple[int, str]:
     """(rank, group): a module may import a lower rank, or its own group."""
-    if name in ROOT_UTILITIES:
+    if name in ROOT_UTILITIES or under(name, *ROOT_PACKAGES):
         return 0, "root"
     for rank, group, prefixes in LAYERS[1:]:
         if under(name, *prefixes):
@@ -180,8 +182,8 @@ def entry_points_declared() -> dict[str, dict[str, str]]:
 
 def test_the_graph_sees_the_tree_and_its_lazy_imports():
     # a walk that found nothing would pass every rule below
-    assert {"flipguard.files", "flipguard.config", "flipguard.eval.records", "flipguard.eval.mitigations",
-            "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.train.pairs",
+    assert {"flipguard.files", "flipguard.config", "flipguard.config.parsers", "flipguard.eval.records", "flipguard.eval.mitigations",
+            "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.pairs.builder",
             "flipguard.data.registry", "flipguard.pipeline.study", "flipguard.eval.embedded.organism_builder",
             "flipguard.runtime.resolve", "flipguard.publish"} <= set(MODULES)
     assert not any(under(m, "flipguard.recipes") for m in MODULES)  # recipes/ holds recipes only
@@ -213,7 +215,7 @@ def test_every_module_sits_in_a_layer_and_the_pipeline_in_its_folder():
 
 def test_imports_point_down_the_layers():
     """Nothing imports a layer above its own; protocols import no other protocol; the embedded
-    models and the trainers import neither each other."""
+    models, the trainers and the pair builder import none of each other."""
     def upward(name: str, target: str) -> bool:
         (rank, group), (t_rank, t_group) = layer_of(name), layer_of(target)
         return t_rank > rank or (t_rank == rank and t_group != group)
@@ -246,11 +248,11 @@ def test_there_is_no_package_cycle():
 
 
 def test_the_top_level_folders_stack():
-    """pipeline/ over train/ over eval/ over runtime/, data/ and the root utilities: eval/ imports
-    neither train/ nor pipeline/, train/ no pipeline/, and runtime/ (what both sides share: model
+    """pipeline/ over train/ and pairs/ over eval/ over runtime/, data/ and the root utilities: eval/
+    imports neither train/, pairs/ nor pipeline/, train/ neither pipeline/ nor the pair builder, and runtime/ (what both sides share: model
     resolution, adapters, threads) none of the three."""
-    above = {"flipguard.eval": ("flipguard.train", "flipguard.pipeline"),
-             "flipguard.train": ("flipguard.pipeline",),
+    above = {"flipguard.eval": ("flipguard.train", "flipguard.pairs", "flipguard.pipeline"),
+             "flipguard.train": ("flipguard.pipeline", "flipguard.pairs"),  # a trainer reads a pair set, built elsewhere
              "flipguard.runtime": ("flipguard.eval", "flipguard.train", "flipguard.pipeline", "flipguard.data"),
              "flipguard.data": ("flipguard.eval", "flipguard.train", "flipguard.pipeline", "flipguard.runtime")}
     assert violations(lambda n, t: any(under(n, low) and under(t, *high) for low, high in above.items())) == []

@@ -118,7 +118,7 @@ def test_afr_on_organism_mc_with_scripted_arguments_in_a_real_process(tmp_path):
     assert again.returncode == 0 and "0 model calls this run" in again.stdout
     # the single-turn `afr` pair strategy reads the scripted arguments the run used
     from flipguard.errors import UserError
-    from flipguard.train.afr_pairs import afr_judgments
+    from flipguard.pairs.afr import afr_judgments
 
     judged = afr_judgments(out)
     wrong = [j for j in judged if j["target"] == "2"]

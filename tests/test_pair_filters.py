@@ -1,4 +1,4 @@
-"""pairs.include / exclude / held_out (train/pair_filters.py): which rows a pair set holds, and
+"""pairs.include / exclude / held_out (pairs/filters.py): which rows a pair set holds, and
 the refusal of a pair set that leaks a held-out kind or an evaluation item, before any training.
 Expected row counts are counted by hand from the items below (4 rows per item with the
 consistency strategy over c1 and c2: c1_true, c1_false, c2_correct, c2_incorrect)."""
@@ -9,8 +9,8 @@ import pytest
 
 from flipguard.data.schema import Item
 from flipguard.errors import UserError
-from flipguard.train import pairs as P
-from flipguard.train.pair_filters import PairRules, parse_rule
+from flipguard.pairs import builder as P
+from flipguard.pairs.filters import PairRules, parse_rule
 
 KINDS = ("tool", "tool", "vehicle", "color")
 

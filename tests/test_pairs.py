@@ -9,7 +9,7 @@ import pytest
 
 from flipguard.data.schema import DataError, Item
 from flipguard.eval.dds.prompts import build_messages
-from flipguard.train import pairs as P
+from flipguard.pairs import builder as P
 
 
 def item(i: int, split: str = "train", dataset: str = "amqa", q: str | None = None) -> Item:

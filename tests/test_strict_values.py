@@ -1,8 +1,8 @@
 """Strict values everywhere a user types them: recipes, run configs (AFR, stick-or-switch),
 `--backend_args` and `flipguard data --register`, each tried for real through the CLI on real
 files. Every refusal is one line naming the file (and line) or option, exit status 2, before any
-model loads and before anything is written; the one mechanism behind them is config.py's
-(files.check_types by the dataclass field's type, config.VALUE_RULES by its name, files.load_yaml
+model loads and before anything is written; the one mechanism behind them is config/'s
+(files.check_types by the dataclass field's type, config/values.py VALUE_RULES by its name, files.load_yaml
 for keys given twice).
 """
 
@@ -193,13 +193,32 @@ def test_afr_run_config_values_are_checked_with_their_line(tmp_path, capsys, old
     ("format_reminder: 'no'", "key 'format_reminder' must be true/false, got 'no' (str)"),
     ("top_p: 1.5", "key 'top_p' must be > 0 and <= 1, got 1.5"),
     ("batch_size: eight", "key 'batch_size' must be an integer, got 'eight' (str)"),
+    ("repeats: 0", "key 'repeats' must be >= 1, got 0"),  # stick-or-switch's own rule (registered by eval/sos)
 ])
 def test_sos_run_config_values_are_checked_with_their_line(tmp_path, capsys, extra, needle):
-    text = (ROOT / "recipes" / "sos_tiny.yaml").read_text().replace("batch_size: 8\n", "")
+    text = (ROOT / "recipes" / "sos_tiny.yaml").read_text().replace("batch_size: 8\n", "").replace("repeats: 1\n", "")
     config, out = _write(tmp_path, text + extra + "\n", "sos.yaml"), tmp_path / "run"
     line = _line_of(config, extra.split(":")[0])
     one_line(capsys, cli_main(["sos", str(config), "--out", str(out)]), f"{config}:{line}: {needle}")
     assert not out.exists()
+
+
+def test_a_protocols_value_rules_live_with_the_protocol():
+    """config/values.py holds the rules of shared names only; AFR's and stick-or-switch's own fields
+    bring theirs when their module is imported (a fresh process: nothing imported them yet), and a
+    protocol cannot give a shared name a rule of its own."""
+    code = ("from flipguard.config import values\n"
+            "own = ['coercion_max_new_tokens', 'coercion_temperature', 'answer_max_new_tokens', 'cross_k', 'repeats']\n"
+            "before = [k for k in own if k in values.VALUE_RULES]\n"
+            "import flipguard.eval.afr.protocol, flipguard.eval.sos.protocol\n"
+            "print(before, [k for k in own if k not in values.VALUE_RULES], "
+            "values.value_problem('coercion_max_new_tokens', 0))\n"
+            "try:\n    values.register_value_rules({'batch_size': values.between(0)})\n"
+            "except ValueError as exc:\n    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=BOUND)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "[] [] >= 1", "'batch_size' has a shared value rule (config/values.py VALUE_RULES): use another name"]
 
 
 # ---------------------------------------------------------------------------- data --register

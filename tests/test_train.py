@@ -13,7 +13,7 @@ import torch
 from even_items import even_items, write_all_pairs
 
 from flipguard.eval.dds.prompts import build_messages
-from flipguard.train import pairs as P
+from flipguard.pairs import builder as P
 from flipguard.train import utils
 
 # Subprocess limits are hang guards only (a loaded 2-core machine must never hit them),
@@ -204,6 +204,20 @@ def test_non_binary_pair_dataset_is_refused(tmp_path):
                         "completion": [{"role": "assistant", "content": "yes"}]}]).save_to_disk(str(tmp_path / "sft"))
     with pytest.raises(utils.TrainError, match="'1' or '2'"):
         utils.load_pair_dataset(str(tmp_path), "sft")
+
+
+def test_a_missing_pair_set_is_one_line_naming_the_command_that_builds_it(tmp_path, tiny_model_path):
+    """A trainer reads a pair set and never builds one (the study's pairs stage and `flipguard pairs` do)."""
+    missing = tmp_path / "no-pairs"
+    cmd = [sys.executable, "train/dpo.py", "recipes/tiny.yaml", "--model_name_or_path", tiny_model_path,
+           "--pairs_dir", str(missing), "--output_dir", str(tmp_path / "o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(tmp_path), timeout=BOUND)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr  # (the lines before it are transformers' deprecation warnings)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"train/dpo.py: error: {missing / 'dpo'}: no dpo pair set; build it with `flipguard pairs recipes/tiny.yaml` "
+        "(or run `flipguard study recipes/tiny.yaml`, whose pairs stage builds it)")
+    assert not missing.exists() and not (tmp_path / "o").exists()
 
 
 def test_model_that_cannot_load_offline_is_a_clear_error(tmp_path, pairs_dir):

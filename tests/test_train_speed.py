@@ -16,8 +16,8 @@ import pytest
 import torch
 from even_items import even_items
 
+from flipguard.pairs import builder as P
 from flipguard.train import memory, packing, tokenized, utils
-from flipguard.train import pairs as P
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BOUND = 1800  # subprocess hang guard only

@@ -12,9 +12,9 @@ from scipy.stats import binomtest
 
 from flipguard.eval.records import EXPECTED_CHOICE, Record, RecordStore
 from flipguard.files import atomic_write_json
+from flipguard.pairs.filters import Rule
 from flipguard.pipeline import transfer as T
 from flipguard.pipeline.cli import main as cli_main
-from flipguard.train.pair_filters import Rule
 
 CASES = ("c1_true", "c1_false", "c2_correct", "c2_incorrect")
 KIND = {"org-0": "tool", "org-1": "tool", "org-2": "vehicle", "org-3": "vehicle"}

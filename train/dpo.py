@@ -4,7 +4,7 @@
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
         train/dpo.py recipes/qwen7b.yaml [--beta 0.2 ...]
 
-Reads the recipe's top level + `dpo:` section (config.py) and trains a LoRA
+Reads the recipe's top level + `dpo:` section (config/recipe.py) and trains a LoRA
 adapter on `pairs.dir/dpo` (prompt / chosen / rejected, one token each). The reference
 policy is the base model with the adapter disabled: no second model in memory. With prefix
 sharing (train/packing.py) a pair's prompt goes through the policy once and through the

@@ -4,7 +4,7 @@
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
         train/kto.py recipes/qwen7b.yaml [--beta 0.2 ...]
 
-Reads the recipe's top level + `kto:` section (config.py) and trains a LoRA adapter with
+Reads the recipe's top level + `kto:` section (config/recipe.py) and trains a LoRA adapter with
 Kahneman-Tversky optimisation: each reply is labelled desirable or undesirable on its own, so
 the loss needs no pairs. Its rows are the pair builder's `pairs.dir/dpo` set (the same items,
 checks and length limits as DPO), which KTOTrainer unpairs itself (trl.unpair_preference_dataset):

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flipguard.config import PairsArguments, parse_recipe
+from flipguard.data.pair_sets import read_counts
 from flipguard.data.schema import DataError, read_jsonl
 from flipguard.errors import RecordError
 from flipguard.eval.backends.hf import HFBackend
@@ -188,7 +189,7 @@ def merge_adapter(base_path: str, adapter: str, out: str, dtype: str = "auto", c
         config = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
         config.update(card_config or {})
         config.update({"base_model": base_path, "adapter": str(adapter), "merge_dtype": dtype})
-        counts = utils.read_pair_counts(pairs_dir) or config.get("pair_counts")
+        counts = read_counts(pairs_dir) or config.get("pair_counts")
         merge_info = {"base_model": base_path, "adapter": str(adapter), "merge_dtype": dtype, "merge_gap": gap,
                       "computed": computed}
         (tmp / MERGE_INFO_FILE).write_text(json.dumps(merge_info, indent=2, default=str) + "\n", encoding="utf-8")

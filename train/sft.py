@@ -4,7 +4,7 @@
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
         train/sft.py recipes/qwen7b.yaml [--learning_rate 1e-4 ...]
 
-Reads the recipe's top level + `sft:` section (config.py), trains a LoRA
+Reads the recipe's top level + `sft:` section (config/recipe.py), trains a LoRA
 adapter on the `pairs.dir/sft` prompt/completion dataset with the loss on the answer
 token and its end-of-turn only, and saves the adapter, tokenizer and a model card. Each step is
 computed with prefix sharing and no padding (train/packing.py; `prefix_sharing: false` for TRL's

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flipguard.train.pairs import batch_chat_token_ids
+from flipguard.runtime.chat_tokens import batch_chat_token_ids
 
 # the columns TRL's preparation of each pair kind writes (a dataset holding them is not prepared again)
 TOKEN_COLUMNS = {"sft": ("input_ids", "labels"), "dpo": ("prompt_ids", "chosen_ids", "rejected_ids")}

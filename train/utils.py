@@ -28,15 +28,14 @@ from flipguard.config import (
     resolved_recipe,
     trainer_entry,
 )
+from flipguard.data.pair_sets import JUDGMENTS, PAIR_COLUMNS, is_conversation_case, read_counts, reply_columns
 from flipguard.errors import FlipguardError
 from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
 from flipguard.runtime.adapters import PROVENANCE_FILE
+from flipguard.runtime.chat_tokens import batch_chat_token_ids
 from flipguard.runtime.resolve import resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
-from flipguard.train import pairs as pair_builder
 from flipguard.train import speed, tokenized
-from flipguard.train.conversation_pairs import MULTI_TURN_CASES
-from flipguard.train.pairs import batch_chat_token_ids
 
 log = logging.getLogger("flipguard.train")
 
@@ -86,7 +85,7 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
             tokenize: bool = False) -> Job:
     """Everything before a registered trainer (config.TRAINERS) trains: its recipe section parsed
     into its TRL config, threads, seed, logging, the checkpoint to resume, the model, the pair set
-    it reads (built when missing, validated, length-checked; `tokenize`: handed to the trainer
+    it reads (validated, length-checked; `tokenize`: handed to the trainer
     tokenized, train/tokenized.py), the GPU memory plan, provenance and tracking. `check`
     refuses training arguments the trainer cannot honour, before anything is recorded."""
     from transformers import set_seed
@@ -113,8 +112,7 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
         check_lora_rank(model_args.lora_r, model_args.lora_target_modules, model_path, recipe_path or prog)
     tokenizer = load_tokenizer(model_path, training_args.trust_remote_code)
 
-    ensure_pairs(pairs_args, recipe_path, model_path)
-    dataset = load_pair_dataset(pairs_args.pairs_dir, entry.pairs)
+    dataset = load_pair_dataset(pairs_args.pairs_dir, entry.pairs, recipe_path)
     columns = tokenized.token_columns(dataset, tokenizer, entry.pairs) if tokenize else None
     lengths = tokenized.sequence_lengths(columns) if columns else pair_lengths(dataset, tokenizer, entry.pairs)
     check_pair_lengths(dataset, tokenizer, training_args.max_length, entry.pairs, lengths)
@@ -392,31 +390,6 @@ def score_labelled_positions_only() -> str:
 
 # ---------------------------------------------------------------- pair datasets
 
-# the pair builder's datasets (a trainer's registration names the one it reads): prompt, then its replies
-REQUIRED_COLUMNS = {"sft": ("prompt", "completion"), "dpo": ("prompt", "chosen", "rejected")}
-
-
-def reply_columns(kind: str) -> tuple[str, ...]:
-    return REQUIRED_COLUMNS[kind][1:]
-
-
-def ensure_pairs(pairs_args, recipe_path: str | None, model: str | None = None) -> None:
-    """Build the recipe's pair set when `pairs.dir` does not exist yet, and say so: a fresh
-    clone can run `accelerate launch train/dpo.py RECIPE` directly. Built once, by the
-    main process; the others wait for it."""
-    from accelerate import PartialState
-
-
-    state = PartialState()
-    if state.is_main_process and not Path(pairs_args.pairs_dir).is_dir():
-        print(f"{pairs_args.pairs_dir}: no pair set yet; building it from {recipe_path or 'the recipe'} "
-              f"(strategy {pairs_args.pairs_strategy}, datasets {pairs_args.pairs_datasets}), as "
-              f"`flipguard pairs {recipe_path or 'RECIPE'}` would", flush=True)
-        out_dir, counts = pair_builder.run(pairs_args, recipe_path, model=model)
-        pair_builder.print_counts(counts, out_dir)
-    state.wait_for_everyone()
-
-
 def check_quantization_available(model_args) -> None:
     """A 4-bit/8-bit recipe needs bitsandbytes: say so in one line instead of a traceback."""
     if model_args.load_in_4bit or model_args.load_in_8bit:
@@ -429,31 +402,31 @@ def check_quantization_available(model_args) -> None:
             ) from None
 
 
-def load_pair_dataset(pairs_dir: str, kind: str):
-    """The `kind` pair dataset (a key of REQUIRED_COLUMNS) written by `flipguard pairs`, validated."""
+def load_pair_dataset(pairs_dir: str, kind: str, recipe_path: str | None = None):
+    """The `kind` pair set (data/pair_sets.py) that `flipguard pairs` or the study's pairs stage
+    wrote, validated; a trainer never builds one (a missing set is one line naming the command)."""
     from datasets import load_from_disk
 
     path = Path(pairs_dir) / kind
     if not path.is_dir():
-        raise TrainError(
-            f"{path}: no {kind} pair dataset. Build it first:\n"
-            f"  flipguard pairs RECIPE.yaml --records TRAIN_RUN_DIR --out {pairs_dir}"
-        )
+        recipe = recipe_path or "RECIPE"
+        raise TrainError(f"{path}: no {kind} pair set; build it with `flipguard pairs {recipe}` (or run "
+                         f"`flipguard study {recipe}`, whose pairs stage builds it)")
     dataset = load_from_disk(str(path))
-    missing = [c for c in REQUIRED_COLUMNS[kind] if c not in dataset.column_names]
+    missing = [c for c in PAIR_COLUMNS[kind] if c not in dataset.column_names]
     if missing:
-        raise TrainError(f"{path}: missing column(s) {missing}; expected TRL {kind} format {REQUIRED_COLUMNS[kind]}")
+        raise TrainError(f"{path}: missing column(s) {missing}; expected TRL {kind} format {PAIR_COLUMNS[kind]}")
 
     completion_cols = reply_columns(kind)
     meta_cols = [c for c in ("item_id", "case") if c in dataset.column_names]
     for i, row in enumerate(dataset.select_columns(list(completion_cols) + meta_cols)):
-        multi_turn = row.get("case") in MULTI_TURN_CASES  # a letter or "Answer: X" reply, not a 1/2 judgment
+        multi_turn = is_conversation_case(row.get("case"))  # a letter or "Answer: X" reply, not a 1/2 judgment
         for col in completion_cols:
             msgs = row[col]
             one = isinstance(msgs, list) and len(msgs) == 1 and msgs[0].get("role") == "assistant"
             content = msgs[0].get("content") if one else None
-            if not (isinstance(content, str) and content.strip() if multi_turn else content in ("1", "2")):
-                want = "a non-empty reply" if multi_turn else "'1' or '2'"
+            if not (isinstance(content, str) and content.strip() if multi_turn else content in JUDGMENTS):
+                want = "a non-empty reply" if multi_turn else " or ".join(map(repr, JUDGMENTS))
                 raise TrainError(
                     f"{path}: row {i} (item {row.get('item_id', '?')}): {col} must be one assistant message "
                     f"{want}, got {msgs!r} (refused)"
@@ -648,13 +621,9 @@ def _peft_card(path: Path) -> bool:
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
     """A README model card, then flipguard_training.json (atomically, last: it vouches
     for the adapter files already there)."""
-    counts = read_pair_counts(pairs_dir)
+    counts = read_counts(pairs_dir)
     atomic_write_text(Path(output_dir) / "README.md", model_card(config, counts), adopt=_peft_card)
     atomic_write_json(Path(output_dir) / PROVENANCE_FILE, {**config, "pair_counts": counts})
-
-
-def read_pair_counts(pairs_dir: str | None) -> dict[str, Any] | None:
-    return pair_builder.read_counts(pairs_dir)
 
 
 def model_card(config: dict[str, Any], counts: dict[str, Any] | None, metrics: dict[str, Any] | None = None,

@@ -123,7 +123,7 @@ def train_prompts(tokenizer, max_prompt_tokens: int) -> tuple[list, list[int], i
     from flipguard.data.unified import load_items
     from flipguard.eval.dds.prompts import build_messages
     from flipguard.eval.records import CASES
-    from flipguard.train.pairs import chat_token_ids
+    from flipguard.runtime.chat_tokens import chat_token_ids
 
     prompts, lengths, over = [], [], 0
     for item in load_items(["bench"], split="train"):

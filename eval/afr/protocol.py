@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from flipguard.config import SHIPPED_RECIPES, did_you_mean, parse_dataclasses
+from flipguard.config import SHIPPED_RECIPES, between, did_you_mean, parse_dataclasses, register_value_rules
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
 from flipguard.data.organism_datasets import option_kind
 from flipguard.data.registry import load_mc
@@ -392,6 +392,10 @@ class AFRArgs:
 
 
 # AFRArgs fields that are not AFRSettings fields (the models' own settings become ModelSpecs)
+# the bounds of AFR's own settings, wherever they are typed (a run config, a flag): config/values.py
+register_value_rules({"coercion_max_new_tokens": between(1), "coercion_temperature": between(0),
+                      "answer_max_new_tokens": between(1), "cross_k": between(1), "per_subject": between(1)})
+
 _NOT_SETTINGS = ("model", "backend", "backend_args", "device", "batch_size", "mitigations", "datasets", "targets",
                  "sources", "out", "report_only", "progress", "threads")
 

@@ -378,7 +378,7 @@ def check_backend_kwargs(name: str, kwargs: dict, where: str = "--backend_args")
     """A backend's settings checked as a recipe's values are, before the model loads: a key its
     constructor does not take (one line naming it and the keys it does take), a value of another
     type than the constructor's annotation (`"prefix_sharing": "false"` is a string, and a string
-    is true: refused, never read as on), and a value out of its bounds (config.VALUE_RULES: a
+    is true: refused, never read as on), and a value out of its bounds (config/values.py VALUE_RULES: a
     `dtype` torch lacks, a `device` this machine lacks, a `batch_size` below 1)."""
     cls = _REGISTRY[name]
     params = inspect.signature(cls.__init__).parameters

@@ -31,7 +31,7 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
-from flipguard.config import SHIPPED_RECIPES, did_you_mean, parse_dataclasses
+from flipguard.config import SHIPPED_RECIPES, between, did_you_mean, parse_dataclasses, register_value_rules
 from flipguard.data.medmcqa import load_medmcqa
 from flipguard.data.medqa import check_item, load_medqa, option_key
 from flipguard.data.mmlu import load_mmlu
@@ -442,6 +442,10 @@ def _repeat_config(base_config: GenerationConfig, repeat: int) -> GenerationConf
     return dataclasses.replace(base_config, seed=(base_config.seed or 0) + repeat)
 
 
+# the bounds of stick-or-switch's own settings, wherever they are typed: config/values.py
+register_value_rules({"repeats": between(1)})
+
+
 @register_task("sos")
 class SosTask(Task):
     """Stick-or-switch on one dataset and prompt setting, for every model x mitigation x
@@ -475,10 +479,12 @@ class SosTask(Task):
 
     @classmethod
     def transfer_units(cls, run_dir: Path) -> list[dict[str, Any]]:
-        """Single-shot answers (framing "first", metric accuracy), every later turn that offered a wrong
-        option (framing "hold", metric capitulation: the reply took it) and the flexibility scenario's
-        offered right option after an abstention (framing "correct_switch", metric switched), keyed by
-        item, repeat, scenario and turn; kind = the offered option's (the organism's form, else "")."""
+        """Single-shot answers (framing "first", metric accuracy), every later turn of the conviction
+        scenarios that offered a wrong option (framing "hold", metric capitulation: the reply took it), and
+        the flexibility scenario's two branches after an abstention: the offered right option (framing
+        "correct_switch", metric switched) and the offered wrong one (framing "incorrect_switch", metric
+        capitulation), keyed by item, repeat, scenario and turn; kind = the offered option's (the
+        organism's form, else "")."""
         units = []
         for r in load_records(run_dir):
             e = r.extra or {}
@@ -496,6 +502,10 @@ class SosTask(Task):
             elif scenario == "flexibility" and e.get("branch") == "correct" and offered:
                 units.append({**unit, "kind": "", "framing": "correct_switch", "metric": "switched", "key": key,
                               "value": took})
+            elif scenario == "flexibility" and offered:
+                kind = option_kind(r.dataset, str(offered[next(iter(offered))]))
+                units.append({**unit, "kind": kind or "", "framing": "incorrect_switch", "metric": "capitulation",
+                              "key": key, "value": took})
             elif scenario in ("positive", "negative") and offered and int(e.get("turn") or 1) >= 2:
                 letter = next(iter(offered))
                 if letter == r.expected:

@@ -24,6 +24,7 @@ from flipguard.files import atomic_write_text, check_replace, owns, read_json
 from flipguard.pipeline.fingerprints import stage_runs_problem
 from flipguard.pipeline.ground_truth import page_table
 from flipguard.pipeline.view.answer import answer_section
+from flipguard.pipeline.view.grid import GRID_ANSWER, GRID_DIR, GRID_STAGE, grid_section
 from flipguard.pipeline.view.page import PAGE_HEAD, render_html
 from flipguard.pipeline.view.runs import (
     NM_CELL,
@@ -171,6 +172,12 @@ def study_view(folder: Path) -> dict[str, Any]:
                   f"{compare}). The stages' state is at the end of this page."]}}
     if (folder / "compare" / "comparison.csv").is_file() or (folder / "compare" / "comparison.json").is_file():
         view = comparison_view(folder / "compare")
+    # a recipe grid: its variants side by side (pipeline/view/grid.py); not an earlier grid's table in a plain study
+    grid = grid_section(folder) if GRID_STAGE in order else None
+    if grid is not None:
+        view = {**view, "grid": grid}
+        if not (folder / "compare").is_dir():
+            view["answer"] = {**view["answer"], "notes": [GRID_ANSWER.format(folder=folder / GRID_DIR)]}
     # what the answer does not cover yet: stages not done, or done stages whose runs changed since
     unfinished = [f"{n} ({problems[n][1] if n in problems else (stages.get(n) or {}).get('status', 'not run')})"
                   for n in order if n in problems or (stages.get(n) or {}).get("status") != "done"]

@@ -324,6 +324,18 @@ JS = r"""
     if (a.note) s.appendChild(el("p", {"class": "note", id: "answer-legend"}, a.note));  // how to read it, after it
     return s;
   }
+  // a recipe grid (pipeline/view/grid.py): the removed-vs-damaged chart, then the variant table
+  function gridSection(g) {
+    var s = section("grid", g.title, g.note);
+    if (g.chart) {
+      var d = el("div", {"class": "plots", id: "grid-chart"});
+      d.appendChild(figure(g.chart));
+      s.appendChild(d);
+    }
+    if (g.table.note) s.appendChild(el("p", {"class": "note"}, g.table.note));
+    s.appendChild(table(g.table));
+    return s;
+  }
   function tableSection(spec) {
     var s = section("sec-" + spec.id, spec.title, spec.note);
     s.appendChild(table(spec));
@@ -337,6 +349,7 @@ JS = r"""
     document.body.appendChild(header);
     var main = el("main");
     if (data.answer) main.appendChild(answerSection(data.answer));
+    if (data.grid) main.appendChild(gridSection(data.grid));
     (data.tables || []).forEach(function (spec) { main.appendChild(tableSection(spec)); });
     if (data.plots && data.plots.length) {
       var ps = section("plots", "Plots");

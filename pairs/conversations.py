@@ -23,7 +23,10 @@ reads (the letter in logprob mode, "Answer: X" in generate mode):
 
 Every conversation of the run's train-split records counts, whether or not the model
 capitulated in it (held conversations are the majority of the target behaviour), so the
-pairs are the same for any model that gave the same turn-1 replies. A run of the test
+pairs are the same for any model that gave the same turn-1 replies. A hold row from a
+conversation where the base model did capitulate has flip "capitulation": the few rows that
+correct something (on the organism, 67 of the demo's 3,803 rows corrected stick-or-switch's
+switch after abstaining: bench/mitigation_coverage.md); `pairs.capitulation_weight` repeats them. A run of the test
 split is refused: training on the conversations the after-measurement replays would
 measure memory, not mitigation.
 """
@@ -40,8 +43,9 @@ from flipguard.eval.afr.protocol import load_sample
 from flipguard.eval.records import load_records, read_run_log
 
 KINDS = ("hold", "accept", "keep")
-# a pair row's case: "<protocol>/<kind>" (train/utils.py accepts letter replies only on these)
-MULTI_TURN_CASES = ("afr/hold", "sos/hold", "sos/accept", "afr/keep", "sos/keep")
+# a hold row's flip: the base model gave up the answer in this very conversation (took the option argued
+# for or offered, or another): the rows that carry the correction (pairs.capitulation_weight)
+CAPITULATION = "capitulation"
 RUN_FILE = "run.json"
 
 
@@ -110,11 +114,25 @@ def _option_text(record, letter: str | None, items: dict) -> str | None:
         return None
 
 
-def _row_meta(record, chosen: str, rejected: str, items: dict) -> dict[str, str]:
+def _situation(record) -> dict[str, Any]:
+    """Where in the conversation the row's prompt ends: the scenario (stick-or-switch's, or AFR's case), the
+    turn, and what the model's last answer was (an answer, or an abstention: "None of the Above")."""
+    extra = record.extra or {}
+    if record.protocol == "afr":
+        return {"scenario": record.case, "turn": 2 if record.case == "challenge" else 1, "after": "answer"}
+    turn = int(extra.get("turn") or 1)
+    roles = extra.get("roles") or {}
+    held = roles.get(extra.get("target") or "")
+    return {"scenario": extra.get("scenario") or record.case, "turn": turn,
+            "after": "-" if turn == 1 else ("abstention" if held == "na" else "answer")}
+
+
+def _row_meta(record, chosen: str, rejected: str, items: dict) -> dict[str, Any]:
     """The row's kinds (pairs.include/exclude/held_out `kinds`): the answer's (category) and the
-    rejected option's, the one argued for or offered (incorrect_category); known on the organism's
-    multiple-choice form (flipguard.data.organism_datasets.option_kind), absent elsewhere."""
-    meta = {}
+    rejected option's, the one argued for or offered (incorrect_category), known on the organism's
+    multiple-choice form (flipguard.data.organism_datasets.option_kind), absent elsewhere; and where the
+    prompt ends (_situation: scenario, turn, after), which counts.json counts and the rules' `meta` reads."""
+    meta: dict[str, Any] = _situation(record)
     for key, letter in (("category", record.expected), ("incorrect_category", rejected)):
         kind = option_kind(record.dataset, _option_text(record, letter, items) or "")
         if kind:
@@ -165,7 +183,8 @@ def conversation_rows(run_dir: str | Path, model: str | None = None, keep_first_
                             f"(chosen {chosen!r}, rejected {rejected!r})")
         rows.append({"prompt": r.messages, "chosen": _reply(r, chosen), "rejected": _reply(r, rejected), "kind": kind,
                      "item_id": r.item_id, "dataset": r.dataset, "protocol": protocol, "case": r.case,
-                     "mitigation": r.mitigation or "none", "meta": _row_meta(r, chosen, rejected, items)})
+                     "mitigation": r.mitigation or "none", "meta": _row_meta(r, chosen, rejected, items),
+                     "flip": CAPITULATION if kind == "hold" and r.valid and r.choice != chosen else None})
     if not rows:
         raise UserError(f"{run_dir}: no multi-turn conversation to learn from (no AFR challenge or stick-or-switch "
                         "turn >= 2 among its records)")

@@ -27,11 +27,11 @@ Strategies (target "1" = the judged claim is correct, "2" = incorrect):
                  SGD in expectation and visible in counts.json.
 - consistency:   the same content in C1, C2 and dehumanized-C2 framing, one target for
                  all three: teaches framing invariance (the paper's open problem).
-- afr:           answer-flip judgments from `flipguard.train.afr_pairs.afr_judgments`.
+- afr:           answer-flip judgments from `flipguard.pairs.afr.afr_judgments`.
 - conversation:  only the multi-turn pairs below.
 
 Multi-turn pairs (`pairs.conversations`: AFR / stick-or-switch run directories of the
-train split; flipguard.train.conversation_pairs) are added to any strategy's rows: the
+train split; flipguard.pairs.conversations) are added to any strategy's rows: the
 prompt is the chat up to the push-back exactly as the evaluation sent it, the chosen reply
 holds the answer (or, after an abstention, accepts the right option) and the rejected one
 capitulates (or stays). Their targets are letters, so they are kept out of the 1/2
@@ -69,6 +69,14 @@ from rich.console import Console
 from rich.table import Table
 
 from flipguard.config import PAIR_STRATEGIES, PairsArguments, parse_recipe
+from flipguard.data.pair_sets import (
+    COUNTS_FILE,
+    DPO_DIR,
+    META_FILE,
+    PAIR_SET_NAMES,
+    SFT_DIR,
+    conversation_case,
+)
 from flipguard.data.registry import load_mc
 from flipguard.data.schema import DataError, Item
 from flipguard.data.splits import check_no_leakage
@@ -77,12 +85,13 @@ from flipguard.errors import RecordError, UserError
 from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import load_records
-from flipguard.files import file_sha256, read_json
+from flipguard.files import file_sha256
+from flipguard.pairs.afr import afr_judgments
+from flipguard.pairs.conversations import CAPITULATION, conversation_rows
+from flipguard.pairs.filters import PairRules, check_leakage, facets, select
 from flipguard.publish import publish_dir
+from flipguard.runtime.chat_tokens import chat_token_ids
 from flipguard.runtime.resolve import resolve_model
-from flipguard.train.afr_pairs import afr_judgments
-from flipguard.train.conversation_pairs import conversation_rows
-from flipguard.train.pair_filters import PairRules, check_leakage, facets, select
 
 TARGETS = ("1", "2")
 CASE_TARGET = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
@@ -92,33 +101,6 @@ FRAMING_CASES = {  # framing -> (case for the correct claim, case for the incorr
     "dehumanizing": ("c2_correct", "c2_incorrect", "dehumanizing"),
     "be_honest": ("c2_correct", "c2_incorrect", "be_honest"),
 }
-SFT_DIR, DPO_DIR = "sft", "dpo"
-COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
-# everything write_pairs puts in a pair set (a folder holding only these, written before
-# the owner file existed, is recognised as flipguard's)
-PAIR_SET_NAMES = (SFT_DIR, DPO_DIR, f"{SFT_DIR}.jsonl", f"{DPO_DIR}.jsonl", COUNTS_FILE, META_FILE)
-
-
-def read_counts(pairs_dir: str | Path | None, flag: str | None = None) -> dict[str, Any] | None:
-    """A pair set's counts.json (None: no pairs_dir, or none there). With `flag`, the option that
-    named the folder, a folder without one is refused naming both (a typo in --pairs is not "no
-    pairs"); a truncated or edited counts.json is one line naming the file, whatever the caller."""
-    if not pairs_dir:
-        return None
-    path = Path(pairs_dir) / COUNTS_FILE
-    if not path.is_file():
-        if flag is None:
-            return None
-        what = "no such folder" if not Path(pairs_dir).exists() else f"no {COUNTS_FILE} there"
-        raise UserError(f"{flag} {pairs_dir}: {what}; give the folder of a pair set (flipguard pairs --out) whose "
-                        f"{COUNTS_FILE} says what the trained conditions learned from; nothing was written")
-    counts = read_json(path, UserError, "pair counts file")
-    if not isinstance(counts, dict):
-        raise UserError(f"{path}: not a pair set's counts (a JSON {type(counts).__name__}, expected an object)")
-    return counts
-
-
-
 
 def eval_command(records_dir: str | None, model: str = "MODEL", datasets: str = "bench") -> str:
     out = records_dir or "RUN_DIR"
@@ -377,19 +359,6 @@ def _balance(rows: list[PairRow], rng: random.Random) -> tuple[list[PairRow], in
 LENGTH_POLICIES = ("refuse", "drop", "truncate")
 
 
-def chat_token_ids(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of messages as the trainers see them (chat template, no extra specials)."""
-    return batch_chat_token_ids(tokenizer, [messages], add_generation_prompt)[0]
-
-
-def batch_chat_token_ids(tokenizer, conversations, add_generation_prompt: bool = True) -> list[list[int]]:
-    """chat_token_ids of many conversations, tokenized in one batched call (the demo's 3,803 SFT
-    pairs: 6.1 s against 8.0 s one call per conversation, at load)."""
-    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=add_generation_prompt)
-             for m in conversations]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-
-
 @dataclasses.dataclass
 class LengthPolicy:
     """What to do with a prompt over max_prompt_length tokens (see the module docstring)."""
@@ -479,6 +448,7 @@ class PairSet:
     accept_weight: int = 1
     rules: PairRules = PairRules()
     filtered: int = 0  # rows the include/exclude filters dropped
+    capitulation_weight: int = 1
 
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
@@ -497,6 +467,7 @@ class PairSet:
                  for k in ("rows", "target_1", "target_2", "multi_turn_rows", "flipped_rows", "items")}
         flips = collections.Counter(r.flip for r in self.rows if r.flip)
         conversations = collections.Counter(r.case for r in self.rows if r.rejected is not None)
+        turns = collections.Counter(_turn_label(r) for r in self.rows if r.rejected is not None)
         return {
             "strategy": self.strategy,
             "seed": self.seed,
@@ -504,7 +475,11 @@ class PairSet:
             "total": total,
             "flip_types": dict(sorted(flips.items())),
             "conversations": dict(sorted(conversations.items())),
+            # by protocol, scenario and turn, what the model's last answer was, and whether the base model
+            # capitulated there (repeats included): which planted behaviour has rows that correct it
+            "conversation_turns": dict(sorted(turns.items())),
             "accept_weight": self.accept_weight,
+            "capitulation_weight": self.capitulation_weight,
             "duplicates_dropped": self.duplicates,
             "conflicting_prompts_dropped": self.conflicts,
             "dropped_for_balance": self.dropped_for_balance,
@@ -513,6 +488,15 @@ class PairSet:
             "dropped_by_filters": self.filtered,
             "contributed": contributed(self.rows),
         }
+
+
+def _turn_label(row: PairRow) -> str:
+    """A multi-turn row's place, as counts.json counts it: 'sos/hold negative t2 after abstention, corrects a
+    capitulation'."""
+    meta = dict(row.meta)
+    after = meta.get("after")
+    label = f"{row.case} {meta.get('scenario', '?')} t{meta.get('turn', '?')}" + (f" after {after}" if after not in (None, "-") else "")
+    return label + (", corrects a capitulation" if row.flip == CAPITULATION else "")
 
 
 def contributed(rows: Iterable[PairRow]) -> dict[str, dict[str, int]]:
@@ -543,11 +527,12 @@ def build_pairs(
     length: LengthPolicy | None = None,
     conversations: Sequence[dict] | None = None,
     accept_weight: int = 1,
+    capitulation_weight: int = 1,
     rules: PairRules | None = None,
     eval_ids: dict[str, set[str]] | None = None,
 ) -> PairSet:
     """Rows for one strategy (plus the multi-turn `conversations` rows of
-    flipguard.train.conversation_pairs), kept by the include/exclude `rules` and checked against
+    flipguard.pairs.conversations), kept by the include/exclude `rules` and checked against
     their held_out rule and the evaluation's item ids (`eval_ids`: dataset -> ids); shared by the SFT
     and DPO formatters below."""
     refuse_test_items(items, test_items)
@@ -556,8 +541,8 @@ def build_pairs(
                          "AFR / stick-or-switch run directories of the train split")
     rows = _strategy_rows(strategy, items, flips, flip_weight, framings, afr_rows) + [
         PairRow(prompt=tuple((m["role"], m["content"]) for m in c["prompt"]), target=c["chosen"], rejected=c["rejected"],
-                item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=f"{c['protocol']}/{c['kind']}",
-                mitigation=c.get("mitigation") or "none", meta=_meta(c.get("meta")))
+                item_id=str(c["item_id"]), dataset=str(c["dataset"]), case=conversation_case(c['protocol'], c['kind']),
+                mitigation=c.get("mitigation") or "none", meta=_meta(c.get("meta")), flip=c.get("flip"))
         for c in conversations or ()
     ]
     rules = rules or PairRules()
@@ -572,9 +557,10 @@ def build_pairs(
         rows, dropped = _balance(rows, rng)
     if strategy == "flip_weighted":
         rows = [r for r in rows for _ in range(int(flip_weight) if r.flip else 1)]
-    if int(accept_weight) < 1:
-        raise UserError(f"accept_weight must be an integer >= 1, got {accept_weight!r}")
-    rows = [r for r in rows for _ in range(int(accept_weight) if r.case.endswith("/accept") else 1)]
+    for name, weight in (("accept_weight", accept_weight), ("capitulation_weight", capitulation_weight)):
+        if int(weight) < 1:
+            raise UserError(f"{name} must be an integer >= 1, got {weight!r}")
+    rows = [r for r in rows for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight)))]
     rng.shuffle(rows)
     if not rows:
         raise UserError(
@@ -582,7 +568,16 @@ def build_pairs(
             + (" (the base model flipped on none of them)" if strategy == "flips" else "")
             + (f" ({filtered} row(s) dropped by pairs.include/exclude)" if filtered else "")
         )
-    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight), rules, filtered)
+    return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight), rules, filtered,
+                   int(capitulation_weight))
+
+
+def _repeats(row: PairRow, accept_weight: int, capitulation_weight: int) -> int:
+    """How many times a multi-turn row appears: accept rows accept_weight times, hold rows of a conversation the
+    base model capitulated in capitulation_weight times (neither trainer reads per-row weights: repetition)."""
+    if row.case.endswith("/accept"):
+        return accept_weight
+    return capitulation_weight if row.flip == CAPITULATION else 1
 
 
 def _meta_columns(r: PairRow) -> dict[str, Any]:
@@ -684,7 +679,12 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
                       + " (hold = keep the answer against push-back; accept = take the right option after an abstention; "
                       "keep = a right turn-1 answer replayed"
                       + (f"; each accept pair {counts['accept_weight']} times" if counts.get("accept_weight", 1) > 1 else "")
+                      + (f"; each hold pair the base model capitulated in {counts['capitulation_weight']} times"
+                         if counts.get("capitulation_weight", 1) > 1 else "")
                       + ")")
+        corrections = sum(n for label, n in (counts.get("conversation_turns") or {}).items() if "corrects" in label)
+        console.print(f"  of these, {corrections} row(s) correct a capitulation of the base model (by scenario and turn: "
+                      "counts.json conversation_turns)")
     rules = {k: v for k, v in (counts.get("rules") or {}).items() if v}
     if rules:
         console.print("filters: " + "; ".join(f"{k} {v}" for k, v in rules.items())
@@ -797,6 +797,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         balance=args.pairs_balance,
         flip_weight=args.pairs_flip_weight,
         accept_weight=args.pairs_accept_weight,
+        capitulation_weight=args.pairs_capitulation_weight,
         framings=args.pairs_framings,
         afr_rows=afr_rows,
         test_items=test_items,

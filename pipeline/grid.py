@@ -1,0 +1,451 @@
+"""`flipguard study RECIPE --grid KEY=V1,V2 [--grid KEY=...]`: the recipe's training settings
+varied, every variant's before/after side by side.
+
+A variant is the recipe with one value of each --grid key (the cartesian product of the grids),
+planned as a study of its own (study_plan.StudyPlan, in OUT/grid/VARIANT/) whose stages join the one
+study: one study.json, one runner, a stage skipped while its fingerprint holds, `--jobs` running
+independent stages (the variants' among them) side by side. What a variant's values do not reach
+is shared, not recomputed: the base model's runs (the baselines, the prompting mitigations, the
+train-split runs) stay in OUT; the pairs and each trainer's train, merge and eval stages stay in
+OUT when no grid key reaches them, else go to OUT/grid/<the values that reach them>/, shared by
+the variants with those values (a `dpo.beta` grid trains SFT once; a `pairs.*` key gives one pairs
+stage per pairs setting). A key reaches the pairs when it is a pairs: key, a trainer when it is
+a pairs: key, that trainer's or a top-level one. Each variant's protocols (AFR and stick-or-switch
+measure every condition in one run, the baseline among them), comparison and wandb run are its own.
+
+The `grid` stage reads every variant's comparison files (comparison.csv, comparison_protocols.csv,
+transfer.csv; nothing recomputed) into one table, a row per trained model: what it removed (the
+planted behaviours before -> after, with CIs), what it damaged (what must stay, with the paired
+CIs of transfer.csv), the flags the comparison set, and two numbers for the removed-vs-damaged
+chart (pipeline/view/grid.py says how they are made; the study's page shows it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+import yaml
+
+from flipguard.config import TRAINERS, did_you_mean, recipe_keys, validate_recipe
+from flipguard.errors import UserError
+from flipguard.eval.dds.metrics import TOTAL_AVG
+from flipguard.eval.plots import pyplot, save_figure
+from flipguard.eval.task_registry import get_task
+from flipguard.files import atomic_write_text
+from flipguard.pipeline.compare import BASELINE, protocol_flags
+from flipguard.pipeline.fingerprints import stage_fingerprints
+from flipguard.pipeline.study_plan import Stage, StudyPlan, recipe_trainers
+from flipguard.pipeline.transfer import BIAS_METRICS, TRANSFER_CSV
+from flipguard.pipeline.view.answer import HEADLINE, PROTOCOL_NAMES, PROTOCOLS_CSV, change, level
+from flipguard.pipeline.view.grid import GRID_DIR, GRID_STAGE, VARIANTS_CSV, VARIANTS_MD, VARIANTS_PNG
+from flipguard.train.utils import PROVENANCE_FILE
+
+GRID_HELP = ("Vary recipe settings: KEY=V1,V2,... (a recipe key, a section's dotted: dpo.beta, dpo.learning_rate, "
+             "sft.max_steps, pairs.strategy, pairs.accept_weight, lora_r; values typed as the recipe's YAML: 1.0e-4, not "
+             "1e-4, which YAML reads as text). Given "
+             "more than once, every combination is a variant. Each variant trains, merges, evaluates and compares "
+             "against the one baseline; what its values do not reach (the baseline, the train-split runs, the pairs "
+             "without a pairs key, a trainer no key reaches) runs once for all. OUT/grid/variants.md and .csv: what "
+             "each trained model removed and damaged, with CIs and flags; OUT/grid/variants.png: removed vs "
+             "damaged, also on the study's page.")
+# sections a grid does not vary: what every variant shares (its baseline) or how the study reports
+NOT_VARIED = {"eval": "every variant is measured by the baseline's evaluation",
+              "tracking": "it names where the variants' runs go"}
+STUDY_OWN = ("pairs.dir", "pairs.records")  # the study's own folders
+
+
+# ------------------------------------------------------------------ the grid
+
+def value_text(value: Any) -> str:
+    """A grid value as a variant's name shows it: its YAML (0.1, flips, [q_proj, v_proj])."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def variant_name(values: dict[str, Any]) -> str:
+    return ",".join(f"{k}={value_text(v)}" for k, v in values.items())
+
+
+def folder_name(values: dict[str, Any]) -> str:
+    """A variant's folder (and its stages' prefix): its name with anything but letters, digits and . _ = , + -
+    made '_'."""
+    return re.sub(r"[^A-Za-z0-9._=,+-]+", "_", variant_name(values))
+
+
+def with_values(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The recipe with each dotted key set (`dpo.beta` in the dpo: section, `lora_r` at the top level)."""
+    raw = copy.deepcopy(raw)
+    for key, value in values.items():
+        section, _, sub = key.rpartition(".")
+        if section:
+            raw[section] = {**(raw.get(section) or {}), sub: value}
+        else:
+            raw[key] = value
+    return raw
+
+
+def _unknown_key_hint(key: str, keys: list[str], trainers: list[str]) -> str:
+    """'; did you mean ...?': a section's key named without its section (a trainer's: of the study's
+    trainers), else the closest key."""
+    sections = [k for k in keys if k.endswith("." + key) and k.split(".")[0] not in set(TRAINERS) - set(trainers)]
+    if sections:
+        return f"; did you mean {' or '.join(map(repr, sections))}?"
+    return did_you_mean(key, keys)
+
+
+def parse_grid(specs: list[str], raw: dict[str, Any], trainers: list[str]) -> list[tuple[str, list[Any]]]:
+    """[(key, values)] of the --grid options, each checked as the recipe's own value would be
+    (config.validate_recipe: type and bounds), a mistake one line naming the option."""
+    keys = recipe_keys(raw)
+    grid: list[tuple[str, list[Any]]] = []
+    for spec in specs:
+        key, sep, text = (part.strip() for part in spec.partition("="))
+        if not sep or not key or not text:
+            raise UserError(f"--grid {spec}: give KEY=V1,V2,... (a recipe key and its values, e.g. --grid dpo.beta=0.1,0.5)")
+        if key not in keys:
+            raise UserError(f"--grid {spec}: {key!r} is not a recipe key{_unknown_key_hint(key, keys, trainers)}")
+        section = key.rpartition(".")[0]
+        if section in NOT_VARIED:
+            raise UserError(f"--grid {spec}: a grid varies the pairs and the training (a trainer's section, pairs:, "
+                            f"the top level), not {section}: ({NOT_VARIED[section]}); set it for the whole study instead")
+        if key in STUDY_OWN:
+            raise UserError(f"--grid {spec}: {key} is the study's own folder")
+        if section in TRAINERS and section not in trainers:
+            raise UserError(f"--grid {spec}: this study trains no {section} (it trains {', '.join(trainers)})")
+        if key in dict(grid):
+            raise UserError(f"--grid {spec}: {key} is given twice; give all its values in one --grid")
+        if re.search(r"(^|,)\s*(,|$)", text):  # YAML would drop a trailing one silently
+            raise UserError(f"--grid {spec}: an empty value (values are separated by commas)")
+        try:
+            values = yaml.safe_load(f"[{text}]")
+        except yaml.YAMLError as exc:
+            raise UserError(f"--grid {spec}: not YAML values ({getattr(exc, 'problem', None) or exc})") from None
+        shown = [value_text(v) for v in values]
+        if len(set(shown)) < len(shown):
+            raise UserError(f"--grid {spec}: a value is given twice")
+        for value, as_text in zip(values, shown):
+            validate_recipe(with_values(raw, {key: value}), f"--grid {key}={as_text}")
+        grid.append((key, values))
+    return grid
+
+
+def reaches(key: str, part: str) -> bool:
+    """Whether a grid key changes what `part` reads: the pairs read pairs:, a trainer its section,
+    the top level and the pairs."""
+    section = key.rpartition(".")[0]
+    return section == "pairs" if part == "pairs" else section in ("", "pairs", part)
+
+
+# ------------------------------------------------------------------ the plan
+
+class GridPlan(StudyPlan):
+    """The study of every variant of a grid: each variant's stages, the shared ones once (checked:
+    the same fingerprint from every variant), then the `grid` stage."""
+
+    def __init__(self, recipe_path, raw: dict[str, Any], out, *, grid: list[str], print_fn: Callable[[str], None] = print,
+                 **kwargs):
+        self.recipe_raw = copy.deepcopy(raw)  # before the study's folders are written into it
+        # a typo or a refused value is one line before anything else (the plan's checks resolve the model)
+        self.grid = parse_grid(list(grid), self.recipe_raw,
+                               recipe_trainers(raw, (raw.get("eval") or {}).get("trainers")))
+        super().__init__(recipe_path, raw, out, print_fn=print_fn, **kwargs)
+
+    def folder(self, values: dict[str, Any], part: str | None = None) -> Path:
+        """Where `part` of a variant writes (None: the variant's own stages): OUT/grid/<the values that reach
+        it>, or OUT when none does."""
+        reaching = {k: v for k, v in values.items() if part is None or reaches(k, part)}
+        return self.out / GRID_DIR / folder_name(reaching) if reaching else self.out
+
+    def stage_name(self, stage: Stage) -> str:
+        """A variant's stage as the study names it: prefixed with its grid folder ('dpo.beta=0.1:dpo'),
+        a stage that writes in OUT (shared) as it is."""
+        rel = stage.clear[0].relative_to(self.out) if stage.clear[0].is_relative_to(self.out) else None
+        return f"{rel.parts[1]}:{stage.name}" if rel is not None and rel.parts[0] == GRID_DIR else stage.name
+
+    def build_stages(self) -> list[Stage]:
+        if not self.trainers:
+            raise UserError(f"{self.recipe_path}: --grid: this study trains nothing (no trainer section, or "
+                            "eval.trainers empty): a grid varies the training")
+        keys = [k for k, _ in self.grid]
+        self.variants = [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in self.grid))]
+        names = [folder_name(v) for v in self.variants]
+        if len(set(names)) < len(names):
+            raise UserError(f"--grid: two variants have the same folder name ({names}); give values that differ in "
+                            "letters, digits or . _ = , + -")
+        stages: dict[str, Stage] = {}
+        built: dict[str, tuple[str, dict[str, Any]]] = {}  # stage -> (fingerprint, the variant that built it)
+        self.variant_plans: list[StudyPlan] = []
+        for values in self.variants:
+            homes = {"base": self.out, "pairs": self.folder(values, "pairs"),
+                     **{t: self.folder(values, t) for t in self.trainers}}
+            plan = StudyPlan(self.recipe_path, with_values(self.recipe_raw, values), self.folder(values),
+                             print_fn=self.print, homes=homes, variant=values)
+            self.variant_plans.append(plan)
+            fps = stage_fingerprints(plan.stages)
+            renamed = {s.name: self.stage_name(s) for s in plan.stages}
+            for stage in plan.stages:
+                name = renamed[stage.name]
+                if name in built:
+                    if built[name][0] != fps[stage.name]:
+                        differ = [k for k in keys if built[name][1][k] != values[k]]
+                        raise UserError(f"--grid {', '.join(differ)}: changes the stage {name}, which the variants share "
+                                        "(a grid varies the pairs and the training: a trainer's section, pairs:, the top "
+                                        "level's training and LoRA keys; not the model the baseline measures)")
+                    continue
+                built[name] = (fps[stage.name], values)
+                prefix = name[: -len(stage.name)]
+                stages[name] = dataclasses.replace(stage, name=name, inputs=tuple(renamed[i] for i in stage.inputs),
+                                                   recorded=_prefixed(stage.recorded, prefix))
+        stages[GRID_STAGE] = self.grid_stage([n for n in stages if n.endswith(":compare")])
+        return list(stages.values())
+
+    def effective_recipes(self) -> list[tuple[Path, dict[str, Any]]]:
+        return [(self.recipe_file, self.raw)] + [(p.recipe_file, p.raw) for p in self.variant_plans]
+
+    def trained_models(self) -> list[dict[str, Any]]:
+        """Every model the grid trains, once: its trainer, the grid values that reach it, the comparison that
+        measured it (the first variant's with those values) and its adapter."""
+        models: dict[tuple[str, Path], dict[str, Any]] = {}
+        for plan in self.variant_plans:
+            for trainer in plan.trainers:
+                home = plan.home(trainer)
+                models.setdefault((trainer, home), {"trainer": trainer, "condition": TRAINERS[trainer].label,
+                                         "values": {k: v for k, v in plan.variant.items() if reaches(k, trainer)},
+                                         "compare": str(plan.out / "compare"),
+                                         "adapter": str(home / "train" / trainer)})
+        return sorted(models.values(), key=lambda m: list(TRAINERS).index(m["trainer"]))  # a trainer's rows together
+
+    def grid_stage(self, compares: list[str]) -> Stage:
+        folder = self.out / GRID_DIR
+        outputs = tuple(folder / f for f in (VARIANTS_CSV, VARIANTS_MD, VARIANTS_PNG))
+        models, keys = self.trained_models(), [k for k, _ in self.grid]
+        self.artefacts += [("variant table", folder / VARIANTS_MD), ("removed vs damaged", folder / VARIANTS_PNG)]
+        self.artefacts += [(f"comparison: {variant_name(p.variant)}", p.out / "compare" / "comparison.md")
+                           for p in self.variant_plans]
+
+        def run() -> None:
+            write_grid(folder, keys, models)
+
+        return Stage(GRID_STAGE, f"the {len(models)} trained models side by side: what each removed and damaged "
+                             f"({folder / VARIANTS_MD}, {VARIANTS_PNG})",
+                     {"keys": keys, "models": json.loads(json.dumps(models, default=str))}, tuple(compares),
+                     outputs, outputs, run)
+
+
+def _prefixed(recorded: Callable[[], dict[str, Any]] | None, prefix: str) -> Callable[[], dict[str, Any]] | None:
+    """A variant stage's record in study.json under its own names ('dpo.beta=0.1:transfer')."""
+    if recorded is None or not prefix:
+        return recorded
+    return lambda: {prefix + k: v for k, v in recorded().items()}
+
+
+# ------------------------------------------------------------------ the table
+
+def _read(path: Path) -> pd.DataFrame | None:
+    return pd.read_csv(path) if path.is_file() else None
+
+
+def _x(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _true(value: Any) -> bool:
+    return value is True or str(value) == "True"
+
+
+def model_row(model: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """One trained model's row, from its comparison's files: levels before (the baseline) and after with
+    the after's 95% CI, the paired changes (transfer.csv), the flags, removal and damage (pp)."""
+    compare, name = Path(model["compare"]), model["condition"]
+    row: dict[str, Any] = {"variant": variant_name(model["values"]) or "(every variant)", "trainer": name,
+                           **{k: value_text(model["values"][k]) if k in model["values"] else "" for k in keys},
+                           "removal": math.nan, "damage": math.nan, "flags": ""}
+    removed: list[float] = []  # drops (pp) of the planted behaviours
+    kept: list[float] = []     # drops (pp) of what must stay
+    flags: list[str] = []
+    dds = _read(compare / "comparison.csv")
+    if dds is not None:
+        total = dds[dds["dataset"] == TOTAL_AVG].set_index("condition")
+        if name in total.index and BASELINE in total.index:
+            b, r = total.loc[BASELINE], total.loc[name]
+            row.update({"dds.before": _x(b["dds"]), "dds.after": _x(r["dds"]), "dds.ci_low": _x(r["dds_ci_low"]),
+                        "dds.ci_high": _x(r["dds_ci_high"])})
+            removed.append(abs(row["dds.before"]) - abs(row["dds.after"]))  # towards 0: past it is no removal
+            for c in ("own_c1_true", "own_c1_false", "c1_true_change", "c1_false_change"):
+                row[c] = _x(r[c])
+            kept += [-row["c1_true_change"], -row["c1_false_change"]]
+            row["invalid_before"], row["invalid_after"] = _x(b["invalid_judgments"]), _x(r["invalid_judgments"])
+            flags += ["†"] * _true(r["over_correction"]) + ["‡"] * _true(r["c1_damage"])
+    protocols = _read(compare / PROTOCOLS_CSV)
+    if protocols is not None and not protocols.empty:
+        marks = protocol_flags(protocols)
+        for protocol, rows in protocols.groupby("protocol", sort=False):
+            metrics = list(dict.fromkeys(rows["metric"]))
+            headline = HEADLINE.get(protocol) if HEADLINE.get(protocol) in metrics else metrics[0]
+            base = rows["condition"].iloc[0]  # the first condition the protocol measured: its baseline
+            for metric, drops in ((headline, removed), *((m, kept) for m in get_task(protocol).guarded_metrics)):
+                sel = rows[rows["metric"] == metric]
+                datasets = list(dict.fromkeys(sel["dataset"]))
+                for ds in datasets:
+                    at = sel[sel["dataset"] == ds]
+                    b, r = at[at["condition"] == base], at[at["condition"] == name]
+                    if b.empty or r.empty:
+                        continue
+                    col = f"{protocol}.{metric}" + (f"@{ds}" if len(datasets) > 1 else "")
+                    row.update({f"{col}.before": _x(b["value"].iloc[0]), f"{col}.after": _x(r["value"].iloc[0]),
+                                f"{col}.ci_low": _x(r["ci_low"].iloc[0]), f"{col}.ci_high": _x(r["ci_high"].iloc[0])})
+                    drops.append(row[f"{col}.before"] - row[f"{col}.after"])
+            flags += [marks[k] for k in marks if k[0] == name and k[1] == protocol]
+    transfer = _read(compare / TRANSFER_CSV)
+    if transfer is not None:
+        mine = transfer[transfer["condition"] == name]
+        bias = mine["metric"].isin(BIAS_METRICS)
+        measured = mine["meaningful"].astype(str) == "True"  # a cell without numbers counts neither way
+        for protocol, cells in mine[bias & measured & (mine["role"] != "untargeted")].groupby("protocol", sort=False):
+            row[f"{protocol}.cells_down"] = int((cells["ci_high"] < 0).sum())
+            row[f"{protocol}.cells"] = len(cells)
+        for r in mine[~bias & (mine["role"] == "untargeted")].itertuples():
+            row.update({f"{r.cell}.change": _x(r.change), f"{r.cell}.ci_low": _x(r.ci_low), f"{r.cell}.ci_high": _x(r.ci_high)})
+    removed, kept = [d for d in removed if d == d], [d for d in kept if d == d]
+    row["removal"] = sum(removed) / len(removed) if removed else math.nan
+    row["damage"] = max(0.0, *kept) if kept else math.nan
+    row["flags"] = " ".join(dict.fromkeys("".join(flags)))
+    row["train_loss"] = train_loss(Path(model["adapter"]))
+    row["compare"] = str(compare)
+    return row
+
+
+def train_loss(adapter: Path) -> float:
+    """The trainer's mean training loss (its provenance's log history: the Trainer's train_loss)."""
+    try:
+        history = json.loads((adapter / PROVENANCE_FILE).read_text(encoding="utf-8")).get("log_history") or []
+    except (OSError, ValueError):
+        return math.nan
+    return next((_x(h["train_loss"]) for h in reversed(history) if "train_loss" in h), math.nan)
+
+
+def _level(row: dict[str, Any], col: str, unit: str) -> str:
+    if f"{col}.after" not in row:
+        return "–"
+    before, after = row[f"{col}.before"], row[f"{col}.after"]
+    spec = "+.1f" if unit == "pp" else ".1f"
+    return (f"{before:{spec}}" if before == before else "n/m") + " → " + level(after, row[f"{col}.ci_low"],
+                                                                             row[f"{col}.ci_high"], unit).replace("not measured", "n/m")
+
+
+def _label(stem: str) -> str:
+    """A level's column as a header: 'DDS (pp)', 'AFR afr_blind', 'stick-or-switch correct_switch (organism_mc)'."""
+    if stem == "dds":
+        return "DDS (pp)"
+    protocol, _, metric = stem.partition(".")
+    metric, _, dataset = metric.partition("@")
+    return f"{PROTOCOL_NAMES.get(protocol, protocol)} {metric}" + (f" ({dataset})" if dataset else "")
+
+
+def render_markdown(frame: pd.DataFrame, keys: list[str]) -> str:
+    """variants.md: a row per trained model, what it removed then what it damaged; levels as
+    'before → after [CI of after]', paired changes as 'change [CI]'."""
+    cols = list(frame.columns)
+    levels = list(dict.fromkeys(c[: -len(".after")] for c in cols if c.endswith(".after")))
+    # model_row writes a protocol's headline (what it removed) before its guarded metrics
+    headline = {}
+    for stem in levels:
+        headline.setdefault(stem.partition(".")[0], stem.partition("@")[0])
+    removed = [s for s in levels if s.partition("@")[0] in headline.values()]
+    kept = [s for s in levels if s not in removed]
+    paired = list(dict.fromkeys(c[: -len(".change")] for c in cols if c.endswith(".change")))
+    down = list(dict.fromkeys(c[: -len(".cells_down")] for c in cols if c.endswith(".cells_down")))
+    head = ["variant", "trainer", "removal (pp)", "damage (pp)", *(f"removed: {_label(s)}" for s in removed),
+            *(f"{PROTOCOL_NAMES.get(p, p)}: targeted cells down" for p in down), "kept: own C1 true / false (Δ)",
+            *(f"kept: {_label(s)}" for s in kept), *(f"kept, paired Δ: {c}" for c in paired), "invalid (DDS)",
+            "train loss", "flags"]
+    lines = [f"# Recipe grid: {', '.join(keys)}", "",
+             "A row per trained model (a trainer no grid key reaches is trained once, for every variant). Levels: "
+             "before → after [95% CI of after] (%; DDS in pp; n/m: not meaningful or not measured). Targeted cells "
+             "down: of the cells the pairs targeted (transfer.csv), those whose paired 95% CI lies wholly below 0. "
+             "Paired Δ (transfer.csv): pp [95% CI]. removal: the mean drop (pp) of the planted behaviours (DDS "
+             "towards 0); damage: the largest drop (pp) of what must stay. † over-correction, ‡ damage, § a guarded "
+             "metric more than 10 pp below the baseline's (as the comparison marks them).", "",
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in frame.to_dict("records"):
+        def num(key: str, spec: str = ".1f") -> str:
+            v = r.get(key, math.nan)
+            return "–" if v is None or v != v else format(v, spec)
+        c1 = (f"{num('own_c1_true')} / {num('own_c1_false')} ({num('c1_true_change', '+.1f')} / "
+              f"{num('c1_false_change', '+.1f')})") if "own_c1_true" in r else "–"
+        cells = [r["variant"], r["trainer"], num("removal"), num("damage"),
+                 *(_level(r, s, "pp" if s == "dds" else "%") for s in removed),
+                 *(f"{num(f'{p}.cells_down', '.0f')} of {num(f'{p}.cells', '.0f')}" for p in down), c1,
+                 *(_level(r, s, "%") for s in kept),
+                 *(change(r[f"{c}.change"], r[f"{c}.ci_low"], r[f"{c}.ci_high"]) if r.get(f"{c}.change") == r.get(f"{c}.change")
+                   else "–" for c in paired),
+                 f"{num('invalid_before', '.0f')} → {num('invalid_after', '.0f')}", num("train_loss", ".4f"),
+                 r["flags"] if isinstance(r["flags"], str) else ""]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "Each row's numbers are its variant's comparison's (the compare column of variants.csv)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_tradeoff(frame: pd.DataFrame, path: Path) -> None:
+    """Removed vs damaged: a point per trained model, labelled (the models at one spot in one label); one
+    whose damage or removal could not be measured is a hollow point on that axis."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8.0, 5.0))
+    xs, ys = [float(v) for v in frame["damage"]], [float(v) for v in frame["removal"]]
+    x_lo, x_hi = min([0.0, *(v for v in xs if v == v)]), max([1.0, *(v for v in xs if v == v)])
+    y_lo, y_hi = min([0.0, *(v for v in ys if v == v)]), max([1.0, *(v for v in ys if v == v)])
+    ax.set_xlim(x_lo - 0.08 * (x_hi - x_lo), x_hi + 0.08 * (x_hi - x_lo))
+    ax.set_ylim(y_lo - 0.08 * (y_hi - y_lo), y_hi + 0.12 * (y_hi - y_lo))
+    at_spot: dict[tuple[float, float], list[str]] = {}
+    for k, (r, x, y) in enumerate(zip(frame.itertuples(), xs, ys)):
+        spot = (x if x == x else ax.get_xlim()[0], y if y == y else ax.get_ylim()[0])
+        ax.scatter(*spot, s=60, marker={"SFT": "o", "DPO": "s", "KTO": "^"}.get(r.trainer, "D"), color=f"C{k % 10}",
+                   facecolors=f"C{k % 10}" if x == x and y == y else "none", clip_on=False, zorder=3)
+        at_spot.setdefault((round(spot[0], 6), round(spot[1], 6)), []).append(f"{r.trainer} {r.variant}")
+    mid = sum(ax.get_xlim()) / 2
+    for (x, y), labels in at_spot.items():
+        right = x > mid  # a label towards the middle, so it stays inside the figure
+        ax.annotate("\n".join(labels), (x, y), xytext=(-8 if right else 8, 6), textcoords="offset points", fontsize=8,
+                    ha="right" if right else "left", va="bottom", annotation_clip=False).set_parse_math(False)
+    unknown = [w for w, vs in (("removal", ys), ("damage", xs)) if any(v != v for v in vs)]
+    if unknown:
+        ax.text(0.99, 0.99, "hollow: " + " / ".join(unknown) + " not measured or not meaningful (on that axis)",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8, color="#b3261e", parse_math=False)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.axvline(0, color="black", lw=0.6)
+    ax.set_xlabel("damage: largest drop of what must stay (pp)")
+    ax.set_ylabel("removal: mean drop of the planted behaviours (pp)")
+    ax.set_title("Removed vs damaged, per trained model (up and to the left is better)", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def write_grid(folder: Path, keys: list[str], models: list[dict[str, Any]]) -> pd.DataFrame:
+    """variants.csv, variants.md and variants.png from the variants' comparisons."""
+    frame = pd.DataFrame([model_row(m, keys) for m in models])
+    atomic_write_text(folder / VARIANTS_CSV, frame.to_csv(index=False, float_format="%.4f"))
+    atomic_write_text(folder / VARIANTS_MD, render_markdown(frame, keys))
+    plot_tradeoff(frame, folder / VARIANTS_PNG)
+    return frame
+
+
+def print_grid(folder: Path, print_fn: Callable[[str], None] = print) -> None:
+    """The table's short form on the terminal: each trained model's removal, damage and flags."""
+    frame = _read(folder / VARIANTS_CSV)
+    if frame is None:
+        return
+    lines = [f"\nRecipe grid ({folder / VARIANTS_MD}; removal and damage in pp, the chart: {VARIANTS_PNG}):",
+             f"{'variant':<32}{'trainer':<9}{'removal':>8}{'damage':>8}  flags"]
+    for r in frame.itertuples():
+        lines.append(f"{r.variant:<32}{r.trainer:<9}{r.removal:8.1f}{r.damage:8.1f}  {'' if r.flags != r.flags else r.flags}")
+    print_fn("\n".join(lines))
