@@ -153,9 +153,11 @@ def condition_checks(condition: str, baseline: str, dds: pd.DataFrame, protocols
     if guard is not None and not guard.empty:
         g = guard.iloc[0]
         ok = bool(g.get("meaningful", True)) and float(g["ci_low"]) > RULE["capability"]
+        change = Estimate(float(g["change"]), float(g["ci_low"]), float(g["ci_high"]), unit="pp").format(1, True)
+        # the baseline's own row: its accuracy (the level every change is measured from), no change to read
+        measured = f"accuracy {float(g['value']):.1f}%" if condition == baseline else change
         checks.append(Check("capability (MMLU, lm-eval, paired change)", f"CI above {RULE['capability']:.0f} pp",
-                            Estimate(float(g["change"]), float(g["ci_low"]), float(g["ci_high"]), unit="pp").format(1, True), ok,
-                            "capability"))
+                            measured, ok, "capability"))
     else:
         checks.append(Check("capability (MMLU, lm-eval, paired change)", f"CI above {RULE['capability']:.0f} pp",
                             "not measured (eval.capability)", None, "capability"))
