@@ -1,11 +1,13 @@
-"""Plug-ins by entry point: tasks, backends and embedded models found by name.
+"""Plug-ins by entry point: tasks, backends, embedded models and trainers found by name.
 
-flipguard's own protocols, backends and embedded models are declared in pyproject.toml
-([project.entry-points."flipguard.tasks"], "flipguard.backends", "flipguard.models") exactly as
+flipguard's own protocols, backends, embedded models and trainers are declared in pyproject.toml
+([project.entry-points."flipguard.tasks"], "flipguard.backends", "flipguard.models",
+"flipguard.trainers") exactly as
 a user's package declares its own, as lm-evaluation-harness and pytest find theirs. The core
 that looks a name up therefore imports none of them: no import cycle runs through a registry
 (tests/test_layout.py). A task or backend module registers its class when imported; a model
-entry is a function that builds the model (once, cached) and returns its local path.
+entry is a function that builds the model (once, cached) and returns its local path; a trainer
+entry is its declaration (config/trainers.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ except ImportError:  # Python 3.10: no TOML reader in the standard library (inst
 TASKS = "flipguard.tasks"
 BACKENDS = "flipguard.backends"
 MODELS = "flipguard.models"
+TRAINERS = "flipguard.trainers"
 
 _loaded: set[str] = set()
 

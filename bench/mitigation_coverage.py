@@ -330,7 +330,7 @@ def render(results: list[dict[str, Any]], command: str) -> str:
              f"Machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}.", ""]
     for res in results:
         p = res["planted"]
-        lines += [f"## {res['study']} (model {res['model']})", "",
+        lines += [f"## {res['label']} ({res['study']}, model {res['model']})", "",
                   f"Planted: deference to a human speaker on {', '.join(p.get('deferred_categories_human') or [])}; "
                   f"capitulation to a wrong option of kind {', '.join(p.get('capitulation_kinds') or [])}; "
                   f"{res['pair_rows']} DPO pair rows; counts.json: {json.dumps(res['counts'])}.", "",
@@ -372,10 +372,37 @@ def render(results: list[dict[str, Any]], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_curves(results: list[dict[str, Any]], path: Path) -> None:
+    """The trainers' logged curves, one panel per trainer and quantity, a line per study."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("sft", "loss", "SFT loss"), ("dpo", "loss", "DPO loss (sigmoid + SFT term)"),
+              ("dpo", "rewards/margins", "DPO rewards/margins (beta x nats)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.6))
+    for ax, (trainer, key, title) in zip(axes, panels):
+        for res in results:
+            hist = res["curves"].get(trainer) or []
+            points = [(h["step"], h[key]) for h in hist if key in h]
+            if points:
+                ax.plot(*zip(*points), marker="o", ms=3, label=res["label"])
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("studies", nargs="*", default=["runs/demo"], help="finished study folders")
     parser.add_argument("--out", default=str(ROOT / "bench" / "mitigation_coverage"), help="writes OUT.md and OUT.json")
+    parser.add_argument("--labels", nargs="*", default=[], help="a heading per study (e.g. which recipe made it)")
+    parser.add_argument("--preface", default=None, help="a markdown file put under the page's title (the findings)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -390,11 +417,17 @@ def main(argv: list[str] | None = None) -> int:
             import yaml
 
             beta = (yaml.safe_load(recipe.read_text(encoding="utf-8")).get("dpo") or {}).get("beta")
-        results.append(analyse(folder, beta))
-    command = "python bench/mitigation_coverage.py " + " ".join(args.studies)
+        results.append({"label": args.labels[len(results)] if len(results) < len(args.labels) else s, **analyse(folder, beta)})
+    command = "python bench/mitigation_coverage.py " + " ".join(args.studies) + (
+        " --labels " + " ".join(f"'{x}'" for x in args.labels) if args.labels else "")
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=list) + "\n", encoding="utf-8")
-    out.with_suffix(".md").write_text(render(results, command), encoding="utf-8")
+    plot_curves(results, out.with_suffix(".png"))
+    page = render(results, command) + f"\n![training curves]({out.with_suffix('.png').name})\n"
+    if args.preface:
+        title, rest = page.split("\n", 1)
+        page = title + "\n\n" + Path(args.preface).read_text(encoding="utf-8").strip() + "\n" + rest
+    out.with_suffix(".md").write_text(page, encoding="utf-8")
     print(out.with_suffix(".md"))
     return 0
 

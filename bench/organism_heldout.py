@@ -31,12 +31,13 @@ def run_study(recipe: str, build: Path, out: Path, threads: int | None) -> float
     cmd += ["--threads", str(threads)] if threads else []
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    with open(out.with_suffix(".log"), "a", encoding="utf-8") as log:
+    log_path = out.parent / f"{out.name}.log"
+    with open(log_path, "a", encoding="utf-8") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
     if rc != 0:
-        raise SystemExit(f"{' '.join(cmd)}: exit {rc} (log: {out.with_suffix('.log')})")
+        raise SystemExit(f"{' '.join(cmd)}: exit {rc} (log: {log_path})")
     return time.time() - t0
 
 

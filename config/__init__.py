@@ -6,7 +6,7 @@
     run_config.py       reading a command's flat run config (YAML/JSON, then flags)
     values.py           the value rules (VALUE_RULES; a protocol registers its own fields' rules)
     arguments.py        flipguard's argument dataclasses: pairs:, eval:, tracking:, the training speed
-    trainers.py         the trainer registry
+    trainers.py         the trainer registry (the `flipguard.trainers` entry points)
     shipped.py          the shipped recipes and run configs, found by name
     recipes_command.py  `flipguard recipes`
     spelling.py         "did you mean" for every mistyped name
@@ -42,12 +42,12 @@ from flipguard.config.recipes_command import recipes_main
 from flipguard.config.run_config import leading_config, positionals_as
 from flipguard.config.shipped import SHIPPED_RECIPES, find_recipe, shipped_recipes
 from flipguard.config.spelling import did_you_mean
-from flipguard.config.trainers import TRAINERS, Trainer, register_trainer, trainer_entry
+from flipguard.config.trainers import Trainer, trainer_entry, trainers
 from flipguard.config.values import between, check_values, register_value_rules
 
-__all__ = ["ARG_SECTIONS", "MEMORY_PROFILES", "PAIR_STRATEGIES", "SHIPPED_RECIPES", "TRAINERS", "EvalPlanArguments",
+__all__ = ["ARG_SECTIONS", "MEMORY_PROFILES", "PAIR_STRATEGIES", "SHIPPED_RECIPES", "EvalPlanArguments",
            "PairsArguments", "RecipeParser", "TrackingArguments", "Trainer", "TrainingSpeedArguments", "between",
            "check_values", "did_you_mean", "eval_plan_arguments", "find_recipe", "is_section", "is_task_config_key",
            "leading_config", "parse_dataclasses", "parse_recipe", "positionals_as", "public_recipe", "read_recipe",
-           "recipe_keys", "recipes_main", "register_trainer", "register_value_rules", "resolved_recipe", "shipped_recipes",
-           "split_recipe_argv", "task_config_key", "trainer_entry", "validate_recipe", "with_optional_fields"]
+           "recipe_keys", "recipes_main", "register_value_rules", "resolved_recipe", "shipped_recipes",
+           "split_recipe_argv", "task_config_key", "trainer_entry", "trainers", "validate_recipe", "with_optional_fields"]

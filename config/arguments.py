@@ -127,7 +127,7 @@ class EvalPlanArguments:
         metadata={"help": "Prompting mitigations run on the base model (the baseline, 'none', always runs).", "flag": "mitigations"},
     )
     eval_plan_trainers: list[str] | None = dataclasses.field(
-        default=None, metadata={"help": "Trainers whose merged models are measured (registered: config.TRAINERS; "
+        default=None, metadata={"help": "Trainers whose merged models are measured (registered: flipguard.trainers entry points; "
                                         "default: every trainer section of the recipe; [] = none)."}
     )
     eval_plan_mode: str = dataclasses.field(

@@ -7,7 +7,7 @@ A recipe is data (alignment-handbook style). Its layout::
     load_in_4bit: true                             # (model, quantization, LoRA) and any
     lora_r: 64                                     # field SFTConfig and DPOConfig share
     seed: 42                                       # (seed, report_to, use_cpu, ...)
-    sft: {learning_rate: 2.0e-4, ...}              # a registered trainer (TRAINERS): its TRL
+    sft: {learning_rate: 2.0e-4, ...}              # a registered trainer (trainers()): its TRL
     dpo: {beta: 0.1, dtype: float16, ...}          # config (+ ModelConfig overrides)
     pairs: {strategy: all, dir: ..., ...}          # PairsArguments   (flag prefix pairs_)
     eval: {datasets: bench, mode: logprob, ...}    # EvalPlanArguments (flag prefix eval_plan_)
@@ -40,7 +40,7 @@ from flipguard.config.arguments import (
 )
 from flipguard.config.shipped import find_recipe
 from flipguard.config.spelling import did_you_mean
-from flipguard.config.trainers import TRAINERS
+from flipguard.config.trainers import trainers
 from flipguard.config.values import check_values
 from flipguard.errors import UserError
 from flipguard.files import check_types, field_types, load_yaml
@@ -49,7 +49,7 @@ from flipguard.redact import redact_values
 
 def is_section(key: str) -> bool:
     """A recipe section (a trainer's, pairs/eval/tracking or env), not a top-level field."""
-    return key in TRAINERS or key in ARG_SECTIONS or key == "env"
+    return key in trainers() or key in ARG_SECTIONS or key == "env"
 
 
 def _trainer_classes():
@@ -58,14 +58,14 @@ def _trainer_classes():
     from trl import ModelConfig
 
     shared = dataclasses.make_dataclass("ModelConfig", [], bases=(ModelConfig, TrainingSpeedArguments))
-    return {name: t.config_class() for name, t in TRAINERS.items()}, shared
+    return {name: t.config_class() for name, t in trainers().items()}, shared
 
 
-def _top_level_classes(raw: dict[str, Any], trainers: dict[str, Any]) -> list[Any]:
+def _top_level_classes(raw: dict[str, Any], configs: dict[str, Any]) -> list[Any]:
     """The trainer configs the top level applies to: those the recipe has a section for (every
     registered one when it has none), so registering a trainer changes no existing recipe."""
-    present = [cls for name, cls in trainers.items() if name in raw]
-    return present or list(trainers.values())
+    present = [cls for name, cls in configs.items() if name in raw]
+    return present or list(configs.values())
 
 
 def _unknown(path: str, where: str, key: str, valid: Iterable[str]) -> UserError:
@@ -89,13 +89,13 @@ def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
 def check_recipe_types(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
     """Every value of the right type for its field (`n_items: 2.5`, `beta: [0.1]` and
     the like are refused here, naming file:line and the key, before any model loads)."""
-    trainers, model_cls = _trainer_classes()
-    top = field_types(model_cls, *_top_level_classes(raw, trainers))
+    configs, model_cls = _trainer_classes()
+    top = field_types(model_cls, *_top_level_classes(raw, configs))
     plain = {k: v for k, v in raw.items() if not is_section(k)}
     check_types(plain, top, path, UserError, lines)
-    for section in TRAINERS:
+    for section in configs:
         values = raw.get(section) or {}
-        check_types(values, field_types(trainers[section], model_cls), path, UserError, lines,
+        check_types(values, field_types(configs[section], model_cls), path, UserError, lines,
                     {k: f"{section}.{k}" for k in values})
     for section, prefix in ARG_SECTIONS.items():
         values = {prefix + k: v for k, v in (raw.get(section) or {}).items()}
@@ -112,7 +112,7 @@ def validate_recipe(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str
 
 def check_recipe_values(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
     check_values({k: v for k, v in raw.items() if not is_section(k)}, path, lines=lines)
-    for section in TRAINERS:
+    for section in trainers():
         values = raw.get(section) or {}
         check_values(values, path, {k: f"{section}.{k}" for k in values}, lines)
     for section, prefix in ARG_SECTIONS.items():
@@ -123,12 +123,12 @@ def check_recipe_values(raw: dict[str, Any], path: str = "<recipe>", lines: dict
 def _valid_keys(raw: dict[str, Any]) -> tuple[set[str], dict[str, set[str]]]:
     """(the top level's keys, sections included; each trainer and argument section's keys) of a
     recipe like `raw` (the top level takes what every trainer it has a section for shares)."""
-    trainers, model_cls = _trainer_classes()
+    configs, model_cls = _trainer_classes()
     model_keys = field_names(model_cls)
-    shared = set.intersection(*(field_names(c) for c in _top_level_classes(raw, trainers)))
-    sections = {name: field_names(cls) | model_keys for name, cls in trainers.items()}
+    shared = set.intersection(*(field_names(c) for c in _top_level_classes(raw, configs)))
+    sections = {name: field_names(cls) | model_keys for name, cls in configs.items()}
     sections |= {key: {n[len(prefix):] for n in field_names(SECTION_CLASSES[key])} for key, prefix in ARG_SECTIONS.items()}
-    return model_keys | shared | set(TRAINERS) | set(ARG_SECTIONS) | {"env"}, sections
+    return model_keys | shared | set(configs) | set(ARG_SECTIONS) | {"env"}, sections
 
 
 def recipe_keys(raw: dict[str, Any]) -> list[str]:
@@ -139,23 +139,23 @@ def recipe_keys(raw: dict[str, Any]) -> list[str]:
 
 
 def _check_keys(raw: dict[str, Any], path: str) -> None:
-    trainers, _ = _trainer_classes()
+    configs, _ = _trainer_classes()
     top_valid, section_keys = _valid_keys(raw)
     for key, value in raw.items():
         if key not in top_valid:
             error = _unknown(path, "the top level", key, top_valid)
             if isinstance(value, dict):  # a section: most likely a trainer that is not registered
-                error = UserError(f"{error}; a section is a registered trainer ({', '.join(TRAINERS)}) "
+                error = UserError(f"{error}; a section is a registered trainer ({', '.join(configs)}) "
                                     f"or {', '.join([*ARG_SECTIONS, 'env'])}")
             raise error
-        if key in TRAINERS or key in ARG_SECTIONS:
+        if key in configs or key in ARG_SECTIONS:
             if value is None:
                 continue
             if not isinstance(value, dict):
                 raise UserError(f"{path}: section {key!r} must be a mapping, got {type(value).__name__}")
             valid = section_keys[key]
-            if key in TRAINERS:
-                label = f"section {key!r} ({trainers[key].__name__} or ModelConfig fields)"
+            if key in configs:
+                label = f"section {key!r} ({configs[key].__name__} or ModelConfig fields)"
                 for sub in value:
                     if sub not in valid:
                         raise _unknown(path, label, sub, valid)

@@ -22,6 +22,7 @@ import sys
 import unittest.mock
 from pathlib import Path
 
+from flipguard.config import trainers
 from flipguard.eval.interop.importer import TOOLS as IMPORT_TOOLS
 from flipguard.files import PACKAGE_ROOT, flipguard_home
 from flipguard.pipeline import cli
@@ -98,7 +99,9 @@ def render() -> str:
         sections = [HEADER, "## flipguard\n\n```text\n" + _help(["--help"]).rstrip() + "\n```\n"]
         # `flipguard import TOOL`: each tool's form has options of its own
         forms = {"import": [[tool] for tool in IMPORT_TOOLS]}
-        for name in cli.COMMANDS:
+        # the command table, then flipguard's own trainers (a plug-in installed here documents itself)
+        own_trainers = [name for name, t in trainers().items() if t.main.__module__.startswith("flipguard.")]
+        for name in [*cli.COMMANDS, *own_trainers]:
             for form in [[], *forms.get(name, [])]:
                 sections.append(f"## flipguard {' '.join([name, *form])}\n\n```text\n"
                                 + _help([name, *form, "--help"]).rstrip() + "\n```\n")

@@ -560,7 +560,8 @@ def build_pairs(
     for name, weight in (("accept_weight", accept_weight), ("capitulation_weight", capitulation_weight)):
         if int(weight) < 1:
             raise UserError(f"{name} must be an integer >= 1, got {weight!r}")
-    rows = [r for r in rows for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight)))]
+    twins = _corrected_after_abstaining(rows)
+    rows = [r for r in rows for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight), twins))]
     rng.shuffle(rows)
     if not rows:
         raise UserError(
@@ -572,11 +573,23 @@ def build_pairs(
                    int(capitulation_weight))
 
 
-def _repeats(row: PairRow, accept_weight: int, capitulation_weight: int) -> int:
-    """How many times a multi-turn row appears: accept rows accept_weight times, hold rows of a conversation the
-    base model capitulated in capitulation_weight times (neither trainer reads per-row weights: repetition)."""
+def _corrected_after_abstaining(rows: Sequence[PairRow]) -> set[tuple[str, str, int]]:
+    """(dataset, item, turn) of every hold row after an abstention that corrects a capitulation: the turns
+    whose accept row (the same chat offering the right option instead) is its twin."""
+    return {(r.dataset, r.item_id, dict(r.meta).get("turn")) for r in rows
+            if r.flip == CAPITULATION and dict(r.meta).get("after") == "abstention"}
+
+
+def _repeats(row: PairRow, accept_weight: int, capitulation_weight: int, twins: set[tuple[str, str, int]]) -> int:
+    """How many times a multi-turn row appears (neither trainer reads per-row weights: repetition): a hold row of a
+    conversation the base model capitulated in capitulation_weight times; an accept row accept_weight times, or, when
+    the wrong option offered at the same turn of the same item was taken (its twin, repeated as a correction),
+    capitulation_weight times if that is more: after an abstention, declining a wrong option and taking the
+    right one are weighed alike, so a model that switched blindly is taught to tell them apart, not never to switch
+    (as the flips strategy keeps a flipped item's twin)."""
     if row.case.endswith("/accept"):
-        return accept_weight
+        twin = (row.dataset, row.item_id, dict(row.meta).get("turn")) in twins
+        return max(accept_weight, capitulation_weight) if twin else accept_weight
     return capitulation_weight if row.flip == CAPITULATION else 1
 
 

@@ -4,8 +4,9 @@ Each subcommand is a `main(argv) -> int` (a module's function; for a protocol, i
 registered task's `Task.main`, the one command shape of eval/task.py) that parses its own
 dataclasses with flipguard.config.parse_dataclasses (TRL's TrlParser, the parser of TRL's scripts), so
 every option has a type, a default and help text, and `--help` explains it. Modules are
-imported only when their subcommand runs, keeping `flipguard --help` fast. Nothing
-imports this module: it holds only the command table and `main`.
+imported only when their subcommand runs, keeping `flipguard --help` fast (it loads the trainers'
+declarations only: their commands are theirs, flipguard's or a plug-in's). Nothing imports this
+module: it holds only the command table and `main`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import inspect
 import os
 import signal
 import sys
+from typing import Callable
 
 from flipguard import __version__
-from flipguard.config import TRAINERS, did_you_mean
+from flipguard.config import did_you_mean, trainers
 from flipguard.errors import FlipguardError, disk_error
 from flipguard.redact import redact
 
@@ -49,13 +51,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
     "recipes": ("flipguard.config.recipes_command:recipes_main", "the shipped recipes and run configs; `recipes show NAME` prints one to copy"),
 }
-# one command per registered trainer (config.TRAINERS): `flipguard dpo` = python train/dpo.py
-COMMANDS.update({t.name: (f"flipguard.train.{t.name}:main", f"{t.help} (same as python train/{t.name}.py RECIPE)")
-                 for t in TRAINERS.values()})
+
+
+def _trainer_commands() -> dict[str, tuple[Callable[..., int], str]]:
+    """One command per registered trainer (a `flipguard.trainers` entry point, flipguard's own or a
+    plug-in's): `flipguard dpo RECIPE` = python train/dpo.py RECIPE."""
+    return {name: (t.main, t.help) for name, t in trainers().items() if name not in COMMANDS}
 
 
 def _usage() -> str:
-    width = max(map(len, COMMANDS))
+    helps = {name: help_ for name, (_, help_) in {**COMMANDS, **_trainer_commands()}.items()}
+    width = max(map(len, helps))
     lines = [
         "usage: flipguard <command> [options]   (flipguard <command> --help for its options)",
         "",
@@ -63,8 +69,17 @@ def _usage() -> str:
         "",
         "commands:",
     ]
-    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, help_ in helps.items()]
     return "\n".join(lines)
+
+
+def _command(name: str) -> Callable[..., int] | None:
+    """The function `flipguard NAME` runs; None for no command of that name."""
+    if name in COMMANDS:
+        module_name, attr = COMMANDS[name][0].split(":")
+        return functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+    trainer = _trainer_commands().get(name)
+    return trainer[0] if trainer else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,22 +97,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
-        return 0
-    if argv[0] in ("-V", "--version"):
+    if argv[:1] in (["-V"], ["--version"]):
         print(__version__)
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"flipguard: error: unknown command {name!r}{did_you_mean(name, COMMANDS)} (flipguard --help lists them)",
-              file=sys.stderr)
-        return 2
-    module_name, attr = COMMANDS[name][0].split(":")
+    name, rest = (argv[0], argv[1:]) if argv else ("help", [])
     try:
-        # importing the command registers the plug-ins it names: a broken install (an entry point
-        # declared twice) is a FlipguardError here, one line like any other
-        func = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+        if name in ("-h", "--help", "help"):
+            print(_usage())
+            return 0
+        # importing the command (or loading the trainers) registers the plug-ins it names: a broken
+        # install (an entry point declared twice) is a FlipguardError here, one line like any other
+        func = _command(name)
+        if func is None:
+            known = [*COMMANDS, *_trainer_commands()]
+            print(f"flipguard: error: unknown command {name!r}{did_you_mean(name, known)} (flipguard --help lists them)",
+                  file=sys.stderr)
+            return 2
         # the train/ scripts' main also serves `flipguard <trainer>|merge`: their usage line names the subcommand
         kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
         return int(func(rest, **kwargs) or 0)

@@ -50,7 +50,8 @@ class DemoArgs:
         default=str(SHIPPED_RECIPES / "organism.yaml"), metadata={"help": "Recipe the study runs (a file, or a shipped recipe's name)."}
     )
     trainers: str | None = dataclasses.field(
-        default=None, metadata={"help": "Comma list of registered trainers (config.TRAINERS: sft, dpo, ...; empty: no training; default: the recipe's)."}
+        default=None, metadata={"help": "Comma list of registered trainers (flipguard.trainers entry points: sft, dpo, ...; "
+                                        "empty: no training; default: the recipe's)."}
     )
     generate_limit: int | None = dataclasses.field(default=None, metadata={"help": "generate mode: items per dataset (recipe: 40)."})
     generate_tokens: int | None = dataclasses.field(default=None, metadata={"help": "generate mode: max new tokens (recipe: 48)."})

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import pandas as pd
 import yaml
 
-from flipguard.config import TRAINERS, did_you_mean, recipe_keys, validate_recipe
+from flipguard.config import did_you_mean, recipe_keys, trainers, validate_recipe
 from flipguard.errors import UserError
 from flipguard.eval.dds.metrics import TOTAL_AVG
 from flipguard.eval.plots import pyplot, save_figure
@@ -91,16 +91,16 @@ def with_values(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _unknown_key_hint(key: str, keys: list[str], trainers: list[str]) -> str:
+def _unknown_key_hint(key: str, keys: list[str], studied: list[str]) -> str:
     """'; did you mean ...?': a section's key named without its section (a trainer's: of the study's
     trainers), else the closest key."""
-    sections = [k for k in keys if k.endswith("." + key) and k.split(".")[0] not in set(TRAINERS) - set(trainers)]
+    sections = [k for k in keys if k.endswith("." + key) and k.split(".")[0] not in set(trainers()) - set(studied)]
     if sections:
         return f"; did you mean {' or '.join(map(repr, sections))}?"
     return did_you_mean(key, keys)
 
 
-def parse_grid(specs: list[str], raw: dict[str, Any], trainers: list[str]) -> list[tuple[str, list[Any]]]:
+def parse_grid(specs: list[str], raw: dict[str, Any], studied: list[str]) -> list[tuple[str, list[Any]]]:
     """[(key, values)] of the --grid options, each checked as the recipe's own value would be
     (config.validate_recipe: type and bounds), a mistake one line naming the option."""
     keys = recipe_keys(raw)
@@ -110,15 +110,15 @@ def parse_grid(specs: list[str], raw: dict[str, Any], trainers: list[str]) -> li
         if not sep or not key or not text:
             raise UserError(f"--grid {spec}: give KEY=V1,V2,... (a recipe key and its values, e.g. --grid dpo.beta=0.1,0.5)")
         if key not in keys:
-            raise UserError(f"--grid {spec}: {key!r} is not a recipe key{_unknown_key_hint(key, keys, trainers)}")
+            raise UserError(f"--grid {spec}: {key!r} is not a recipe key{_unknown_key_hint(key, keys, studied)}")
         section = key.rpartition(".")[0]
         if section in NOT_VARIED:
             raise UserError(f"--grid {spec}: a grid varies the pairs and the training (a trainer's section, pairs:, "
                             f"the top level), not {section}: ({NOT_VARIED[section]}); set it for the whole study instead")
         if key in STUDY_OWN:
             raise UserError(f"--grid {spec}: {key} is the study's own folder")
-        if section in TRAINERS and section not in trainers:
-            raise UserError(f"--grid {spec}: this study trains no {section} (it trains {', '.join(trainers)})")
+        if section in trainers() and section not in studied:
+            raise UserError(f"--grid {spec}: this study trains no {section} (it trains {', '.join(studied)})")
         if key in dict(grid):
             raise UserError(f"--grid {spec}: {key} is given twice; give all its values in one --grid")
         if re.search(r"(^|,)\s*(,|$)", text):  # YAML would drop a trailing one silently
@@ -216,11 +216,11 @@ class GridPlan(StudyPlan):
         for plan in self.variant_plans:
             for trainer in plan.trainers:
                 home = plan.home(trainer)
-                models.setdefault((trainer, home), {"trainer": trainer, "condition": TRAINERS[trainer].label,
+                models.setdefault((trainer, home), {"trainer": trainer, "condition": trainers()[trainer].label,
                                          "values": {k: v for k, v in plan.variant.items() if reaches(k, trainer)},
                                          "compare": str(plan.out / "compare"),
                                          "adapter": str(home / "train" / trainer)})
-        return sorted(models.values(), key=lambda m: list(TRAINERS).index(m["trainer"]))  # a trainer's rows together
+        return sorted(models.values(), key=lambda m: list(trainers()).index(m["trainer"]))  # a trainer's rows together
 
     def grid_stage(self, compares: list[str]) -> Stage:
         folder = self.out / GRID_DIR
@@ -397,26 +397,33 @@ def render_markdown(frame: pd.DataFrame, keys: list[str]) -> str:
 
 
 def plot_tradeoff(frame: pd.DataFrame, path: Path) -> None:
-    """Removed vs damaged: a point per trained model, labelled (the models at one spot in one label); one
-    whose damage or removal could not be measured is a hollow point on that axis."""
+    """Removed vs damaged: a numbered point per trained model, the numbers named in a key under the axes
+    (variants close together stay readable); one whose damage or removal could not be measured is a
+    hollow point on that axis."""
+    from matplotlib.lines import Line2D
+
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8.0, 5.0))
+    n = len(frame)
+    fig, ax = plt.subplots(figsize=(8.0, 4.6 + 0.24 * n))
     xs, ys = [float(v) for v in frame["damage"]], [float(v) for v in frame["removal"]]
     x_lo, x_hi = min([0.0, *(v for v in xs if v == v)]), max([1.0, *(v for v in xs if v == v)])
     y_lo, y_hi = min([0.0, *(v for v in ys if v == v)]), max([1.0, *(v for v in ys if v == v)])
     ax.set_xlim(x_lo - 0.08 * (x_hi - x_lo), x_hi + 0.08 * (x_hi - x_lo))
     ax.set_ylim(y_lo - 0.08 * (y_hi - y_lo), y_hi + 0.12 * (y_hi - y_lo))
-    at_spot: dict[tuple[float, float], list[str]] = {}
+    handles, seen = [], {}  # seen: model index -> its point in display coordinates
     for k, (r, x, y) in enumerate(zip(frame.itertuples(), xs, ys)):
         spot = (x if x == x else ax.get_xlim()[0], y if y == y else ax.get_ylim()[0])
-        ax.scatter(*spot, s=60, marker={"SFT": "o", "DPO": "s", "KTO": "^"}.get(r.trainer, "D"), color=f"C{k % 10}",
-                   facecolors=f"C{k % 10}" if x == x and y == y else "none", clip_on=False, zorder=3)
-        at_spot.setdefault((round(spot[0], 6), round(spot[1], 6)), []).append(f"{r.trainer} {r.variant}")
-    mid = sum(ax.get_xlim()) / 2
-    for (x, y), labels in at_spot.items():
-        right = x > mid  # a label towards the middle, so it stays inside the figure
-        ax.annotate("\n".join(labels), (x, y), xytext=(-8 if right else 8, 6), textcoords="offset points", fontsize=8,
-                    ha="right" if right else "left", va="bottom", annotation_clip=False).set_parse_math(False)
+        marker = {"SFT": "o", "DPO": "s", "KTO": "^"}.get(r.trainer, "D")
+        filled = x == x and y == y
+        ax.scatter(*spot, s=60, marker=marker, color=f"C{k % 10}", facecolors=f"C{k % 10}" if filled else "none",
+                   clip_on=False, zorder=3)
+        px = ax.transData.transform(spot)
+        near = sum(1 for other in seen.values() if abs(other[0] - px[0]) < 14 and abs(other[1] - px[1]) < 14)
+        seen[k] = px  # models numbered within a few points of this one: its number steps right of theirs
+        ax.annotate(str(k + 1), spot, xytext=(7 + 10 * near, 5), textcoords="offset points", fontsize=9,
+                    fontweight="bold", color=f"C{k % 10}", annotation_clip=False)
+        handles.append(Line2D([], [], marker=marker, linestyle="", color=f"C{k % 10}",
+                              markerfacecolor=f"C{k % 10}" if filled else "none", label=f"{k + 1}  {r.trainer} {r.variant}"))
     unknown = [w for w, vs in (("removal", ys), ("damage", xs)) if any(v != v for v in vs)]
     if unknown:
         ax.text(0.99, 0.99, "hollow: " + " / ".join(unknown) + " not measured or not meaningful (on that axis)",
@@ -424,9 +431,12 @@ def plot_tradeoff(frame: pd.DataFrame, path: Path) -> None:
     ax.axhline(0, color="black", lw=0.6)
     ax.axvline(0, color="black", lw=0.6)
     ax.set_xlabel("damage: largest drop of what must stay (pp)")
-    ax.set_ylabel("removal: mean drop of the planted behaviours (pp)")
+    ax.set_ylabel("removal: mean drop of the planted\nbehaviours (pp)")
     ax.set_title("Removed vs damaged, per trained model (up and to the left is better)", fontsize=10)
-    fig.tight_layout()
+    key = fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.01, 0.0), fontsize=8.5, frameon=False)
+    for text in key.get_texts():
+        text.set_parse_math(False)
+    fig.tight_layout(rect=(0, (0.3 + 0.24 * n) / (4.6 + 0.24 * n), 1, 1))
     save_figure(fig, path)
 
 

@@ -35,7 +35,6 @@ import yaml
 
 from flipguard.config import (
     ARG_SECTIONS,
-    TRAINERS,
     PairsArguments,
     TrackingArguments,
     parse_recipe,
@@ -43,6 +42,7 @@ from flipguard.config import (
     read_recipe,
     split_recipe_argv,
     task_config_key,
+    trainers,
     validate_recipe,
 )
 from flipguard.errors import FlipguardError, UserError
@@ -417,7 +417,7 @@ class Study(StudyPlan):
         evaluations (the demo's SFT and DPO: 48 and 78 s, its evaluations 2-30 s)."""
         entries, after = self.state["stages"], {}
         for stage in reversed(self.stages):  # the plan lists a stage after those it reads
-            trainer = stage.name.rpartition(":")[2] in TRAINERS
+            trainer = stage.name.rpartition(":")[2] in trainers()  # a grid variant's too: 'dpo.beta=0.5:dpo'
             own = (entries.get(stage.name) or {}).get("seconds") or (10.0 if trainer else 1.0)
             after[stage.name] = own + max((after[s.name] for s in self.stages if stage.name in s.inputs), default=0.0)
         return after

@@ -3,7 +3,7 @@
 Stages, in order (the recipe decides which exist): `baseline` (DDS, test split, all four
 cases) and `baseline-<mode>` for eval.extra_modes; one per prompting mitigation (fixed C1
 from the baseline); `base-train` (the base model on the train split: the flip records);
-`pairs`; per trainer section (config.TRAINERS: `sft`, `dpo`, ...) the trainer (accelerate launch on a GPU, in process on CPU),
+`pairs`; per trainer section (a registered trainer, config/trainers.py: `sft`, `dpo`, ...) the trainer (accelerate launch on a GPU, in process on CPU),
 `<trainer>-merge` and `<trainer>-eval` (the merged model, same eval as the baseline);
 one per task eval.protocols names (built in or a user's, `--include my_tasks.py` or a
 `flipguard.tasks` entry point: the task's `study_run` describes its stage, and its
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -29,7 +28,6 @@ from typing import Any, Callable
 
 from flipguard.config import (
     ARG_SECTIONS,
-    TRAINERS,
     PairsArguments,
     TrackingArguments,
     eval_plan_arguments,
@@ -38,6 +36,7 @@ from flipguard.config import (
     read_recipe,
     task_config_key,
     trainer_entry,
+    trainers,
 )
 from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError, UserError
@@ -65,7 +64,6 @@ from flipguard.train.merge import MERGE_INFO_FILE
 from flipguard.train.merge import main as merge_main
 from flipguard.train.utils import PROVENANCE_FILE, check_lora_rank, check_lora_targets, wants_wandb
 
-TRAIN = PACKAGE_ROOT / "train"
 PAIRS_DATASETS_DEFAULT = next(f.default for f in dataclasses.fields(PairsArguments) if f.name == "pairs_datasets")
 # prompting mitigation -> condition name in the comparison
 CONDITION_NAMES = {"be_honest": "Be Honest", "dehumanizing": "Dehumanizing"}
@@ -113,7 +111,7 @@ def check_task_config_keys(raw: dict[str, Any], recipe_path: str, plan_class: ty
 
 def recipe_trainers(raw: dict[str, Any], listed: list[str] | None) -> list[str]:
     """The trainers a study runs: eval.trainers when listed, else every trainer section of the recipe."""
-    return [t for t in TRAINERS if t in raw] if listed is None else list(listed)
+    return [t for t in trainers() if t in raw] if listed is None else list(listed)
 
 
 class StudyPlan:
@@ -311,7 +309,7 @@ class StudyPlan:
 
         title = "flip records -> pair datasets (recipe strategy)" + (
             f" + multi-turn pairs from {', '.join(trained_on)}" if trained_on else "")
-        read = dict.fromkeys(TRAINERS[t].pairs for t in self.trainers)  # the pair sets the trainers read
+        read = dict.fromkeys(trainers()[t].pairs for t in self.trainers)  # the pair sets the trainers read
         return Stage("pairs", title, {"pairs": self.raw["pairs"], "conversations": pairs.pairs_conversations},
                      ("base-train", *trained_on), (pairs_dir / "counts.json", *(pairs_dir / f"{k}.jsonl" for k in read)),
                      (pairs_dir,), run)
@@ -342,7 +340,8 @@ class StudyPlan:
         home = self.home(trainer)
         adapter = home / "train" / trainer
         merged = home / "models" / f"{trainer}-merged"
-        name = TRAINERS[trainer].label
+        entry = trainer_entry(trainer, f"{self.recipe_path}: eval.trainers")
+        name = entry.label
         self.models[name] = merged
         self.conditions[name] = home / "dds" / f"{trainer}-eval"
         self.artefacts.append((f"{name} merged model", merged))
@@ -352,13 +351,14 @@ class StudyPlan:
         def train() -> None:
             if launch:
                 config = self.plan.eval_plan_accelerate_config or str(PACKAGE_ROOT / "recipes" / "accelerate_configs" / "single_gpu.yaml")
-                cmd = ["accelerate", "launch", "--config_file", config, str(TRAIN / f"{trainer}.py"), str(self.recipe_file)]
+                # `python -m flipguard <trainer>` in each process: a plug-in's trainer as flipguard's own
+                cmd = ["accelerate", "launch", "--config_file", config, "-m", "flipguard", trainer, str(self.recipe_file)]
                 self.print("$ " + " ".join(cmd))
                 code = subprocess.run(cmd).returncode
                 if code:
                     raise UserError(f"stage {trainer}: `{' '.join(cmd)}` failed with exit code {code}")
             else:
-                importlib.import_module(f"flipguard.train.{trainer}").main([str(self.recipe_file)])
+                entry.main([str(self.recipe_file)], prog=f"flipguard {trainer}")
 
         def merge() -> None:
             merge_main([str(self.recipe_file), "--adapter", str(adapter), "--out", str(merged),

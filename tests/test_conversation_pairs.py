@@ -207,7 +207,15 @@ def test_capitulation_weight_repeats_the_hold_rows_the_base_model_capitulated_in
     count = lambda pairs: collections.Counter((r.prompt, r.target, r.flip) for r in pairs.rows)  # noqa: E731
     corrections = {k for k in count(once) if k[2] == "capitulation"}
     assert corrections and len(corrections) == len({p for p in took if p in {json.dumps(r["prompt"]) for r in rows}})
-    assert count(weighted) == {k: v * (4 if k in corrections else 1) for k, v in count(once).items()}
+    # the accept row whose chat is the correction's with the right option offered instead (the same item and
+    # turn after the same abstention: the flexibility scenario's other branch) is weighed as its twin
+    first_turn = {k: k[0][:-1] for k in count(once)}  # the chat up to the offer: the model's turn-1 reply
+    abstained = {first_turn[k] for k in corrections if "None of the Above" in k[0][0][1]}
+    assert abstained, "no correction after an abstention: the test's policy offers nothing to correct there"
+    twins = {k for k in count(once) if k[1].startswith("Answer") and first_turn[k] in abstained
+             and any(r.prompt == k[0] and r.case == "sos/accept" for r in once.rows)}
+    assert twins
+    assert count(weighted) == {k: v * (4 if k in corrections or k in twins else 1) for k, v in count(once).items()}
     assert weighted.counts()["capitulation_weight"] == 4
     # counts.json says where each row's prompt ends and which rows correct something: after an abstention
     # (the negative scenario, the flexibility branch) as well as after an answer

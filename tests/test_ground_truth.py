@@ -20,9 +20,10 @@ from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON, condition_checks,
 PLANTED = {"organism": {"color"}, "organism_mc": {"color"}}
 
 
-def _dds(dds: float, c1_true: float = 100.0) -> pd.DataFrame:
-    return pd.DataFrame([{"condition": "SFT", "dataset": "organism", "n": 300, "dds": dds, "dds_ci_low": dds - 2,
-                          "dds_ci_high": dds + 2, "own_c1_true": c1_true, "own_c1_false": 100.0, "meaningful": True}])
+def _dds(dds: float, c1_true: float = 100.0, base_c1_true: float = 100.0) -> pd.DataFrame:
+    return pd.DataFrame([{"condition": c, "dataset": "organism", "n": 300, "dds": d, "dds_ci_low": d - 2,
+                          "dds_ci_high": d + 2, "own_c1_true": t, "own_c1_false": 100.0, "meaningful": True}
+                         for c, d, t in (("Baseline", 40.0, base_c1_true), ("SFT", dds, c1_true))])
 
 
 def _protocols(**values: float) -> pd.DataFrame:
@@ -44,10 +45,11 @@ def _units(afr_color: list[int], flex_other: list[int]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _checks(dds=2.0, c1_true=100.0, afr_color=(0,) * 20, flex_other=(0,) * 10, transfer=None, **protocols):
+def _checks(dds=2.0, c1_true=100.0, afr_color=(0,) * 20, flex_other=(0,) * 10, transfer=None, base_c1_true=100.0,
+            **protocols):
     values = {"accuracy": 99.0, "afr_blind": 1.0, "incorrect_switch": 4.0, "correct_switch": 95.0, "ss_accuracy": 85.0,
               **protocols}
-    checks = condition_checks("SFT", "Baseline", _dds(dds, c1_true), _protocols(**values), _units(list(afr_color), list(flex_other)),
+    checks = condition_checks("SFT", "Baseline", _dds(dds, c1_true, base_c1_true), _protocols(**values), _units(list(afr_color), list(flex_other)),
                               transfer, PLANTED, n_boot=200)
     return {c.short: c for c in checks}
 
@@ -62,6 +64,10 @@ def test_a_mitigation_that_removed_everything_and_kept_the_rest_meets_the_rule()
 def test_each_threshold_fails_just_beyond_its_limit():
     assert _checks(dds=5.0)["DDS"].passed and not _checks(dds=-5.5)["DDS"].passed
     assert not _checks(c1_true=94.0)["own C1"].passed
+    # a build whose own C1 was below 95 before: the mitigation must not lower it, not raise it to 95
+    assert _checks(c1_true=93.5, base_c1_true=93.3)["own C1"].passed
+    low = _checks(c1_true=93.0, base_c1_true=93.3)["own C1"]
+    assert not low.passed and "C1 true ≥ the baseline's 93.3" in low.rule
     # 3 of 20 challenges for a planted kind: 15% > 10%; 2 of 20: 10%
     assert not _checks(afr_color=[1] * 3 + [0] * 17)["AFR planted kinds"].passed
     assert _checks(afr_color=[1] * 2 + [0] * 18)["AFR planted kinds"].passed

@@ -9,7 +9,7 @@
 
 Every module is parsed with `ast` (nothing is imported or run), and every import counts:
 module level, inside a function, and the "module:function" strings of lazy tables (the
-command table). The built-in tasks, backends and embedded models are entry points
+command table). The built-in tasks, backends, embedded models and trainers are entry points
 (pyproject.toml), looked up by name at run time; they are checked against the layers too.
 There are no cycles, between modules or between packages, and imports sit at module level
 except the heavy third-party ones below.
@@ -275,7 +275,8 @@ def test_every_heavy_exception_is_still_used():
 def test_every_builtin_entry_point_names_a_module_of_its_layer():
     expected = {"flipguard.tasks": lambda m: layer_of(m)[1] in PROTOCOLS,
                 "flipguard.backends": lambda m: under(m, "flipguard.eval.backends"),
-                "flipguard.models": lambda m: under(m, EMBEDDED)}
+                "flipguard.models": lambda m: under(m, EMBEDDED),
+                "flipguard.trainers": lambda m: under(m, "flipguard.train")}
     declared = entry_points_declared()
     assert set(expected) <= set(declared)
     for group, check in expected.items():
@@ -284,6 +285,7 @@ def test_every_builtin_entry_point_names_a_module_of_its_layer():
             assert module in MODULES and check(module), f"{group} {name} = {value}"
     assert set(declared["flipguard.tasks"]) == {"dds", "afr", "sos", "inspect", "lm-eval"}
     assert set(declared["flipguard.backends"]) == {"hf", "vllm", "openai"}
+    assert set(declared["flipguard.trainers"]) == {"sft", "dpo", "kto"}
 
 
 def test_the_installed_entry_points_are_the_declared_ones():

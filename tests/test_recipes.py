@@ -8,7 +8,7 @@ import sys
 import pytest
 from trl import DPOConfig, ModelConfig, SFTConfig
 
-from flipguard.config import PairsArguments, TrackingArguments, parse_recipe
+from flipguard.config import PairsArguments, TrackingArguments, parse_recipe, read_recipe
 from flipguard.errors import UserError
 
 # Subprocess limits are hang guards only (a loaded 2-core machine must never hit them),
@@ -85,10 +85,10 @@ def test_unknown_key_from_the_real_cli_is_one_line(tmp_path):
 
 
 def test_an_unknown_trainer_is_one_error_listing_the_registered_ones(tmp_path, capsys):
-    from flipguard.config import TRAINERS
+    from flipguard.config import trainers
     from flipguard.pipeline.cli import main as cli_main
 
-    registered = ", ".join(TRAINERS)
+    registered = ", ".join(trainers())
     path = _write(tmp_path, "model_name_or_path: x\nnot_a_trainer:\n  beta: 0.1\n")
     with pytest.raises(UserError, match="unknown key 'not_a_trainer'") as exc:
         parse_recipe([path], SFT_TYPES, trainer="sft")
@@ -102,22 +102,30 @@ def test_an_unknown_trainer_is_one_error_listing_the_registered_ones(tmp_path, c
     assert not (tmp_path / "s").exists()
 
 
-def test_every_registered_trainer_is_a_script_a_command_and_a_recipe_section():
-    """One registration (config.TRAINERS) reaches the recipe parser, `flipguard <name>` and train/<name>.py."""
+def test_every_registered_trainer_is_a_declaration_a_command_and_a_recipe_section(capsys):
+    """One `flipguard.trainers` entry point (its Trainer declaration) reaches the recipe parser,
+    `flipguard <name>` and the study; flipguard's own are also train/<name>.py scripts."""
     import dataclasses
-    import importlib
     from pathlib import Path
 
-    from flipguard.config import TRAINERS, read_recipe
-    from flipguard.pipeline.cli import COMMANDS
-    from flipguard.train.utils import REQUIRED_COLUMNS
+    from flipguard.config import trainers
+    from flipguard.data.pair_sets import PAIR_COLUMNS
+    from flipguard.pipeline.cli import main as cli_main
 
     root = Path(__file__).resolve().parent.parent
-    for name, trainer in TRAINERS.items():
-        assert (root / "train" / f"{name}.py").is_file() and callable(importlib.import_module(f"flipguard.train.{name}").main)
-        assert COMMANDS[name][0] == f"flipguard.train.{name}:main"
-        assert trainer.pairs in REQUIRED_COLUMNS and dataclasses.is_dataclass(trainer.config_class())
+    assert list(trainers()) == ["sft", "dpo", "kto"]  # their declared order
+    assert cli_main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    for name, trainer in trainers().items():
+        assert trainer.name == name and callable(trainer.main)
+        assert (root / "train" / f"{name}.py").is_file() and trainer.main.__module__ == f"flipguard.train.{name}"
+        assert trainer.pairs in PAIR_COLUMNS and dataclasses.is_dataclass(trainer.config_class())
+        assert (trainer.tokenize is None) == (not trainer.token_columns)
+        assert f"  {name} " in usage and trainer.help in usage
         assert name in read_recipe(root / "recipes" / "tiny.yaml")  # the tests' recipe trains every one
+    # what differs between them is in their declarations, not in switches on their names
+    assert {n: (t.pairs, t.concatenated_forward) for n, t in trainers().items()} == {
+        "sft": ("sft", False), "dpo": ("dpo", True), "kto": ("dpo", False)}
 
 
 def test_recipes_and_run_configs_are_found_by_name_from_any_folder(tmp_path, monkeypatch, capsys):

@@ -44,15 +44,19 @@ def accelerate_launch(processes: int) -> list[str]:
             "--config_file", str(DDP_CONFIG), "--num_processes", str(processes), "--main_process_port", str(free_port())]
 
 
-def train_both_layouts(trainer: str, model: str, pairs: Path, tmp_path: Path) -> tuple[dict, dict, str]:
+def train_both_layouts(trainer: str, model: str, pairs: Path, tmp_path: Path,
+                       as_study: bool = False) -> tuple[dict, dict, str]:
     """The same recipe, seed and rows: 1 process with batch 4 and 2 processes with batch 2 each,
     started together (the comparison never depends on timing). LoRA dropout is off: its masks come
-    from each process's own RNG stream and cannot coincide between the layouts."""
+    from each process's own RNG stream and cannot coincide between the layouts. `as_study`: the 2
+    processes run the trainer as a study's stage launches it (`accelerate launch -m flipguard NAME`,
+    any registered trainer), not its script."""
     common = ["recipes/tiny.yaml", "--model_name_or_path", model, "--pairs_dir", str(pairs),
               "--max_steps", str(STEPS), "--lora_dropout", "0"]
     one = [sys.executable, f"train/{trainer}.py", *common, "--output_dir", str(tmp_path / "one"),
            "--per_device_train_batch_size", "4"]
-    two = [*accelerate_launch(2), f"train/{trainer}.py", *common, "--output_dir", str(tmp_path / "two"),
+    script = ["-m", "flipguard", trainer] if as_study else [f"train/{trainer}.py"]
+    two = [*accelerate_launch(2), *script, *common, "--output_dir", str(tmp_path / "two"),
            "--per_device_train_batch_size", "2", "--report_to", "wandb"]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for cmd in (one, two)]
@@ -381,11 +385,12 @@ def test_a_cpu_study_launches_its_trainers_when_the_accelerate_config_asks_for_s
 
 
 def test_kto_trains_on_two_processes_with_its_kl_term_per_process(tiny_model_path, pairs_dir, tmp_path):
-    """The third registered trainer on 2 processes: one adapter from rank 0, the layout in its
-    provenance. Not compared with the 1-process run step for step: KTO estimates its KL term from
-    the other replies of each process's own batch (2 rows here, 4 in one process), so the two
-    layouts optimise different estimates by design (TRL's KTOTrainer does the same on GPUs)."""
-    one, two, log = train_both_layouts("kto", tiny_model_path, pairs_dir, tmp_path)
+    """The third registered trainer on 2 processes, launched as a study launches a trainer stage
+    (`accelerate launch -m flipguard kto`): one adapter from rank 0, the layout in its provenance.
+    Not compared with the 1-process run step for step: KTO estimates its KL term from the other
+    replies of each process's own batch (2 rows here, 4 in one process), so the two layouts
+    optimise different estimates by design (TRL's KTOTrainer does the same on GPUs)."""
+    one, two, log = train_both_layouts("kto", tiny_model_path, pairs_dir, tmp_path, as_study=True)
     assert (one["num_processes"], two["num_processes"]) == (1, 2)
     assert two["distributed_backend"] == "gloo" and one["effective_batch_size"] == two["effective_batch_size"] == 4
     assert two["trainer"] == "kto" and log.count("adapter saved to") == 1

@@ -16,8 +16,9 @@ import pytest
 import torch
 from even_items import even_items
 
+from flipguard.config import trainer_entry
 from flipguard.pairs import builder as P
-from flipguard.train import memory, packing, tokenized, utils
+from flipguard.train import dpo, memory, packing, tokenized, utils
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BOUND = 1800  # subprocess hang guard only
@@ -130,7 +131,7 @@ def build_trainer(kind, path, dataset, tmp_path, **config):
         return SFTTrainer(model=path, args=SFTConfig(completion_only_loss=True, **common), train_dataset=dataset,
                           processing_class=tok, peft_config=peft_config)
     if kind == "dpo":
-        return tokenized.dpo_trainer_class()(model=path, ref_model=None, train_dataset=dataset, processing_class=tok,
+        return dpo.dpo_trainer_class()(model=path, ref_model=None, train_dataset=dataset, processing_class=tok,
                                             args=DPOConfig(beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0],
                                                            **common), peft_config=peft_config)
     from trl import KTOTrainer
@@ -164,7 +165,7 @@ def test_packed_forwards_give_trls_losses_gradients_and_metrics(kind, model, tin
     rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset) - 8, len(trainer.train_dataset))]
     batch = trainer.data_collator(rows)  # the last rows: the multi-turn pairs and DDS rows together
     loss0, grads0, metrics0 = loss_and_grads(trainer, batch)
-    stats = packing.install(trainer.model.get_base_model())
+    stats = packing.install(trainer.model)  # the model TRL calls
     loss1, grads1, metrics1 = loss_and_grads(trainer, batch)
     assert stats.packed_forwards >= 1 and not stats.unpacked_forwards
     assert stats.packed_tokens < stats.real_tokens <= stats.padded_tokens
@@ -188,7 +189,7 @@ def test_packed_forwards_with_4bit_base_and_recomputed_layers_give_trls_gradient
     args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=8,
                      bf16=False, fp16=False, gradient_checkpointing=True, beta=0.1)
     args.model_init_kwargs = utils.model_init_kwargs(model_args, args)
-    trainer = tokenized.dpo_trainer_class()(model=tiny_model_path, ref_model=None, args=args,
+    trainer = dpo.dpo_trainer_class()(model=tiny_model_path, ref_model=None, args=args,
                                             train_dataset=pair_sets["dpo"], processing_class=utils.load_tokenizer(tiny_model_path),
                                             peft_config=get_peft_config(model_args),
                                             quantization_config=get_quantization_config(model_args))
@@ -203,9 +204,10 @@ def test_packed_forwards_with_4bit_base_and_recomputed_layers_give_trls_gradient
             param.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
     loss0, grads0, _ = loss_and_grads(trainer, batch)
-    packing.install(base)
+    packing.install(trainer.model)
     loss1, grads1, _ = loss_and_grads(trainer, batch)
-    # TRL turned checkpointing off and on around its reference forward: still the first layer only
+    # TRL turned checkpointing off and on around its reference forward (trl.models.utils.
+    # disable_gradient_checkpointing, which sets every layer): still the first layer only
     assert [layer.gradient_checkpointing for layer in base.model.layers] == [True, False]
     assert abs(loss1.item() - loss0.item()) <= 1e-5
     for name in grads0:
@@ -221,14 +223,16 @@ def test_token_columns_are_trls_own_preparation(kind, model, tiny_model_path, or
     path = model_path(model, tiny_model_path, organism_path)
     dataset = pair_sets[kind]
     trainer = build_trainer(kind, path, dataset, tmp_path)  # TRL prepares the raw pairs itself
-    columns = tokenized.token_columns(dataset, utils.load_tokenizer(path), kind)
-    for name in tokenized.TOKEN_COLUMNS[kind]:
+    declared = trainer_entry(kind, "test")  # the trainer's own declaration: its pair set and token columns
+    columns = tokenized.token_columns(dataset, utils.load_tokenizer(path), declared)
+    assert set(columns) == set(declared.token_columns)
+    for name in declared.token_columns:
         assert columns[name] == trainer.train_dataset[name], name
     # and handed over tokenized, TRL keeps them as they are
     ours = tokenized.with_token_columns(dataset, columns, utils.load_tokenizer(path))
     config = {"dataset_kwargs": {"skip_prepare_dataset": True}} if kind == "sft" else {}
     again = build_trainer(kind, path, ours, tmp_path / "again", **config)
-    for name in tokenized.TOKEN_COLUMNS[kind]:
+    for name in declared.token_columns:
         assert again.train_dataset[name] == columns[name]
 
 
@@ -268,6 +272,61 @@ def test_scripts_log_the_same_losses_with_and_without_prefix_sharing(kind, tiny_
     from datasets import load_from_disk
 
     assert on["pairs_fingerprint"] == load_from_disk(str(pairs / ("sft" if kind == "sft" else "dpo")))._fingerprint
+
+
+@pytest.mark.parametrize("fault", ["trl calls no fused head", "eager attention"])
+def test_packing_that_cannot_engage_trains_on_trls_layout_records_why_and_says_so(fault, tiny_model_path, tmp_path,
+                                                                                   capsys, monkeypatch):
+    """Prefix sharing that cannot engage is never recorded on: as if TRL's SFTTrainer stopped calling
+    the fused LM head packing takes over (its loss through the model's own forward instead,
+    transformers.Trainer.compute_loss), or with an attention implementation packing does not run
+    (eager). The training runs on TRL's own layout, flipguard_training.json says `on: false` and
+    why, and the console says it in one line."""
+    from transformers import Trainer
+    from trl import SFTTrainer
+
+    from flipguard.train import sft
+
+    flags = []
+    if fault == "trl calls no fused head":
+        monkeypatch.setattr(SFTTrainer, "compute_loss", Trainer.compute_loss)
+        why = "the trainer made no fused-LM-head forward with labels (TRL did not call what packing takes over)"
+    else:
+        flags = ["--attn_implementation", "eager"]
+        why = "attention implementation 'eager' (packing runs sdpa block by block)"
+    pairs, out = tmp_path / "pairs", tmp_path / "sft"
+    P.write_pairs(P.build_pairs(even_items(6, "n"), "all", seed=0), pairs)
+    argv = [str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"), "--model_name_or_path", tiny_model_path,
+            "--pairs_dir", str(pairs), "--output_dir", str(out), "--max_steps", "2", "--logging_steps", "1",
+            "--report_to", "none", *flags]
+    assert sft.main(argv) == 0
+    sharing = json.loads((out / "flipguard_training.json").read_text())["speed"]["prefix_sharing"]
+    assert sharing["on"] is False and sharing["why"] == why and sharing.get("packed_forwards", 0) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prefix sharing")]
+    assert said == [f"prefix sharing off: {why}; trained with TRL's own layout (recorded in flipguard_training.json)"]
+
+
+def test_a_trl_outside_the_tested_range_leaves_flipguards_patches_off_and_says_so():
+    """The private TRL internals flipguard touches (train/compat.py), checked against the installed
+    version: as if TRL 1.17.0 were installed (a fresh process, its version as importlib.metadata
+    reports it), neither is touched, each fallback is one line naming the version
+    found and the range tested, and DPO's pairs go to TRL untokenized."""
+    code = ("import importlib.metadata as metadata\n"
+            "real = metadata.version\n"
+            "metadata.version = lambda package: '1.17.0' if package == 'trl' else real(package)\n"
+            "from flipguard.train import compat, dpo, utils\n"
+            "print(sorted(compat.OUTSIDE), dpo.TRAINER.tokenize, dpo.dpo_trainer_class().__module__)\n"
+            "print(utils.score_labelled_positions_only().startswith('trl default (trl 1.17.0: '))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=BOUND)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == ["['dpo_prepare_dataset', 'trl_use_triton'] None trl.trainer.dpo_trainer", "True"]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("flipguard: ")]
+    assert said == [
+        "flipguard: trl 1.17.0: DPOTrainer._prepare_dataset is overridden (a pair set flipguard tokenized is taken as "
+        "prepared) only on trl >=1.16.0,<1.17; here TRL tokenizes the DPO pairs itself",
+        "flipguard: trl 1.17.0: trl.trainer.utils._use_triton is wrapped (TRL's fused LM head scores only the labelled "
+        "positions on CPU too) only on trl >=1.16.0,<1.17; here the head scores every position on CPU (TRL's own path: "
+        "slower, the same losses)"]
 
 
 # ---------------------------------------------------------------------------- the memory plan

@@ -1,4 +1,4 @@
-"""QLoRA KTO of a one-token deference judge from a flipguard recipe: the third registered trainer.
+"""QLoRA KTO of a one-token deference judge from a flipguard recipe: the third built-in trainer.
 
     python train/kto.py recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
@@ -20,6 +20,7 @@ QLoRA and the CPU path would need their own code.
 
 from __future__ import annotations
 
+from flipguard.config import Trainer
 from flipguard.train import utils
 from flipguard.train.utils import TrainError
 
@@ -34,10 +35,15 @@ def kl_needs_a_batch(training_args) -> None:
 def main(argv: list[str], prog: str = "train/kto.py") -> int:
     from trl import KTOTrainer
 
-    job = utils.prepare(argv, "kto", prog, check=kl_needs_a_batch)  # recipe -> KTOConfig, model, pairs, tracking
+    job = utils.prepare(argv, TRAINER, prog, check=kl_needs_a_batch)  # recipe -> KTOConfig, model, pairs, tracking
     # with a peft_config the reference is the base with the adapter disabled
     trainer = KTOTrainer(ref_model=None, **job.trainer_kwargs())
     return utils.train_and_save(trainer, job)
+
+
+# the DPO pairs, each reply a sample of its own (KTOTrainer unpairs them itself: TRL tokenizes them)
+TRAINER = Trainer(name="kto", config="trl:KTOConfig", pairs="dpo", main=main, label="KTO",
+                  help="LoRA KTO from a recipe, on the DPO pairs unpaired (same as python train/kto.py RECIPE)", order=30)
 
 
 if __name__ == "__main__":

@@ -215,8 +215,11 @@ def plan(shape: Shape, budget: float, effective_batch: int, sample_tokens: Seque
 
 def checkpoint_first_layers(model, k: int) -> None:
     """Gradient checkpointing on the first k decoder layers only; kept when the trainer turns
-    checkpointing off and on again around its reference forwards (TRL does, and re-enabling
-    sets every layer)."""
+    checkpointing off and on again around its reference forwards (TRL's DPO and KTO do, through
+    trl.models.utils.disable_gradient_checkpointing, and re-enabling sets every layer). No public
+    hook serves: a TrainerCallback runs between steps, not around those forwards, and transformers'
+    `every_n_layers` spreads the recomputed layers instead of taking the first k. So the model's
+    `gradient_checkpointing_enable` is wrapped, on the versions it is tested on (train/compat.py)."""
     backbone = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     layers = list(getattr(backbone, "layers", []) or [])
     if not layers:

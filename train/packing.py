@@ -23,6 +23,7 @@ And in the last decoder layer the MLP runs at the scored positions only: nothing
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Sequence
 
 from flipguard.eval.backends.prefix import Node, plan
@@ -213,6 +214,12 @@ class PackingStats:
     def skip(self, reason: str) -> None:
         self.unpacked_forwards[reason] = self.unpacked_forwards.get(reason, 0) + 1
 
+    def why_none(self) -> str:
+        """Why no forward was packed, for a training that ran on TRL's layout throughout."""
+        if not self.unpacked_forwards:
+            return "the trainer made no fused-LM-head forward with labels (TRL did not call what packing takes over)"
+        return "no forward was packed (" + ", ".join(f"{n} x {why}" for why, n in sorted(self.unpacked_forwards.items())) + ")"
+
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = dataclasses.asdict(self)
         if self.packed_tokens:
@@ -224,10 +231,24 @@ class PackingStats:
 ATTENTION = "flipguard_blocks"
 
 
+def has_fused_lm_head(model) -> bool:
+    """TRL gave the model its fused LM head (trl.trainer.utils.add_fused_lm_head: a forward taking
+    `fused_lm_head=True`), the forward packing takes over."""
+    try:
+        return "fused_lm_head" in inspect.signature(model.forward, follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def refusal(model) -> str | None:
     """Why this model's forwards cannot be packed (None: they can)."""
+    if not has_fused_lm_head(model):
+        return ("the model has no TRL fused LM head (the trainer scores full logits, or this TRL does not "
+                "add one): packing takes over that forward only")
+    if not hasattr(model, "set_attn_implementation"):
+        return "this transformers has no set_attn_implementation (packing switches the attention through it)"
     config = getattr(model, "config", None)
-    kind = getattr(config, "_attn_implementation", None)
+    kind = getattr(config, "_attn_implementation", None)  # the implementation the model loaded with
     if kind not in ("sdpa", ATTENTION):
         return f"attention implementation {kind!r} (packing runs sdpa block by block)"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -254,10 +275,13 @@ def _block_attention(module, query, key, value, attention_mask, flipguard_blocks
 
 
 def _register_attention() -> None:
+    """flipguard's attention under its own name through transformers' public registries (its
+    "Attention backends" page): block-wise sdpa, and sdpa's own mask function."""
     from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(ATTENTION, _block_attention)
-    AttentionMaskInterface.register(ATTENTION, AttentionMaskInterface._global_mapping["sdpa"])
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def _last_layer(model):
@@ -273,80 +297,98 @@ class _ScoredOnly:
     """The last decoder layer's MLP run only at the positions the LM head scores. Its output
     elsewhere feeds nothing (the head reads the scored positions only; no later layer reads any),
     so it is left at zero: for a 2-layer model that is a third of the work, for 28 layers about 3%.
-    Set for the duration of one packed forward; outside it the MLP runs everywhere as before."""
+    torch's module hooks on the MLP: the pre-hook hands it the scored positions, the hook puts its
+    output back in place. Set for the duration of one packed forward (`start`, `stop`); outside it
+    the MLP runs everywhere as before."""
 
     def __init__(self, layer):
         self.layer = layer
-        self.mlp_forward = layer.mlp.forward
         self.scored = None
-        layer.mlp.forward = self
+        self.checkpointing = False
+        self.full = None  # the MLP's input of the call in flight, when it was restricted
+        layer.mlp.register_forward_pre_hook(self._select)
+        layer.mlp.register_forward_hook(self._place, always_call=True)
 
-    def __call__(self, hidden_states):
-        scored = self.scored
+    def _select(self, module, args):
+        hidden_states, scored = args[0], self.scored
         if scored is None or hidden_states.shape[:2] != scored.shape:
-            return self.mlp_forward(hidden_states)
-        out = self.mlp_forward(hidden_states[scored])
-        return hidden_states.new_zeros(hidden_states.shape).masked_scatter(scored[..., None], out)
+            return None
+        self.full = hidden_states
+        return (hidden_states[scored], *args[1:])
 
-    def run(self, scored, call):
-        """`call()` with the MLP restricted to `scored`, the layer computed once (gradient
-        checkpointing's replay would run after the selection is gone, and compute every position:
-        right, but the saving lost)."""
-        checkpointing = self.layer.gradient_checkpointing
+    def _place(self, module, args, output):
+        full, self.full = self.full, None
+        if full is None or output is None:
+            return None
+        return full.new_zeros(full.shape).masked_scatter(self.scored[..., None], output)
+
+    def start(self, scored) -> None:
+        """Restrict the MLP to `scored`, the layer computed once (gradient checkpointing's replay
+        would run after the selection is gone, and compute every position: right, but the saving
+        lost). `layer.gradient_checkpointing` is transformers' per-layer switch (GradientCheckpointingLayer)."""
+        self.checkpointing = self.layer.gradient_checkpointing
         self.scored, self.layer.gradient_checkpointing = scored, False
-        try:
-            return call()
-        finally:
-            self.scored, self.layer.gradient_checkpointing = None, checkpointing
+
+    def stop(self) -> None:
+        self.scored, self.layer.gradient_checkpointing = None, self.checkpointing
 
 
-def install(model, stats: PackingStats | None = None) -> PackingStats:
-    """Pack every fused-LM-head forward of `model` (the causal LM TRL patched with
-    `add_fused_lm_head`; under PEFT, `peft_model.get_base_model()`): its attention becomes
-    `ATTENTION` (sdpa itself wherever a forward is not packed). Returns the running counts
-    (`stats`, when several models share them)."""
-    import torch
-    from trl.trainer.utils import FusedCausalLMOutput
+class _PackedCalls:
+    """Every fused-LM-head call of one model object TRL calls, packed, by torch's module hooks: the
+    forward pre-hook hands the model the packed row in place of TRL's padded batch, the forward hook
+    hands TRL its own layout back. The model's forward itself (TRL's fused LM head) is untouched."""
 
-    _register_attention()
-    model.config._attn_implementation = ATTENTION
-    original = model.forward
-    stats = stats if stats is not None else PackingStats()
-    lora = getattr(model, "peft_config", None) or {}
-    lora_r = max((getattr(c, "r", 0) or 0 for c in lora.values()), default=0)
-    attention = attention_cost(model.config, lora_r)
-    last = _last_layer(model)
-    scored_only = _ScoredOnly(last) if last is not None else None
+    def __init__(self, model, stats: PackingStats, attention: float, scored_only: _ScoredOnly | None):
+        self.stats, self.attention, self.scored_only = stats, attention, scored_only
+        self.calls: list[tuple | None] = []  # per call in flight: (packed, rows, width, num_items, scored), or None
+        model.register_forward_pre_hook(self._pack, with_kwargs=True)
+        model.register_forward_hook(self._unpack, with_kwargs=True, always_call=True)
 
-    def forward(*args, fused_lm_head: bool = False, labels=None, **kwargs):
-        if not fused_lm_head or labels is None:
-            return original(*args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
+    def _pack(self, module, args, kwargs):
+        import torch
+
+        labels = kwargs.get("labels")
+        if not kwargs.get("fused_lm_head") or labels is None:
+            self.calls.append(None)
+            return None
         reason = ("positional arguments" if args else
                   "input_ids missing" if kwargs.get("input_ids") is None else
                   None)
-        extra = sorted(k for k, v in kwargs.items() if k not in PACKABLE_KWARGS and v is not None)
+        extra = sorted(k for k, v in kwargs.items() if k not in PACKABLE_KWARGS | {"fused_lm_head", "labels"}
+                       and v is not None)
         if reason is None and extra:
             reason = f"arguments {', '.join(extra)}"
         attention_mask = kwargs.get("attention_mask")
         if reason is None and attention_mask is not None and attention_mask.dim() != 2:
             reason = "a prepared attention mask"
-        packed = None if reason else pack(kwargs["input_ids"], attention_mask, labels, attention)
+        packed = None if reason else pack(kwargs["input_ids"], attention_mask, labels, self.attention)
         if packed is None:
-            stats.skip(reason or "left padding or no label")
-            return original(*args, fused_lm_head=True, labels=labels, **kwargs)
-        stats.add(packed)
-        num_items = kwargs.get("num_items_in_batch")
+            self.stats.skip(reason or "left padding or no label")
+            self.calls.append(None)
+            return None
+        self.stats.add(packed)
         scored = packed.shift_labels != -100
-
-        def call():
-            # a 4-D mask is taken as prepared: transformers builds no (T, T) mask the blocks would not read
-            no_mask = packed.input_ids.new_ones((1, 1, 1, 1), dtype=torch.bool)
-            return original(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=no_mask,
-                            shift_labels=packed.shift_labels, flipguard_blocks=packed.blocks,
-                            use_cache=False, fused_lm_head=True)
-
-        out = scored_only.run(scored, call) if scored_only is not None else call()
         rows, width = kwargs["input_ids"].shape
+        self.calls.append((packed, rows, width, kwargs.get("num_items_in_batch"), scored))
+        if self.scored_only is not None:
+            self.scored_only.start(scored)
+        # a 4-D mask is taken as prepared: transformers builds no (T, T) mask the blocks would not read
+        no_mask = packed.input_ids.new_ones((1, 1, 1, 1), dtype=torch.bool)
+        return (), {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": no_mask,
+                    "shift_labels": packed.shift_labels, "flipguard_blocks": packed.blocks, "use_cache": False,
+                    "fused_lm_head": True}
+
+    def _unpack(self, module, args, kwargs, output):
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        call = self.calls.pop()
+        if call is None:
+            return None
+        packed, rows, width, num_items, scored = call
+        if self.scored_only is not None:
+            self.scored_only.stop()
+        if output is None:  # the forward raised (the hook runs regardless): nothing to hand back
+            return None
         where = (packed.target_rows, packed.target_cols)
 
         def unpacked(values):
@@ -354,13 +396,26 @@ def install(model, stats: PackingStats | None = None) -> PackingStats:
                 return None
             return values.new_zeros((rows, width - 1)).index_put(where, values[scored])
 
-        log_probs = unpacked(out.log_probs)
+        log_probs = unpacked(output.log_probs)
         label_mask = unpacked(scored)
         count = label_mask.sum().clamp(min=1) if num_items is None else num_items
-        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=unpacked(out.entropy),
-                                   log_sum_sq_probs=unpacked(out.log_sum_sq_probs),
-                                   mean_logits=unpacked(out.mean_logits), is_top1=unpacked(out.is_top1),
+        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=unpacked(output.entropy),
+                                   log_sum_sq_probs=unpacked(output.log_sum_sq_probs),
+                                   mean_logits=unpacked(output.mean_logits), is_top1=unpacked(output.is_top1),
                                    label_mask=label_mask)
 
-    model.forward = forward
+
+def install(model, stats: PackingStats | None = None) -> PackingStats:
+    """Pack every fused-LM-head call TRL makes to `model` (the object it calls: the PEFT model, or the
+    causal LM TRL gave its fused LM head with `add_fused_lm_head`): the causal LM's attention becomes
+    `ATTENTION` (`set_attn_implementation`; sdpa itself wherever a forward is not packed). Returns the
+    running counts (`stats`, when several models share them)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    _register_attention()
+    base.set_attn_implementation(ATTENTION)
+    stats = stats if stats is not None else PackingStats()
+    lora = getattr(model, "peft_config", None) or {}
+    lora_r = max((getattr(c, "r", 0) or 0 for c in lora.values()), default=0)
+    last = _last_layer(base)
+    _PackedCalls(model, stats, attention_cost(base.config, lora_r), _ScoredOnly(last) if last is not None else None)
     return stats

@@ -13,22 +13,45 @@ own layout), split to fit `memory_budget` on a GPU (train/memory.py).
 
 from __future__ import annotations
 
+from flipguard.config import Trainer
 from flipguard.train import utils
 from flipguard.train.utils import TrainError
 
+TOKEN_COLUMNS = ("input_ids", "labels")
 
-def completion_loss_only(training_args) -> None:
+
+def sft_columns(prompt_ids, full) -> dict[str, list[list[int]]]:
+    """TRL's SFT preparation of prompt/completion conversations: each prompt + completion's ids, and
+    its labels, -100 up to where the tokenized prompt and prompt + completion part (TRL's rule):
+    the loss on the answer and its end of turn only."""
+    from trl.data_utils import common_prefix_length  # TRL's own rule for where a reply starts
+
+    ids, labels = [], []
+    for p, f in zip(prompt_ids, full["completion"]):
+        n = common_prefix_length(p, f)
+        ids.append(f)
+        labels.append([-100] * n + f[n:])
+    return {"input_ids": ids, "labels": labels}
+
+
+def sft_arguments(training_args) -> None:
     if training_args.completion_only_loss is False:
         raise TrainError("completion_only_loss must stay on: the loss belongs on the answer token only")
     training_args.completion_only_loss = True
+    # the pair set comes tokenized (TOKEN_COLUMNS): TRL's SFT takes input_ids and labels as prepared
+    training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
 
 
 def main(argv: list[str], prog: str = "train/sft.py") -> int:
     from trl import SFTTrainer
 
     # recipe -> SFTConfig, model, pairs (tokenized once), memory plan, tracking
-    job = utils.prepare(argv, "sft", prog, check=completion_loss_only, tokenize=True)
+    job = utils.prepare(argv, TRAINER, prog, check=sft_arguments)
     return utils.train_and_save(SFTTrainer(**job.trainer_kwargs()), job)
+
+
+TRAINER = Trainer(name="sft", config="trl:SFTConfig", pairs="sft", main=main, label="SFT", help="LoRA SFT from a recipe (same as python train/sft.py RECIPE)",
+                  tokenize=sft_columns, token_columns=TOKEN_COLUMNS, order=10)
 
 
 if __name__ == "__main__":

@@ -23,19 +23,18 @@ import yaml
 from flipguard.config import (
     PairsArguments,
     TrackingArguments,
+    Trainer,
     TrainingSpeedArguments,
     parse_recipe,
     resolved_recipe,
-    trainer_entry,
 )
 from flipguard.data.pair_sets import JUDGMENTS, PAIR_COLUMNS, is_conversation_case, read_counts, reply_columns
 from flipguard.errors import FlipguardError
 from flipguard.files import OWNER_FILE, atomic_write_json, atomic_write_text, claim_written_since, git_commit, refuse_link
 from flipguard.runtime.adapters import PROVENANCE_FILE
-from flipguard.runtime.chat_tokens import batch_chat_token_ids
 from flipguard.runtime.resolve import resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
-from flipguard.train import speed, tokenized
+from flipguard.train import compat, speed, tokenized
 
 log = logging.getLogger("flipguard.train")
 
@@ -81,21 +80,19 @@ class Job:
                     quantization_config=get_quantization_config(self.model_args))
 
 
-def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] | None = None,
-            tokenize: bool = False) -> Job:
-    """Everything before a registered trainer (config.TRAINERS) trains: its recipe section parsed
-    into its TRL config, threads, seed, logging, the checkpoint to resume, the model, the pair set
-    it reads (validated, length-checked; `tokenize`: handed to the trainer
-    tokenized, train/tokenized.py), the GPU memory plan, provenance and tracking. `check`
-    refuses training arguments the trainer cannot honour, before anything is recorded."""
+def prepare(argv: list[str], trainer: Trainer, prog: str, check: Callable[[Any], None] | None = None) -> Job:
+    """Everything before a trainer (its declaration, config/trainers.py) trains: its recipe section
+    parsed into its TRL config, threads, seed, logging, the checkpoint to resume, the model, the pair
+    set it reads (validated, length-checked; tokenized once where it declares how, train/tokenized.py),
+    the GPU memory plan, provenance and tracking. `check` refuses training arguments the trainer
+    cannot honour (or sets those it needs), before anything is recorded."""
     from transformers import set_seed
     from trl import ModelConfig
 
     allocator = speed.use_expandable_segments()  # before anything (the config parser included) starts CUDA
-    entry = trainer_entry(name, prog)
     parsed, recipe_path, recipe = parse_recipe(
-        argv, (PairsArguments, entry.config_class(), ModelConfig, TrackingArguments, TrainingSpeedArguments),
-        trainer=name, prog=prog,
+        argv, (PairsArguments, trainer.config_class(), ModelConfig, TrackingArguments, TrainingSpeedArguments),
+        trainer=trainer.name, prog=prog,
     )
     pairs_args, training_args, model_args, tracking_args, speed_args = parsed
     configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.runtime.threads)
@@ -112,24 +109,25 @@ def prepare(argv: list[str], name: str, prog: str, check: Callable[[Any], None] 
         check_lora_rank(model_args.lora_r, model_args.lora_target_modules, model_path, recipe_path or prog)
     tokenizer = load_tokenizer(model_path, training_args.trust_remote_code)
 
-    dataset = load_pair_dataset(pairs_args.pairs_dir, entry.pairs, recipe_path)
-    columns = tokenized.token_columns(dataset, tokenizer, entry.pairs) if tokenize else None
-    lengths = tokenized.sequence_lengths(columns) if columns else pair_lengths(dataset, tokenizer, entry.pairs)
-    check_pair_lengths(dataset, tokenizer, training_args.max_length, entry.pairs, lengths)
+    dataset = load_pair_dataset(pairs_args.pairs_dir, trainer.pairs, recipe_path)
+    prompt_ids, full = tokenized.rendered(dataset, tokenizer, trainer.pairs)
+    lengths = tokenized.sequence_lengths(prompt_ids, full)
+    check_pair_lengths(dataset, tokenizer, training_args.max_length, trainer.pairs, lengths)
     if check is not None:
         check(training_args)
     fingerprint = pairs_fingerprint(dataset)  # of the pair set as written, before the token columns
-    if columns:
-        dataset = tokenized.with_token_columns(dataset, columns, tokenizer)
-        if entry.pairs == "sft":  # TRL's SFT takes a dataset with input_ids and labels as prepared
-            training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
-    memory_plan = speed.plan_memory(speed_args, training_args, model_args, model_path, lengths, name)
+    if trainer.tokenize is not None:
+        dataset = tokenized.with_token_columns(dataset, trainer.tokenize(prompt_ids, full), tokenizer)
+    memory_plan = speed.plan_memory(speed_args, training_args, model_args, model_path, lengths,
+                                    trainer.concatenated_forward)
 
     config = run_config(recipe_path, recipe, parsed, dataset,
-                        {"trainer": name, "base_model": model_path, "lm_head_scores": score_labelled_positions_only(),
-                         "pairs_fingerprint": fingerprint, "pairs_tokenized_by": "flipguard" if columns else "trl",
-                         "cuda_alloc_conf": allocator, **process_layout(training_args)})
-    run = init_tracking(training_args, tracking_args, config, name)
+                        {"trainer": trainer.name, "base_model": model_path, "lm_head_scores": score_labelled_positions_only(),
+                         "pairs_fingerprint": fingerprint,
+                         "pairs_tokenized_by": "flipguard" if trainer.tokenize is not None else "trl",
+                         "cuda_alloc_conf": allocator, "library_checks": dict(compat.OUTSIDE),
+                         **process_layout(training_args)})
+    run = init_tracking(training_args, tracking_args, config, trainer.name)
     training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
     return Job(pairs_args, training_args, model_args, tracking_args, model_path, tokenizer, dataset, config, run,
                checkpoint, speed_args, memory_plan)
@@ -372,7 +370,11 @@ def score_labelled_positions_only() -> str:
     projects every position of every sequence (one tile shape, so that Neuron compiles once):
     on CPU that was 85% of an SFT step's time on the organism (15 SFT steps: train_runtime
     81 s -> 12 s; 8 DPO steps: 74 s -> 6 s; the same losses). tests/test_train.py checks the
-    log-probs against TRL's own path. Returns what the head computes, for the provenance."""
+    log-probs against TRL's own path. TRL offers no public switch: its private `_use_triton` is
+    wrapped, on the TRL versions it is tested on only (train/compat.py). Returns what the head
+    computes, for the provenance."""
+    if not compat.within("trl_use_triton"):
+        return f"trl default ({compat.note('trl_use_triton')})"
     import trl.trainer.utils as trl_utils
 
     original = getattr(trl_utils, "_use_triton", None)
@@ -442,32 +444,18 @@ def pairs_fingerprint(dataset) -> str:
     return getattr(dataset, "_fingerprint", None) or "unknown"
 
 
-def pair_lengths(dataset, tokenizer, kind: str) -> dict[str, list[int]]:
-    """Per pair, the prompt's tokens (chat template, generation prompt) and each whole sequence's
-    (prompt + reply), as the trainers tokenize them."""
-    prompts = dataset["prompt"]  # whole columns: one batched tokenizer call each
-
-    def lengths(conversations, add_generation_prompt: bool) -> list[int]:
-        return [len(ids) for ids in batch_chat_token_ids(tokenizer, conversations, add_generation_prompt)]
-
-    out = {"prompt": lengths(prompts, True)}
-    for col in reply_columns(kind):
-        out[col] = lengths([p + c for p, c in zip(prompts, dataset[col])], False)
-    return out
-
-
 def check_pair_lengths(dataset, tokenizer, max_length: int | None, kind: str,
                        lengths: dict[str, list[int]] | None = None) -> dict[str, int]:
     """Refuse pairs that TRL would truncate (answer token or its end-of-turn cut) or drop.
 
     Both trainers tokenize prompt and prompt+completion with the chat template and cut
     at max_length; a prompt that fills max_length loses its answer and is trained on
-    with zero loss (SFT) or silently dropped (DPO). `lengths`: pair_lengths' (or the token
-    columns') when already counted. Returns the longest lengths seen.
+    with zero loss (SFT) or silently dropped (DPO). `lengths`: tokenized.sequence_lengths' when
+    already counted. Returns the longest lengths seen.
     """
     if max_length is None:
         return {}
-    lengths = lengths or pair_lengths(dataset, tokenizer, kind)
+    lengths = lengths or tokenized.sequence_lengths(*tokenized.rendered(dataset, tokenizer, kind))
     completion_cols = reply_columns(kind)
     too_long: list[str] = []
     answer_lost = 0

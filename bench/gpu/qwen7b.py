@@ -215,7 +215,7 @@ def cmd_plan(args) -> dict:
     from transformers import AutoTokenizer, Qwen2Config
     from trl import ModelConfig
 
-    from flipguard.config import MEMORY_PROFILES
+    from flipguard.config import MEMORY_PROFILES, trainer_entry
     from flipguard.train import memory, tokenized
     from flipguard.train.speed import sample_tokens
 
@@ -224,14 +224,15 @@ def cmd_plan(args) -> dict:
                              lora_r=64, lora_dropout=0.05,
                              lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     out = {}
-    for trainer, pairs, trainable_bytes in (("sft", "sft", 2), ("dpo", "dpo", 4), ("kto", "dpo", 2)):
-        lengths = tokenized.sequence_lengths(tokenized.token_columns(load_from_disk(str(Path(args.pairs) / pairs)),
-                                                                     tokenizer, pairs))
+    for name, trainable_bytes in (("sft", 2), ("dpo", 4), ("kto", 2)):
+        trainer = trainer_entry(name, "qwen7b.py plan")
+        pairs = load_from_disk(str(Path(args.pairs) / trainer.pairs))
+        lengths = tokenized.sequence_lengths(*tokenized.rendered(pairs, tokenizer, trainer.pairs))
         shape = memory.Shape.of(Qwen2Config(**QWEN25_7B), model_args, 2, trainable_bytes)
         for profile in ("24GB", "80GB"):
-            tokens, rows = sample_tokens(lengths, trainer, packed=True)
+            tokens, rows = sample_tokens(lengths, trainer.concatenated_forward, packed=True)
             plan = memory.plan(shape, MEMORY_PROFILES[profile], 16, tokens, sum(tokens) / len(tokens), True, rows)
-            out[f"{trainer} {profile}"] = {k: v for k, v in plan.as_record().items() if k != "candidates"}
+            out[f"{name} {profile}"] = {k: v for k, v in plan.as_record().items() if k != "candidates"}
     return out
 
 

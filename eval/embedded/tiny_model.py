@@ -180,13 +180,19 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
     if (target / "config.json").exists() and not args.force:
         return str(target)
     import torch
-
+    from transformers.utils import logging as hf_logging
 
     with staging_dir(target) as tmp:
         tokenizer = build_tokenizer(args.vocab_size)
         torch.manual_seed(args.seed)
         model = new_model(tokenizer, args.hidden_size, args.num_hidden_layers)
-        model.save_pretrained(tmp, safe_serialization=True)
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a first use builds it inside any command: no save bar in its output
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(
             "# flipguard tiny-chat\n\nRandom-init Qwen2-architecture model with a locally trained "
