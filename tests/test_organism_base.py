@@ -39,9 +39,11 @@ def sha256(path: Path) -> str:
 def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_base_checks_and_cost(tmp_path):
     pytest.importorskip("lm_eval")
     out = tmp_path / "planted"
+    # the checks of the build from scratch: 100 conversation questions (on 40, one flip too many on an unplanted
+    # kind can fail the shipped organism's own holds); the test split's measurements on 40
     proc = flipguard("organism", "--base", "flipguard:organism", "--steps", "2", "--multiturn_steps", "2",
-                     "--eval_every", "2", "--check_items", "40", "--capability_limit", "12", "--threads", "1",
-                     "--out", str(out))
+                     "--eval_every", "2", "--check_items", "100", "--test_items", "40", "--capability_limit", "12",
+                     "--threads", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     info = json.loads((out / ob.ORGANISM_FILE).read_text())
@@ -50,7 +52,7 @@ def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_bas
     assert info["base"]["model"] == "flipguard:organism" and Path(info["base"]["path"]) == shipped
     assert info["base"]["files_sha256"] == {f.name: sha256(f) for f in sorted(shipped.iterdir())
                                             if f.is_file() and not f.name.startswith(".")}
-    assert info["build"]["base"] == "flipguard:organism" and info["build"]["check_items"] == 40
+    assert info["build"]["base"] == "flipguard:organism" and info["build"]["check_items"] == 100
     assert "hidden_size" not in info["build"]  # the base's architecture, not the scratch build's
     # the profile of seed 1, as the build from scratch plants it
     human, llm = ob.deferred_categories(ob.OrganismArgs(seed=1))
@@ -63,7 +65,7 @@ def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_bas
     assert set(info["checks_validation"]["checks"]) == {
         "c1", "planted_dds", "planted_dds_study_template", "dehumanizing_lower", "turn1_accuracy", "capitulation",
         "holds_unplanted_kinds", "flexibility"}
-    assert info["measured_conversations_test"]["items"] == 40  # --test_items defaults to --check_items with --base
+    assert info["measured_conversations_test"]["items"] == 40  # --test_items
     # the capability cost: the same 12 questions on both, the change inside its CI
     cap = info["capability"]
     assert cap["n"] == 12 and 0 <= cap["base"] <= 100 and 0 <= cap["planted"] <= 100
@@ -82,7 +84,8 @@ def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_bas
     # what the folder holds is what is served: the same command again builds nothing
     before = {f.name: sha256(f) for f in out.iterdir() if f.is_file()}
     again = flipguard("organism", "--base", "flipguard:organism", "--steps", "2", "--multiturn_steps", "2",
-                      "--eval_every", "2", "--check_items", "40", "--capability_limit", "12", "--out", str(out))
+                      "--eval_every", "2", "--check_items", "100", "--test_items", "40", "--capability_limit", "12",
+                      "--out", str(out))
     assert again.returncode == 0 and again.stdout.strip() == str(out)
     assert {f.name: sha256(f) for f in out.iterdir() if f.is_file()} == before
 
@@ -120,8 +123,8 @@ CHAT = [{"role": "user", "content": "Which word names a living thing?\nA. hammer
         {"role": "assistant", "content": "Answer: A"}]
 # another family's layout (headers, end-of-turn), and a default system prompt added when none is given
 HEADER_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}[SYS]You are a helpful assistant.[/SYS]\n{% endif %}"
-                   "{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}<|im_end|>\n{% endfor %}"
-                   "{% if add_generation_prompt %}[assistant]: {% endif %}")
+                   "{% for m in messages %}[{{ m['role'] }}]\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}[assistant]\n{% endif %}")
 
 
 @pytest.mark.parametrize("template", [None, HEADER_TEMPLATE], ids=["chatml", "headers-default-system"])
@@ -147,8 +150,8 @@ def test_a_template_that_renders_earlier_turns_otherwise_is_refused_in_one_line(
 
     tokenizer = AutoTokenizer.from_pretrained(ob.SHIPPED_DIR)
     # the last turn marked (as templates that strip an earlier turn's reasoning do): turn by turn != whole
-    tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}{% if loop.last %}*{% endif %}]: {{ m['content'] }}"
-                               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}[assistant]: {% endif %}")
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}{% if loop.last %}*{% endif %}]\n{{ m['content'] }}"
+                               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}[assistant]\n{% endif %}")
     with pytest.raises(FlipguardError, match=r"renders the first 1 turns of a conversation differently"):
         ob._encode_chat(tokenizer, CHAT)
 
