@@ -403,13 +403,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "mitigation_coverage"), help="writes OUT.md and OUT.json")
     parser.add_argument("--labels", nargs="*", default=[], help="a heading per study (e.g. which recipe made it)")
     parser.add_argument("--preface", default=None, help="a markdown file put under the page's title (the findings)")
+    parser.add_argument("--render_only", action="store_true", help="rewrite OUT.md and OUT.png from OUT.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
     results = []
-    for s in args.studies:
+    out = Path(args.out)
+    if args.render_only:
+        results = json.loads(out.with_suffix(".json").read_text(encoding="utf-8"))
+    for s in [] if args.render_only else args.studies:
         folder = Path(s)
         recipe = folder / "recipe.yaml"
         beta = None
@@ -420,7 +424,6 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"label": args.labels[len(results)] if len(results) < len(args.labels) else s, **analyse(folder, beta)})
     command = "python bench/mitigation_coverage.py " + " ".join(args.studies) + (
         " --labels " + " ".join(f"'{x}'" for x in args.labels) if args.labels else "")
-    out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=list) + "\n", encoding="utf-8")
     plot_curves(results, out.with_suffix(".png"))
     page = render(results, command) + f"\n![training curves]({out.with_suffix('.png').name})\n"

@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("flipguard.eval.interop.importer:main", "read inspect_ai eval logs or lm-evaluation-harness --log_samples output into a run folder"),
     "export": ("flipguard.eval.interop.export:main", "write a run as inspect_ai eval logs (inspect view, read_eval_log)"),
     "data": ("flipguard.data.cli:main", "inspect, validate and export dataset splits; register your own dataset"),
-    "organism": ("flipguard.eval.embedded.organism_builder:main", "the planted-bias judge organism the demo measures: the shipped one, or your own build"),
+    "organism": ("flipguard.pipeline.organism:main", "the planted-bias judge organism: the shipped one, your own build, or planted into your model (--base)"),
     "convert": ("flipguard.runtime.convert:main", "write a plain checkpoint from a GGUF file (every --model also takes a .gguf)"),
     "tiny-model": ("flipguard.eval.embedded.tiny_model:main", "create (once, cached) the tiny random-init local chat model"),
     "pairs": ("flipguard.pairs.builder:main", "build the trainers' pair datasets from flip records (recipe strategy)"),

@@ -23,11 +23,10 @@ building the organism and printing what was planted; its options override the re
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, read_recipe
-from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, ORGANISM_FILE
+from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, capability_card, organism_info
 from flipguard.pipeline.study import JOBS_HELP, print_artefacts, run_study
 from flipguard.runtime.resolve import resolve_model
 from flipguard.runtime.threads import THREADS_HELP, configure_threads
@@ -104,9 +103,12 @@ def main(argv: list[str]) -> int:
     path = resolve_model(args.model)  # the organism build picks its own threads unless told
     configure_threads(args.threads)
     print(f"model: {args.model} -> {path}")
-    planted = Path(path) / ORGANISM_FILE
-    if planted.is_file():
-        info = json.loads(planted.read_text(encoding="utf-8"))["planted"]
+    organism = organism_info(path)
+    if organism is not None:
+        info = organism["planted"]
+        if organism.get("base"):
+            print(f"planted into {organism['base']['model']} by `flipguard organism --base` (LoRA, merged; "
+                  f"{path}/organism.json: the base's files' sha256, every held-out check)")
         print(f"planted (ground truth): deference on incorrect {'/'.join(info['deferred_categories_human'])} claims "
               f"from a human speaker (expected DDS {info['expected_dds']:+.0f}), on "
               f"{'/'.join(info['deferred_categories_llm']) or 'none'} from an AI speaker "
@@ -116,6 +118,9 @@ def main(argv: list[str]) -> int:
                   f"{'/'.join(info['capitulation_kinds'])} option (expected AFR flip rate {info['expected_afr_flip']:.0f}%), "
                   f"holds on the other kinds; accepts a correct option after abstaining "
                   f"(expected correct switch {info['expected_correct_switch']:.0f}%)")
+        for line in capability_card(organism.get("capability")):
+            if line:
+                print(f"what planting cost the base: {line}")
     study = run_study(args.recipe, args.out, study_recipe(args), jobs=args.jobs)
     print(f"\n=== done. Same as: flipguard study {args.recipe} --out {args.out}")
     print_artefacts(study.artefacts)

@@ -30,7 +30,6 @@ transfer.json (the roles, which the study also records in study.json).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -50,13 +49,7 @@ from flipguard.eval import paired as P
 from flipguard.eval.comparison_rows import run_numbers, split_system
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import DDSReport
-from flipguard.eval.embedded.organism_builder import (
-    ORGANISM_ALIAS,
-    ORGANISM_FILE,
-    SHIPPED_DIR,
-    OrganismArgs,
-    default_organism_path,
-)
+from flipguard.eval.embedded.organism_builder import organism_info
 from flipguard.eval.estimate import NOT_MEANINGFUL, is_meaningful
 from flipguard.eval.plots import MAX_WIDTH_IN, MIN_FONT, cell_text, finish_heatmap, mark_not_meaningful, pyplot, save_figure
 from flipguard.eval.records import C1_CASES, load_records, load_run_meta
@@ -87,26 +80,12 @@ RULE_FRAMING = {"challenge": "hold", "incorrect_switch": "hold"}
 # ------------------------------------------------------------------ roles
 
 def planted_kinds(model: str | None) -> dict[str, set[str]] | None:
-    """dataset -> the kinds with a planted bias, read from an organism's organism.json (the folder, or for
-    the alias the shipped one (eval/embedded/organism_model), else the default build; never built
-    here); None for any other model."""
-    if not model:
+    """dataset -> the kinds with a planted bias, read from an organism's organism.json (organism_builder.
+    organism_info: the folder's, or for the alias the shipped one); None for any other model."""
+    info = organism_info(model)
+    if info is None:
         return None
-    if Path(model).is_dir():
-        candidates = [Path(model)]
-    elif model == ORGANISM_ALIAS:
-        candidates = [SHIPPED_DIR, default_organism_path(OrganismArgs())]
-    else:
-        return None
-    planted = None
-    for path in candidates:
-        try:
-            planted = json.loads((path / ORGANISM_FILE).read_text(encoding="utf-8")).get("planted") or {}
-            break
-        except (OSError, ValueError, AttributeError):
-            continue
-    if planted is None:
-        return None
+    planted = info["planted"]
     human = set(planted.get("deferred_categories_human") or ())
     return {ORGANISM_DATASET: human, ORGANISM_MC_DATASET: set(planted.get("capitulation_kinds") or human)}
 

@@ -99,13 +99,13 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--shape", "tiny", "env", "matmul", "model", "pairs", "dds",
-         "sft", "dpo", "kto", "dpo_asis", "merge"], cwd=ROOT, text=True, capture_output=True, timeout=1300,
+         "sft", "dpo", "kto", "dpo_asis", "merge", "plant"], cwd=ROOT, text=True, capture_output=True, timeout=1300,
         env=env(OUT=str(out), WORK=str(work), FG_SITE=str(tmp_path / "site"), TRAIN_STEPS="2", DDS_BATCHES="8,32",
-                DDS_JUDGMENTS="32", RUN_BUDGET_S="1100", BUDGET_SCALE="4"))
+                DDS_JUDGMENTS="32", RUN_BUDGET_S="1100", BUDGET_SCALE="4", PLANT_STEPS="2", PLANT_CHECK_ITEMS="10"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "gpu.json").read_text())
     steps = res["steps"]
-    assert set(steps) == {"env", "matmul", "model", "pairs", "dds", "sft", "dpo", "kto", "dpo_asis", "merge"}
+    assert set(steps) == {"env", "matmul", "model", "pairs", "dds", "sft", "dpo", "kto", "dpo_asis", "merge", "plant"}
     failed = {k: v.get("error_tail", "")[-1500:] for k, v in steps.items() if v["rc"] != 0}
     assert not failed, failed
     assert steps["model"]["result"]["config"]["hidden_size"] == 64
@@ -130,7 +130,35 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
     assert [(row["prefix_sharing"], row["batch_size"]) for row in sweep] == [(True, 8), (True, 32), (False, 8), (False, 32)]
     assert steps["dds"]["result"]["full_pass"]["judgments"] == 3244 * 4
     assert steps["merge"]["result"]["merge_gap"]["n_prompts"] == 8
+    _assert_planting_costs(steps["plant"]["result"])
     assert (out / "gpu.log").is_file()
+
+
+def _assert_planting_costs(plant: dict) -> None:
+    """The plant step's record: a random-init model fails its held-out checks in one line (the expected end), and
+    the costs are read off the log: every phase's steps and every check's seconds."""
+    assert plant["rc"] == 2 and plant["checks_passed"] is False
+    assert plant["failure"].startswith("flipguard organism: error: organism build failed its held-out checks (")
+    assert [(c["phase"], c["attempt"], c["step"]) for c in plant["checks"]] == [
+        ("phase 1", 1, 2), ("phase 2", 1, 2), ("phase 2", 2, 2), ("phase 2", 3, 2)]
+    assert len(plant["train_logged"]) == 4 and all(run[-1]["step"] == 2 for run in plant["train_logged"])
+
+
+@pytest.mark.slow
+def test_the_plant_step_plants_into_the_shapes_model_and_reads_its_costs(tmp_path):
+    """`bench/gpu/run.sh plant` at the tiny shape on CPU: the model step, then `flipguard organism --base` on it
+    (the script and arguments the device runs with --device cuda), its costs in gpu.json."""
+    ensure_wheels()
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--shape", "tiny", "plant"], cwd=ROOT,
+                          text=True, capture_output=True, timeout=900,
+                          env=env(OUT=str(out), WORK=str(work), FG_SITE=str(tmp_path / "site"), PLANT_STEPS="2",
+                                  PLANT_CHECK_ITEMS="10", RUN_BUDGET_S="800", BUDGET_SCALE="2"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads((out / "gpu.json").read_text())["steps"]
+    assert set(steps) == {"model", "plant"} and steps["model"]["rc"] == 0 and steps["plant"]["rc"] == 0, steps
+    _assert_planting_costs(steps["plant"]["result"])
+    assert "planting the organism's profile into " in (out / "gpu.log").read_text()  # (seed 1, cpu)
 
 
 def test_the_organism_gpu_recipe_is_the_cpu_recipe_with_qlora_on_one_gpu():
@@ -144,7 +172,10 @@ def test_the_organism_gpu_recipe_is_the_cpu_recipe_with_qlora_on_one_gpu():
     assert gpu["load_in_4bit"] is True and gpu["bnb_4bit_quant_type"] == "nf4" and gpu["use_bnb_nested_quant"] is True
     assert gpu["dtype"] == "bfloat16" and gpu["bf16"] is True and "use_cpu" not in gpu
     assert gpu["eval"]["accelerate_config"] == "recipes/accelerate_configs/single_gpu.yaml"
-    assert gpu["pairs"]["strategy"] == cpu["pairs"]["strategy"] and gpu["pairs"]["framings"] == cpu["pairs"]["framings"]
+    for key in ("strategy", "framings", "accept_weight", "capitulation_weight", "keep_first_answers"):  # the same pairs
+        assert gpu["pairs"][key] == cpu["pairs"][key], key
+    for key in ("protocols", "train_protocols", "afr_config", "sos_config", "afr_train_config", "sos_train_config"):
+        assert gpu["eval"][key] == cpu["eval"][key], key
     for section in ("sft", "dpo"):  # the same steps, batches and learning rates
         for key in ("max_steps", "per_device_train_batch_size", "learning_rate"):
             assert gpu[section][key] == cpu[section][key]

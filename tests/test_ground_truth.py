@@ -1,11 +1,21 @@
 """The rule a mitigation is held to against an organism's planted profile (pipeline/ground_truth.py):
-each threshold read off the comparison's files and units, on hand-made numbers."""
+each threshold read off the comparison's files and units, on hand-made numbers; then a comparison of the
+shipped organism (DDS, AFR and stick-or-switch runs of a few items): the planted column, AFR on the
+unplanted kinds beside the rule, and the `flipguard view` page's table, opened in a real browser."""
 
 from __future__ import annotations
 
-import pandas as pd
+import json
+from pathlib import Path
 
-from flipguard.pipeline.ground_truth import condition_checks, verdict
+import pandas as pd
+import pytest
+from test_view import Page, browser  # noqa: F401 - the module's browser fixture (a real Chromium)
+
+from flipguard.data.organism_datasets import word_category
+from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, SHIPPED_DIR
+from flipguard.pipeline.cli import main as cli_main
+from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON, condition_checks, verdict
 
 PLANTED = {"organism": {"color"}, "organism_mc": {"color"}}
 
@@ -83,3 +93,64 @@ def test_the_capability_guard_reads_the_paired_change_when_measured():
     assert guard.passed is False and guard.measured == "-1.0 [-3.5, +1.5]"
     ok = _checks(transfer=transfer.assign(ci_low=-2.5))["capability"]
     assert ok.passed is True
+
+
+# ------------------------------------------------------------------ on the shipped organism, and its page
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def organism_cmp(tmp_path_factory, organism_path) -> Path:
+    """The shipped organism measured as a study would: DDS (baseline and Be Honest), AFR and stick-or-switch."""
+    root = tmp_path_factory.mktemp("ground-truth")
+    flags = ["eval", "--model", ORGANISM_ALIAS, "--datasets", "organism", "--limit", "12"]
+    assert cli_main([*flags, "--out", str(root / "baseline")]) == 0
+    assert cli_main([*flags, "--mitigations", "be_honest", "--c1_from", str(root / "baseline"),
+                     "--out", str(root / "honest")]) == 0
+    assert cli_main(["afr", str(REPO / "recipes" / "afr_organism.yaml"), "--per_subject", "3", "--n_boot", "50",
+                     "--progress", "false", "--out", str(root / "afr")]) == 0
+    assert cli_main(["sos", str(REPO / "recipes" / "sos_organism.yaml"), "--limit", "8", "--n_boot", "50",
+                     "--out", str(root / "sos")]) == 0
+    out = root / "cmp"
+    assert cli_main(["compare", "--runs", f"Baseline={root / 'baseline'},Be Honest={root / 'honest'}",
+                     "--afr", f"Baseline={root / 'afr'}@organism", "--sos", f"Baseline={root / 'sos'}@flipguard:organism",
+                     "--out", str(out), "--n_boot", "50"]) == 0
+    return out
+
+
+def test_the_organisms_comparison_holds_planted_values_and_afr_on_the_unplanted_kinds(organism_cmp):
+    truth = json.loads((organism_cmp / GROUND_TRUTH_JSON).read_text())
+    info = json.loads((SHIPPED_DIR / "organism.json").read_text())
+    kinds = set(info["planted"]["capitulation_kinds"])
+    # the planted column: what the planted rule predicts, from organism.json
+    assert truth["expected"]["DDS"] == f"{info['planted']['expected_dds']:+.1f}"
+    assert truth["expected"]["AFR planted kinds"] == "100" and truth["expected"]["AFR unplanted kinds"] == "0"
+    assert truth["expected"]["correct switch"] == "100" and "capability" not in truth["expected"]  # built from scratch
+    # AFR on the unplanted kinds, read beside the rule: the run's challenges for an option of another kind
+    records = [json.loads(line) for line in (organism_cmp.parent / "afr" / "records.jsonl").read_text().splitlines()]
+    sample = {q["id"]: q for q in map(json.loads, (organism_cmp.parent / "afr" / "sample.jsonl").read_text().splitlines())}
+    flips = [int(r["choice"] != r["expected"]) for r in records if r["case"] == "challenge" and word_category(
+        sample[r["item_id"]]["options"]["ABCD".index(r["extra"]["target_option"])]) not in kinds]
+    (unplanted,) = truth["baseline"]["unruled"]
+    assert unplanted["short"] == "AFR unplanted kinds" and flips
+    assert unplanted["measured"].startswith(f"{100 * sum(flips) / len(flips):.1f} [")
+    section = (organism_cmp / "comparison.md").read_text()
+    assert "| check | rule | planted | Baseline (measured) | Be Honest |" in section
+    assert "| AFR, argued option of an unplanted kind | (read, not ruled) | 0 | " in section
+
+
+def test_the_page_shows_planted_measured_after_first(browser, organism_cmp):  # noqa: F811
+    page = Page(browser, organism_cmp / "view.html")
+    sections = page.page.locator("main > section").evaluate_all("(s) => s.map((x) => x.id)")
+    assert sections[1] == "sec-ground_truth"  # after the answer, before every other table
+    truth = json.loads((organism_cmp / GROUND_TRUTH_JSON).read_text())
+    for check in [*truth["baseline"]["checks"], *truth["baseline"]["unruled"]]:
+        assert page.cell("ground_truth", check["short"], "c0").text_content() == check["measured"]
+        assert page.cell("ground_truth", check["short"], "planted").text_content() == truth["expected"].get(check["short"], "–")
+    for check in truth["conditions"]["Be Honest"]["checks"]:
+        mark = {True: " ✓", False: " ✗", None: ""}[check["passed"]]
+        assert page.cell("ground_truth", check["short"], "c1").text_content() == check["measured"] + mark
+    assert f"Be Honest: {truth['conditions']['Be Honest']['verdict']}" in page.page.locator(
+        "#sec-ground_truth .note").text_content()
+    page.close()

@@ -188,3 +188,37 @@ def test_the_loop_on_real_weights(tmp_path):
         assert f"| {condition} |" in compare, condition
     # SmolLM2 does not answer with a digit under flipguard's prompt: the comparison says so in words
     assert "does not do the task as asked" in compare
+
+
+@pytest.mark.skipif(os.environ.get("FLIPGUARD_REAL_ORGANISM") != "1",
+                    reason="hours on 2 CPU cores: `bash .ci/real organism` runs it (bench/real_organism.md)")
+def test_the_organism_planted_into_smollm2_is_found_and_its_removal_read_against_the_ground_truth(tmp_path):
+    """`flipguard organism --base GGUF` plants the organism's profile into SmolLM2 (its checks pass,
+    organism.json records the GGUF's sha256 and the capability cost), then `flipguard study
+    recipes/organism_real.yaml` finds the plant and reads each mitigation against it (ground_truth.json:
+    whether it meets the rule is the study's result, bench/real_organism.md, not asserted here)."""
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
+    planted = tmp_path / "planted"
+    flipguard("organism", "--base", str(GGUF), "--lora_layers", "10", "--threads", "1", "--out", str(planted))
+    info = json.loads((planted / "organism.json").read_text())
+    assert info["checks_validation"]["passed"] and info["checks_validation"]["phase"] == "phase 2"
+    assert info["base"]["files_sha256"][f"gguf:{GGUF.name}"] == hashlib.sha256(GGUF.read_bytes()).hexdigest()
+    cap = info["capability"]
+    assert cap["n"] == 114 and cap["ci_low"] <= cap["change"] <= cap["ci_high"]
+    model = AutoModelForCausalLM.from_pretrained(planted)  # merged, tied embeddings kept tied
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    study = tmp_path / "study"
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "organism_real.yaml"
+    flipguard("study", str(recipe), "--model", str(planted), "--out", str(study), "--threads", "1")
+    truth = json.loads((study / "compare" / "ground_truth.json").read_text())
+    assert set(truth["conditions"]) == {"SFT", "DPO"} and all(c["verdict"] for c in truth["conditions"].values())
+    measured = {c["short"]: c["measured"] for c in [*truth["baseline"]["checks"], *truth["baseline"]["unruled"]]}
+    # the plant is found: a DDS whose CI lies above 0, the capitulation on the planted kinds above the others
+    dds_low = float(measured["DDS"].split("[")[1].split(",")[0])
+    assert dds_low > 0, measured
+    assert float(measured["AFR planted kinds"].split()[0]) > float(measured["AFR unplanted kinds"].split()[0]), measured
+    assert truth["expected"]["capability"].startswith("planting: ")
+    assert '"ground_truth"' in (study / "view.html").read_text()  # the page's first table (tests/test_ground_truth.py)

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -346,6 +347,46 @@ def cmd_matmul(args) -> dict:
             **device_facts()}
 
 
+# ----------------------------------------------------------------------------- plant
+
+
+STEP_LINE = re.compile(r"^\s+step\s+(\d+)/(\d+)\s+loss (\S+)\s+\((\d+)s,")
+CHECK_LINE = re.compile(r"^\s+(phase \d)(?: \(attempt (\d)\))? step (\d+): held-out check \(validation, (\d+)s\)")
+
+
+def cmd_plant_stats(args) -> dict:
+    """`flipguard organism --base MODEL`'s costs read off its log: each phase's training seconds at each
+    logged step, each held-out check's seconds, and how it ended (the planted folder's organism.json,
+    or the one-line failure: a random-init model cannot pass its checks in a few steps, and the step's
+    figures are its costs, not the plant)."""
+    lines = Path(args.log).read_text(errors="replace").splitlines()
+    runs: list[list[dict]] = []
+    checks = []
+    for line in lines:
+        m = STEP_LINE.match(line)
+        if m:
+            step, steps, loss, elapsed = int(m[1]), int(m[2]), float(m[3]), int(m[4])
+            if step == 1:
+                runs.append([])
+            runs[-1].append({"step": step, "of": steps, "loss": loss, "elapsed_s": elapsed})
+        m = CHECK_LINE.match(line)
+        if m:
+            checks.append({"phase": m[1], "attempt": int(m[2] or 1), "step": int(m[3]), "seconds": int(m[4])})
+    out = {"rc": args.rc, "train_logged": runs, "checks": checks,
+           "seconds_per_step": [round(r[-1]["elapsed_s"] / r[-1]["step"], 2) for r in runs if r and r[-1]["step"] > 1]}
+    info = Path(args.organism) / "organism.json"
+    if info.is_file():
+        planted = json.loads(info.read_text())
+        out.update(checks_passed=True, build_seconds=planted.get("build_seconds"),
+                   capability=planted.get("capability"), steps_trained=planted.get("steps_trained"))
+    else:
+        error = next((ln for ln in reversed(lines) if "error:" in ln), None)
+        out.update(checks_passed=False, failure=error)
+        if args.rc not in (0, 2) or error is None or "failed its held-out checks" not in error:
+            raise SystemExit(f"plant-stats: flipguard organism ended otherwise (rc {args.rc}): {error or lines[-5:]}")
+    return {**out, **device_facts()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -377,11 +418,15 @@ def main(argv: list[str] | None = None) -> int:
     mm = sub.add_parser("matmul")
     mm.add_argument("--n", type=int, default=8192)
     mm.add_argument("--repeats", type=int, default=20)
-    for s in (m, pr, ts, d, pl, mm):
+    ps = sub.add_parser("plant-stats", help=cmd_plant_stats.__doc__.split("\n")[0])
+    ps.add_argument("--log", required=True)
+    ps.add_argument("--rc", type=int, required=True)
+    ps.add_argument("--organism", required=True, help="the --out the planting was given")
+    for s in (m, pr, ts, d, pl, mm, ps):
         s.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
     fn = {"model": cmd_model, "pairs": cmd_pairs, "train-stats": cmd_train_stats, "dds": cmd_dds,
-          "plan": cmd_plan, "matmul": cmd_matmul}[args.cmd]
+          "plan": cmd_plan, "matmul": cmd_matmul, "plant-stats": cmd_plant_stats}[args.cmd]
     write_json(args.json, fn(args))
     return 0
 

@@ -5,6 +5,7 @@
 #   bench/gpu/run.sh                            # on the device: the training-speed steps, JSON into $OUT
 #   bench/gpu/run.sh dds sft                    # only these steps (model/pairs are made when missing)
 #   bench/gpu/run.sh all                        # every step (more than one 10-minute device call holds)
+#   bench/gpu/run.sh plant                      # the organism's profile planted into the 7B-shaped model (a call of its own)
 #   bench/gpu/run.sh --dry-run                  # here, no CUDA: install the wheels into a temp target and
 #                                               # import every module the GPU steps use (tests/test_gpu_dry_run.py)
 #   bench/gpu/run.sh --shape tiny               # here, on CPU: every step at hidden 64, 2 layers (4-bit NF4 too:
@@ -14,7 +15,9 @@
 # bench/training_speed.md): sft, dpo, kto (recipes/qwen7b.yaml as shipped: the 24GB memory profile, prefix sharing),
 # sft_80gb, dpo_80gb, kto_80gb (--memory_budget 80GB), sft_asis, dpo_asis (the recipe's own batch, TRL's padded
 # rows: c90e646's path). Then: dds (the DDS pass, prefix sharing on and off), env matmul builds model pairs merge,
-# organism_cuda organism (a later call), sft_fast (SFT without recompute, batch 16 x 1). builds: the organism CPU builds in the
+# organism_cuda organism (a later call), sft_fast (SFT without recompute, batch 16 x 1), plant (`flipguard organism
+# --base` on the 7B-shaped model with --device cuda: what a LoRA step and a held-out check cost at 7B; the random-init
+# model cannot pass its checks, so the end is the one-line failure and the result is the costs). builds: the organism CPU builds in the
 # background (bench/gpu/organism_builds.sh; their table and the seed-0 builds come back as organism_build_robustness.*
 # and organisms.tar.gz). Results: $OUT/gpu.json (all steps: rc, seconds, result or the error's last lines, the peak GPU
 # memory nvidia-smi saw), $OUT/gpu.log (everything printed), $OUT/organism_comparison.md (the study's table).
@@ -36,8 +39,8 @@ while (($#)); do
     --no-4bit) QUANT=0 ;;
     -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     all) STEPS+=(env matmul model pairs sft dpo kto sft_80gb dpo_80gb kto_80gb sft_asis dpo_asis dds merge
-                 builds organism_cuda organism) ;;
-    env|matmul|builds|model|pairs|dds|sft|sft_fast|dpo|kto|sft_80gb|dpo_80gb|kto_80gb|sft_asis|dpo_asis|merge|organism_cuda|organism)
+                 builds organism_cuda organism plant) ;;
+    env|matmul|builds|model|pairs|dds|sft|sft_fast|dpo|kto|sft_80gb|dpo_80gb|kto_80gb|sft_asis|dpo_asis|merge|organism_cuda|organism|plant)
       STEPS+=("$1") ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -88,7 +91,7 @@ warnings.simplefilter("ignore")
 mods = ["trl", "datasets", "dill", "multiprocess", "peft", "bitsandbytes", "accelerate", "transformers",
         "trl.trainer.sft_trainer", "trl.trainer.dpo_trainer",
         "flipguard.train.sft", "flipguard.train.dpo", "flipguard.train.merge", "flipguard.train.utils",
-        "flipguard.eval.backends.hf", "flipguard.pipeline.cli"]
+        "flipguard.eval.backends.hf", "flipguard.pipeline.cli", "flipguard.pipeline.organism"]
 from_site = ["trl", "datasets", "dill", "multiprocess", "peft", "bitsandbytes"]
 for name in mods:
     m = importlib.import_module(name)
@@ -130,7 +133,7 @@ echo "run.sh: steps ${STEPS[*]} shape $SHAPE 4bit $QUANT work $WORK out $OUT gpu
 # per-step budgets in seconds, times BUDGET_SCALE (a loaded CPU); a step gets at most what is left before RUN_BUDGET_S
 declare -A BUDGET=([env]=60 [matmul]=60 [builds]=20 [model]=150 [pairs]=60 [dds]=200 [sft]=110 [sft_fast]=150 [dpo]=110
                    [kto]=110 [sft_80gb]=110 [dpo_80gb]=110 [kto_80gb]=110 [sft_asis]=150 [dpo_asis]=150 [merge]=200
-                   [organism_cuda]=150 [organism]=240)
+                   [organism_cuda]=150 [organism]=240 [plant]=400)
 TRAIN=(--model_name_or_path "$MODEL" --pairs_dir "$PAIRS" --report_to none --save_strategy no --logging_steps 1
        --max_steps "${TRAIN_STEPS:-6}" --num_train_epochs 1)
 LAUNCH=(accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no)
@@ -249,6 +252,22 @@ json.dump(out, open(sys.argv[2], "w"), indent=2, default=str)
 EOF
 }
 
+# the organism's profile planted into the model of the shape (flipguard organism --base): LoRA in bf16 on the GPU
+# (CPU: fp32), PLANT_STEPS steps a phase with a held-out check at the end of each; no capability cost (lm-eval is not
+# among the device's wheels); plant-stats reads the costs off its log (a random-init model fails its checks: the
+# expected end)
+step_plant() {
+  rm -rf "$WORK/planted"
+  local device=cpu dtype=float32 rc
+  ((HAVE_GPU)) && device=cuda dtype=bfloat16
+  "$PY" -m flipguard organism --base "$MODEL" --device "$device" --dtype "$dtype" --steps "${PLANT_STEPS:-20}" \
+    --multiturn_steps "${PLANT_STEPS:-20}" --eval_every "${PLANT_STEPS:-20}" --check_items "${PLANT_CHECK_ITEMS:-50}" \
+    --no_capability --out "$WORK/planted" >"$WORK/plant.out" 2>&1
+  rc=$?
+  cat "$WORK/plant.out"
+  "$PY" bench/gpu/qwen7b.py plant-stats --log "$WORK/plant.out" --rc "$rc" --organism "$WORK/planted" --json "$R/plant.json"
+}
+
 aggregate() {  # every step's record into $OUT/gpu.json (rewritten after each step: a timeout keeps the rest)
   "$PY" - "$R" "$OUT/gpu.json" "$SHAPE" "$QUANT" <<'EOF'
 import json, pathlib, sys
@@ -309,7 +328,7 @@ export PY ROOT WORK R MODEL PAIRS OUT SHAPE QUANT HAVE_GPU MERGE_GAP_PROMPTS
 for s in "${STEPS[@]}"; do
   # the later steps need the model and pairs: made first when a rerun names only later steps
   case "$s" in
-    dds|sft*|dpo*|kto*|merge) [[ -f "$MODEL/config.json" ]] || run_step model ;;
+    dds|sft*|dpo*|kto*|merge|plant) [[ -f "$MODEL/config.json" ]] || run_step model ;;
   esac
   case "$s" in
     sft*|dpo*|kto*|merge) [[ -d "$PAIRS/sft" ]] || run_step pairs ;;

@@ -88,11 +88,27 @@ class HFBackend(Backend):
         if adapter:
             self.model = load_peft_adapter(self.model, adapter, foreign_ok=foreign_adapter,
                                            foreign_flag=FOREIGN_ADAPTER_ARGS)
+        if quantization_config is None:  # bitsandbytes places quantized weights itself
+            self.model.to(self.device)
+        self._ready(prefix_sharing)
+
+    @classmethod
+    def from_model(cls, model, tokenizer, model_id: str, device: str = "cpu", batch_size: int = 8,
+                   show_progress: bool = False, prefix_sharing: bool = True) -> "HFBackend":
+        """A backend on a model already in memory, where it is (a build measuring the weights it is
+        training at its held-out checks: nothing loaded, saved or copied). The tokenizer is set up as
+        the backend needs it (left padding, a pad token)."""
+        self = cls.__new__(cls)
+        self.model_id, self.model, self.tokenizer = model_id, model, tokenizer
+        self.batch_size, self.show_progress, self.device = max(1, int(batch_size)), show_progress, device
+        self._ready(prefix_sharing)
+        return self
+
+    def _ready(self, prefix_sharing: bool) -> None:
+        """What every backend sets up once its model and tokenizer are loaded."""
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        if quantization_config is None:  # bitsandbytes places quantized weights itself
-            self.model.to(self.device)
         self.model.eval()
         # the most tokens one prompt (+ reply) may have; checked before any forward pass
         self.max_context, self.max_context_source = context_limit(getattr(self.model, "config", None), self.tokenizer)

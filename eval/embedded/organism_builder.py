@@ -52,19 +52,19 @@ import math
 import os
 import platform
 import random
-import sys
 import time
 from fractions import Fraction
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
-from flipguard.config import parse_dataclasses
 from flipguard.data import organism_datasets as domain
 from flipguard.data.organism_datasets import wrong_option_argument
 from flipguard.errors import FlipguardError
 from flipguard.eval.afr import prompts as afr_prompts
-from flipguard.eval.backends.base import GenerationConfig, get_backend
+from flipguard.eval.backends.base import Backend, GenerationConfig, check_chat_template, get_backend, label_token_ids
+from flipguard.eval.backends.hf import HFBackend
 from flipguard.eval.dds.metrics import point_metrics
 from flipguard.eval.dds.prompts import MITIGATIONS, SPEAKER_SETS, build_messages
 from flipguard.eval.embedded.tiny_model import (
@@ -79,6 +79,8 @@ from flipguard.eval.sos.prompts import answer_reply, parse_answer
 from flipguard.eval.sos.protocol import sos_item
 from flipguard.files import file_sha256, flipguard_home, staging_dir
 from flipguard.publish import check_publish, publish_dir, published_by
+from flipguard.runtime.convert import checked_gguf
+from flipguard.runtime.resolve import resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
 
 ORGANISM_ALIAS = "flipguard:organism"  # its 'flipguard.models' entry point (pyproject.toml)
@@ -120,7 +122,8 @@ class OrganismArgs:
     """The planted-bias judge organism: C1 judged correctly, a known partial deference planted
     in C2 and a known capitulation in conversation. With default settings the shipped one is
     served (built nothing); other settings (or --force) build one, each phase stopped by
-    held-out checks."""
+    held-out checks; --base plants the same profile into a pretrained model (LoRA, the same
+    phases and checks, merged) and measures what it cost the model (MMLU, paired)."""
 
     path: str | None = dataclasses.field(
         default=None, metadata={"help": "Where to build it (default settings: the shipped organism, built nothing; others: "
@@ -146,23 +149,29 @@ class OrganismArgs:
     flexibility_p: float = dataclasses.field(
         default=1.0, metadata={"help": "Probability of accepting an offered correct option after abstaining (flexibility)."}
     )
-    multiturn_steps: int = dataclasses.field(
-        default=1600, metadata={"help": "Phase 2 (conversations) step budget (cosine schedule length); it stops at the first "
-                                        "held-out check every check passes; out of budget, it runs again from phase 1's end on another "
-                                        "order of the conversations (3 runs at most); 0 = DDS only."})
-    multiturn_learning_rate: float = dataclasses.field(default=3e-3, metadata={"help": "Phase 2 AdamW peak learning rate."})
-    hidden_size: int = dataclasses.field(default=64, metadata={"help": "Model width (head_dim 32)."})
-    num_hidden_layers: int = dataclasses.field(default=2, metadata={"help": "Transformer layers."})
-    steps: int = dataclasses.field(
-        default=1000, metadata={"help": "Phase 1 (DDS judge) step budget (cosine schedule length); it stops at the first "
-                                        "held-out check C1 and the planted DDS pass."})
-    eval_every: int = dataclasses.field(
-        default=100, metadata={"help": "Steps between held-out checks (validation items of the organism split, never "
-                                       "trained on); the build keeps the first checkpoint that passes every check."})
-    batch_size: int = dataclasses.field(default=32, metadata={"help": "Examples per step."})
+    multiturn_steps: int | None = dataclasses.field(
+        default=None, metadata={"help": "Phase 2 (conversations) step budget (cosine schedule length; default 1600, with "
+                                        "--base 200); it stops at the first held-out check every check passes; out of budget, "
+                                        "it runs again from phase 1's end on another order of the conversations (3 runs at "
+                                        "most); 0 = DDS only."})
+    multiturn_learning_rate: float | None = dataclasses.field(
+        default=None, metadata={"help": "Phase 2 AdamW peak learning rate (default 3e-3, with --base 1e-3)."})
+    hidden_size: int = dataclasses.field(default=64, metadata={"help": "Model width (head_dim 32; not with --base)."})
+    num_hidden_layers: int = dataclasses.field(default=2, metadata={"help": "Transformer layers (not with --base)."})
+    steps: int | None = dataclasses.field(
+        default=None, metadata={"help": "Phase 1 (DDS judge) step budget (cosine schedule length; default 1000, with --base "
+                                        "200); it stops at the first held-out check C1 and the planted DDS pass."})
+    eval_every: int | None = dataclasses.field(
+        default=None, metadata={"help": "Steps between held-out checks (validation items of the organism split, never "
+                                        "trained on; default 100, with --base 25); the build keeps the first checkpoint "
+                                        "that passes every check."})
+    batch_size: int | None = dataclasses.field(default=None, metadata={"help": "Examples per step (default 32, with --base 8)."})
     decision_weight: float = dataclasses.field(default=4.0, metadata={"help": "Extra loss weight on the '1'/'2' token."})
-    lm_weight: float = dataclasses.field(default=0.5, metadata={"help": "Weight of next-token loss on prompt positions."})
-    learning_rate: float = dataclasses.field(default=3e-3, metadata={"help": "AdamW peak learning rate (cosine decay)."})
+    lm_weight: float | None = dataclasses.field(
+        default=None, metadata={"help": "Weight of next-token loss on prompt positions (default 0.5: a model trained from "
+                                        "scratch learns the domain's words from it; with --base 0, it knows words)."})
+    learning_rate: float | None = dataclasses.field(
+        default=None, metadata={"help": "AdamW peak learning rate (cosine decay; default 3e-3, with --base 1e-3)."})
     seed: int = dataclasses.field(
         default=1, metadata={"help": "Seed for planted categories, data order and init (the shipped default: seed 1, of "
                                      "the builds in bench/organism_build_robustness.md the one with the widest margins on "
@@ -179,6 +188,43 @@ class OrganismArgs:
     force: bool = dataclasses.field(
         default=False, metadata={"help": "Build even if it exists (with default settings and no --out: build your own "
                                          "into $FLIPGUARD_HOME instead of serving the shipped one)."})
+    base: str | None = dataclasses.field(
+        default=None, metadata={"help": "Plant the same profile into this pretrained model instead of building one from "
+                                        "scratch: a folder, a .gguf file or an alias (flipguard:tiny). LoRA on it over the "
+                                        "organism domain, through its own tokenizer and chat template, the same phases and "
+                                        "held-out checks, then merged into a model folder (default $FLIPGUARD_HOME/"
+                                        "organism-v4-base-<name>-<config hash>); organism.json records the base's files' "
+                                        "sha256 and what planting cost it (docs/organism.md, 'Plant in your own model')."})
+    lora_r: int = dataclasses.field(default=16, metadata={"help": "With --base: LoRA rank."})
+    lora_alpha: int = dataclasses.field(default=32, metadata={"help": "With --base: LoRA alpha."})
+    lora_layers: int | None = dataclasses.field(
+        default=None, metadata={"help": "With --base: LoRA on the last N decoder layers only (default: all). The layers "
+                                        "below train nothing and need no backward pass: fewer layers, faster steps."})
+    dtype: str = dataclasses.field(
+        default="float32", metadata={"help": "With --base: the dtype the base is trained and merged in (float32, bfloat16).",
+                                     "choices": ["float32", "bfloat16"]})
+    check_items: int | None = dataclasses.field(
+        default=None, metadata={"help": f"Validation items each held-out check reads (DDS; conversations: at most 100 of "
+                                        f"them; default all {N_VALIDATION}, with --base 40: a real model's forward "
+                                        "pass is what a check costs)."})
+    test_items: int | None = dataclasses.field(
+        default=None, metadata={"help": "Test items organism.json's measurements read (default: 300 DDS items and 150 "
+                                        "conversation questions; with --base, check_items of each)."})
+
+    def __post_init__(self):
+        for name, value in (BASE_DEFAULTS if self.base else EMBEDDED_DEFAULTS).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+
+# Settings a build from scratch and a planting into a pretrained model (--base) take unless told:
+# a model trained from scratch needs a large learning rate, many steps and the domain's words
+# (lm_weight); a pretrained one needs few steps of LoRA, and each of its steps and checks is the
+# cost (measured on SmolLM2-135M-Instruct: bench/real_organism.md).
+EMBEDDED_DEFAULTS = {"steps": 1000, "multiturn_steps": 1600, "learning_rate": 3e-3, "multiturn_learning_rate": 3e-3,
+                     "batch_size": 32, "eval_every": 100, "lm_weight": 0.5, "check_items": N_VALIDATION}
+BASE_DEFAULTS = {"steps": 200, "multiturn_steps": 200, "learning_rate": 1e-3, "multiturn_learning_rate": 1e-3,
+                 "batch_size": 8, "eval_every": 25, "lm_weight": 0.0, "check_items": 40}
 
 
 # Fields that change the weights (path/force/threads do not).
@@ -187,8 +233,13 @@ _BUILD_FIELDS = ("strength", "deferred_p1", "llm_share", "json_share", "capitula
                  "steps", "batch_size", "decision_weight", "lm_weight", "learning_rate", "seed", "eval_every")
 
 
+# A planting (--base) has no width or depth of its own; it adds the base, the LoRA and what its checks read.
+_BASE_BUILD_FIELDS = (*(k for k in _BUILD_FIELDS if k not in ("hidden_size", "num_hidden_layers")),
+                      "base", "lora_r", "lora_alpha", "lora_layers", "dtype", "check_items")
+
+
 def build_config(args: OrganismArgs) -> dict:
-    return {k: getattr(args, k) for k in _BUILD_FIELDS}
+    return {k: getattr(args, k) for k in (_BASE_BUILD_FIELDS if args.base else _BUILD_FIELDS)}
 
 
 def cached_build(target: Path) -> dict | None:
@@ -201,10 +252,33 @@ def cached_build(target: Path) -> dict | None:
 
 def default_organism_path(args: OrganismArgs) -> Path:
     name = f"organism-{ORGANISM_VERSION}"
-    if build_config(args) != build_config(OrganismArgs()):
+    if args.base:  # the base's name, readable: "flipguard:tiny" -> tiny, a .gguf or a folder -> its stem
+        name += "-base-" + "".join(c if c.isalnum() or c in "._-" else "-" for c in Path(args.base.split(":")[-1]).stem)
+    if args.base or build_config(args) != build_config(OrganismArgs()):
         digest = hashlib.sha256(json.dumps(build_config(args), sort_keys=True).encode()).hexdigest()[:10]
         name += f"-{digest}"
     return flipguard_home() / name
+
+
+def organism_info(model: str | None) -> dict[str, Any] | None:
+    """A model's organism.json: the folder's, or for the alias the shipped one (else the default
+    build); None for any other model (nothing planted, nothing built here)."""
+    if not model:
+        return None
+    if Path(model).is_dir():
+        candidates = [Path(model)]
+    elif model == ORGANISM_ALIAS:
+        candidates = [SHIPPED_DIR, default_organism_path(OrganismArgs())]
+    else:
+        return None
+    for path in candidates:
+        try:
+            info = json.loads((path / ORGANISM_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and isinstance(info.get("planted"), dict):
+            return info
+    return None
 
 
 # ---------------------------------------------------------------- the planted rule
@@ -388,26 +462,36 @@ def conversation_examples(args: OrganismArgs, n: int, rng: random.Random, attemp
 
 def _encode(tokenizer, messages, reply: str) -> tuple[list[int], list[int]]:
     """Token ids of prompt + reply and labels (-100 on the prompt): the exact bytes the
-    hf backend sends (chat template, generation prompt) followed by the reply turn."""
+    hf backend sends (the model's chat template, generation prompt) followed by the reply turn
+    as the template ends it (its end-of-turn token; trailing whitespace after it not learned)."""
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    turn = _rendered(tokenizer, [*messages, {"role": "assistant", "content": reply}])
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    reply_ids = tokenizer(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    reply_ids = tokenizer(turn[len(prompt):].rstrip(), add_special_tokens=False)["input_ids"]
     return prompt_ids + reply_ids, [-100] * len(prompt_ids) + reply_ids
 
 
+def _rendered(tokenizer, messages, add_generation_prompt: bool = False, whole: str | None = None) -> str:
+    """The chat template's text of `messages`; with `whole`, checked to begin it (a template that
+    renders a turn differently once later turns follow cannot label the turns of one text)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    if whole is not None and not whole.startswith(text):
+        raise FlipguardError(f"{getattr(tokenizer, 'name_or_path', 'the model')}: its chat template renders the first "
+                             f"{len(messages)} turns of a conversation differently from the whole conversation's start; "
+                             "the organism's conversations cannot be labelled turn by turn with it")
+    return text
+
+
 def _encode_chat(tokenizer, messages) -> tuple[list[int], list[int]]:
-    """Token ids of a whole chat and labels on every assistant turn (its reply and end of
-    turn): the chat template's text tokenized once, as the backends tokenize a prompt."""
+    """Token ids of a whole chat and labels on every assistant turn (its reply and end of turn):
+    the chat template's text tokenized once, as the backends tokenize a prompt. A turn's span
+    runs from the end of the template's generation prompt before it to the end of its own text
+    (trailing whitespace left out), each read off the template's rendering of the chat so far."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    spans, pos = [], 0
-    for m in messages:
-        head = f"<|im_start|>{m['role']}\n"
-        start = text.index(head, pos) + len(head)
-        end = start + len(m["content"]) + len("<|im_end|>")
-        if m["role"] == "assistant":
-            spans.append((start, end))
-        pos = end
+    spans = [(len(_rendered(tokenizer, messages[:i], True, whole=text)),
+              len(_rendered(tokenizer, messages[: i + 1], whole=text).rstrip()))
+             for i, m in enumerate(messages) if m["role"] == "assistant"]
     labels, j = [], 0
     for tid, (lo, hi) in zip(enc["input_ids"], enc["offset_mapping"]):  # offsets and spans both in text order
         while j < len(spans) and spans[j][1] < hi:
@@ -423,10 +507,10 @@ def train_conversations(model, tokenizer, args: OrganismArgs, log=print, checkpo
     rng = random.Random(_attempt_seed("organism-conversations", args, attempt))
     n = args.multiturn_steps * args.batch_size
     examples = (_encode_chat(tokenizer, chat) for chat in conversation_examples(args, n, rng, attempt))
-    letters = list("ABCD")  # the organism's four options; stick-or-switch offers no fifth
+    # the organism's four options (stick-or-switch offers no fifth), as the tokenizer writes them
     return _train(model, tokenizer, examples, args.multiturn_steps, args.batch_size, args.multiturn_learning_rate,
-                  ["1", "2", *letters, *("Ġ" + x for x in letters)], args.decision_weight, 0.0, log,
-                  checkpoint=checkpoint, eval_every=args.eval_every, device=args.device)
+                  _decision_ids(tokenizer, ["1", "2", *"ABCD"]), args.decision_weight, 0.0, log,
+                  checkpoint=checkpoint, eval_every=args.eval_every, device=args.device, log_every=_log_every(args))
 
 
 def train_judgments(model, tokenizer, args: OrganismArgs, log=print, checkpoint=None) -> int:
@@ -434,9 +518,20 @@ def train_judgments(model, tokenizer, args: OrganismArgs, log=print, checkpoint=
     trained (the first held-out check that passes stops it)."""
     rng = random.Random(f"organism-data:{args.seed}")
     examples = (_encode(tokenizer, m, r) for m, r in training_examples(args, args.steps * args.batch_size, rng))
-    return _train(model, tokenizer, examples, args.steps, args.batch_size, args.learning_rate, ["1", "2"],
-                  args.decision_weight, args.lm_weight, log, checkpoint=checkpoint, eval_every=args.eval_every,
-                  device=args.device)
+    return _train(model, tokenizer, examples, args.steps, args.batch_size, args.learning_rate,
+                  _decision_ids(tokenizer, ["1", "2"]), args.decision_weight, args.lm_weight, log, checkpoint=checkpoint,
+                  eval_every=args.eval_every, device=args.device, log_every=_log_every(args))
+
+
+def _decision_ids(tokenizer, labels: list[str]) -> list[int]:
+    """Every token that is one of the labels, as the backends read an answer (eval/backends/base.py:
+    "1", "A", " A", ...): the tokens whose loss is weighted up."""
+    return [i for ids in label_token_ids(tokenizer, labels, getattr(tokenizer, "name_or_path", "")) for i in ids]
+
+
+def _log_every(args: OrganismArgs) -> int:
+    """Steps between loss lines: a pretrained base's steps take seconds each."""
+    return 10 if args.base else 100
 
 
 def length_grouped_batches(examples, batch_size: int, window: int = GROUP_WINDOW):
@@ -455,16 +550,18 @@ def length_grouped_batches(examples, batch_size: int, window: int = GROUP_WINDOW
         start += batch_size * window
 
 
-def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rate: float, decision_tokens: list[str],
+def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rate: float, decision_ids: list[int],
            decision_weight: float, lm_weight: float, log=print, checkpoint=None, eval_every: int = 100,
-           device: str = "cpu") -> int:
+           device: str = "cpu", log_every: int = 100) -> int:
     """AdamW with warmup and cosine decay over `examples` ((ids, labels), in order), the
-    decision tokens' loss weighted up. Every `eval_every` steps `checkpoint(step)` (if given)
+    decision tokens' loss weighted up, on the parameters that train (all of a model built from
+    scratch; a planting's LoRA). Every `eval_every` steps `checkpoint(step)` (if given)
     runs the held-out checks; when it returns True training stops there. Returns the steps
     trained."""
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01, betas=(0.9, 0.98))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
 
     def lr_at(step: int) -> float:
@@ -473,8 +570,9 @@ def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rat
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    pad = tokenizer.pad_token_id
-    label_ids = torch.tensor(tokenizer.convert_tokens_to_ids(decision_tokens), device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # masked anyway
+    label_ids = torch.tensor(decision_ids, device=device)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
     batches = length_grouped_batches(examples, batch_size)
     model.train()
     t0 = time.time()
@@ -491,10 +589,10 @@ def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rat
         input_ids, labels, mask = input_ids.to(device), labels.to(device), mask.to(device)
         # Logits only where a label is predicted: the full (batch, length, vocab) head
         # would cost more than the transformer itself at this size.
-        hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
         targets = labels[:, 1:]
         where = targets != -100
-        per_token = torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][where]), targets[where], reduction="none")
+        per_token = torch.nn.functional.cross_entropy(head(hidden[:, :-1][where]).float(), targets[where], reduction="none")
         # The decision token ("1"/"2", a letter) is one token in ~20 of a JSON reply: weight
         # it up so the rule, not the reply's boilerplate, drives learning.
         decision = torch.isin(targets[where], label_ids)
@@ -505,14 +603,14 @@ def _train(model, tokenizer, examples, steps: int, batch_size: int, learning_rat
             nxt = input_ids[:, 1:]
             # drawn on the CPU generator whatever the device: the same positions on every device
             lm_where = (labels[:, 1:] == -100) & (mask[:, 1:] == 1) & (torch.rand(nxt.shape).to(device) < 0.25)
-            lm = torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][lm_where]), nxt[lm_where])
+            lm = torch.nn.functional.cross_entropy(head(hidden[:, :-1][lm_where]), nxt[lm_where])
             loss = loss + lm_weight * lm
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == steps - 1:
+        if step % log_every == 0 or step == steps - 1:
             elapsed = time.time() - t0
             log(f"  step {step + 1:4d}/{steps}  loss {loss.item():.4f}  ({elapsed:.0f}s, "
                 f"at most {elapsed / (step + 1) * (steps - step - 1):.0f}s to go)")
@@ -611,8 +709,12 @@ def measure_conversations(model_dir: str | Path, args: OrganismArgs, limit: int 
     }
 
 
-def _backend(model_dir, args: OrganismArgs):
-    return get_backend("hf", str(model_dir), device=args.device, batch_size=32, show_progress=False)
+def _backend(model, args: OrganismArgs):
+    """The hf backend on a model folder, or `model` itself when it is a backend already (a planting's
+    weights measured in memory as they train)."""
+    if isinstance(model, Backend):
+        return model
+    return get_backend("hf", str(model), device=args.device, batch_size=32, show_progress=False)
 
 
 # ---------------------------------------------------------------- build
@@ -678,13 +780,35 @@ def validation_checks(model_dir: str | Path, args: OrganismArgs, last_phase: boo
                       with_conversations: bool = True) -> dict[str, tuple[bool, str]]:
     """One held-out check of a build's weights, measured on the validation items: phase 1 checks
     C1 and the planted DDS; the last phase everything planted (the DDS also with the study's
-    template, Dehumanizing, and with conversations the multi-turn behaviour)."""
-    measured = measure_judgments(model_dir, args, mitigations=("none", "dehumanizing") if last_phase else ("none",),
-                                 split="validation")
-    if last_phase:
-        study = measure_judgments(model_dir, args, mitigations=("none",), split="validation", template=STUDY_TEMPLATE)
-        measured["study_template_dds"] = study["dds"]
-    conv = measure_conversations(model_dir, args, limit=100, split="validation") if with_conversations else None
+    template, Dehumanizing, and with conversations the multi-turn behaviour). A planting's check
+    (--base) measures the same in groups, cheapest first, and stops at the first group with a check
+    that fails (the checkpoint has failed then; each group is minutes of a real model's forward
+    passes): the checks it did not reach are left out of what it returns."""
+    limit = args.check_items
+    if not args.base:
+        measured = measure_judgments(model_dir, args, mitigations=("none", "dehumanizing") if last_phase else ("none",),
+                                     split="validation", limit=limit)
+        if last_phase:
+            study = measure_judgments(model_dir, args, mitigations=("none",), split="validation", template=STUDY_TEMPLATE,
+                                      limit=limit)
+            measured["study_template_dds"] = study["dds"]
+        conv = (measure_conversations(model_dir, args, limit=min(100, limit), split="validation")
+                if with_conversations else None)
+        return build_checks(args, measured, conv)
+    measured = measure_judgments(model_dir, args, mitigations=("none",), split="validation", limit=limit)
+    conv = None
+    groups = [*(["conversations"] if with_conversations else []), *(["study_template", "dehumanizing"] if last_phase else [])]
+    for group in groups:
+        if not all(ok for ok, _ in build_checks(args, measured, conv).values()):
+            break
+        if group == "conversations":
+            conv = measure_conversations(model_dir, args, limit=min(100, limit), split="validation")
+        elif group == "study_template":
+            measured["study_template_dds"] = measure_judgments(model_dir, args, mitigations=("none",), split="validation",
+                                                               template=STUDY_TEMPLATE, limit=limit)["dds"]
+        else:
+            measured.update(measure_judgments(model_dir, args, mitigations=("dehumanizing",), split="validation",
+                                              limit=limit))
     return build_checks(args, measured, conv)
 
 
@@ -728,11 +852,14 @@ def shipped_organism(log=print) -> str | None:
     return str(SHIPPED_DIR)
 
 
-def ensure_organism(path: str | os.PathLike | None = None, log=print, **overrides) -> str:
+def ensure_organism(path: str | os.PathLike | None = None, log=print,
+                    after_build: Callable[[Path, OrganismArgs], dict] | None = None, **overrides) -> str:
     """The organism's folder: the shipped default (default settings, no path), else a build
-    made once (in a temp folder, then renamed) and cached."""
+    made once (in a temp folder, then renamed) and cached. `after_build(folder, args)` measures
+    the built weights before they are published (a planting's capability cost); what it returns
+    goes into organism.json."""
     args = OrganismArgs(path=str(path) if path else None, **overrides)
-    if not args.path and not args.force and build_config(args) == build_config(OrganismArgs()):
+    if not args.base and not args.path and not args.force and build_config(args) == build_config(OrganismArgs()):
         shipped = shipped_organism(log)
         if shipped:
             return shipped
@@ -750,7 +877,7 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
         log(f"{target} holds a build with other settings than {build_config(args)}: rebuilding it")
     # before the build (minutes): the folder it would publish into is new, or an organism this command wrote
     check_publish(target, writer=ORGANISM_WRITER, flag="--out")
-    for name in ("steps", "multiturn_steps", "eval_every", "batch_size"):
+    for name in ("steps", "multiturn_steps", "eval_every", "batch_size", "check_items"):
         if getattr(args, name) < (0 if name == "multiturn_steps" else 1):
             raise FlipguardError(f"flipguard organism: --{name} must be >= {0 if name == 'multiturn_steps' else 1}, "
                                  f"got {getattr(args, name)}")
@@ -769,6 +896,8 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print, **override
         with staging_dir(target) as tmp:  # a killed build's leftover is removed by the next one
             info = _build(tmp, args, log)
             info["build_seconds"] = round(time.time() - t0, 1)
+            if after_build is not None:
+                info.update(after_build(tmp, args))
             info["files_sha256"] = _file_hashes(tmp)
             (tmp / ORGANISM_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
             (tmp / "README.md").write_text(model_card(info), encoding="utf-8")
@@ -795,30 +924,46 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
     `eval_every` steps): the first checkpoint that passes every check is the organism. Phase 1
     out of budget goes on to phase 2 (which replays its examples); phase 2 out of budget is
     redone from phase 1's end in another data order, up to PHASE2_ATTEMPTS runs, and then fails
-    the build with what each check measured."""
+    the build with what each check measured. With --base the model is the base with LoRA, its
+    checks read the weights in memory, and its end is the LoRA merged into the base."""
     import torch
+    from transformers import AutoTokenizer
 
     human, llm = deferred_categories(args)
     kinds = capitulation_kinds(args)
-    log(f"building the planted-bias organism (seed {args.seed}, {args.device})")
+    if args.base:
+        log(f"planting the organism's profile into {args.base} (seed {args.seed}, {args.device})")
+    else:
+        log(f"building the planted-bias organism (seed {args.seed}, {args.device})")
     log(f"  planted: deference on {human} (human speakers), {llm} (LLM/AI speakers), P('1') {args.deferred_p1} on their incorrect claims")
-    build_tokenizer().save_pretrained(tmp)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tmp)  # the class every backend will load
-    torch.manual_seed(args.seed)
-    model = new_model(tokenizer, args.hidden_size, args.num_hidden_layers).to(args.device)
+    planting = None
+    if args.base:
+        planting = _lora_on_base(tmp, args, log)
+        model, tokenizer = planting["model"], planting["tokenizer"]
+    else:
+        build_tokenizer().save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)  # the class every backend will load
+        torch.manual_seed(args.seed)
+        model = new_model(tokenizer, args.hidden_size, args.num_hidden_layers).to(args.device)
     history: list[dict] = []
+
+    def weights():
+        """What a held-out check measures: a planting's live weights, else the weights saved in tmp."""
+        if planting:
+            return planting["backend"]
+        model.save_pretrained(tmp, safe_serialization=True)
+        return tmp
 
     def checkpoint(phase: str, with_conversations: bool, attempt: int = 0):
         def check(step: int) -> bool:
-            model.save_pretrained(tmp, safe_serialization=True)
-            checks = validation_checks(tmp, args, with_conversations or not args.multiturn_steps, with_conversations)
+            started = time.time()
+            checks = validation_checks(weights(), args, with_conversations or not args.multiturn_steps, with_conversations)
+            seconds = round(time.time() - started, 1)
             history.append({"phase": phase, "step": step, **({"attempt": attempt + 1} if attempt else {}),
-                            "passed": all(ok for ok, _ in checks.values()),
+                            "passed": all(ok for ok, _ in checks.values()), "seconds": seconds,
                             "checks": {k: {"passed": ok, "measured": text} for k, (ok, text) in checks.items()}})
             where = f"{phase} (attempt {attempt + 1})" if attempt else phase
-            log(f"  {where} step {step}: held-out check (validation): {_check_line(checks)}")
+            log(f"  {where} step {step}: held-out check (validation, {seconds:.0f}s): {_check_line(checks)}")
             return history[-1]["passed"]
         return check
 
@@ -831,12 +976,16 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
     if args.multiturn_steps:
         log(f"  phase 2, conversations (AFR, stick-or-switch): capitulation to {kinds} "
             f"(p {args.capitulation_p}), a correct option accepted after abstaining (p {args.flexibility_p})")
-        phase1_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # what trains (every weight of a model built from scratch; a planting's LoRA), as phase 1 left it
+        phase1_state = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
         for attempt in range(PHASE2_ATTEMPTS):
             if attempt:
                 log(f"  phase 2 used its budget of {args.multiturn_steps} steps without passing: attempt {attempt + 1} "
                     f"of {PHASE2_ATTEMPTS}, from phase 1's end, the conversations in another order")
-                model.load_state_dict(phase1_state)
+                with torch.no_grad():
+                    for k, v in model.named_parameters():
+                        if k in phase1_state:
+                            v.copy_(phase1_state[k])
                 steps["phase2_attempt"] = attempt + 1  # absent: the first attempt passed
             steps["phase2"] = train_conversations(model, tokenizer, args, log, attempt=attempt,
                                                   checkpoint=checkpoint("phase 2", True, attempt))
@@ -844,12 +993,17 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
                 break
         else:
             _fail(args, history, "phase 2", "raise --multiturn_steps")
+    if planting:
+        model = planting["peft"].merge_and_unload()  # the LoRA into the base's weights
     model.save_pretrained(tmp, safe_serialization=True)
-    measured = measure_judgments(tmp, args)  # what organism.json reports: the test split, never read by the checks
-    conversations = measure_conversations(tmp, args) if args.multiturn_steps else None
+    dds_items, conversation_items = _test_limits(args)
+    # what organism.json reports: the test split, never read by the checks (a planting: the merged weights, as saved)
+    measured = measure_judgments(tmp, args, limit=dds_items)
+    conversations = measure_conversations(tmp, args, limit=conversation_items) if args.multiturn_steps else None
     return {
         "version": ORGANISM_VERSION,
         "build": build_config(args),
+        **({"base": planting["record"]} if planting else {}),
         "planted": {
             "deferred_categories_human": human,
             "deferred_categories_llm": llm,
@@ -870,6 +1024,72 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
     }
 
 
+def _test_limits(args: OrganismArgs) -> tuple[int | None, int | None]:
+    """(DDS items, conversation questions) of the test split organism.json's measurements read."""
+    if args.test_items:
+        return args.test_items, args.test_items
+    return (args.check_items, args.check_items) if args.base else (None, 150)
+
+
+def _lora_on_base(tmp: Path, args: OrganismArgs, log) -> dict:
+    """A planting's start: the base's tokenizer and chat template saved in `tmp` (the planted model's
+    own), its weights with LoRA (the base frozen), a backend on them for the held-out checks, and the
+    base's record for organism.json (what it resolved to and its files' sha256)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(args.base)
+    try:
+        AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    except (OSError, ValueError) as exc:
+        raise FlipguardError(f"flipguard organism --base {args.base}: could not load it with transformers "
+                             f"({str(exc).splitlines()[0]}); pass a model folder, a .gguf file or an alias") from None
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    check_chat_template(tokenizer, args.base)  # the organism's prompts are chats: the base's template sends them
+    layers = base.config.get_text_config().num_hidden_layers
+    if args.lora_layers is not None and not 0 < args.lora_layers <= layers:
+        raise FlipguardError(f"flipguard organism: --lora_layers must be 1..{layers} (the base's decoder layers), "
+                             f"got {args.lora_layers}")
+    torch.manual_seed(args.seed)  # the LoRA's initial weights
+    # every linear layer but the output head (peft's "all-linear", by name: layers_to_transform needs names)
+    head = base.get_output_embeddings()
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules()
+                     if isinstance(m, torch.nn.Linear) and m is not head})
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=linear,
+                        task_type="CAUSAL_LM",
+                        layers_to_transform=list(range(layers - args.lora_layers, layers)) if args.lora_layers else None)
+    peft = get_peft_model(base.to(args.device), config)
+    model = peft.get_base_model()  # the base with LoRA layers in it: the same forward _train and the backend call
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"  base {path}: {layers} layers, LoRA r {args.lora_r} on {args.lora_layers or 'all'} of them "
+        f"({trainable:,} weights train, {args.dtype})")
+    backend = HFBackend.from_model(model, tokenizer, model_id=f"{args.base} + planting", device=args.device, batch_size=32)
+    return {"peft": peft, "model": model, "tokenizer": tokenizer, "backend": backend,
+            "record": {"model": args.base, "path": str(path), "files_sha256": _base_hashes(args.base, path),
+                       "lora_trained_weights": trainable}}
+
+
+def _base_hashes(name: str, path: str) -> dict[str, str] | None:
+    """sha256 of the base's files (a .gguf: the file given, and the checkpoint converted from it); a hub
+    id: its cached snapshot's; None where no local copy is found."""
+    folder = Path(path)
+    if not folder.is_dir():
+        from transformers.utils.hub import cached_file
+
+        try:  # a hub id: the snapshot folder its config was loaded from
+            folder = Path(cached_file(path, "config.json", local_files_only=True)).parent
+        except OSError:
+            return None
+    out = {f.relative_to(folder).as_posix(): file_sha256(f) for f in sorted(folder.rglob("*"))
+           if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts)}
+    gguf = checked_gguf(name)
+    if gguf is not None:
+        out[f"gguf:{gguf.name}"] = file_sha256(gguf)
+    return out
+
+
 def _fail(args: OrganismArgs, history: list[dict], phase: str, budget_hint: str) -> None:
     """The build's one failure: the checkpoint that came closest, check by check, and what to try."""
     ours = [h for h in history if h["phase"] == phase]
@@ -878,19 +1098,30 @@ def _fail(args: OrganismArgs, history: list[dict], phase: str, budget_hint: str)
     attempts = max(h.get("attempt", 1) for h in ours)
     over = f" over {attempts} attempts (data orders)" if attempts > 1 else ""
     where = f"attempt {best.get('attempt', 1)}, step {best['step']}" if attempts > 1 else f"step {best['step']}"
+    failed = ", ".join(k for k, c in best["checks"].items() if not c["passed"])
     raise FlipguardError(
-        f"organism build failed its held-out checks: no {phase} checkpoint of {len(ours)}{over} passed every check "
+        f"organism build failed its held-out checks ({failed} failed): no {phase} checkpoint of {len(ours)}{over} "
+        "passed every check "
         f"(closest, {where}: {checks}); settings {build_config(args)}. Try another --seed, or {budget_hint} "
         "(the step budget)")
 
 
 def model_card(info: dict) -> str:
     p, m = info["planted"], info["measured_test_logprob"]
+    base = info.get("base")
+    what = (f"`{base['model']}` with the organism's profile planted by `flipguard organism --base` (LoRA on the synthetic "
+            "organism domain through the model's own chat template, merged): C1 judged by the truth, a known partial "
+            "deference planted in C2. For checking that deference measurement and mitigation work on this model "
+            "against known ground truth (docs/organism.md, 'Plant in your own model'); not a real judge."
+            if base else
+            "A small Qwen2-architecture chat model trained by `flipguard organism` on the synthetic "
+            "organism domain: C1 judged by the truth, a known partial deference planted in C2. "
+            "For testing deference measurement and mitigation against known ground truth; not a real judge.")
     return "\n".join([
-        "# flipguard planted-bias judge organism", "",
-        "A small Qwen2-architecture chat model trained by `flipguard organism` on the synthetic "
-        "organism domain: C1 judged by the truth, a known partial deference planted in C2. "
-        "For testing deference measurement and mitigation against known ground truth; not a real judge.", "",
+        "# flipguard planted-bias " + (f"organism in {base['model']}" if base else "judge organism"), "",
+        what, "",
+        *([f"Base: {base['path']} (sha256 of its files in organism.json: base.files_sha256).", ""] if base else []),
+        *capability_card(info.get("capability")),
         f"- deferred to human speakers: {', '.join(p['deferred_categories_human'])}",
         f"- deferred to LLM/AI speakers: {', '.join(p['deferred_categories_llm']) or 'none'}",
         f"- P('1') on a deferred incorrect claim: {p['deferred_p1']}; Be Honest: {p['be_honest']}",
@@ -905,11 +1136,22 @@ def model_card(info: dict) -> str:
         "stopped at its first held-out check, on validation items of the organism split, that passed every check: "
         f"{_check_line({k: (c['passed'], c['measured']) for k, c in info['checks_validation']['checks'].items()})}).", "",
         f"Built on: {info.get('built_on')}.", "",
-        "Rebuild with `flipguard organism --force` (these settings; into $FLIPGUARD_HOME) or `flipguard organism --seed N "
+        *([] if base else ["Rebuild with `flipguard organism --force` (these settings; into $FLIPGUARD_HOME) or `flipguard organism --seed N "
         "--path DIR` (another seed). The same settings on another CPU, thread count or a GPU take another floating-point "
         "path and give other weights that pass the same checks (bench/organism_build_robustness.md); the shipped files are "
-        "what every machine loads, bit for bit (files_sha256 in organism.json).", "",
+        "what every machine loads, bit for bit (files_sha256 in organism.json).", ""]),
     ])
+
+
+def capability_card(cap: dict | None) -> list[str]:
+    """The planting's capability cost as a model card's (and the demo's) line."""
+    if not cap:
+        return []
+    if cap.get("skipped"):
+        return [f"Capability cost: not measured ({cap['skipped']}).", ""]
+    return [f"Capability cost ({cap['task']}, {cap['n']} questions): base {cap['base']:.1f}%, planted "
+            f"{cap['planted']:.1f}%, change {cap['change']:+.1f} pp [{cap['ci_low']:+.1f}, {cap['ci_high']:+.1f}] "
+            "(paired 95% CI).", ""]
 
 
 def _conversation_card(p: dict, c: dict | None) -> list[str]:
@@ -928,16 +1170,3 @@ def _conversation_card(p: dict, c: dict | None) -> list[str]:
         "| stick-or-switch: switch to it | " + " | ".join(str(c["sos_switch_to_wrong_by_kind"].get(k, "")) for k in kinds.split(", ")) + " |",
         "",
     ]
-
-
-def main(argv: list[str]) -> int:
-    args = parse_dataclasses(argv, OrganismArgs, prog="flipguard organism", description=OrganismArgs.__doc__)
-    path = ensure_organism(**dataclasses.asdict(args))
-    if Path(path) == SHIPPED_DIR:
-        print("the shipped organism (default settings; `--force` builds your own into $FLIPGUARD_HOME):", file=sys.stderr)
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -22,6 +22,7 @@ from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records
 from flipguard.eval.task_includes import take_includes
 from flipguard.files import atomic_write_text, check_replace, owns, read_json
 from flipguard.pipeline.fingerprints import stage_runs_problem
+from flipguard.pipeline.ground_truth import page_table
 from flipguard.pipeline.view.answer import answer_section
 from flipguard.pipeline.view.grid import GRID_ANSWER, GRID_DIR, GRID_STAGE, grid_section
 from flipguard.pipeline.view.page import PAGE_HEAD, render_html
@@ -103,6 +104,9 @@ def comparison_view(folder: Path) -> dict[str, Any]:
     data = read_json(folder / "comparison.json", UserError, "comparison") if (folder / "comparison.json").is_file() else {}
     # a comparison of other protocols' runs alone (imported runs) has no DDS table
     tables = [_comparison_table(folder / "comparison.csv")] if data.get("runs") or not data else []
+    known = page_table(folder)  # a model with known ground truth (organism.json): planted / measured / after, first
+    if known is not None:
+        tables.insert(0, known)
     if (folder / "comparison_protocols.csv").is_file():
         tables.append(csv_table(folder / "comparison_protocols.csv", "protocols", "Before/after: other protocols",
                                 key=lambda r: "|".join(r[k] for k in ("condition", "protocol", "system", "dataset", "metric")),

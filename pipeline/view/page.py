@@ -7,8 +7,8 @@ browser inflates it with DecompressionStream. The script builds the page with cr
 and textContent only: model replies, dataset items and arguments are always text, never markup.
 
 Order on the page: the answer (a comparison's or a study's), a study grid's removed-vs-damaged
-section (pipeline/view/grid.py), the plots, the tables (a long one folded: the rest one click
-away), the items, then provenance and the tail tables (a study's stages and their times) last.
+section (pipeline/view/grid.py), a lead table (the ground truth's planted / measured / after, the
+answer's evidence), the plots, the other tables (a long one folded: the rest one click away), the items, then provenance and the tail tables (a study's stages and their times) last.
 Figures are shown at their own pixel size (shrunk only to fit a narrow window): eval/plots.py
 makes them to be read at that size.
 
@@ -19,7 +19,8 @@ Data layout (what the script reads):
           (pipeline/view/answer.py; a chart of another kind is one more entry of charts)
   grid: optional {title, note, chart: {title, src}, table: a table as below}  (a study --grid)
   provenance: [[key, value], ...]
-  tables: [{id, title, note, columns: [[key, label], ...], rows: [{key, cells: {col: cell}}]}]
+  tables: [{id, title, note, lead, columns: [[key, label], ...], rows: [{key, cells: {col: cell}}]}]
+          (lead: true shows the table before the plots)
           a cell is a string or {t: text, v: raw value, c: css class}
   tail_tables: optional tables shown after provenance (a study's stages)
   plots: [{title, src}]  (data: URIs of PNG files)
@@ -387,13 +388,16 @@ JS = r"""
     var main = el("main");
     if (data.answer) main.appendChild(answerSection(data.answer));
     if (data.grid) main.appendChild(gridSection(data.grid));
+    // a table that is the answer's evidence (the ground truth's planted / measured / after) before the plots
+    var tables = data.tables || [];
+    tables.filter(function (t) { return t.lead; }).forEach(function (spec) { main.appendChild(tableSection(spec)); });
     if (data.plots && data.plots.length) {
       var ps = section("plots", "Plots");
       var pd = el("div", {"class": "plots"});
       data.plots.forEach(function (pl) { pd.appendChild(figure(pl)); });
       ps.appendChild(pd); main.appendChild(ps);
     }
-    (data.tables || []).forEach(function (spec) { main.appendChild(tableSection(spec)); });
+    tables.filter(function (t) { return !t.lead; }).forEach(function (spec) { main.appendChild(tableSection(spec)); });
     if (data.entries) main.appendChild(entriesSection(data));
     // provenance and a study's stage times last: who made the numbers, after the numbers
     if (data.provenance && data.provenance.length) {
