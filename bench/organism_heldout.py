@@ -48,7 +48,13 @@ def build_info(build: Path) -> dict:
             "deferred_categories_human": info["planted"]["deferred_categories_human"]}
 
 
-def section(name: str, info: dict, truth: dict, seconds: float | None) -> list[str]:
+def study_seconds(out: Path) -> float:
+    """The study's own account of its stages' seconds (study.json): a resumed study's time as measured."""
+    stages = json.loads((out / "study.json").read_text(encoding="utf-8"))["stages"]
+    return sum(s.get("seconds") or 0.0 for s in stages.values())
+
+
+def section(name: str, info: dict, truth: dict, seconds: float | None, why: str = "") -> list[str]:
     base = truth["baseline"]
     columns = {"before": base["checks"], **{n: c["checks"] for n, c in truth["conditions"].items() if n in ("SFT", "DPO")}}
     lines = [f"### {name}: seed {info['seed']}, strength {info['strength']} (deference planted on "
@@ -57,6 +63,8 @@ def section(name: str, info: dict, truth: dict, seconds: float | None) -> list[s
         if trainer in truth["conditions"]:
             c = truth["conditions"][trainer]
             lines.append(f"- **{trainer}**: {'PASS' if c['passed'] else 'FAIL'}: {c['verdict']}")
+    if why:
+        lines += ["", why]
     lines += ["", "| check | rule | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
     for check in base["checks"]:
         cells = []
@@ -66,7 +74,7 @@ def section(name: str, info: dict, truth: dict, seconds: float | None) -> list[s
             cells.append("–" if c is None else c["measured"] + mark)
         lines.append(f"| {check['name']} | {check['rule']} | " + " | ".join(cells) + " |")
     if seconds is not None:
-        lines += ["", f"Study wall time here: {seconds:.0f} s."]
+        lines += ["", f"Study time here: {seconds:.0f} s (its stages' seconds, study.json)."]
     return lines + [""]
 
 
@@ -80,7 +88,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--report_only", action="store_true", help="write the page from finished studies in --work")
     parser.add_argument("--note", default="", help="a paragraph under the header (how the studies were run)")
+    parser.add_argument("--why", nargs="*", default=[], metavar="BUILD=TEXT",
+                        help="a paragraph under a build's verdicts (why it fails, what was found)")
     args = parser.parse_args()
+    why = dict(w.split("=", 1) for w in args.why)
     work = Path(args.work).resolve()
     results, lines = [], []
     groups = (("Held-out builds (never run while the recipe was chosen)", args.heldout),
@@ -91,13 +102,13 @@ def main() -> int:
         for b in builds:
             build = Path(b).resolve()
             out = work / build.name
-            seconds = None if args.report_only else run_study(args.recipe, build, out, args.threads)
+            seconds = study_seconds(out) if args.report_only else run_study(args.recipe, build, out, args.threads)
             truth = json.loads((out / "compare" / "ground_truth.json").read_text(encoding="utf-8"))
             info = build_info(build)
             results.append({"group": title, "build": str(build), **info, "study": str(out), "seconds": seconds,
                             "verdicts": {n: {"passed": c["passed"], "verdict": c["verdict"]}
                                          for n, c in truth["conditions"].items()}, "ground_truth": truth})
-            lines += section(build.name, info, truth, seconds)
+            lines += section(build.name, info, truth, seconds, why.get(build.name, ""))
     import torch
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
