@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from flipguard.runtime.resolve import resolve_model
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -100,15 +102,17 @@ def main() -> int:
         if builds:
             lines += [f"## {title}", ""]
         for b in builds:
-            build = Path(b).resolve()
+            build = Path(resolve_model(b)).resolve()  # a folder or a model alias (flipguard:organism)
             out = work / build.name
             seconds = study_seconds(out) if args.report_only else run_study(args.recipe, build, out, args.threads)
             truth = json.loads((out / "compare" / "ground_truth.json").read_text(encoding="utf-8"))
             info = build_info(build)
-            results.append({"group": title, "build": str(build), **info, "study": str(out), "seconds": seconds,
+            shipped = build == Path(resolve_model("flipguard:organism")).resolve()
+            name = "flipguard:organism (shipped)" if shipped else build.name
+            results.append({"group": title, "name": name, "build": str(build), **info, "study": str(out), "seconds": seconds,
                             "verdicts": {n: {"passed": c["passed"], "verdict": c["verdict"]}
                                          for n, c in truth["conditions"].items()}, "ground_truth": truth})
-            lines += section(build.name, info, truth, seconds, why.get(build.name, ""))
+            lines += section(name, info, truth, seconds, why.get(build.name, ""))
     import torch
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
@@ -126,6 +130,13 @@ def main() -> int:
             "correct switch ≥ 90; first answers within 5 pp of the baseline's; the capability guard where measured. "
             "Values in %, DDS in pp, [95% CI] (items resampled).", "",
             f"**Held-out builds: SFT meets the rule on {tally['SFT']} of {n_held}, DPO on {tally['DPO']} of {n_held}.**", ""]
+    head += ["| build | used | SFT | DPO |", "|---|---|---|---|"]
+    for r in results:
+        cells = [("pass" if v["passed"] else "**fail**: " + v["verdict"].split("misses: ", 1)[-1].split(" (not measured")[0])
+                 for v in (r["verdicts"].get(t, {"passed": False, "verdict": "not run"}) for t in ("SFT", "DPO"))]
+        head.append(f"| {r['name']} (seed {r['seed']}, strength {r['strength']}) | "
+                    f"{'held out' if r['group'].startswith('Held-out') else 'design'} | {cells[0]} | {cells[1]} |")
+    head.append("")
     if args.note:
         head += [args.note, ""]
     out = Path(args.out)

@@ -95,6 +95,22 @@ def test_the_capability_guard_reads_the_paired_change_when_measured():
     assert ok.passed is True
 
 
+def test_the_capability_guard_is_not_ruled_where_the_baseline_answers_at_chance():
+    """The organism knows no MMLU: 31 of 114 right (27.2%) is chance for four options (one-sided binomial
+    p ~ 0.33), so a paired change there is noise and the rule does not read it; 40 of 114 (35.1%, p ~ 0.01)
+    is above chance and the guard is ruled as before."""
+    transfer = pd.DataFrame([{"condition": "SFT", "protocol": "capability", "change": -3.5, "ci_low": -13.2,
+                              "ci_high": 5.3, "meaningful": True, "baseline": 100 * 31 / 114, "n_units": 114}])
+    checks = _checks(transfer=transfer)
+    guard = checks["capability"]
+    assert guard.passed is None and guard.measured.startswith("-3.5 [-13.2, +5.3]; not ruled: the baseline answers MMLU at chance")
+    assert "27.2% of 114" in guard.measured
+    line = verdict(list(checks.values()))
+    assert "not ruled: capability" in line and "not measured" not in line
+    above = _checks(transfer=transfer.assign(baseline=100 * 40 / 114))["capability"]
+    assert above.passed is False and above.measured == "-3.5 [-13.2, +5.3]"
+
+
 # ------------------------------------------------------------------ on the shipped organism, and its page
 
 REPO = Path(__file__).resolve().parents[1]
