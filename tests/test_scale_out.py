@@ -264,7 +264,7 @@ def test_data_parallel_launch_refuses_a_backend_that_parallelises_itself(tiny_mo
 MULTI_TURN_RUNS = {  # protocol -> (its command's arguments, the model given as a path; its report)
     "sos": (["sos", "recipes/sos_tiny.yaml", "--limit", "4", "--n_boot", "200", "--model"], "report/summary.md"),
     # AFR's challenge quotes the model's own stored first answer; scripted arguments (no Stage I generation)
-    "afr": (["afr", "--dataset", "organism_mc", "--split", "train", "--scripted_arguments",
+    "afr": (["afr", "--datasets", "organism_mc", "--split", "train", "--scripted_arguments",
              "data/organism_mc/arguments.jsonl", "--per_subject", "4", "--k_values", "1", "--cross", "false",
              "--answer_mode", "logprob", "--n_boot", "200", "--progress", "false", "--model"], "report/summary.md"),
 }
