@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import pandas as pd
+from scipy.stats import binomtest
 
 from flipguard.data.organism_datasets import NON_LIVING
 from flipguard.eval import bootstrap as B
@@ -214,8 +215,6 @@ def planted_values(info: Mapping[str, Any] | None) -> dict[str, str]:
 def _at_chance(accuracy: float, n: int) -> str:
     """Why the capability guard is not ruled ('' when it is): the baseline's MMLU accuracy is not above
     chance (one-sided exact binomial test at 0.05)."""
-    from scipy.stats import binomtest
-
     if n <= 0 or math.isnan(accuracy):
         return ""
     p = binomtest(round(accuracy * n / 100), n, CAPABILITY_CHANCE / 100, alternative="greater").pvalue
