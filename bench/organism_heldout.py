@@ -19,7 +19,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from flipguard.runtime.resolve import resolve_model
@@ -27,12 +26,11 @@ from flipguard.runtime.resolve import resolve_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_study(recipe: str, build: Path, out: Path, threads: int | None) -> float:
-    """`flipguard study RECIPE --model BUILD --out OUT` in its own process (its log beside OUT); seconds."""
+def run_study(recipe: str, build: Path, out: Path, threads: int | None) -> None:
+    """`flipguard study RECIPE --model BUILD --out OUT` in its own process (its log beside OUT)."""
     cmd = [sys.executable, "-m", "flipguard.pipeline.cli", "study", recipe, "--model", str(build), "--out", str(out)]
     cmd += ["--threads", str(threads)] if threads else []
     out.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     log_path = out.parent / f"{out.name}.log"
     with open(log_path, "a", encoding="utf-8") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -40,7 +38,6 @@ def run_study(recipe: str, build: Path, out: Path, threads: int | None) -> float
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)}: exit {rc} (log: {log_path})")
-    return time.time() - t0
 
 
 def build_info(build: Path) -> dict:
@@ -56,7 +53,7 @@ def study_seconds(out: Path) -> float:
     return sum(s.get("seconds") or 0.0 for s in stages.values())
 
 
-def section(name: str, info: dict, truth: dict, seconds: float | None, why: str = "") -> list[str]:
+def section(name: str, info: dict, truth: dict, seconds: float, why: str = "") -> list[str]:
     base = truth["baseline"]
     columns = {"before": base["checks"], **{n: c["checks"] for n, c in truth["conditions"].items() if n in ("SFT", "DPO")}}
     lines = [f"### {name}: seed {info['seed']}, strength {info['strength']} (deference planted on "
@@ -75,9 +72,7 @@ def section(name: str, info: dict, truth: dict, seconds: float | None, why: str 
             mark = "" if col == "before" or c is None else {True: " ✓", False: " **✗**", None: ""}[c["passed"]]
             cells.append("–" if c is None else c["measured"] + mark)
         lines.append(f"| {check['name']} | {check['rule']} | " + " | ".join(cells) + " |")
-    if seconds is not None:
-        lines += ["", f"Study time here: {seconds:.0f} s (its stages' seconds, study.json)."]
-    return lines + [""]
+    return lines + ["", f"Study time here: {seconds:.0f} s (its stages' seconds, study.json).", ""]
 
 
 def main() -> int:
@@ -93,6 +88,9 @@ def main() -> int:
     parser.add_argument("--why", nargs="*", default=[], metavar="BUILD=TEXT",
                         help="a paragraph under a build's verdicts (why it fails, what was found)")
     args = parser.parse_args()
+    bad = [w for w in args.why if "=" not in w]
+    if bad:
+        parser.error(f"--why takes BUILD=TEXT, got {bad[0]!r}")
     why = dict(w.split("=", 1) for w in args.why)
     work = Path(args.work).resolve()
     results, lines = [], []
@@ -104,7 +102,9 @@ def main() -> int:
         for b in builds:
             build = Path(resolve_model(b)).resolve()  # a folder or a model alias (flipguard:organism)
             out = work / build.name
-            seconds = study_seconds(out) if args.report_only else run_study(args.recipe, build, out, args.threads)
+            if not args.report_only:
+                run_study(args.recipe, build, out, args.threads)
+            seconds = study_seconds(out)  # one meaning whether it ran now or before: the stages' own seconds
             truth = json.loads((out / "compare" / "ground_truth.json").read_text(encoding="utf-8"))
             info = build_info(build)
             shipped = build == Path(resolve_model("flipguard:organism")).resolve()

@@ -9,6 +9,7 @@ and textContent only: model replies, dataset items and arguments are always text
 Order on the page: the answer (a comparison's or a study's), a study grid's removed-vs-damaged
 section (pipeline/view/grid.py), a lead table (the ground truth's planted / measured / after, the
 answer's evidence), the plots, the other tables (a long one folded: the rest one click away), the
+items, then provenance and the tail tables (a study's stages and their times) last.
 Figures are shown at their own pixel size (shrunk only to fit a narrow window): eval/plots.py
 makes them to be read at that size.
 
