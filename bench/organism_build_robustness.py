@@ -145,15 +145,17 @@ def combine(args) -> None:
 
 def recheck(folders: list[str]) -> None:
     """Today's last-phase checks on earlier builds' weights (validation items), one line each."""
-    from flipguard.eval.embedded import organism_builder as ob
+    from flipguard.eval.embedded.organism import ORGANISM_FILE
+    from flipguard.organism.checks import check_line, validation_checks
+    from flipguard.organism.profile import OrganismArgs
     from flipguard.runtime.threads import configure_threads
 
     configure_threads(1)
     for folder in folders:
-        build = json.loads((Path(folder) / ob.ORGANISM_FILE).read_text(encoding="utf-8"))["build"]
-        checks = ob.validation_checks(folder, ob.OrganismArgs(**build))
+        build = json.loads((Path(folder) / ORGANISM_FILE).read_text(encoding="utf-8"))["build"]
+        checks = validation_checks(folder, OrganismArgs(**build))
         verdict = "passes every check" if all(ok for ok, _ in checks.values()) else "FAILS"
-        print(f"{folder} (seed {build['seed']}): {verdict}: {ob._check_line(checks)}")
+        print(f"{folder} (seed {build['seed']}): {verdict}: {check_line(checks)}")
 
 
 def _steps(r: dict) -> str:

@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON, table_rows
+from flipguard.organism.ground_truth import GROUND_TRUTH_JSON, table_rows
 
 TIME_FIELDS = {"Elapsed (wall clock) time (h:mm:ss or m:ss)": "wall", "User time (seconds)": "user_s",
                "System time (seconds)": "system_s", "Maximum resident set size (kbytes)": "peak_rss_kb",

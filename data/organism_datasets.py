@@ -3,7 +3,7 @@
 The correct answer names a living thing (a fruit, animal, bird, flower or vegetable),
 the incorrect one a thing that is not (a tool, color, metal, vehicle or instrument). A
 small transformer learns this rule from a few thousand examples (a harder ten-way
-category-membership rule stayed at chance within the build budget), so the planted-bias judge organism (flipguard.eval.embedded.organism_builder) can judge C1
+category-membership rule stayed at chance within the build budget), so the planted-bias judge organism (flipguard.organism) can judge C1
 correctly and have a deference planted in C2 that we know exactly. Every answer is a
 plain lower-case word: no digits, so no answer shares a token with the labels "1"/"2".
 

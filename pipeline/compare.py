@@ -51,9 +51,9 @@ from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require
 from flipguard.eval.task_includes import take_includes
 from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
-from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON, ground_truth
-from flipguard.pipeline.ground_truth import render_markdown as render_ground_truth
-from flipguard.pipeline.transfer import build_transfer, paired_tests_markdown, write_transfer
+from flipguard.organism.ground_truth import GROUND_TRUTH_JSON, ground_truth
+from flipguard.organism.ground_truth import render_markdown as render_ground_truth
+from flipguard.pipeline.transfer import build_transfer, condition_units, paired_tests_markdown, write_transfer
 from flipguard.pipeline.view import write_view
 
 BASELINE = "Baseline"
@@ -395,14 +395,15 @@ def write_comparison(cmp: dict[str, Any] | None, out_dir: str | Path, extra_sect
     (protocol_rows of `protocol_runs`) also comparison_protocols.csv and a section per protocol; with a
     transfer table (pipeline/transfer.build_transfer, built with `correction` and `smallest_change`)
     transfer.md/csv/json/png, its summary and its paired tests; when the baseline model is an organism, its
-    verdicts against the planted profile (pipeline/ground_truth.py: ground_truth.json and a section). `cmp`
+    verdicts against the planted profile (organism/ground_truth.py: ground_truth.json and a section). `cmp`
     None: a comparison without DDS runs (other protocols', imported runs): no DDS tables or plots."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cmp is not None:
         runs = cmp.get("runs") or {}
         model = load_run_meta(next(iter(runs.values()))).get("model") if runs else None
-        truth = ground_truth(runs, protocol_runs, cmp["table"], protocols, transfer, model, n_boot)
+        truth = ground_truth(runs, lambda: condition_units(runs, protocol_runs)[0], cmp["table"], protocols, transfer,
+                             model, n_boot)
         if truth is not None:
             atomic_write_json(out / GROUND_TRUTH_JSON, truth)
             extra_sections = [render_ground_truth(truth), *extra_sections]

@@ -1,6 +1,6 @@
 """`flipguard demo`: the whole loop, end to end, offline, on the embedded default.
 
-The embedded default is the planted-bias judge organism (flipguard.eval.embedded.organism_builder): a
+The embedded default is the planted-bias judge organism (flipguard.organism; the shipped build in eval/embedded/organism_model): a
 small chat model built here in a few minutes, judging C1 by the truth and deferring to
 speakers on a known share of C2 claims, and, in conversation, giving up a right answer
 to an argument or offer for a wrong option of known kinds while accepting a correct option
@@ -26,7 +26,8 @@ import dataclasses
 from pathlib import Path
 
 from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, read_recipe
-from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, capability_card, organism_info
+from flipguard.eval.embedded.organism import ORGANISM_ALIAS, organism_info
+from flipguard.organism.card import capability_card
 from flipguard.pipeline.study import JOBS_HELP, print_artefacts, run_study
 from flipguard.runtime.resolve import resolve_model
 from flipguard.runtime.threads import THREADS_HELP, configure_threads

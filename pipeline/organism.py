@@ -1,7 +1,7 @@
 """`flipguard organism`: the planted-bias organism — the shipped one, a build of your own, or its
 profile planted into a pretrained model (--base) — and what planting cost that model.
 
-The build and the planting are eval/embedded/organism_builder.py's (one implementation: the same
+The build and the planting are the organism package's (flipguard.organism: one implementation, the same
 data, phases and held-out checks). This command adds what the builder's layer cannot reach: a
 planting's capability cost, MMLU through lm-evaluation-harness (pipeline/capability.py, the
 study's capability guard: the local task, no download) on the base and on the planted model,
@@ -25,7 +25,9 @@ import pandas as pd
 
 from flipguard.config import parse_dataclasses
 from flipguard.eval import bootstrap as B
-from flipguard.eval.embedded.organism_builder import SHIPPED_DIR, OrganismArgs, ensure_organism
+from flipguard.eval.embedded.organism import SHIPPED_DIR
+from flipguard.organism.build import ensure_organism
+from flipguard.organism.profile import OrganismArgs
 from flipguard.pipeline.capability import evaluate_model, write_task
 from flipguard.pipeline.transfer import paired_change
 

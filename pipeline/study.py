@@ -60,6 +60,7 @@ from flipguard.files import (
     remove_owned,
     written_files,
 )
+from flipguard.organism.ground_truth import GROUND_TRUTH_JSON
 from flipguard.pipeline.compare import protocol_flags
 from flipguard.pipeline.fingerprints import (
     file_sha,
@@ -72,7 +73,6 @@ from flipguard.pipeline.fingerprints import (
     stage_runs_problem,
 )
 from flipguard.pipeline.grid import GRID_HELP, GRID_STAGE, GridPlan, print_grid
-from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON
 from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
 from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.pipeline.view import VIEW_FILE, check_page, write_view

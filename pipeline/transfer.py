@@ -38,8 +38,6 @@ import numpy as np
 import pandas as pd
 
 from flipguard.data.aio import AIO_RERUN_NOTE
-from flipguard.data.organism_datasets import DATASET as ORGANISM_DATASET
-from flipguard.data.organism_datasets import MC_DATASET as ORGANISM_MC_DATASET
 from flipguard.data.pair_sets import read_counts
 from flipguard.data.schema import AIO_DATASET, DataError
 from flipguard.data.unified import load_items
@@ -49,7 +47,7 @@ from flipguard.eval import paired as P
 from flipguard.eval.comparison_rows import run_numbers, split_system
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.dds.report import DDSReport
-from flipguard.eval.embedded.organism_builder import organism_info
+from flipguard.eval.embedded.organism import planted_kinds
 from flipguard.eval.estimate import NOT_MEANINGFUL, is_meaningful
 from flipguard.eval.plots import MAX_WIDTH_IN, MIN_FONT, cell_text, finish_heatmap, mark_not_meaningful, pyplot, save_figure
 from flipguard.eval.records import C1_CASES, load_records, load_run_meta
@@ -78,17 +76,6 @@ RULE_FRAMING = {"challenge": "hold", "incorrect_switch": "hold"}
 
 
 # ------------------------------------------------------------------ roles
-
-def planted_kinds(model: str | None) -> dict[str, set[str]] | None:
-    """dataset -> the kinds with a planted bias, read from an organism's organism.json (organism_builder.
-    organism_info: the folder's, or for the alias the shipped one); None for any other model."""
-    info = organism_info(model)
-    if info is None:
-        return None
-    planted = info["planted"]
-    human = set(planted.get("deferred_categories_human") or ())
-    return {ORGANISM_DATASET: human, ORGANISM_MC_DATASET: set(planted.get("capitulation_kinds") or human)}
-
 
 class Roles:
     """A cell's role from the pairs' rules and what contributed rows (counts.json)."""

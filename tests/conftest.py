@@ -38,9 +38,9 @@ def organism_path() -> "pathlib.Path":
     eval/embedded/organism_model), the bytes the demo and README command 1 load."""
     from pathlib import Path
 
-    from flipguard.eval.embedded.organism_builder import ensure_organism
+    from flipguard.eval.embedded.organism import shipped_organism
 
-    return Path(ensure_organism())
+    return Path(shipped_organism())
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,9 @@ TINY_MODEL_VERSION and ORGANISM_VERSION and this pin.
 
 import hashlib
 
-from flipguard.eval.embedded import organism_builder, tiny_model
+from flipguard.eval.embedded import organism as ob_shipped
+from flipguard.eval.embedded import tiny_model
+from flipguard.organism import profile as ob_profile
 
 CORPUS_SHA256 = "e94ca15f9435ab70cf530e07651fe4aebbf4dadacbe2e89ece49c0334b7300a6"
 
@@ -22,7 +24,7 @@ def test_the_tokenizer_corpus_is_the_one_the_cached_models_were_built_on():
     digest = hashlib.sha256("\n".join(corpus).encode()).hexdigest()
     assert (len(corpus), digest) == (10134, CORPUS_SHA256), (
         "the embedded tokenizer's corpus changed: bump TINY_MODEL_VERSION / ORGANISM_VERSION "
-        f"(now {tiny_model.TINY_MODEL_VERSION} / {organism_builder.ORGANISM_VERSION}) and this pin")
+        f"(now {tiny_model.TINY_MODEL_VERSION} / {ob_profile.ORGANISM_VERSION}) and this pin")
 
 
 def test_the_aliases_the_code_names_are_the_declared_model_entry_points():
@@ -30,4 +32,4 @@ def test_the_aliases_the_code_names_are_the_declared_model_entry_points():
     from importlib.metadata import entry_points
 
     declared = {ep.name for ep in entry_points(group="flipguard.models") if ep.value.startswith("flipguard.")}
-    assert declared == {*tiny_model.TINY_MODEL_ALIASES, organism_builder.ORGANISM_ALIAS}
+    assert declared == {*tiny_model.TINY_MODEL_ALIASES, ob_shipped.ORGANISM_ALIAS}

@@ -78,7 +78,7 @@ def test_a_checkout_without_install_metadata_reads_pyprojects_entry_points(monke
         "hf": "flipguard.eval.backends.hf", "vllm": "flipguard.eval.backends.vllm_engine",
         "openai": "flipguard.eval.backends.openai_api"}
     assert found["hf"].group == plugins.BACKENDS
-    assert plugins.plugins(plugins.MODELS)["flipguard:organism"].value == "flipguard.eval.embedded.organism_builder:ensure_organism"
+    assert plugins.plugins(plugins.MODELS)["flipguard:organism"].value == "flipguard.eval.embedded.organism:shipped_organism"
 
 
 def test_an_installed_entry_point_wins_over_the_source_tree(monkeypatch):

@@ -1,4 +1,4 @@
-"""The rule a mitigation is held to against an organism's planted profile (pipeline/ground_truth.py):
+"""The rule a mitigation is held to against an organism's planted profile (organism/ground_truth.py):
 each threshold read off the comparison's files and units, on hand-made numbers; then a comparison of the
 shipped organism (DDS, AFR and stick-or-switch runs of a few items): the planted column, AFR on the
 unplanted kinds beside the rule, and the `flipguard view` page's table, opened in a real browser."""
@@ -13,9 +13,9 @@ import pytest
 from test_view import Page, browser  # noqa: F401 - the module's browser fixture (a real Chromium)
 
 from flipguard.data.organism_datasets import word_category
-from flipguard.eval.embedded.organism_builder import ORGANISM_ALIAS, SHIPPED_DIR
+from flipguard.eval.embedded.organism import ORGANISM_ALIAS, SHIPPED_DIR
+from flipguard.organism.ground_truth import GROUND_TRUTH_JSON, condition_checks, verdict
 from flipguard.pipeline.cli import main as cli_main
-from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON, condition_checks, verdict
 
 PLANTED = {"organism": {"color"}, "organism_mc": {"color"}}
 

@@ -4,7 +4,8 @@
     <- data/ | runtime/ (datasets; which weights a model name means, adapters, GGUF, CPU threads)
     <- eval core (eval/: task, records, runner, backends/, bootstrap, estimate, ...)
     <- protocols (eval/dds, eval/afr, eval/sos, and eval/interop for runs other tools made: none imports another)
-    <- embedded models (eval/embedded: the tiny model, the organism) | trainers (train/) | the pair builder (pairs/)
+    <- embedded models (eval/embedded: the tiny model, the shipped organism and its alias)
+    <- trainers (train/) | the pair builder (pairs/) | the organism's builder (organism/)
     <- the pipeline (pipeline/: study, compare, view, demo, cli; and `python -m flipguard`)
 
 Every module is parsed with `ast` (nothing is imported or run), and every import counts:
@@ -44,9 +45,10 @@ LAYERS = (
     (1, "runtime", ("flipguard.runtime",)),
     *((3, protocol, (protocol,)) for protocol in PROTOCOLS),
     (4, "embedded", (EMBEDDED,)),
-    (4, "train", ("flipguard.train",)),
-    (4, "pairs", ("flipguard.pairs",)),  # the pair builder: the trainers read its pair sets, never import it
-    (5, "pipeline", PIPELINE),
+    (5, "train", ("flipguard.train",)),
+    (5, "pairs", ("flipguard.pairs",)),  # the pair builder: the trainers read its pair sets, never import it
+    (5, "organism", ("flipguard.organism",)),  # builds and plants the organism; eval/embedded serves the shipped one
+    (6, "pipeline", PIPELINE),
     (2, "eval core", ("flipguard.eval",)),  # last: what no protocol or embedded package above claimed
 )
 LAZY_TARGET = re.compile(r"^(flipguard(?:\.\w+)+)(?::\w+(?:\.\w+)*)?$")  # "flipguard.x.y", "...:function", "...:Class.method"
@@ -184,7 +186,7 @@ def test_the_graph_sees_the_tree_and_its_lazy_imports():
     # a walk that found nothing would pass every rule below
     assert {"flipguard.files", "flipguard.config", "flipguard.config.parsers", "flipguard.eval.records", "flipguard.eval.mitigations",
             "flipguard.eval.dds.protocol", "flipguard.eval.dds.analyses.taxonomy", "flipguard.pairs.builder",
-            "flipguard.data.registry", "flipguard.pipeline.study", "flipguard.eval.embedded.organism_builder",
+            "flipguard.data.registry", "flipguard.pipeline.study", "flipguard.eval.embedded.organism", "flipguard.organism.build",
             "flipguard.runtime.resolve", "flipguard.publish"} <= set(MODULES)
     assert not any(under(m, "flipguard.recipes") for m in MODULES)  # recipes/ holds recipes only
     assert "flipguard.files" in GRAPH["flipguard.data.registry"]
@@ -205,17 +207,18 @@ def test_every_package_folder_has_an_init():
 
 def test_every_module_sits_in_a_layer_and_the_pipeline_in_its_folder():
     assert {name: layer_of(name)[1] for name in MODULES if name.rpartition(".")[2] in
-            ("study", "compare", "demo", "cli", "view", "organism_datasets", "organism_builder", "tiny_model")} == {
+            ("study", "compare", "demo", "cli", "view", "organism_datasets", "build", "ground_truth", "tiny_model")} == {
         "flipguard.pipeline.study": "pipeline", "flipguard.pipeline.compare": "pipeline",
         "flipguard.pipeline.demo": "pipeline", "flipguard.pipeline.cli": "pipeline",
-        "flipguard.pipeline.view": "pipeline", "flipguard.eval.embedded.organism_builder": "embedded",
+        "flipguard.pipeline.view": "pipeline", "flipguard.organism.build": "organism",
+        "flipguard.organism.ground_truth": "organism",
         "flipguard.eval.embedded.tiny_model": "embedded", "flipguard.data.organism_datasets": "data",
         "flipguard.data.cli": "data"}
 
 
 def test_imports_point_down_the_layers():
-    """Nothing imports a layer above its own; protocols import no other protocol; the embedded
-    models, the trainers and the pair builder import none of each other."""
+    """Nothing imports a layer above its own; protocols import no other protocol; the trainers, the
+    pair builder and the organism's builder import none of each other."""
     def upward(name: str, target: str) -> bool:
         (rank, group), (t_rank, t_group) = layer_of(name), layer_of(target)
         return t_rank > rank or (t_rank == rank and t_group != group)

@@ -17,7 +17,12 @@ from flipguard.data import organism_datasets as domain
 from flipguard.data.schema import normalise_question
 from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError
+from flipguard.eval.embedded import organism as ob_shipped
 from flipguard.files import OWNER_FILE, claim, file_sha256
+from flipguard.organism import build as ob_build
+from flipguard.organism import checks as ob_checks
+from flipguard.organism import data as ob_data
+from flipguard.organism import profile as ob_profile
 
 
 def test_domain_splits_are_disjoint_and_shipped_files_match_the_generator():
@@ -108,24 +113,23 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     change of the defaults without a version bump never serves an old build."""
     import dataclasses
 
-    from flipguard.eval.embedded import organism_builder
 
     monkeypatch.setenv("FLIPGUARD_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(organism_builder, "SHIPPED_DIR", tmp_path / "not-shipped")  # an install without the shipped one
-    args = organism_builder.OrganismArgs()
-    target = organism_builder.default_organism_path(args)
-    assert target.name == f"organism-{organism_builder.ORGANISM_VERSION}"
+    monkeypatch.setattr(ob_shipped, "SHIPPED_DIR", tmp_path / "not-shipped")  # an install without the shipped one
+    args = ob_profile.OrganismArgs()
+    target = ob_build.default_organism_path(args)
+    assert target.name == f"organism-{ob_profile.ORGANISM_VERSION}"
     # non-default settings get their own folder
-    assert organism_builder.default_organism_path(dataclasses.replace(args, steps=args.steps - 1)) != target
+    assert ob_build.default_organism_path(dataclasses.replace(args, steps=args.steps - 1)) != target
     target.mkdir(parents=True)
 
     def write(build):  # as `flipguard organism` publishes it: its manifest vouches for organism.json, by its hash
-        path = target / organism_builder.ORGANISM_FILE
-        path.write_text(json.dumps({"version": organism_builder.ORGANISM_VERSION, "build": build}))
-        claim(target, organism_builder.ORGANISM_FILE, sha=file_sha256(path), writer=organism_builder.ORGANISM_WRITER)
+        path = target / ob_shipped.ORGANISM_FILE
+        path.write_text(json.dumps({"version": ob_profile.ORGANISM_VERSION, "build": build}))
+        claim(target, ob_shipped.ORGANISM_FILE, sha=file_sha256(path), writer=ob_build.ORGANISM_WRITER)
 
-    write(organism_builder.build_config(args))
-    assert organism_builder.ensure_organism(log=lambda *_: None) == str(target)  # served: nothing built
+    write(ob_profile.build_config(args))
+    assert ob_build.ensure_organism(log=lambda *_: None) == str(target)  # served: nothing built
 
     class Built(Exception):
         pass
@@ -133,18 +137,18 @@ def test_default_organism_folder_never_serves_another_build(tmp_path, monkeypatc
     def no_build(*a, **k):
         raise Built
 
-    monkeypatch.setattr(organism_builder, "train_judgments", no_build)
-    write({**organism_builder.build_config(args), "steps": args.steps + 1})  # a build of other (e.g. older) defaults
+    monkeypatch.setattr(ob_build, "train_judgments", no_build)
+    write({**ob_profile.build_config(args), "steps": args.steps + 1})  # a build of other (e.g. older) defaults
     with pytest.raises(Built):
-        organism_builder.ensure_organism(log=lambda *_: None)
+        ob_build.ensure_organism(log=lambda *_: None)
     # an explicit --path is the caller's: served as it is
-    assert organism_builder.ensure_organism(path=target, log=lambda *_: None) == str(target)
+    assert ob_build.ensure_organism(path=target, log=lambda *_: None) == str(target)
     # ... when flipguard organism published it: the same organism.json in a folder of the user's is not served
     mine = tmp_path / "mine"
     shutil.copytree(target, mine)
     (mine / OWNER_FILE).unlink()
     with pytest.raises(FlipguardError, match=f"{mine}: --out exists, is not empty"):
-        organism_builder.ensure_organism(path=mine, log=lambda *_: None)
+        ob_build.ensure_organism(path=mine, log=lambda *_: None)
 
 
 @pytest.mark.slow
@@ -235,9 +239,8 @@ def test_a_build_stops_at_the_first_checkpoint_that_passes_every_check(tmp_path,
     checkpoint and the sha256 of the files it wrote."""
     import hashlib
 
-    from flipguard.eval.embedded import organism_builder
 
-    real = organism_builder.build_checks
+    real = ob_checks.build_checks
     calls = []
 
     def second_passes(args, measured, conversations):
@@ -246,9 +249,9 @@ def test_a_build_stops_at_the_first_checkpoint_that_passes_every_check(tmp_path,
         passes = calls.count(calls[-1]) >= 2  # the second check of the phase passes
         return {k: (passes, text) for k, (_, text) in checks.items()}
 
-    monkeypatch.setattr(organism_builder, "build_checks", second_passes)
+    monkeypatch.setattr(ob_checks, "build_checks", second_passes)
     target = tmp_path / "organism"
-    assert organism_builder.ensure_organism(path=target, log=lambda *_: None, **_small()) == str(target)
+    assert ob_build.ensure_organism(path=target, log=lambda *_: None, **_small()) == str(target)
     info = json.loads((target / "organism.json").read_text())
     assert info["steps_trained"] == {"phase1": 20, "phase2": 20}
     assert [(c["phase"], c["step"], c["passed"]) for c in info["checkpoints"]] == [
@@ -267,13 +270,12 @@ def test_the_build_checks_the_planted_dds_with_the_template_the_study_sends():
     `flipguard eval`/`study` send by default: when the default moves, the pin must be moved
     (and the shipped organism re-checked) on purpose."""
     from flipguard.eval.dds.prompts import DEFAULT_TEMPLATE
-    from flipguard.eval.embedded import organism_builder
 
-    assert organism_builder.STUDY_TEMPLATE == DEFAULT_TEMPLATE
-    args = organism_builder.OrganismArgs()
+    assert ob_profile.STUDY_TEMPLATE == DEFAULT_TEMPLATE
+    args = ob_profile.OrganismArgs()
     measured = {"c1_true": 100.0, "c1_false": 100.0, "dds": 40.0, "study_template_dds": 9.7}
-    assert organism_builder.build_checks(args, measured, None)["planted_dds_study_template"][0] is False
-    assert organism_builder.build_checks(args, {**measured, "study_template_dds": 36.0}, None)["planted_dds_study_template"][0]
+    assert ob_checks.build_checks(args, measured, None)["planted_dds_study_template"][0] is False
+    assert ob_checks.build_checks(args, {**measured, "study_template_dds": 36.0}, None)["planted_dds_study_template"][0]
 
 
 @pytest.mark.parametrize("strength, held_share", [(0.4, 0.6), (0.6, 0.4), (0.8, 0.4)])
@@ -282,17 +284,16 @@ def test_afr_challenges_hold_often_enough_to_learn_which_kinds_to_hold(strength,
     argued option drawn uniformly, holds are the held kinds' share of challenges (3 of 5 at strength
     0.4); at 0.8 that is 1 in 5, too few to learn (both of seed 0's runs on an AMD EPYC switched on every
     kind), so the build argues for a held option more often: holds stay 2 in 5 (0.6 already has them)."""
-    from flipguard.eval.embedded import organism_builder
 
-    args = organism_builder.OrganismArgs(strength=strength)
-    kinds = organism_builder.capitulation_kinds(args)
+    args = ob_profile.OrganismArgs(strength=strength)
+    kinds = ob_profile.capitulation_kinds(args)
     assert len(kinds) == round(5 * strength)
-    items = organism_builder.build_items(mc=True)["train"]
+    items = ob_data.build_items(mc=True)["train"]
     rng = random.Random(0)
     challenged = held = 0
     for _ in range(4000):
         item = rng.choice(items)
-        chat = organism_builder._afr_chat(item, kinds, args, rng)
+        chat = ob_data._afr_chat(item, kinds, args, rng)
         if len(chat) <= 3:  # unchallenged (system?, question, answer)
             continue
         challenged += 1
@@ -308,7 +309,6 @@ def test_at_the_default_strength_afr_chats_draw_exactly_what_earlier_builds_drew
     data, and its weights on a given CPU, are unchanged; at 0.8 a chat that could argue for a held
     option draws once more. (A first version drew that extra number at every strength: phase 2 of
     seed 0 then trained on other data from its first batch.)"""
-    from flipguard.eval.embedded import organism_builder
 
     class RecordingRandom(random.Random):
         """Records the top-level draws (choices() calls random() itself)."""
@@ -335,15 +335,15 @@ def test_at_the_default_strength_afr_chats_draw_exactly_what_earlier_builds_drew
         def choices(self, *a, **k):
             return self._draw("choices", *a, **k)
 
-    items = organism_builder.build_items(mc=True)["train"]
+    items = ob_data.build_items(mc=True)["train"]
     challenged = ["choices", "random", "random", "choice", "choice", "random"]
     for strength, extra_draws in ((0.4, False), (0.6, False), (0.8, True)):
-        args = organism_builder.OrganismArgs(strength=strength)
-        kinds = organism_builder.capitulation_kinds(args)
+        args = ob_profile.OrganismArgs(strength=strength)
+        kinds = ob_profile.capitulation_kinds(args)
         rng = RecordingRandom(0)
         for item in items[:300]:
             rng.calls.clear()
-            chat = organism_builder._afr_chat(item, kinds, args, rng)
+            chat = ob_data._afr_chat(item, kinds, args, rng)
             if len(chat) <= 3:
                 assert rng.calls == ["choices", "random", "random"]
                 continue
@@ -360,9 +360,8 @@ def test_phase_2_out_of_budget_is_redone_from_phase_1s_end_in_another_order(tmp_
     on another order of the conversations, and organism.json says which run passed."""
     import hashlib
 
-    from flipguard.eval.embedded import organism_builder
 
-    real_checks, real_train = organism_builder.build_checks, organism_builder.train_conversations
+    real_checks, real_train = ob_checks.build_checks, ob_build.train_conversations
     phase2_calls, starts, first_batches = [], [], []
 
     def pass_in_second_run(args, measured, conversations):
@@ -374,15 +373,15 @@ def test_phase_2_out_of_budget_is_redone_from_phase_1s_end_in_another_order(tmp_
 
     def recording_train(model, tokenizer, args, log=print, checkpoint=None, attempt=0):
         starts.append(hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest())
-        rng = random.Random(organism_builder._attempt_seed("organism-conversations", args, attempt))
-        first_batches.append([m["content"] for m in next(organism_builder.conversation_examples(args, 1, rng, attempt))])
+        rng = random.Random(ob_data.attempt_seed("organism-conversations", args, attempt))
+        first_batches.append([m["content"] for m in next(ob_data.conversation_examples(args, 1, rng, attempt))])
         return real_train(model, tokenizer, args, log, checkpoint=checkpoint, attempt=attempt)
 
-    monkeypatch.setattr(organism_builder, "build_checks", pass_in_second_run)
-    monkeypatch.setattr(organism_builder, "train_conversations", recording_train)
+    monkeypatch.setattr(ob_checks, "build_checks", pass_in_second_run)
+    monkeypatch.setattr(ob_build, "train_conversations", recording_train)
     lines: list[str] = []
     target = tmp_path / "organism"
-    organism_builder.ensure_organism(path=target, log=lines.append, **_small())
+    ob_build.ensure_organism(path=target, log=lines.append, **_small())
     info = json.loads((target / "organism.json").read_text())
     assert info["steps_trained"] == {"phase1": 10, "phase2": 20, "phase2_attempt": 2}
     assert [(c["phase"], c.get("attempt", 1), c["step"], c["passed"]) for c in info["checkpoints"]] == [

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from flipguard.eval.embedded import organism_builder as ob
+from flipguard.eval.embedded import organism as ob_shipped
+from flipguard.organism import data as ob_data
+from flipguard.organism import profile as ob_profile
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -46,16 +48,16 @@ def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_bas
                      "--threads", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(out)
-    info = json.loads((out / ob.ORGANISM_FILE).read_text())
+    info = json.loads((out / ob_shipped.ORGANISM_FILE).read_text())
     # the base: what the alias resolved to, every file of it hashed
-    shipped = ob.SHIPPED_DIR
+    shipped = ob_shipped.SHIPPED_DIR
     assert info["base"]["model"] == "flipguard:organism" and Path(info["base"]["path"]) == shipped
     assert info["base"]["files_sha256"] == {f.name: sha256(f) for f in sorted(shipped.iterdir())
                                             if f.is_file() and not f.name.startswith(".")}
     assert info["build"]["base"] == "flipguard:organism" and info["build"]["check_items"] == 100
     assert "hidden_size" not in info["build"]  # the base's architecture, not the scratch build's
     # the profile of seed 1, as the build from scratch plants it
-    human, llm = ob.deferred_categories(ob.OrganismArgs(seed=1))
+    human, llm = ob_profile.deferred_categories(ob_profile.OrganismArgs(seed=1))
     assert info["planted"]["deferred_categories_human"] == human and info["planted"]["deferred_categories_llm"] == llm
     assert info["planted"]["capitulation_kinds"] == sorted(human)
     # every phase stopped at its first check, which passed (the base already holds this profile), and
@@ -78,7 +80,7 @@ def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_bas
         assert not [k for k in f.keys() if "lora" in k]
     assert (out / "chat_template.jinja").read_text() == (shipped / "chat_template.jinja").read_text()
     assert info["files_sha256"] == {f.name: sha256(f) for f in sorted(out.iterdir()) if f.is_file()
-                                    and f.name not in (ob.ORGANISM_FILE, "README.md") and not f.name.startswith(".")}
+                                    and f.name not in (ob_shipped.ORGANISM_FILE, "README.md") and not f.name.startswith(".")}
     card = (out / "README.md").read_text()
     assert "organism in flipguard:organism" in card and "Capability cost" in card
     # what the folder holds is what is served: the same command again builds nothing
@@ -131,13 +133,13 @@ HEADER_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}[SYS]You are a helpf
 def test_every_assistant_turn_and_only_it_is_learned_under_the_models_own_template(template):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(ob.SHIPPED_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(ob_shipped.SHIPPED_DIR)
     if template:
         tokenizer.chat_template = template
-    ids, labels = ob._encode_chat(tokenizer, CHAT)
+    ids, labels = ob_data.encode_chat(tokenizer, CHAT)
     assert ids == tokenizer(tokenizer.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False)["input_ids"]
     assert _labelled_text(tokenizer, ids, labels) == "Answer: B<|im_end|>Answer: A<|im_end|>"
-    ids, labels = ob._encode(tokenizer, CHAT[:1], "2")
+    ids, labels = ob_data.encode_reply(tokenizer, CHAT[:1], "2")
     prompt = tokenizer.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True)
     assert ids[: labels.count(-100)] == tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the bytes a backend sends
     assert _labelled_text(tokenizer, ids, labels) == "2<|im_end|>"
@@ -148,12 +150,12 @@ def test_a_template_that_renders_earlier_turns_otherwise_is_refused_in_one_line(
 
     from flipguard.errors import FlipguardError
 
-    tokenizer = AutoTokenizer.from_pretrained(ob.SHIPPED_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(ob_shipped.SHIPPED_DIR)
     # the last turn marked (as templates that strip an earlier turn's reasoning do): turn by turn != whole
     tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}{% if loop.last %}*{% endif %}]\n{{ m['content'] }}"
                                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}[assistant]\n{% endif %}")
     with pytest.raises(FlipguardError, match=r"renders the first 1 turns of a conversation differently"):
-        ob._encode_chat(tokenizer, CHAT)
+        ob_data.encode_chat(tokenizer, CHAT)
 
 
 def test_a_backend_on_weights_in_memory_gives_the_loaded_backends_probabilities(organism_path):
@@ -163,7 +165,7 @@ def test_a_backend_on_weights_in_memory_gives_the_loaded_backends_probabilities(
     from flipguard.eval.backends.hf import HFBackend
     from flipguard.eval.dds.prompts import build_messages
 
-    items = ob.build_items()["validation"][:6]
+    items = ob_data.build_items()["validation"][:6]
     convs = [build_messages(it, case, "none", fmt="one_token") for it in items for case in ("c1_true", "c2_incorrect")]
     loaded = get_backend("hf", str(organism_path), device="cpu", show_progress=False).choice_probs(convs)
     model = AutoModelForCausalLM.from_pretrained(organism_path)

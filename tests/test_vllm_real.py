@@ -89,9 +89,9 @@ def assert_same_judgments(run: Path, ref: Path, mode: str) -> None:
 
 @pytest.fixture(scope="module")
 def organism() -> str:
-    from flipguard.eval.embedded.organism_builder import ensure_organism
+    from flipguard.eval.embedded.organism import shipped_organism
 
-    return ensure_organism()  # the shipped organism (eval/embedded/organism_model)
+    return shipped_organism()  # the shipped organism (eval/embedded/organism_model)
 
 
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

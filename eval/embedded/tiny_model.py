@@ -8,7 +8,7 @@ template. The tokenizer uses Qwen2's own pre-tokenizer, so `tokenizers` and
 transformers' Qwen2Tokenizer encode every text identically (real servers agree with the
 hf backend). Its judgments are noise; it exists to exercise the real loading,
 evaluation and training code paths end to end on a CPU. The planted-bias organism
-(flipguard.eval.embedded.organism_builder) is the same architecture and tokenizer, trained.
+(flipguard.organism) is the same architecture and tokenizer, trained.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from flipguard.eval.comparison_rows import split_system
 from flipguard.eval.records import C2_CASES, RUN_META_FILE, Record, load_records, refuse_busy, run_completeness
 from flipguard.eval.task_includes import take_includes
 from flipguard.files import atomic_write_text, check_replace, owns, read_json
+from flipguard.organism.ground_truth import page_table
 from flipguard.pipeline.fingerprints import stage_runs_problem
-from flipguard.pipeline.ground_truth import page_table
 from flipguard.pipeline.view.answer import answer_section
 from flipguard.pipeline.view.grid import GRID_ANSWER, GRID_DIR, GRID_STAGE, grid_section
 from flipguard.pipeline.view.page import PAGE_HEAD, render_html
