@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator
 
 from flipguard import __version__
-from flipguard.errors import RecordError
+from flipguard.errors import RecordError, write_failed
 
 # the atomic writers live with the other file helpers; re-exported for callers of this module
 from flipguard.files import (  # noqa: F401
@@ -347,10 +347,10 @@ def check_records_owned(path: Path) -> None:
 
 
 def _write_error(path: Path, exc: OSError, n: int) -> RecordError:
-    return RecordError(
+    return write_failed(
         f"{path}: cannot write records ({exc.strerror or exc}); {n} record(s) of this batch were written and "
-        "everything stored before is kept. Free space (or fix the permissions) and rerun the same command to resume"
-    )
+        "everything stored before is kept. Free space (or fix the permissions) and rerun the same command to resume",
+        exc, path)
 
 
 class RunDirBusy(RecordError):

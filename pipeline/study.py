@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import time
@@ -45,14 +46,16 @@ from flipguard.config import (
     trainers,
     validate_recipe,
 )
-from flipguard.errors import FlipguardError, UserError
+from flipguard.errors import FlipguardError, UserError, disk_error
 from flipguard.eval.dds.metrics import TOTAL_AVG
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
 from flipguard.eval.task_includes import include_tasks, included_task_files, split_includes
 from flipguard.files import (
     atomic_write_text,
+    blocking_kept,
     check_replace,
     claim,
+    claim_stage_files,
     clean_stale_staging,
     dumps_utf8,
     read_manifest,
@@ -73,7 +76,7 @@ from flipguard.pipeline.fingerprints import (
 )
 from flipguard.pipeline.grid import GRID_HELP, GRID_STAGE, GridPlan, print_grid
 from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON
-from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
+from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line, model_bytes
 from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.pipeline.view import VIEW_FILE, check_page, write_view
 from flipguard.pipeline.view.grid import GRID_DIR
@@ -89,6 +92,14 @@ RECIPE_HEADER = "# the effective recipe of this study"
 JOBS_HELP = ("Independent stages (a --grid's variants among them) run at once, each in its own process (default: 2 "
              "on a CPU with 2 free cores per --threads, the hf backend and a small local model, else 1); the "
              "results are the same either way")
+
+
+def _epoch(iso: Any) -> float | None:
+    """A time study.json holds (now_iso) as seconds since the epoch; None when it holds none."""
+    try:
+        return datetime.datetime.fromisoformat(iso).timestamp()
+    except (TypeError, ValueError):
+        return None
 
 
 def claim_stage_log(log: Path) -> None:
@@ -152,6 +163,10 @@ class Study(StudyPlan):
             raise UserError(f"{path}: unreadable study state ({exc}); remove it to start the study afresh") from None
         if not isinstance(state, dict) or state.get("format") != STUDY_FORMAT:
             raise UserError(f"{path}: not a {STUDY_FORMAT} file")
+        for entry in (state.get("stages") or {}).values():
+            # read under the study's lock: no process runs it now (the study that did was killed)
+            if isinstance(entry, dict) and entry.get("status") == "running":
+                entry["status"] = "interrupted"
         return state
 
     def _save_state(self) -> None:
@@ -212,6 +227,8 @@ class Study(StudyPlan):
         self._fps = stage_fingerprints(self.stages)
         self._start = names.index(from_stage) if from_stage else None
         self._only = only
+        self._began: dict[str, float] = {}
+        self.check_redos()
         if jobs > 1 and not only:
             self._run_side_by_side(jobs, plan_args or {})
         else:
@@ -221,7 +238,10 @@ class Study(StudyPlan):
                     continue
                 self._begin(i, stage, status)
                 t = time.time()
-                stage.run()
+                try:
+                    stage.run()
+                except BaseException as exc:
+                    raise self._failed(stage, exc) from None
                 self._finish(stage, status, time.time() - t)
         self._mark_stale()
         self._save_state()
@@ -262,7 +282,7 @@ class Study(StudyPlan):
                 raise UserError(f"stage {stage.name}: its input stage {name} is not as it finished: {broken[1]}; {then}")
         if problem is not None:
             self.print(f"--- {stage.name}: {problem[1]}: resuming it")
-        resume = (problem is not None or entry.get("status") == "running") \
+        resume = (problem is not None or entry.get("status") in ("running", "failed", "interrupted")) \
             and entry.get("fingerprint") == fps[stage.name] and not forced
         return "resume" if resume else ("redo" if entry else "run")
 
@@ -279,6 +299,9 @@ class Study(StudyPlan):
         foreign = list(entry.get("foreign") or [])
         if status != "resume":
             foreign = self.clear(stage, entry)
+        elif _epoch(entry.get("started")) is not None:
+            self.claim_written(stage, foreign, since=_epoch(entry["started"]), changed=False)
+        self._began[stage.name] = time.time()
         entries[stage.name] = {"status": "running", "fingerprint": self._fps[stage.name], "inputs": list(stage.inputs),
                                "foreign": foreign,
                                "built_from": {i: entries[i].get("build") for i in stage.inputs},
@@ -295,6 +318,7 @@ class Study(StudyPlan):
         if stage.recorded is not None:
             self.state.update(stage.recorded())
         foreign = entries[stage.name]["foreign"]
+        self.claim_written(stage, foreign, since=self._began.get(stage.name, self.t0), changed=True)
         entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status,
                                    build=uuid.uuid4().hex[:12], runs=stage_runs(entries[stage.name], self.out),
                                    files={os.path.relpath(k, self.out): v for p in stage.clear
@@ -343,6 +367,7 @@ class Study(StudyPlan):
                     self.print(f"\n--- output of {name}:\n{text.rstrip()}")
                 if error is not None:
                     self.print(f"--- {name}: failed after {time.time() - t:.1f}s")
+                    error = self._failed(stage, error)
                     if failure is None:
                         failure = error if isinstance(error, FlipguardError) else RuntimeError(f"stage {name}: {error}")
                     continue
@@ -350,8 +375,10 @@ class Study(StudyPlan):
                     self._finish(stage, status, time.time() - t)
                 except FlipguardError as exc:
                     failure = failure or exc
-        except BaseException:
+        except BaseException as exc:
             workers.close(terminate=True)
+            for stage, _, _, _ in running.values():  # stopped with the study: recorded so, never left "running"
+                self._failed(stage, exc)
             with contextlib.suppress(FlipguardError, OSError):  # the failure that got here is the one to show
                 self._remove_stage_logs(logs)
             raise
@@ -416,10 +443,71 @@ class Study(StudyPlan):
                                                   or not self.built_from_current(stage)):
                 entry["status"] = "stale"
 
+    def check_redos(self) -> None:
+        """Before any stage: a stage this run will redo (--from, --only, changed settings, stale)
+        must not meet a file of flipguard's that the user changed since (blocking_kept), which the
+        redo would have to write over: refused now, before anything is removed."""
+        entries = self.state["stages"]
+        for i, stage in enumerate(self.stages):
+            entry = entries.get(stage.name)
+            forced = stage.name == self._only or (self._start is not None and i >= self._start)
+            if entry is None or (self._only and not forced):
+                continue
+            if forced or entry.get("fingerprint") != self._fps[stage.name] or entry.get("status") == "stale":
+                self.refuse_blocked(stage)
+
+    def refuse_blocked(self, stage: Stage) -> None:
+        blocked = [found for path in stage.clear for found in blocking_kept(path)]
+        if blocked:
+            (path, why), more = blocked[0], f" (and {len(blocked) - 1} more)" if len(blocked) > 1 else ""
+            raise UserError(f"stage {stage.name}: {path}: {why}{more}; the redo would replace it, so nothing was "
+                            "changed: move it away and rerun")
+
+    def claim_written(self, stage: Stage, foreign: list[str], since: float, changed: bool) -> None:
+        """What the libraries the stage drove wrote in its own folders since it began (a trainer's card
+        and checkpoints, a harness's outputs, a write cut short), recorded as flipguard's: the stage that
+        caused them owns them, so a redo removes them and a resume writes over them."""
+        for path in stage.clear:
+            claim_stage_files(path, since=since - 1.0, keep=foreign, changed=changed)
+
+    def _failed(self, stage: Stage, exc: BaseException) -> BaseException:
+        """A stage that raised (or was stopped with the study): recorded "failed" or "interrupted" in
+        study.json, with what its libraries wrote claimed, so a rerun resumes it; returns the error to
+        show (a full disk: one line with the room the stage needs)."""
+        entry = self.state["stages"].get(stage.name) or {}
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        full = None if interrupted else disk_error(exc, f"stage {stage.name}: ", where=stage.clear[0] if stage.clear
+                                                   else self.out, needed=self.room_needed(stage))
+        shown = full or exc
+        with contextlib.suppress(FlipguardError, OSError):  # a full disk may refuse these too: the next run does them
+            self.claim_written(stage, list(entry.get("foreign") or []), since=self._began.get(stage.name, self.t0),
+                               changed=True)
+        entry.update(status="interrupted" if interrupted else "failed", ended=now_iso())
+        if not interrupted:
+            entry["error"] = str(shown).splitlines()[0] if str(shown) else type(shown).__name__
+        with contextlib.suppress(FlipguardError, OSError):
+            self._save_state()
+        return shown
+
+    def room_needed(self, stage: Stage) -> tuple[int, str] | None:
+        """About how many bytes the stage writes: what it wrote when it last finished (study.json), else
+        for a stage that writes a model (a merge) the base model's weights; None when unknown."""
+        files = (self.state["stages"].get(stage.name) or {}).get("files") or {}
+        sizes = [v[0] for v in files.values() if isinstance(v, list) and v and isinstance(v[0], int)]
+        if sizes:
+            return sum(sizes), "what the stage wrote when it last ran"
+        if stage.name.endswith("-merge"):
+            size = model_bytes(resolve_model(self.model))
+            if size:
+                return size, "the base model's weights, which the merged model holds again"
+        return None
+
     def clear(self, stage: Stage, entry: dict[str, Any]) -> list[str]:
         """Before a stage is redone: remove what it wrote (what its folders' manifests prove by hash),
-        keep the rest (the user's files, and flipguard's that the user changed since) and say so in
-        one line; returns what was kept."""
+        keep the rest (the user's files) and say so in one line; returns what was kept. A file of
+        flipguard's the user changed since, which the redo would write over, refuses the redo before
+        anything is removed (refuse_blocked)."""
+        self.refuse_blocked(stage)
         kept = []
         for path in stage.clear:
             kept += remove_owned(path)

@@ -248,30 +248,37 @@ def test_every_file_a_study_writes_is_recorded_with_its_hash(trained_study):
     assert _proven(trained_study) == []
 
 
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ROOT (its manifests too) by its sha256: a refused command changes none."""
+    return {str(p.relative_to(root)): sha(p) for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
 @pytest.mark.slow
 def test_a_study_redo_keeps_the_users_edits_of_files_it_wrote(trained_study, tmp_path):
     """`--from sft` after the user edited the trainer's chat template and the merged model's generation config:
-    each edit is kept, said in one line, and the stage that would write over it refuses in one line."""
+    the redo is refused in one line naming the edit, before anything is removed (every file of the study, its
+    manifests and study.json included, byte-identical: the adapter too); once the edit is moved away, the next
+    one is refused the same way; then the redo runs whole."""
     study = _copy(trained_study, tmp_path / "study")
     recipe = trained_study.parent / "sft-recipe.yaml"
     template = study / "train" / "sft" / "chat_template.jinja"
     generation = study / "models" / "sft-merged" / "generation_config.json"
     template.write_text(template.read_text() + "{# my edit #}\n")
     generation.write_text(json.dumps({**json.loads(generation.read_text()), "my_note": "keep"}))
-    before = hashes([template, generation])
+    before = _tree(study)
     proc = fg("study", recipe, "--out", study, "--from", "sft")
-    assert f"--- sft: kept 1 file(s) flipguard did not write or you changed: {template}" in proc.stdout
-    refused(proc, f"{template} changed since flipguard wrote it", "move your copy away and rerun")
-    assert hashes([template, generation]) == before
-    template.rename(tmp_path / "my-template.jinja")  # the user moves it away: sft redoes, the merge meets the next edit
+    refused(proc, f"stage sft: {template}: changed since flipguard wrote it", "nothing was changed", "move it away")
+    assert _tree(study) == before  # nothing was changed, as the line says
+    template.rename(tmp_path / "my-template.jinja")  # the user moves it away: the merge's edit is met next
+    before = _tree(study)
     proc = fg("study", recipe, "--out", study, "--from", "sft")
-    assert f"--- sft-merge: kept 1 file(s) flipguard did not write or you changed: {generation}" in proc.stdout
-    refused(proc, f"{generation}: changed since flipguard wrote it", "move your copy away and rerun")
-    assert hashes([generation]) == {str(generation): before[str(generation)]}
+    refused(proc, f"stage sft-merge: {generation}: changed since flipguard wrote it", "nothing was changed")
+    assert _tree(study) == before
     generation.rename(tmp_path / "my-generation.json")
     proc = fg("study", recipe, "--out", study, "--from", "sft")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _proven(study) == []  # redone whole, every file proven again
+    assert json.loads((study / "study.json").read_text())["stages"]["sft"]["status"] == "done"
 
 
 # ---------------------------------------------------------------------------- view / compare --out

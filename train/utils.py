@@ -417,7 +417,9 @@ def check_quantization_available(model_args) -> None:
 
 def load_pair_dataset(pairs_dir: str, kind: str, recipe_path: str | None = None):
     """The `kind` pair set (data/pair_sets.py) that `flipguard pairs` or the study's pairs stage
-    wrote, validated; a trainer never builds one (a missing set is one line naming the command)."""
+    wrote, validated; a trainer never builds one (a missing set is one line naming the command). Read
+    into memory: a trainer's preparation (TRL's `map`) then writes no cache file into the pair set,
+    which is the pairs stage's output and stays exactly as it was published."""
     from datasets import load_from_disk
 
     path = Path(pairs_dir) / kind
@@ -425,7 +427,7 @@ def load_pair_dataset(pairs_dir: str, kind: str, recipe_path: str | None = None)
         recipe = recipe_path or "RECIPE"
         raise TrainError(f"{path}: no {kind} pair set; build it with `flipguard pairs {recipe}` (or run "
                          f"`flipguard study {recipe}`, whose pairs stage builds it)")
-    dataset = load_from_disk(str(path))
+    dataset = load_from_disk(str(path), keep_in_memory=True)
     missing = [c for c in PAIR_COLUMNS[kind] if c not in dataset.column_names]
     if missing:
         raise TrainError(f"{path}: missing column(s) {missing}; expected TRL {kind} format {PAIR_COLUMNS[kind]}")
