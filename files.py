@@ -81,13 +81,39 @@ def iter_lines(path: str | os.PathLike, error: type[FlipguardError] = UserError)
                 raise _not_utf8(path, raw, exc, error, line_offset=lineno - 1) from None
 
 
+class _KeyTwice(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _KeyTwice(key)
+        seen[key] = value
+    return seen
+
+
+def loads_json(text: str, where: str, error: type[FlipguardError] = UserError) -> Any:
+    """JSON a user gave (a flag's value, a line of a file), with a key given twice in one object refused
+    as load_yaml refuses it in YAML (json keeps the last value silently); a JSONDecodeError is the
+    caller's to word."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except _KeyTwice as exc:
+        raise error(f"{where}: key {exc.key!r} is given twice in one object; only the last would count, so nothing "
+                    "was run: keep one") from None
+
+
 def read_json(path: str | os.PathLike, error: type[FlipguardError] = RecordError, what: str = "JSON file") -> Any:
     """A whole JSON file flipguard (or a user) wrote: a missing or unreadable file, bytes that are
     not UTF-8 or text that does not parse (a truncated file, a hand edit) raise `error` naming
     path:line, never a JSONDecodeError traceback."""
     text = read_text(path, error, what)
     try:
-        return json.loads(text)
+        return loads_json(text, str(path), error)
     except json.JSONDecodeError as exc:
         raise error(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); the {what} is damaged "
                     "or cut short: write it again") from None

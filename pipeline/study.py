@@ -219,16 +219,16 @@ class Study(StudyPlan):
         check_page(self.out / VIEW_FILE)
         if jobs > 1 and not only:
             self._check_stage_logs()
-        self.out.mkdir(parents=True, exist_ok=True)
-
-        for path, raw in self.effective_recipes():
-            atomic_write_text(path, f"{RECIPE_HEADER} (from {self.recipe_path}); written by flipguard study\n"
-                              + yaml.safe_dump(public_recipe(raw), sort_keys=False))
         self._fps = stage_fingerprints(self.stages)
         self._start = names.index(from_stage) if from_stage else None
         self._only = only
         self._began: dict[str, float] = {}
         self.check_redos()
+        self.out.mkdir(parents=True, exist_ok=True)
+
+        for path, raw in self.effective_recipes():
+            atomic_write_text(path, f"{RECIPE_HEADER} (from {self.recipe_path}); written by flipguard study\n"
+                              + yaml.safe_dump(public_recipe(raw), sort_keys=False))
         if jobs > 1 and not only:
             self._run_side_by_side(jobs, plan_args or {})
         else:

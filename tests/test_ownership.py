@@ -70,6 +70,12 @@ def hashes(paths) -> dict[str, str]:
     return {str(p): sha(p) for p in paths}
 
 
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ROOT (its manifests too, not the writer's lock) by its sha256: a refused command changes none."""
+    return {str(p.relative_to(root)): sha(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name != ".lock"}
+
+
 def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
     """Exit 2 with one line on stderr naming what it must; no traceback."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
@@ -138,20 +144,20 @@ def test_redo_removes_only_what_the_stage_wrote_and_names_what_it_kept(shared, t
     notes.append(edited)
     before = hashes(notes)
     keys = [json.loads(line)["key"] for line in (study / "dds" / "baseline" / "records.jsonl").read_text().splitlines()]
+    tree = _tree(study)
     proc = cli(capsys, "study", shared["recipe"], "--out", study, "--from", "baseline")
-    # compare refuses to replace the edited comparison.md (one line), after baseline was redone
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "comparison.md: changed since flipguard wrote it" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    # the redo would have to write over the edited comparison.md: refused before any stage, nothing changed
+    refused(proc, f"stage compare: {edited}: changed since flipguard wrote it", "nothing was changed")
+    assert _tree(study) == tree
+    edited.rename(tmp_path / "my-comparison.md")  # the user moves their copy away: the redo runs
+    proc = cli(capsys, "study", shared["recipe"], "--out", study, "--from", "baseline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--- baseline: kept 2 file(s) flipguard did not write" in proc.stdout
-    assert "--- compare: kept 2 file(s) flipguard did not write" in proc.stdout
-    assert hashes(notes) == before
+    assert "--- compare: kept 1 file(s) flipguard did not write" in proc.stdout
+    assert hashes(notes[:-1]) == {k: v for k, v in before.items() if k != str(edited)}
     # baseline was redone into the same folder beside the user's notes: the same requests again
     redone = [json.loads(line)["key"] for line in (study / "dds" / "baseline" / "records.jsonl").read_text().splitlines()]
     assert sorted(redone) == sorted(keys)
-    edited.unlink()  # the user moves their copy away: the rerun finishes
-    proc = cli(capsys, "study", shared["recipe"], "--out", study)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert hashes(notes[:-1]) == {k: v for k, v in before.items() if k != str(edited)}
 
 
 def test_a_stage_folder_that_appears_mid_run_is_refused_not_deleted(shared, tmp_path):
@@ -246,11 +252,6 @@ def test_every_file_a_study_writes_is_recorded_with_its_hash(trained_study):
     assert (trained_study / "train" / "sft" / "chat_template.jinja").is_file()
     assert (trained_study / "pairs" / "sft" / "dataset_info.json").is_file()
     assert _proven(trained_study) == []
-
-
-def _tree(root: Path) -> dict[str, str]:
-    """Every file under ROOT (its manifests too) by its sha256: a refused command changes none."""
-    return {str(p.relative_to(root)): sha(p) for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
 @pytest.mark.slow
