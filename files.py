@@ -614,7 +614,7 @@ def claim_stage_files(root: str | os.PathLike, *, since: float, keep: Iterable[s
     claimed: list[Path] = []
     if root.is_symlink() or not root.is_dir():
         return claimed
-    for folder, dirs, names in os.walk(root, topdown=False, followlinks=False):
+    for folder, _dirs, names in os.walk(root, topdown=False, followlinks=False):
         folder = Path(folder)
         doc = read_manifest(folder)
         take = []

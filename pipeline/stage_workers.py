@@ -33,6 +33,7 @@ from flipguard.files import staging_dir
 from flipguard.pipeline.grid import GridPlan
 from flipguard.pipeline.study_plan import StudyPlan
 from flipguard.runtime.threads import configure_threads, usable_cores
+from flipguard.train.utils import model_bytes
 
 # stages at once when --jobs is not given (a CPU study, the hf backend, a small model): two
 # covers the graph's width where it matters (sft | dpo, afr | sos) without a third copy of a model
@@ -40,16 +41,6 @@ AUTO_JOBS_MAX = 2
 # a model whose weights exceed this runs one stage at a time unless --jobs says otherwise:
 # each worker holds its own copy
 AUTO_JOBS_MODEL_BYTES = 2 * 2**30
-
-
-def model_bytes(path: str) -> int | None:
-    """Bytes of a local model's weight files; None where the path is not a local folder or file."""
-    p = Path(path)
-    if p.is_file():
-        return p.stat().st_size
-    if not p.is_dir():
-        return None
-    return sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
 
 
 def auto_jobs(*, threads: int, on_gpu: bool, launches: bool, backend: str, model_path: str) -> tuple[int, str]:

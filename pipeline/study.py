@@ -76,7 +76,7 @@ from flipguard.pipeline.fingerprints import (
 )
 from flipguard.pipeline.grid import GRID_HELP, GRID_STAGE, GridPlan, print_grid
 from flipguard.pipeline.ground_truth import GROUND_TRUTH_JSON
-from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line, model_bytes
+from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
 from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.pipeline.view import VIEW_FILE, check_page, write_view
 from flipguard.pipeline.view.grid import GRID_DIR
@@ -489,18 +489,20 @@ class Study(StudyPlan):
             self._save_state()
         return shown
 
-    def room_needed(self, stage: Stage) -> tuple[int, str] | None:
-        """About how many bytes the stage writes: what it wrote when it last finished (study.json), else
-        for a stage that writes a model (a merge) the base model's weights; None when unknown."""
+    def room_needed(self, stage: Stage) -> tuple[int, str]:
+        """About how many bytes the stage writes, and why that many: what it wrote when it last finished
+        (study.json), else its own estimate (Stage.room: a merged model, an adapter), else at least what it had
+        written when the disk stopped it."""
         files = (self.state["stages"].get(stage.name) or {}).get("files") or {}
         sizes = [v[0] for v in files.values() if isinstance(v, list) and v and isinstance(v[0], int)]
         if sizes:
             return sum(sizes), "what the stage wrote when it last ran"
-        if stage.name.endswith("-merge"):
-            size = model_bytes(resolve_model(self.model))
-            if size:
-                return size, "the base model's weights, which the merged model holds again"
-        return None
+        with contextlib.suppress(FlipguardError, OSError):
+            estimate = stage.room() if stage.room is not None else None
+            if estimate:
+                return estimate
+        written = sum(size for path in stage.clear for size, _ in written_files(path).values())
+        return written, "at least what the stage had written when the disk stopped it"
 
     def clear(self, stage: Stage, entry: dict[str, Any]) -> list[str]:
         """Before a stage is redone: remove what it wrote (what its folders' manifests prove by hash),

@@ -344,6 +344,34 @@ def check_lora_rank(rank: Any, targets: Any, model_path: str, where: str = "reci
                          "nothing was run")
 
 
+def model_bytes(path: str) -> int | None:
+    """Bytes of a local model's weight files; None where the path is not a local folder or file."""
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    if not p.is_dir():
+        return None
+    return sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+
+
+def adapter_bytes(rank: Any, targets: Any, model_path: str) -> int | None:
+    """About the bytes a trainer's output folder takes: the LoRA weights (rank x (in + out) float32 values per
+    adapted layer of the meta-device model) and the tokenizer files it saves beside them; None when unknown."""
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return None
+    import torch
+
+    model = _meta_model(model_path)
+    if model is None:
+        return None
+    chosen = None if not targets or isinstance(targets, str) else set(targets)
+    values = sum(rank * (m.in_features + m.out_features) for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and (chosen is None or n.rsplit(".", 1)[-1] in chosen or n in chosen))
+    folder = Path(model_path)
+    tokenizer = sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and "token" in f.name) if folder.is_dir() else 0
+    return values * 4 + tokenizer
+
+
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 

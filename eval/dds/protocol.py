@@ -46,11 +46,11 @@ from flipguard.eval.dds.report import cross_mode
 from flipguard.eval.estimate import Estimate, not_meaningful
 from flipguard.eval.mitigations import system_label
 from flipguard.eval.records import (
-    StaleReport,
     CASES,
     EXPECTED_CHOICE,
     RECORDS_FILE,
     Record,
+    StaleReport,
     load_run_meta,
     pending_record,
 )
