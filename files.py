@@ -312,7 +312,11 @@ def record_tree(folder: str | os.PathLike, writer: str) -> dict[str, str]:
             record_tree(path, writer)
         elif path.is_file() and not path.is_symlink():
             hashes[name] = file_sha256(path)
-    write_manifest(folder, {"written_by": writer, "time": now_iso(), "files": names, "sha256": hashes, "logs": []})
+    doc = {"written_by": writer, "time": now_iso(), "files": names, "sha256": hashes, "logs": []}
+    before = read_manifest(folder)
+    if before is not None and before.get(STAGING_MARK):  # a staging folder stays one until it is published
+        doc[STAGING_MARK] = before[STAGING_MARK]
+    write_manifest(folder, doc)
     return hashes
 
 
