@@ -117,7 +117,8 @@ def _run(argv: list[str] | None) -> int:
         kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
         return int(func(rest, **kwargs) or 0)
     except KeyboardInterrupt:
-        print("\ninterrupted: records written so far are kept; rerun the same command to resume", file=sys.stderr)
+        print(f"flipguard {name}: interrupted: what was written so far is kept; rerun the same command to resume",
+              file=sys.stderr)
         return 130
     except FlipguardError as exc:
         print(f"flipguard {name}: error: {redact(exc)}", file=sys.stderr)
