@@ -361,6 +361,8 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     """Build a backend by name ("hf", "vllm", "openai"); "flipguard:tiny" names the
     local test model."""
     plugins.load_plugins(plugins.BACKENDS)
+    if name not in _REGISTRY and plugins.broken(plugins.BACKENDS, name):
+        raise BackendError(plugins.broken(plugins.BACKENDS, name))
     if name not in _REGISTRY:
         raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}{did_you_mean(name, _REGISTRY)}")
     check_backend_kwargs(name, kwargs)
