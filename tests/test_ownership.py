@@ -312,25 +312,22 @@ def test_view_and_compare_never_replace_a_users_file_or_another_runs_records(sha
 @pytest.fixture(scope="module")
 def published(shared, tiny_model_path) -> dict[str, Path]:
     """flipguard's published folders of each kind, made by the real writers: a pair set (`flipguard
-    pairs`), an adapter as the trainers leave it (peft's save, then claim_written_since and the
-    provenance, as train/utils.save_adapter does), and a merged model (`flipguard merge`)."""
+    pairs`), an adapter as the trainers leave it (peft's save inside train/utils.adapter_saved, as
+    train/utils.save_adapter does), and a merged model (`flipguard merge`)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from flipguard.files import claim_written_since
-    from flipguard.train.utils import write_training_info
+    from flipguard.train.utils import adapter_saved
 
     base = shared["base"]
     pairs = base / "pairs"
     assert cli_main(["pairs", str(ROOT / "recipes" / "tiny.yaml"), "--out", str(pairs), "--pairs_datasets", "amqa"]) == 0
     adapter = base / "adapter"
     torch.manual_seed(0)
-    since = time.time() - 1.0
-    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
-                   LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
-    claim_written_since(adapter, since, writer="flipguard train")
-    write_training_info(str(adapter), {"trainer": "sft", "base_model": tiny_model_path}, None)
+    with adapter_saved(str(adapter), {"trainer": "sft", "base_model": tiny_model_path}, None):
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                       LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
     merged = base / "merged"
     assert cli_main(["merge", str(ROOT / "recipes" / "tiny.yaml"), "--model_name_or_path", tiny_model_path,
                      "--gap_prompts", "0", "--adapter", str(adapter), "--out", str(merged)]) == 0

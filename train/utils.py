@@ -9,6 +9,7 @@ checkpoint resumption and model cards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -636,14 +637,25 @@ def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pair
         (Path(training_args.output_dir) / PROVENANCE_FILE).unlink(missing_ok=True)
     trainer.accelerator.wait_for_everyone()
     since = time.time() - 1.0  # the file system's clock is coarser than time.time()
-    trainer.save_model(training_args.output_dir)
+    trainer.save_model(training_args.output_dir)  # every process takes part (a sharded model's gather)
     if trainer.accelerator.is_main_process:
-        tokenizer.save_pretrained(training_args.output_dir)
-        # what save_model and save_pretrained just wrote (the adapter, its card) is flipguard's
-        claim_written_since(training_args.output_dir, since, writer="flipguard train")
-        write_training_info(training_args.output_dir, config, pairs_dir)
+        with adapter_saved(training_args.output_dir, config, pairs_dir, since=since):
+            tokenizer.save_pretrained(training_args.output_dir)
         print(f"adapter saved to {training_args.output_dir}")
     finish_tracking(run)
+
+
+@contextlib.contextmanager
+def adapter_saved(output_dir: str, config: dict[str, Any], pairs_dir: str | None, *, since: float | None = None):
+    """Around a library's save of an adapter into OUTPUT_DIR (a Trainer's save_model, peft's save_pretrained,
+    a tokenizer's): what it writes (the adapter, peft's README card, the tokenizer's files) recorded as
+    flipguard's with its hashes right after, then the model card and flipguard_training.json written last
+    (write_training_info). The one way an adapter is finished, a trainer's or a test's alike: a library's
+    file left unrecorded would make flipguard refuse its own card."""
+    since = time.time() - 1.0 if since is None else since  # the file system's clock is coarser than time.time()
+    yield
+    claim_written_since(output_dir, since, writer="flipguard train")
+    write_training_info(output_dir, config, pairs_dir)
 
 
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:
