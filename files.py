@@ -603,14 +603,16 @@ def _unproven_in(folder: Path) -> list[tuple[Path, str]]:
     return out
 
 
-def claim_stage_files(root: str | os.PathLike, *, since: float, keep: Iterable[str | os.PathLike] = (),
-                      changed: bool = False, writer: str = "flipguard study") -> list[Path]:
+def claim_stage_files(root: str | os.PathLike, *, since: float, until: float | None = None,
+                      keep: Iterable[str | os.PathLike] = (), changed: bool = False,
+                      writer: str = "flipguard study") -> list[Path]:
     """Record as flipguard's, each with its sha256 in its folder's manifest, the files under ROOT (a
     study stage's own folder) that the libraries flipguard drove wrote there while the stage ran: a
     trainer's checkpoints and cards, a harness's outputs, a write a full disk or a kill cut short.
     Claimed: each file no manifest proves whose modification time is `since` (the stage's start,
-    less a second for the file system's clock) or later, except the paths in `keep` (the user's
-    files that were there when the stage began); a file a manifest lists with other bytes is claimed
+    less a second for the file system's clock) or later (and `until` or earlier: when the run that
+    wrote them ended, where it is known), except the paths in `keep` (the user's files that were
+    there when the stage began); a file a manifest lists with other bytes is claimed
     only with `changed` (at the end of the invocation that rewrote it, never on a later run: a file
     the user edits after a kill stays theirs). Symbolic links are never claimed or followed."""
     root = Path(root)
@@ -630,9 +632,10 @@ def claim_stage_files(root: str | os.PathLike, *, since: float, keep: Iterable[s
             if (doc is not None and owns(folder, name, doc)) or (listed and not changed):
                 continue
             try:
-                if path.lstat().st_mtime < since:
-                    continue
+                mtime = path.lstat().st_mtime
             except OSError:
+                continue
+            if mtime < since or (until is not None and mtime > until):
                 continue
             take.append(name)
         if not take:

@@ -88,6 +88,8 @@ STUDY_FILE = "study.json"
 # removed when the study ends, and by the next run after a kill
 STAGE_LOGS = ".stage-logs"
 STUDY_FORMAT = "flipguard-study/1"
+# a stage's status when its last run did not finish: it resumes ("running": a study killed while it ran)
+UNFINISHED = ("running", "failed", "interrupted")
 RECIPE_HEADER = "# the effective recipe of this study"
 JOBS_HELP = ("Independent stages (a --grid's variants among them) run at once, each in its own process (default: 2 "
              "on a CPU with 2 free cores per --threads, the hf backend and a small local model, else 1); the "
@@ -282,7 +284,7 @@ class Study(StudyPlan):
                 raise UserError(f"stage {stage.name}: its input stage {name} is not as it finished: {broken[1]}; {then}")
         if problem is not None:
             self.print(f"--- {stage.name}: {problem[1]}: resuming it")
-        resume = (problem is not None or entry.get("status") in ("running", "failed", "interrupted")) \
+        resume = (problem is not None or entry.get("status") in UNFINISHED) \
             and entry.get("fingerprint") == fps[stage.name] and not forced
         return "resume" if resume else ("redo" if entry else "run")
 
@@ -299,8 +301,12 @@ class Study(StudyPlan):
         foreign = list(entry.get("foreign") or [])
         if status != "resume":
             foreign = self.clear(stage, entry)
-        elif _epoch(entry.get("started")) is not None:
-            self.claim_written(stage, foreign, since=_epoch(entry["started"]), changed=False)
+        elif entry.get("status") in UNFINISHED and _epoch(entry.get("started")) is not None:
+            # what the run that stopped wrote (from its start to its end, where study.json knows it); a stage
+            # resumed because its run was cut short since it finished claims nothing: a file there now is yours
+            until = _epoch(entry.get("ended"))
+            self.claim_written(stage, foreign, since=_epoch(entry["started"]),
+                               until=None if until is None else until + 1.0, changed=False)
         self._began[stage.name] = time.time()
         entries[stage.name] = {"status": "running", "fingerprint": self._fps[stage.name], "inputs": list(stage.inputs),
                                "foreign": foreign,
@@ -463,12 +469,13 @@ class Study(StudyPlan):
             raise UserError(f"stage {stage.name}: {path}: {why}{more}; the redo would replace it, so nothing was "
                             "changed: move it away and rerun")
 
-    def claim_written(self, stage: Stage, foreign: list[str], since: float, changed: bool) -> None:
+    def claim_written(self, stage: Stage, foreign: list[str], since: float, changed: bool,
+                      until: float | None = None) -> None:
         """What the libraries the stage drove wrote in its own folders since it began (a trainer's card
         and checkpoints, a harness's outputs, a write cut short), recorded as flipguard's: the stage that
         caused them owns them, so a redo removes them and a resume writes over them."""
         for path in stage.clear:
-            claim_stage_files(path, since=since - 1.0, keep=foreign, changed=changed)
+            claim_stage_files(path, since=since - 1.0, until=until, keep=foreign, changed=changed)
 
     def _failed(self, stage: Stage, exc: BaseException) -> BaseException:
         """A stage that raised (or was stopped with the study): recorded "failed" or "interrupted" in

@@ -160,6 +160,26 @@ def test_redo_removes_only_what_the_stage_wrote_and_names_what_it_kept(shared, t
     assert sorted(redone) == sorted(keys)
 
 
+def test_a_resumed_stage_claims_only_what_its_own_unfinished_run_wrote(shared, tmp_path, capsys):
+    """The user's notes put in a finished stage's folder are never taken for the stage's: not when its run is
+    resumed because it was cut short since (the stage claims what its libraries wrote only for a run of its
+    own that stopped), nor by a later redo, which keeps them."""
+    study = _copy(shared["study"], tmp_path / "study")
+    notes = study / "dds" / "baseline" / "NOTES.md"
+    notes.write_text("the user's notes")
+    records = study / "dds" / "baseline" / "records.jsonl"
+    lines = records.read_text().splitlines(keepends=True)
+    records.write_text("".join(lines[: len(lines) // 2]))
+    proc = cli(capsys, "study", shared["recipe"], "--out", study)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[baseline: resume" in proc.stdout
+    assert "NOTES.md" not in json.loads((notes.parent / OWNER_FILE).read_text())["files"]
+    proc = cli(capsys, "study", shared["recipe"], "--out", study, "--from", "baseline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--- baseline: kept 1 file(s) flipguard did not write or you changed: {notes}" in proc.stdout
+    assert notes.read_text() == "the user's notes"
+
+
 def test_a_stage_folder_that_appears_mid_run_is_refused_not_deleted(shared, tmp_path):
     """The user creates OUT/compare while the study runs its baseline: the compare stage, when it
     arrives, refuses it (one line) and removes nothing."""
