@@ -308,8 +308,11 @@ class Study(StudyPlan):
             self.claim_written(stage, foreign, since=_epoch(entry["started"]),
                                until=None if until is None else until + 1.0, changed=False)
         self._began[stage.name] = time.time()
+        # what it wrote when it last finished: the room it needs when a disk fills (room_needed)
+        sizes = [v[0] for v in (entry.get("files") or {}).values() if isinstance(v, list) and v and isinstance(v[0], int)]
+        last_bytes = sum(sizes) if sizes else entry.get("last_bytes")
         entries[stage.name] = {"status": "running", "fingerprint": self._fps[stage.name], "inputs": list(stage.inputs),
-                               "foreign": foreign,
+                               "foreign": foreign, **({"last_bytes": last_bytes} if last_bytes else {}),
                                "built_from": {i: entries[i].get("build") for i in stage.inputs},
                                "params": json.loads(json.dumps(stage.params, default=str)),
                                "outputs": [str(p) for p in stage.outputs], "started": now_iso()}
@@ -384,7 +387,7 @@ class Study(StudyPlan):
         except BaseException as exc:
             workers.close(terminate=True)
             for stage, _, _, _ in running.values():  # stopped with the study: recorded so, never left "running"
-                self._failed(stage, exc)
+                self._failed(stage, exc, stopped=True)
             with contextlib.suppress(FlipguardError, OSError):  # the failure that got here is the one to show
                 self._remove_stage_logs(logs)
             raise
@@ -477,12 +480,12 @@ class Study(StudyPlan):
         for path in stage.clear:
             claim_stage_files(path, since=since - 1.0, until=until, keep=foreign, changed=changed)
 
-    def _failed(self, stage: Stage, exc: BaseException) -> BaseException:
-        """A stage that raised (or was stopped with the study): recorded "failed" or "interrupted" in
-        study.json, with what its libraries wrote claimed, so a rerun resumes it; returns the error to
-        show (a full disk: one line with the room the stage needs)."""
+    def _failed(self, stage: Stage, exc: BaseException, stopped: bool = False) -> BaseException:
+        """A stage that raised, or was `stopped` with the study (Ctrl-C, another stage's failure): recorded
+        "failed" or "interrupted" in study.json, with what its libraries wrote claimed, so a rerun resumes
+        it; returns the error to show (a full disk: one line with the room the stage needs)."""
         entry = self.state["stages"].get(stage.name) or {}
-        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        interrupted = stopped or isinstance(exc, KeyboardInterrupt)
         full = None if interrupted else disk_error(exc, f"stage {stage.name}: ", where=stage.clear[0] if stage.clear
                                                    else self.out, needed=self.room_needed(stage))
         shown = full or exc
@@ -500,10 +503,9 @@ class Study(StudyPlan):
         """About how many bytes the stage writes, and why that many: what it wrote when it last finished
         (study.json), else its own estimate (Stage.room: a merged model, an adapter), else at least what it had
         written when the disk stopped it."""
-        files = (self.state["stages"].get(stage.name) or {}).get("files") or {}
-        sizes = [v[0] for v in files.values() if isinstance(v, list) and v and isinstance(v[0], int)]
-        if sizes:
-            return sum(sizes), "what the stage wrote when it last ran"
+        last = (self.state["stages"].get(stage.name) or {}).get("last_bytes")
+        if isinstance(last, int) and last > 0:
+            return last, "what the stage wrote when it last ran"
         with contextlib.suppress(FlipguardError, OSError):
             estimate = stage.room() if stage.room is not None else None
             if estimate:
