@@ -78,6 +78,8 @@ def test_a_damaged_weights_file_is_one_line_naming_it_in_every_command(tmp_path,
         "study": ["study", str(recipe), "--out", str(outs["study"])],
         "organism": ["organism", "--base", str(model), "--path", str(outs["organism"])],
     }
+    if how != "cut short":  # each kind of damage through eval; every command with the likeliest (a copy cut short)
+        commands = {name: argv for name, argv in commands.items() if name == "eval"}
     for name, argv in commands.items():
         proc = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *argv], env=_env(), capture_output=True,
                               text=True, timeout=BOUND)
