@@ -299,14 +299,15 @@ class Study(StudyPlan):
         if stage.name not in entries:
             self.check_folders([stage])  # again at the moment it runs: a folder that appeared since is refused
         foreign = list(entry.get("foreign") or [])
-        if status != "resume":
-            foreign = self.clear(stage, entry)
-        elif entry.get("status") in UNFINISHED and _epoch(entry.get("started")) is not None:
-            # what the run that stopped wrote (from its start to its end, where study.json knows it); a stage
-            # resumed because its run was cut short since it finished claims nothing: a file there now is yours
+        if entry.get("status") in UNFINISHED and _epoch(entry.get("started")) is not None:
+            # what the run that stopped wrote (from its start to its end, where study.json knows it) is the stage's:
+            # a resume writes over it, a redo removes it (a killed trainer's checkpoints would be resumed from). A
+            # stage resumed because its run was cut short since it finished claims nothing: a file there is yours
             until = _epoch(entry.get("ended"))
             self.claim_written(stage, foreign, since=_epoch(entry["started"]),
                                until=None if until is None else until + 1.0, changed=False)
+        if status != "resume":
+            foreign = self.clear(stage, entry)
         self._began[stage.name] = time.time()
         # what it wrote when it last finished: the room it needs when a disk fills (room_needed)
         sizes = [v[0] for v in (entry.get("files") or {}).values() if isinstance(v, list) and v and isinstance(v[0], int)]
