@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import yaml
 
-from flipguard.errors import FlipguardError, RecordError, UserError
+from flipguard.errors import FlipguardError, RecordError, UserError, write_failed
 
 # The installed package's folder (the repository root): recipes/, train/, data/samples/ are found from it.
 PACKAGE_ROOT = Path(__file__).resolve().parent
@@ -81,13 +81,39 @@ def iter_lines(path: str | os.PathLike, error: type[FlipguardError] = UserError)
                 raise _not_utf8(path, raw, exc, error, line_offset=lineno - 1) from None
 
 
+class _KeyTwice(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _KeyTwice(key)
+        seen[key] = value
+    return seen
+
+
+def loads_json(text: str, where: str, error: type[FlipguardError] = UserError) -> Any:
+    """JSON a user gave (a flag's value, a line of a file), with a key given twice in one object refused
+    as load_yaml refuses it in YAML (json keeps the last value silently); a JSONDecodeError is the
+    caller's to word."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except _KeyTwice as exc:
+        raise error(f"{where}: key {exc.key!r} is given twice in one object; only the last would count, so nothing "
+                    "was run: keep one") from None
+
+
 def read_json(path: str | os.PathLike, error: type[FlipguardError] = RecordError, what: str = "JSON file") -> Any:
     """A whole JSON file flipguard (or a user) wrote: a missing or unreadable file, bytes that are
     not UTF-8 or text that does not parse (a truncated file, a hand edit) raise `error` naming
     path:line, never a JSONDecodeError traceback."""
     text = read_text(path, error, what)
     try:
-        return json.loads(text)
+        return loads_json(text, str(path), error)
     except json.JSONDecodeError as exc:
         raise error(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); the {what} is damaged "
                     "or cut short: write it again") from None
@@ -146,7 +172,7 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, adopt: Callable[[Pa
         refuse_link(path.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     except OSError as exc:
-        raise RecordError(f"{path}: cannot write ({exc.strerror or exc})") from None
+        raise write_failed(f"{path}: cannot write ({exc.strerror or exc})", exc, path) from None
     data = text.encode("utf-8")
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -156,8 +182,8 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, adopt: Callable[[Pa
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide reports from other users
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise RecordError(f"{path}: cannot write ({exc.strerror or exc}); the previous version, if any, "
-                          "is unchanged") from None
+        raise write_failed(f"{path}: cannot write ({exc.strerror or exc}); the previous version, if any, "
+                           "is unchanged", exc, path) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -286,7 +312,11 @@ def record_tree(folder: str | os.PathLike, writer: str) -> dict[str, str]:
             record_tree(path, writer)
         elif path.is_file() and not path.is_symlink():
             hashes[name] = file_sha256(path)
-    write_manifest(folder, {"written_by": writer, "time": now_iso(), "files": names, "sha256": hashes, "logs": []})
+    doc = {"written_by": writer, "time": now_iso(), "files": names, "sha256": hashes, "logs": []}
+    before = read_manifest(folder)
+    if before is not None and before.get(STAGING_MARK):  # a staging folder stays one until it is published
+        doc[STAGING_MARK] = before[STAGING_MARK]
+    write_manifest(folder, doc)
     return hashes
 
 
@@ -355,8 +385,9 @@ def write_manifest(folder: Path, doc: dict[str, Any]) -> None:
     except OSError as exc:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        raise RecordError(f"{Path(folder) / OWNER_FILE}: cannot write ({exc.strerror or exc}); the previous version, "
-                          "if any, is unchanged: free some space (or make the folder writable) and rerun") from None
+        raise write_failed(f"{Path(folder) / OWNER_FILE}: cannot write ({exc.strerror or exc}); the previous version, "
+                           "if any, is unchanged: free some space (or make the folder writable) and rerun", exc,
+                           Path(folder) / OWNER_FILE) from None
     except BaseException:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
@@ -437,8 +468,8 @@ def owned_replace(tmp: Path, path: Path, *, sha: str | None = None, adopt: Calla
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise RecordError(f"{path}: cannot write ({exc.strerror or exc}); the previous version, if any, "
-                          "is unchanged") from None
+        raise write_failed(f"{path}: cannot write ({exc.strerror or exc}); the previous version, if any, "
+                           "is unchanged", exc, path) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -524,6 +555,103 @@ def remove_owned(root: str | os.PathLike) -> list[Path]:
                     _set_replacing(doc, name, None)
                 write_manifest(folder, _tidy(doc))
     return sorted(kept)
+
+
+def blocking_kept(root: str | os.PathLike) -> list[tuple[Path, str]]:
+    """What a redo of ROOT (remove_owned) would keep that the redo would then have to write over, each
+    with why it is kept: a file its folder's manifest lists that is not flipguard's by proof any more
+    (the user changed it, or an older flipguard's manifest lists it without a hash), and anything not
+    proven inside a folder its parent's manifest lists as a whole (a pair set's dataset). A file the
+    manifests do not list (the user's notes in a run folder) is kept and blocks nothing. Nothing is
+    changed: a stage checks this before it removes anything, so a refused redo leaves every file as
+    it was."""
+    root = Path(root)
+    found: dict[Path, str] = {}
+    if root.is_symlink() or not root.is_dir():
+        doc = read_manifest(root.parent) if root.parent.is_dir() and not root.is_symlink() else None
+        if os.path.lexists(root) and doc is not None and root.name in doc["files"] and not owns(root.parent, root.name, doc):
+            found[root] = unproven(doc, root.parent, root.name)
+        return sorted(found.items())
+    for folder, _, _ in os.walk(root, followlinks=False):
+        folder = Path(folder)
+        doc = read_manifest(folder)
+        if doc is None:
+            continue
+        for name in sorted(doc["files"]):
+            path = folder / name
+            if not os.path.lexists(path) or owns(folder, name, doc):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                for inner, why in _unproven_in(path):
+                    found.setdefault(inner, why)
+            else:
+                found.setdefault(path, unproven(doc, folder, name))
+    return sorted(found.items())
+
+
+def _unproven_in(folder: Path) -> list[tuple[Path, str]]:
+    """The files under FOLDER (a folder flipguard published whole) that its manifests do not prove."""
+    out = []
+    for sub, _, names in os.walk(folder, followlinks=False):
+        doc = read_manifest(sub)
+        for n in sorted(names):
+            if n in (OWNER_FILE, LOCK_NAME) or (doc is not None and owns(sub, n, doc)):
+                continue
+            why = (unproven(doc, sub, n) if doc is not None and n in doc["files"] else
+                   f"not part of {folder}, which flipguard published whole (its {OWNER_FILE} does not list it)")
+            out.append((Path(sub) / n, why))
+    return out
+
+
+def claim_stage_files(root: str | os.PathLike, *, since: float, until: float | None = None,
+                      keep: Iterable[str | os.PathLike] = (), changed: bool = False,
+                      writer: str = "flipguard study") -> list[Path]:
+    """Record as flipguard's, each with its sha256 in its folder's manifest, the files under ROOT (a
+    study stage's own folder) that the libraries flipguard drove wrote there while the stage ran: a
+    trainer's checkpoints and cards, a harness's outputs, a write a full disk or a kill cut short.
+    Claimed: each file no manifest proves whose modification time is `since` (the stage's start,
+    less a second for the file system's clock) or later (and `until` or earlier: when the run that
+    wrote them ended, where it is known), except the paths in `keep` (the user's files that were
+    there when the stage began); a file a manifest lists with other bytes is claimed
+    only with `changed` (at the end of the invocation that rewrote it, never on a later run: a file
+    the user edits after a kill stays theirs). Symbolic links are never claimed or followed."""
+    root = Path(root)
+    keep = {os.path.abspath(k) for k in keep}
+    claimed: list[Path] = []
+    if root.is_symlink() or not root.is_dir():
+        return claimed
+    for folder, _dirs, names in os.walk(root, topdown=False, followlinks=False):
+        folder = Path(folder)
+        doc = read_manifest(folder)
+        take = []
+        for name in names:
+            path = folder / name
+            if name in (OWNER_FILE, LOCK_NAME) or path.is_symlink() or os.path.abspath(path) in keep:
+                continue
+            listed = doc is not None and name in doc["files"]
+            if (doc is not None and owns(folder, name, doc)) or (listed and not changed):
+                continue
+            try:
+                mtime = path.lstat().st_mtime
+            except OSError:
+                continue
+            if mtime < since or (until is not None and mtime > until):
+                continue
+            take.append(name)
+        if not take:
+            continue
+        with _folder_locked(folder):
+            doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": [], "kinds": {}}
+            doc.setdefault("written_by", writer)
+            doc["time"] = now_iso()
+            doc["files"] = sorted(set(doc["files"]) | set(take))
+            for name in take:
+                doc["sha256"][name] = file_sha256(folder / name)
+                doc["kinds"].pop(name, None)
+                _set_replacing(doc, name, None)
+            write_manifest(folder, _tidy(doc))
+        claimed += [folder / n for n in take]
+    return sorted(claimed)
 
 
 def written_files(root: str | os.PathLike, skip: Iterable[str] = ()) -> dict[str, list[int]]:

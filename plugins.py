@@ -62,21 +62,54 @@ def is_builtin(ep: EntryPoint) -> bool:
     return ep.value.startswith("flipguard.")
 
 
+# (group, name) -> the one line a plug-in that failed to load gets: only what uses that name is refused with it
+_broken: dict[tuple[str, str], str] = {}
+
+
+def package_of(ep: EntryPoint) -> str | None:
+    """The installed distribution that declares the entry point (what `pip uninstall` takes), if known."""
+    dist = getattr(ep, "dist", None)
+    return getattr(dist, "name", None) if dist is not None else None
+
+
 def load(ep: EntryPoint):
-    """The entry point's object (a module or a function), a plug-in's failure named as one error."""
+    """The entry point's object (a module or a function), a plug-in's failure named as one error that
+    names its package."""
     try:
         return ep.load()
     except Exception as exc:
         if is_builtin(ep):
             raise
-        raise UserError(f"entry point {ep.name!r} of '{ep.group}' ({ep.value}) failed to load: "
-                        f"{type(exc).__name__}: {exc}") from None
+        package = package_of(ep)
+        fix = (f"fix or update the package {package}, or remove it (pip uninstall {package})" if package else
+               "fix or remove the package that declares it")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UserError(f"the plug-in {ep.name!r} ('{ep.group}' entry point {ep.value}"
+                        f"{f', package {package}' if package else ''}) failed to load ({type(exc).__name__}"
+                        f"{': ' + first if first else ''}): {fix}") from None
 
 
 def load_plugins(group: str) -> None:
-    """Import every module of a group once: its classes register themselves on import."""
+    """Import every module of a group once: its classes register themselves on import. A plug-in that
+    fails to load is recorded (broken), not raised: it blocks only what names it."""
     if group in _loaded:
         return
     for ep in plugins(group).values():
-        load(ep)
+        try:
+            load(ep)
+        except UserError as exc:  # load raises a UserError for another package's plug-in only
+            _broken[(group, ep.name)] = str(exc)
     _loaded.add(group)
+
+
+def broken(group: str, name: str) -> str | None:
+    """Why the plug-in `name` of `group` could not be loaded (the one line load gave), or None."""
+    return _broken.get((group, name))
+
+
+def mark_broken(group: str, name: str, why: str) -> None:
+    _broken[(group, name)] = why
+
+
+def broken_names(group: str) -> list[str]:
+    return sorted(n for g, n in _broken if g == group)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -23,6 +22,7 @@ from flipguard.files import (
     read_manifest,
     record_tree,
     refuse_link,
+    staging_dir,
     unproven,
     write_manifest,
 )
@@ -116,9 +116,10 @@ def publish_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike, *, writer: s
             tmp.rename(out)
             return out
         last = [n for n in last if n in new]
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
         old = read_owner(out) or {"sha256": {}}
-        try:
+        # the replaced files go to a staging folder marked as flipguard's: a kill midway leaves one the next
+        # build of this output removes (files.clean_stale_staging), never an unproven folder beside it
+        with staging_dir(out) as trash:
             # claim first (old and new names, each with the hash of the bytes it may hold while the move is under
             # way), so a crash midway leaves only files flipguard can prove
             write_manifest(out, {**owner_doc, "files": sorted(owned | set(new)),
@@ -134,8 +135,6 @@ def publish_dir(tmp: str | os.PathLike, out_dir: str | os.PathLike, *, writer: s
             for name in sorted(owned - set(new)):  # flipguard's stale files of the old output
                 (out / name).rename(trash / name)
             write_manifest(out, owner_doc)
-        finally:
-            shutil.rmtree(trash, ignore_errors=True)
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

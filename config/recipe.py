@@ -40,7 +40,7 @@ from flipguard.config.arguments import (
 )
 from flipguard.config.shipped import find_recipe
 from flipguard.config.spelling import did_you_mean
-from flipguard.config.trainers import trainers
+from flipguard.config.trainers import broken_trainers, trainers
 from flipguard.config.values import check_values
 from flipguard.errors import UserError
 from flipguard.files import check_types, field_types, load_yaml
@@ -141,7 +141,10 @@ def recipe_keys(raw: dict[str, Any]) -> list[str]:
 def _check_keys(raw: dict[str, Any], path: str) -> None:
     configs, _ = _trainer_classes()
     top_valid, section_keys = _valid_keys(raw)
+    broken = broken_trainers()
     for key, value in raw.items():
+        if key in broken:  # a section of a trainer plug-in that cannot load: its own line, naming its package
+            raise UserError(f"{path}: section {key!r}: {broken[key]}")
         if key not in top_valid:
             error = _unknown(path, "the top level", key, top_valid)
             if isinstance(value, dict):  # a section: most likely a trainer that is not registered

@@ -62,18 +62,35 @@ def trainers() -> dict[str, Trainer]:
     if not _loaded:
         found = []
         for ep in plugins.plugins(plugins.TRAINERS).values():
-            trainer = plugins.load(ep)
-            if not isinstance(trainer, Trainer) or trainer.name != ep.name:
-                raise UserError(f"'{plugins.TRAINERS}' entry point {ep.name!r} ({ep.value}) is not a "
-                                f"flipguard.config.Trainer named {ep.name!r}: fix the plug-in's pyproject.toml")
+            try:
+                trainer = plugins.load(ep)
+                if not isinstance(trainer, Trainer) or trainer.name != ep.name:
+                    package = plugins.package_of(ep)
+                    raise UserError(f"'{plugins.TRAINERS}' entry point {ep.name!r} ({ep.value}"
+                                    f"{f', package {package}' if package else ''}) is not a flipguard.config.Trainer "
+                                    f"named {ep.name!r}: fix the plug-in's pyproject.toml")
+            except UserError as exc:
+                if plugins.is_builtin(ep):
+                    raise
+                plugins.mark_broken(plugins.TRAINERS, ep.name, str(exc))  # blocks only what names it
+                continue
             found.append(trainer)
         _loaded.update((t.name, t) for t in sorted(found, key=lambda t: (t.order, t.name)))
     return dict(_loaded)
 
 
+def broken_trainers() -> dict[str, str]:
+    """name -> why: the installed trainer plug-ins that failed to load (a recipe section, a study stage or a
+    command of that name is refused with its line; nothing else is)."""
+    trainers()
+    return {name: plugins.broken(plugins.TRAINERS, name) for name in plugins.broken_names(plugins.TRAINERS)}
+
+
 def trainer_entry(name: str, where: str) -> Trainer:
     """The registered trainer `name`; anything else is one error listing the registered ones."""
     registered = trainers()
+    if name in broken_trainers():
+        raise UserError(f"{where}: {broken_trainers()[name]}")
     if name not in registered:
         raise UserError(f"{where}: unknown trainer {name!r} (registered trainers: {', '.join(registered)})")
     return registered[name]

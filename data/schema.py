@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flipguard.errors import FlipguardError
-from flipguard.files import iter_lines
+from flipguard.files import iter_lines, loads_json
 
 # Unified Benchmark order as in the paper's Table 1 (nine datasets), then TruthfulQA.
 BENCHMARK_DATASETS = (
@@ -109,7 +109,7 @@ def parse_jsonl_lines(lines: Iterable[str], source) -> list[tuple[int, dict[str,
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads_json(line, f"{source}:{lineno}", DataError)
         except json.JSONDecodeError as exc:
             raise DataError(f"{source}:{lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict):

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator
 
 from flipguard import __version__
-from flipguard.errors import RecordError
+from flipguard.errors import RecordError, write_failed
 
 # the atomic writers live with the other file helpers; re-exported for callers of this module
 from flipguard.files import (  # noqa: F401
@@ -347,10 +347,10 @@ def check_records_owned(path: Path) -> None:
 
 
 def _write_error(path: Path, exc: OSError, n: int) -> RecordError:
-    return RecordError(
+    return write_failed(
         f"{path}: cannot write records ({exc.strerror or exc}); {n} record(s) of this batch were written and "
-        "everything stored before is kept. Free space (or fix the permissions) and rerun the same command to resume"
-    )
+        "everything stored before is kept. Free space (or fix the permissions) and rerun the same command to resume",
+        exc, path)
 
 
 class RunDirBusy(RecordError):
@@ -656,6 +656,41 @@ def run_completeness(run_dir: str | os.PathLike) -> Completeness:
     why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) if isinstance(reasons, dict) else ""
     return Completeness(run_dir, len(keys), listed if isinstance(listed, dict) else None,
                         meta.get("complete") is not False, content_digest(sorted(keys)), why)
+
+
+# A report written from a run's records records which ones (REPORT_BASIS in its meta: how many distinct
+# keys, their digest): a reader of the report's numbers (compare's protocol rows, export, the page) checks
+# it against the records there now, so a run grown or cut since its report is never described by it.
+REPORT_BASIS = "records"
+
+
+class StaleReport(RecordError):
+    """A run's report describes other records than the run holds now (export refuses it, where a run
+    without any report is exported without its numbers)."""
+
+
+def records_basis(records: Iterable[Record]) -> dict[str, Any]:
+    """REPORT_BASIS of a report built from `records`: the same shape run.json's RUN_CONTENTS has."""
+    keys = sorted({r.key for r in records})
+    return {"n": len(keys), "keys": content_digest(keys)}
+
+
+def report_staleness(run_dir: str | os.PathLike, basis: Any, report_file: str | os.PathLike) -> str | None:
+    """Why RUN_DIR's report (its file `report_file`, built from `basis`) does not describe the records
+    there now, in a phrase; None when it does. A report from before reports recorded their basis is
+    judged by time: records written after it."""
+    run_dir = Path(run_dir)
+    if isinstance(basis, dict) and "keys" in basis:
+        state = run_completeness(run_dir)
+        if basis.get("keys") == state.keys:
+            return None
+        return (f"its report is older than its records (built from {basis.get('n')} records, {state.found} there now): "
+                f"rebuild it with `flipguard report {run_dir}`")
+    records, report = run_dir / RECORDS_FILE, Path(report_file)
+    if records.is_file() and report.is_file() and records.stat().st_mtime_ns > report.stat().st_mtime_ns:
+        return (f"its report is older than its records ({RECORDS_FILE} written after {report.name}): rebuild it with "
+                f"`flipguard report {run_dir}`")
+    return None
 
 
 def require_whole(run_dir: str | os.PathLike, then: str = "rerun the command that wrote it (it resumes from the "

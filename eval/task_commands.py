@@ -10,7 +10,7 @@ from pathlib import Path
 from flipguard.config import parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.comparison_rows import headline_table
-from flipguard.eval.records import load_run_meta
+from flipguard.eval.records import RUN_META_FILE, load_run_meta, require_whole
 from flipguard.eval.task import ReportArgs
 from flipguard.eval.task_includes import include_tasks, take_includes
 from flipguard.eval.task_registry import ENTRY_POINT_GROUP, get_task, task_names
@@ -33,6 +33,8 @@ def report_main(argv: list[str]) -> int:
                              positional="run_dir")
     run_dir = Path(args.run_dir)
     protocol = load_run_meta(run_dir).get("protocol") or "dds"
+    if (run_dir / RUN_META_FILE).is_file():  # the completeness rule compare, export and the page read too
+        require_whole(run_dir)
     for flag, value in (("--c1_from", args.c1_from), ("--allow_cross_mode_c1", args.allow_cross_mode_c1)):
         if value and protocol != "dds":
             raise UserError(f"{flag}: an option of DDS reports; {run_dir} holds a {protocol!r} run")

@@ -43,6 +43,8 @@ def task_names() -> list[str]:
 
 def get_task(name: str) -> type[Task]:
     plugins.load_plugins(plugins.TASKS)
+    if name not in _TASKS and plugins.broken(plugins.TASKS, name):
+        raise UserError(plugins.broken(plugins.TASKS, name))
     if name not in _TASKS:
         raise UserError(f"unknown task {name!r}; registered: {sorted(_TASKS)}{did_you_mean(name, _TASKS)}")
     return _TASKS[name]

@@ -59,9 +59,7 @@ import collections
 import dataclasses
 import json
 import random
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -84,7 +82,7 @@ from flipguard.errors import RecordError, UserError
 from flipguard.eval.dds.metrics import FLIP_DIRECTIONS, flip_records
 from flipguard.eval.dds.prompts import build_messages
 from flipguard.eval.records import load_records
-from flipguard.files import file_sha256
+from flipguard.files import file_sha256, staging_dir
 from flipguard.pairs.afr import afr_judgments
 from flipguard.pairs.conversations import CAPITULATION, conversation_rows
 from flipguard.pairs.filters import PairRules, check_leakage, facets, select
@@ -643,9 +641,8 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir}: exists and is not a directory; choose another --out")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    # a staging folder marked as flipguard's: a kill mid-build leaves one the next build removes (files.staging_dir)
+    with staging_dir(out_dir) as tmp:
         fingerprints = {}
         for name, records in ((SFT_DIR, sft_records(pairs)), (DPO_DIR, dpo_records(pairs))):
             ds = Dataset.from_list(records)
@@ -664,9 +661,6 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
             publish_dir(tmp, out_dir, writer="flipguard pairs", last=(META_FILE, COUNTS_FILE))
         except RecordError as exc:
             raise UserError(str(exc)) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return counts
 
 

@@ -27,6 +27,7 @@ import json
 from typing import Any, Iterable, Mapping, Sequence
 
 from flipguard.errors import UserError
+from flipguard.files import loads_json
 
 FACETS = ("datasets", "kinds", "framings", "protocols", "meta")
 KIND_KEYS = ("category", "incorrect_category")  # the item meta keys `kinds` reads
@@ -97,7 +98,7 @@ def parse_rule(raw: Mapping[str, Any] | str | None, name: str) -> Rule:
         return Rule(name)
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
+            raw = loads_json(raw, where)
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: not a mapping or JSON object ({exc.msg})") from None
     if not isinstance(raw, Mapping):

@@ -21,7 +21,8 @@ from typing import Callable
 
 from flipguard import __version__
 from flipguard.config import did_you_mean, trainers
-from flipguard.errors import FlipguardError, disk_error
+from flipguard.config.trainers import broken_trainers
+from flipguard.errors import FlipguardError, UserError, disk_error
 from flipguard.redact import redact
 
 # name -> ("module:function" or "module:Class.method", one-line help)
@@ -55,8 +56,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _trainer_commands() -> dict[str, tuple[Callable[..., int], str]]:
     """One command per registered trainer (a `flipguard.trainers` entry point, flipguard's own or a
-    plug-in's): `flipguard dpo RECIPE` = python train/dpo.py RECIPE."""
-    return {name: (t.main, t.help) for name, t in trainers().items() if name not in COMMANDS}
+    plug-in's): `flipguard dpo RECIPE` = python train/dpo.py RECIPE. A plug-in that fails to load is
+    listed too: its command says why, in one line naming its package; nothing else is blocked."""
+    commands = {name: (t.main, t.help) for name, t in trainers().items() if name not in COMMANDS}
+    for name, why in broken_trainers().items():
+        if name not in COMMANDS:
+            commands[name] = (functools.partial(_refuse, why), "a trainer plug-in that failed to load (run it to see why)")
+    return commands
+
+
+def _refuse(why: str, argv: list[str]) -> int:
+    raise UserError(why)
 
 
 def _usage() -> str:
@@ -117,7 +127,8 @@ def _run(argv: list[str] | None) -> int:
         kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
         return int(func(rest, **kwargs) or 0)
     except KeyboardInterrupt:
-        print("\ninterrupted: records written so far are kept; rerun the same command to resume", file=sys.stderr)
+        print(f"flipguard {name}: interrupted: what was written so far is kept; rerun the same command to resume",
+              file=sys.stderr)
         return 130
     except FlipguardError as exc:
         print(f"flipguard {name}: error: {redact(exc)}", file=sys.stderr)

@@ -60,6 +60,9 @@ GRID_HELP = ("Vary recipe settings: KEY=V1,V2,... (a recipe key, a section's dot
 NOT_VARIED = {"eval": "every variant is measured by the baseline's evaluation",
               "tracking": "it names where the variants' runs go"}
 STUDY_OWN = ("pairs.dir", "pairs.records")  # the study's own folders
+# keys (at the top level or in any section) naming a folder a run writes or resumes from: the study sets
+# them for each variant's own folders (OUT/grid/VARIANT/...), so a grid of them would run identical variants
+FOLDER_KEYS = ("output_dir", "logging_dir", "resume_from_checkpoint")
 
 
 # ------------------------------------------------------------------ the grid
@@ -115,8 +118,9 @@ def parse_grid(specs: list[str], raw: dict[str, Any], studied: list[str]) -> lis
         if section in NOT_VARIED:
             raise UserError(f"--grid {spec}: a grid varies the pairs and the training (a trainer's section, pairs:, "
                             f"the top level), not {section}: ({NOT_VARIED[section]}); set it for the whole study instead")
-        if key in STUDY_OWN:
-            raise UserError(f"--grid {spec}: {key} is the study's own folder")
+        if key in STUDY_OWN or key.rpartition(".")[2] in FOLDER_KEYS:
+            raise UserError(f"--grid {spec}: {key} names a folder, which the study sets itself (each variant writes "
+                            f"under OUT/{GRID_DIR}/VARIANT/); a grid varies settings, not where they are written")
         if section in trainers() and section not in studied:
             raise UserError(f"--grid {spec}: this study trains no {section} (it trains {', '.join(studied)})")
         if key in dict(grid):
@@ -187,6 +191,10 @@ class GridPlan(StudyPlan):
                      **{t: self.folder(values, t) for t in self.trainers}}
             plan = StudyPlan(self.recipe_path, with_values(self.recipe_raw, values), self.folder(values),
                              print_fn=self.print, homes=homes, variant=values)
+            for key, value in values.items():  # a key the study sets itself would run the same variant twice
+                if _value_at(plan.raw, key) != value:
+                    raise UserError(f"--grid {key}={value_text(value)}: the study sets {key} itself ("
+                                    f"{value_text(_value_at(plan.raw, key))} in this variant); a grid cannot vary it")
             self.variant_plans.append(plan)
             fps = stage_fingerprints(plan.stages)
             renamed = {s.name: self.stage_name(s) for s in plan.stages}
@@ -237,6 +245,12 @@ class GridPlan(StudyPlan):
                              f"({folder / VARIANTS_MD}, {VARIANTS_PNG})",
                      {"keys": keys, "models": json.loads(json.dumps(models, default=str))}, tuple(compares),
                      outputs, outputs, run)
+
+
+def _value_at(raw: dict[str, Any], key: str) -> Any:
+    """The value of a dotted key (`dpo.beta`, `lora_r`) in a recipe."""
+    section, _, sub = key.rpartition(".")
+    return (raw.get(section) or {}).get(sub) if section else raw.get(key)
 
 
 def _prefixed(recorded: Callable[[], dict[str, Any]] | None, prefix: str) -> Callable[[], dict[str, Any]] | None:

@@ -33,6 +33,7 @@ from flipguard.files import staging_dir
 from flipguard.pipeline.grid import GridPlan
 from flipguard.pipeline.study_plan import StudyPlan
 from flipguard.runtime.threads import configure_threads, usable_cores
+from flipguard.train.utils import model_bytes
 
 # stages at once when --jobs is not given (a CPU study, the hf backend, a small model): two
 # covers the graph's width where it matters (sft | dpo, afr | sos) without a third copy of a model
@@ -40,16 +41,6 @@ AUTO_JOBS_MAX = 2
 # a model whose weights exceed this runs one stage at a time unless --jobs says otherwise:
 # each worker holds its own copy
 AUTO_JOBS_MODEL_BYTES = 2 * 2**30
-
-
-def model_bytes(path: str) -> int | None:
-    """Bytes of a local model's weight files; None where the path is not a local folder or file."""
-    p = Path(path)
-    if p.is_file():
-        return p.stat().st_size
-    if not p.is_dir():
-        return None
-    return sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
 
 
 def auto_jobs(*, threads: int, on_gpu: bool, launches: bool, backend: str, model_path: str) -> tuple[int, str]:
@@ -104,9 +95,29 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+class _Stopped(BaseException):
+    """The study asked this worker to stop (SIGTERM: Ctrl-C of the study, or its failure)."""
+
+
+def _stop(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the unwinding is not interrupted again
+    raise _Stopped()
+
+
 def _worker_main(conn, plan_args: dict[str, Any]) -> None:
     """Build the plan once; then run each stage named on `conn`, its output into its log file;
-    answer None, or the exception (pickled when it can be, else its text)."""
+    answer None, or the exception (pickled when it can be, else its text). Ctrl-C is the study's to
+    handle (it reaches the whole process group): a worker is started ignoring SIGINT and stops on the
+    study's SIGTERM by unwinding and exiting normally, so what its libraries hold (multiprocessing's
+    semaphores among them) is released, not reported leaked."""
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        _serve(conn, plan_args)
+    except _Stopped:
+        return
+
+
+def _serve(conn, plan_args: dict[str, Any]) -> None:
     _die_with_parent(plan_args["parent_pid"])
     try:
         configure_threads(plan_args["threads"])
@@ -118,6 +129,8 @@ def _worker_main(conn, plan_args: dict[str, Any]) -> None:
             plan = StudyPlan(plan_args["recipe_path"], plan_args["raw"], plan_args["out"])
         _STAGES.update((s.name, s) for s in plan.stages)
         setup_error = None
+    except _Stopped:
+        raise
     except BaseException as exc:  # answered for the first stage asked for
         setup_error = exc
     while True:
@@ -158,6 +171,8 @@ def _run_one(name: str, log_path: str, setup_error: BaseException | None):
                 raise setup_error
             _STAGES[name].run()
             return None
+        except _Stopped:
+            raise
         except BaseException as exc:
             # a full disk (the stage's files or its log) is one line for the study to print, not a dead worker
             exc = disk_error(exc, f"stage {name}: ") or exc
@@ -224,12 +239,17 @@ class StageWorkers:
             tmp = contextlib.ExitStack()
             folder = tmp.enter_context(staging_dir(self.tmp_final))
             tempfile.gettempdir()  # this process's own temp folder, settled before $TMPDIR changes for the start
+            # started with SIGINT ignored (inherited through exec, and kept by Python): Ctrl-C reaches the whole
+            # process group, and a worker still importing must not die of it with a traceback; the study stops it
+            interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
             try:
                 with _environ(TMPDIR=str(folder)):  # a spawned process reads $TMPDIR before any code of ours runs
                     proc.start()
             except BaseException:
                 tmp.close()
                 raise
+            finally:
+                signal.signal(signal.SIGINT, interrupt)
             child.close()
             worker = {"proc": proc, "conn": parent, "stage": None, "tmp": tmp}
             self.workers.append(worker)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import time
@@ -45,14 +46,16 @@ from flipguard.config import (
     trainers,
     validate_recipe,
 )
-from flipguard.errors import FlipguardError, UserError
+from flipguard.errors import FlipguardError, UserError, disk_error
 from flipguard.eval.dds.metrics import TOTAL_AVG
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
 from flipguard.eval.task_includes import include_tasks, included_task_files, split_includes
 from flipguard.files import (
     atomic_write_text,
+    blocking_kept,
     check_replace,
     claim,
+    claim_stage_files,
     clean_stale_staging,
     dumps_utf8,
     read_manifest,
@@ -85,10 +88,20 @@ STUDY_FILE = "study.json"
 # removed when the study ends, and by the next run after a kill
 STAGE_LOGS = ".stage-logs"
 STUDY_FORMAT = "flipguard-study/1"
+# a stage's status when its last run did not finish: it resumes ("running": a study killed while it ran)
+UNFINISHED = ("running", "failed", "interrupted")
 RECIPE_HEADER = "# the effective recipe of this study"
 JOBS_HELP = ("Independent stages (a --grid's variants among them) run at once, each in its own process (default: 2 "
              "on a CPU with 2 free cores per --threads, the hf backend and a small local model, else 1); the "
              "results are the same either way")
+
+
+def _epoch(iso: Any) -> float | None:
+    """A time study.json holds (now_iso) as seconds since the epoch; None when it holds none."""
+    try:
+        return datetime.datetime.fromisoformat(iso).timestamp()
+    except (TypeError, ValueError):
+        return None
 
 
 def claim_stage_log(log: Path) -> None:
@@ -152,6 +165,10 @@ class Study(StudyPlan):
             raise UserError(f"{path}: unreadable study state ({exc}); remove it to start the study afresh") from None
         if not isinstance(state, dict) or state.get("format") != STUDY_FORMAT:
             raise UserError(f"{path}: not a {STUDY_FORMAT} file")
+        for entry in (state.get("stages") or {}).values():
+            # read under the study's lock: no process runs it now (the study that did was killed)
+            if isinstance(entry, dict) and entry.get("status") == "running":
+                entry["status"] = "interrupted"
         return state
 
     def _save_state(self) -> None:
@@ -204,14 +221,16 @@ class Study(StudyPlan):
         check_page(self.out / VIEW_FILE)
         if jobs > 1 and not only:
             self._check_stage_logs()
+        self._fps = stage_fingerprints(self.stages)
+        self._start = names.index(from_stage) if from_stage else None
+        self._only = only
+        self._began: dict[str, float] = {}
+        self.check_redos()
         self.out.mkdir(parents=True, exist_ok=True)
 
         for path, raw in self.effective_recipes():
             atomic_write_text(path, f"{RECIPE_HEADER} (from {self.recipe_path}); written by flipguard study\n"
                               + yaml.safe_dump(public_recipe(raw), sort_keys=False))
-        self._fps = stage_fingerprints(self.stages)
-        self._start = names.index(from_stage) if from_stage else None
-        self._only = only
         if jobs > 1 and not only:
             self._run_side_by_side(jobs, plan_args or {})
         else:
@@ -221,7 +240,10 @@ class Study(StudyPlan):
                     continue
                 self._begin(i, stage, status)
                 t = time.time()
-                stage.run()
+                try:
+                    stage.run()
+                except BaseException as exc:
+                    raise self._failed(stage, exc) from None
                 self._finish(stage, status, time.time() - t)
         self._mark_stale()
         self._save_state()
@@ -262,7 +284,7 @@ class Study(StudyPlan):
                 raise UserError(f"stage {stage.name}: its input stage {name} is not as it finished: {broken[1]}; {then}")
         if problem is not None:
             self.print(f"--- {stage.name}: {problem[1]}: resuming it")
-        resume = (problem is not None or entry.get("status") == "running") \
+        resume = (problem is not None or entry.get("status") in UNFINISHED) \
             and entry.get("fingerprint") == fps[stage.name] and not forced
         return "resume" if resume else ("redo" if entry else "run")
 
@@ -277,10 +299,21 @@ class Study(StudyPlan):
         if stage.name not in entries:
             self.check_folders([stage])  # again at the moment it runs: a folder that appeared since is refused
         foreign = list(entry.get("foreign") or [])
+        if entry.get("status") in UNFINISHED and _epoch(entry.get("started")) is not None:
+            # what the run that stopped wrote (from its start to its end, where study.json knows it) is the stage's:
+            # a resume writes over it, a redo removes it (a killed trainer's checkpoints would be resumed from). A
+            # stage resumed because its run was cut short since it finished claims nothing: a file there is yours
+            until = _epoch(entry.get("ended"))
+            self.claim_written(stage, foreign, since=_epoch(entry["started"]),
+                               until=None if until is None else until + 1.0, changed=False)
         if status != "resume":
             foreign = self.clear(stage, entry)
+        self._began[stage.name] = time.time()
+        # what it wrote when it last finished: the room it needs when a disk fills (room_needed)
+        sizes = [v[0] for v in (entry.get("files") or {}).values() if isinstance(v, list) and v and isinstance(v[0], int)]
+        last_bytes = sum(sizes) if sizes else entry.get("last_bytes")
         entries[stage.name] = {"status": "running", "fingerprint": self._fps[stage.name], "inputs": list(stage.inputs),
-                               "foreign": foreign,
+                               "foreign": foreign, **({"last_bytes": last_bytes} if last_bytes else {}),
                                "built_from": {i: entries[i].get("build") for i in stage.inputs},
                                "params": json.loads(json.dumps(stage.params, default=str)),
                                "outputs": [str(p) for p in stage.outputs], "started": now_iso()}
@@ -295,6 +328,7 @@ class Study(StudyPlan):
         if stage.recorded is not None:
             self.state.update(stage.recorded())
         foreign = entries[stage.name]["foreign"]
+        self.claim_written(stage, foreign, since=self._began.get(stage.name, self.t0), changed=True)
         entries[stage.name].update(status="done", seconds=round(seconds, 2), finished=now_iso(), last_action=status,
                                    build=uuid.uuid4().hex[:12], runs=stage_runs(entries[stage.name], self.out),
                                    files={os.path.relpath(k, self.out): v for p in stage.clear
@@ -343,6 +377,7 @@ class Study(StudyPlan):
                     self.print(f"\n--- output of {name}:\n{text.rstrip()}")
                 if error is not None:
                     self.print(f"--- {name}: failed after {time.time() - t:.1f}s")
+                    error = self._failed(stage, error)
                     if failure is None:
                         failure = error if isinstance(error, FlipguardError) else RuntimeError(f"stage {name}: {error}")
                     continue
@@ -350,8 +385,10 @@ class Study(StudyPlan):
                     self._finish(stage, status, time.time() - t)
                 except FlipguardError as exc:
                     failure = failure or exc
-        except BaseException:
+        except BaseException as exc:
             workers.close(terminate=True)
+            for stage, _, _, _ in running.values():  # stopped with the study: recorded so, never left "running"
+                self._failed(stage, exc, stopped=True)
             with contextlib.suppress(FlipguardError, OSError):  # the failure that got here is the one to show
                 self._remove_stage_logs(logs)
             raise
@@ -416,10 +453,73 @@ class Study(StudyPlan):
                                                   or not self.built_from_current(stage)):
                 entry["status"] = "stale"
 
+    def check_redos(self) -> None:
+        """Before any stage: a stage this run will redo (--from, --only, changed settings, stale)
+        must not meet a file of flipguard's that the user changed since (blocking_kept), which the
+        redo would have to write over: refused now, before anything is removed."""
+        entries = self.state["stages"]
+        for i, stage in enumerate(self.stages):
+            entry = entries.get(stage.name)
+            forced = stage.name == self._only or (self._start is not None and i >= self._start)
+            if entry is None or (self._only and not forced):
+                continue
+            if forced or entry.get("fingerprint") != self._fps[stage.name] or entry.get("status") == "stale":
+                self.refuse_blocked(stage)
+
+    def refuse_blocked(self, stage: Stage) -> None:
+        blocked = [found for path in stage.clear for found in blocking_kept(path)]
+        if blocked:
+            (path, why), more = blocked[0], f" (and {len(blocked) - 1} more)" if len(blocked) > 1 else ""
+            raise UserError(f"stage {stage.name}: {path}: {why}{more}; the redo would replace it, so nothing was "
+                            "changed: move it away and rerun")
+
+    def claim_written(self, stage: Stage, foreign: list[str], since: float, changed: bool,
+                      until: float | None = None) -> None:
+        """What the libraries the stage drove wrote in its own folders since it began (a trainer's card
+        and checkpoints, a harness's outputs, a write cut short), recorded as flipguard's: the stage that
+        caused them owns them, so a redo removes them and a resume writes over them."""
+        for path in stage.clear:
+            claim_stage_files(path, since=since - 1.0, until=until, keep=foreign, changed=changed)
+
+    def _failed(self, stage: Stage, exc: BaseException, stopped: bool = False) -> BaseException:
+        """A stage that raised, or was `stopped` with the study (Ctrl-C, another stage's failure): recorded
+        "failed" or "interrupted" in study.json, with what its libraries wrote claimed, so a rerun resumes
+        it; returns the error to show (a full disk: one line with the room the stage needs)."""
+        entry = self.state["stages"].get(stage.name) or {}
+        interrupted = stopped or isinstance(exc, KeyboardInterrupt)
+        full = None if interrupted else disk_error(exc, f"stage {stage.name}: ", where=stage.clear[0] if stage.clear
+                                                   else self.out, needed=self.room_needed(stage))
+        shown = full or exc
+        with contextlib.suppress(FlipguardError, OSError):  # a full disk may refuse these too: the next run does them
+            self.claim_written(stage, list(entry.get("foreign") or []), since=self._began.get(stage.name, self.t0),
+                               changed=True)
+        entry.update(status="interrupted" if interrupted else "failed", ended=now_iso())
+        if not interrupted:
+            entry["error"] = str(shown).splitlines()[0] if str(shown) else type(shown).__name__
+        with contextlib.suppress(FlipguardError, OSError):
+            self._save_state()
+        return shown
+
+    def room_needed(self, stage: Stage) -> tuple[int, str]:
+        """About how many bytes the stage writes, and why that many: what it wrote when it last finished
+        (study.json), else its own estimate (Stage.room: a merged model, an adapter), else at least what it had
+        written when the disk stopped it."""
+        last = (self.state["stages"].get(stage.name) or {}).get("last_bytes")
+        if isinstance(last, int) and last > 0:
+            return last, "what the stage wrote when it last ran"
+        with contextlib.suppress(FlipguardError, OSError):
+            estimate = stage.room() if stage.room is not None else None
+            if estimate:
+                return estimate
+        written = sum(size for path in stage.clear for size, _ in written_files(path).values())
+        return written, "at least what the stage had written when the disk stopped it"
+
     def clear(self, stage: Stage, entry: dict[str, Any]) -> list[str]:
         """Before a stage is redone: remove what it wrote (what its folders' manifests prove by hash),
-        keep the rest (the user's files, and flipguard's that the user changed since) and say so in
-        one line; returns what was kept."""
+        keep the rest (the user's files) and say so in one line; returns what was kept. A file of
+        flipguard's the user changed since, which the redo would write over, refuses the redo before
+        anything is removed (refuse_blocked)."""
+        self.refuse_blocked(stage)
         kept = []
         for path in stage.clear:
             kept += remove_owned(path)

@@ -62,7 +62,7 @@ from flipguard.pipeline.transfer import TRANSFER_JSON, build_transfer
 from flipguard.runtime.resolve import resolve_model
 from flipguard.train.merge import MERGE_INFO_FILE
 from flipguard.train.merge import main as merge_main
-from flipguard.train.utils import PROVENANCE_FILE, check_lora_rank, check_lora_targets, wants_wandb
+from flipguard.train.utils import PROVENANCE_FILE, adapter_bytes, check_lora_rank, check_lora_targets, model_bytes, wants_wandb
 
 PAIRS_DATASETS_DEFAULT = next(f.default for f in dataclasses.fields(PairsArguments) if f.name == "pairs_datasets")
 # prompting mitigation -> condition name in the comparison
@@ -80,6 +80,8 @@ class Stage:
     run: Callable[[], None]
     # what study.json keeps of the finished stage (read once it has run), beside its status
     recorded: Callable[[], dict[str, Any]] | None = None
+    # about how many bytes the stage writes, and why that many, before it has ever run (a full disk's message)
+    room: Callable[[], tuple[int, str] | None] | None = None
 
 def _section(raw: dict[str, Any], section: str, cls) -> dict[str, Any]:
     prefix = ARG_SECTIONS[section]
@@ -364,15 +366,27 @@ class StudyPlan:
             merge_main([str(self.recipe_file), "--adapter", str(adapter), "--out", str(merged),
                         "--pairs_dir", str(self.pairs.pairs_dir)])
 
+        def adapter_room() -> tuple[int, str] | None:
+            section = self.raw.get(trainer) or {}
+            size = adapter_bytes(section.get("lora_r", self.raw.get("lora_r")), self.raw.get("lora_target_modules"),
+                                 resolve_model(self.model)) if self.raw.get("use_peft") else None
+            return (size, "the adapter's LoRA weights and the base model's tokenizer files") if size else None
+
+        def merged_room() -> tuple[int, str] | None:
+            size = model_bytes(resolve_model(self.model))
+            return (size, "the base model's weights, which the merged model holds again") if size else None
+
         top = self.top_level()
         where = "accelerate launch" if launch else "in process on CPU"
         return [
             Stage(trainer, f"{name} (LoRA adapter, recipe settings), {where}",
                   {"top": top, trainer: self.raw[trainer], "pairs": self.raw["pairs"], "model": base_id,
                    "accelerate_config": self.plan.eval_plan_accelerate_config if launch else None},
-                  ("pairs",), (adapter / "adapter_config.json", adapter / PROVENANCE_FILE), (adapter,), train),
+                  ("pairs",), (adapter / "adapter_config.json", adapter / PROVENANCE_FILE), (adapter,), train,
+                  room=adapter_room),
             Stage(f"{trainer}-merge", f"merge the {name} adapter into the base (merge gap measured on train prompts)",
-                  {"top": top, "model": base_id}, (trainer, "pairs"), (merged / MERGE_INFO_FILE,), (merged,), merge),
+                  {"top": top, "model": base_id}, (trainer, "pairs"), (merged / MERGE_INFO_FILE,), (merged,), merge,
+                  room=merged_room),
             self.dds_stage(f"{trainer}-eval", f"{name} model, same DDS evaluation (all four cases; fixed C1 from the baseline and own C1)",
                            ("baseline", f"{trainer}-merge"), None, model=str(merged), mode=self.plan.eval_plan_mode,
                            c1_from=self.home("base") / "dds" / "baseline", home=trainer),

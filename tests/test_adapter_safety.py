@@ -35,15 +35,13 @@ def _peft_adapter(base: str, where: Path, r: int = 2) -> Path:
 
 
 def _finished(base: str, where: Path) -> Path:
-    """The same as flipguard's trainers leave it (train/utils.save_adapter): peft's files recorded with their
-    hashes right after the save, then the provenance written last (write_training_info)."""
-    from flipguard.files import claim_written_since
-    from flipguard.train.utils import write_training_info
+    """The same as flipguard's trainers leave it (train/utils.adapter_saved, as tests/test_vllm_real.py's adapter
+    is made): peft's files (its README card among them) recorded with their hashes right after the save, then
+    the model card and the provenance written last."""
+    from flipguard.train.utils import adapter_saved
 
-    since = time.time() - 1.0
-    _peft_adapter(base, where)
-    claim_written_since(where, since, writer="flipguard train")
-    write_training_info(str(where), {"trainer": "sft", "base_model": base}, None)
+    with adapter_saved(str(where), {"trainer": "sft", "base_model": base}, None):
+        _peft_adapter(base, where)
     return where
 
 

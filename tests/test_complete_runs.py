@@ -190,3 +190,59 @@ def test_view_marks_every_table_of_a_run_cut_short(study, capsys, tmp_path):
     html = page.read_text()
     assert html.count(mark) >= 2  # the tables and the subtitle
     assert "DDS per dataset (%, DDS in pp) — " + mark in html
+
+
+def test_report_refuses_a_run_cut_short_as_compare_does(study, capsys, tmp_path):
+    """`flipguard report` of a run whose records.jsonl was cut to half: one line, exit 2, the report it wrote
+    when the run was whole left as it was (it used to compute DDS over the items left, `"incomplete": []`)."""
+    _, dpo = _copy_runs(study[2], tmp_path)
+    n = len(_keys(dpo))
+    _cut_in_half(dpo / "records.jsonl")
+    report = _tree(dpo / "report")
+    _refused(capsys, cli_main(["report", str(dpo)]),
+             f"{dpo}: incomplete ({len(_keys(dpo))} of {n} records its run.json lists)", "no number is computed")
+    assert _tree(dpo / "report") == report
+
+
+@pytest.fixture(scope="module")
+def grown_run(tmp_path_factory) -> Path:
+    """A DDS run reported at --limit 1, then grown to --limit 2 with --no_report: its report describes half of
+    its records. Real processes of the CLI's own main."""
+    run = tmp_path_factory.mktemp("grown") / "run"
+    base = ["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa", "--out", str(run)]
+    assert cli_main([*base, "--limit", "1"]) == 0
+    assert cli_main([*base, "--limit", "2", "--no_report"]) == 0
+    return run
+
+
+def test_export_refuses_a_report_older_than_its_records(grown_run, capsys, tmp_path):
+    pytest.importorskip("inspect_ai")
+    capsys.readouterr()
+    n = len(_keys(grown_run))
+    out = tmp_path / "logs"
+    _refused(capsys, cli_main(["export", str(grown_run), "--out", str(out)]),
+             f"{grown_run}: its report is older than its records (built from {n // 2} records, {n} there now)",
+             f"flipguard report {grown_run}")
+    assert not out.exists()
+    # rebuilt from the records there: exported whole, its DDS the one the new report holds
+    assert cli_main(["report", str(grown_run)]) == 0
+    assert cli_main(["export", str(grown_run), "--out", str(out)]) == 0
+    assert "status started" not in capsys.readouterr().out
+
+
+def test_view_and_compare_rows_mark_or_refuse_a_report_older_than_its_records(grown_run, capsys, tmp_path):
+    from flipguard.eval.comparison_rows import comparison_long_rows
+    from flipguard.eval.records import StaleReport
+
+    run = tmp_path / "run"
+    shutil.copytree(grown_run, run)
+    # the records grow again after the report (run at --limit 1): the report describes a third of them
+    assert cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa", "--out", str(run),
+                     "--limit", "3", "--no_report"]) == 0
+    capsys.readouterr()
+    assert (run / "report" / "summary.csv").is_file()  # the report of --limit 1, copied with the run
+    with pytest.raises(StaleReport, match="its report is older than its records"):
+        comparison_long_rows("run", str(run))
+    page = tmp_path / "page.html"
+    assert cli_main(["view", str(run), "--out", str(page), "--compress", "never"]) == 0
+    assert "DDS per dataset (%, DDS in pp) — its report is older than its records" in page.read_text()

@@ -120,7 +120,9 @@ def test_the_tiny_recipes_grid_trains_each_variant_and_shares_the_rest(tmp_path)
     ("dpo.max_steps=-2", "key 'dpo.max_steps' must be"),
     ("kto.beta=0.1", "this study trains no kto (it trains sft, dpo)"),
     ("eval.limit=2,4", "not eval:"),
-    ("pairs.dir=a,b", "pairs.dir is the study's own folder"),
+    ("pairs.dir=a,b", "pairs.dir names a folder, which the study sets itself"),
+    ("dpo.output_dir=X1,X2", "dpo.output_dir names a folder, which the study sets itself"),
+    ("sft.resume_from_checkpoint=c1,c2", "sft.resume_from_checkpoint names a folder"),
     ("model_name_or_path=flipguard:tiny,flipguard:organism", "changes the stage baseline, which the variants share"),
 ])
 def test_a_grid_key_or_value_the_recipe_would_refuse_is_one_line(tmp_path, capsys, spec, says):

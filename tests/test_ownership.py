@@ -70,6 +70,12 @@ def hashes(paths) -> dict[str, str]:
     return {str(p): sha(p) for p in paths}
 
 
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ROOT (its manifests too, not the writer's lock) by its sha256: a refused command changes none."""
+    return {str(p.relative_to(root)): sha(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name != ".lock"}
+
+
 def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
     """Exit 2 with one line on stderr naming what it must; no traceback."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
@@ -138,20 +144,40 @@ def test_redo_removes_only_what_the_stage_wrote_and_names_what_it_kept(shared, t
     notes.append(edited)
     before = hashes(notes)
     keys = [json.loads(line)["key"] for line in (study / "dds" / "baseline" / "records.jsonl").read_text().splitlines()]
+    tree = _tree(study)
     proc = cli(capsys, "study", shared["recipe"], "--out", study, "--from", "baseline")
-    # compare refuses to replace the edited comparison.md (one line), after baseline was redone
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "comparison.md: changed since flipguard wrote it" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    # the redo would have to write over the edited comparison.md: refused before any stage, nothing changed
+    refused(proc, f"stage compare: {edited}: changed since flipguard wrote it", "nothing was changed")
+    assert _tree(study) == tree
+    edited.rename(tmp_path / "my-comparison.md")  # the user moves their copy away: the redo runs
+    proc = cli(capsys, "study", shared["recipe"], "--out", study, "--from", "baseline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--- baseline: kept 2 file(s) flipguard did not write" in proc.stdout
-    assert "--- compare: kept 2 file(s) flipguard did not write" in proc.stdout
-    assert hashes(notes) == before
+    assert "--- compare: kept 1 file(s) flipguard did not write" in proc.stdout
+    assert hashes(notes[:-1]) == {k: v for k, v in before.items() if k != str(edited)}
     # baseline was redone into the same folder beside the user's notes: the same requests again
     redone = [json.loads(line)["key"] for line in (study / "dds" / "baseline" / "records.jsonl").read_text().splitlines()]
     assert sorted(redone) == sorted(keys)
-    edited.unlink()  # the user moves their copy away: the rerun finishes
+
+
+def test_a_resumed_stage_claims_only_what_its_own_unfinished_run_wrote(shared, tmp_path, capsys):
+    """The user's notes put in a finished stage's folder are never taken for the stage's: not when its run is
+    resumed because it was cut short since (the stage claims what its libraries wrote only for a run of its
+    own that stopped), nor by a later redo, which keeps them."""
+    study = _copy(shared["study"], tmp_path / "study")
+    notes = study / "dds" / "baseline" / "NOTES.md"
+    notes.write_text("the user's notes")
+    records = study / "dds" / "baseline" / "records.jsonl"
+    lines = records.read_text().splitlines(keepends=True)
+    records.write_text("".join(lines[: len(lines) // 2]))
     proc = cli(capsys, "study", shared["recipe"], "--out", study)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert hashes(notes[:-1]) == {k: v for k, v in before.items() if k != str(edited)}
+    assert "[baseline: resume" in proc.stdout
+    assert "NOTES.md" not in json.loads((notes.parent / OWNER_FILE).read_text())["files"]
+    proc = cli(capsys, "study", shared["recipe"], "--out", study, "--from", "baseline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--- baseline: kept 1 file(s) flipguard did not write or you changed: {notes}" in proc.stdout
+    assert notes.read_text() == "the user's notes"
 
 
 def test_a_stage_folder_that_appears_mid_run_is_refused_not_deleted(shared, tmp_path):
@@ -251,27 +277,29 @@ def test_every_file_a_study_writes_is_recorded_with_its_hash(trained_study):
 @pytest.mark.slow
 def test_a_study_redo_keeps_the_users_edits_of_files_it_wrote(trained_study, tmp_path):
     """`--from sft` after the user edited the trainer's chat template and the merged model's generation config:
-    each edit is kept, said in one line, and the stage that would write over it refuses in one line."""
+    the redo is refused in one line naming the edit, before anything is removed (every file of the study, its
+    manifests and study.json included, byte-identical: the adapter too); once the edit is moved away, the next
+    one is refused the same way; then the redo runs whole."""
     study = _copy(trained_study, tmp_path / "study")
     recipe = trained_study.parent / "sft-recipe.yaml"
     template = study / "train" / "sft" / "chat_template.jinja"
     generation = study / "models" / "sft-merged" / "generation_config.json"
     template.write_text(template.read_text() + "{# my edit #}\n")
     generation.write_text(json.dumps({**json.loads(generation.read_text()), "my_note": "keep"}))
-    before = hashes([template, generation])
+    before = _tree(study)
     proc = fg("study", recipe, "--out", study, "--from", "sft")
-    assert f"--- sft: kept 1 file(s) flipguard did not write or you changed: {template}" in proc.stdout
-    refused(proc, f"{template} changed since flipguard wrote it", "move your copy away and rerun")
-    assert hashes([template, generation]) == before
-    template.rename(tmp_path / "my-template.jinja")  # the user moves it away: sft redoes, the merge meets the next edit
+    refused(proc, f"stage sft: {template}: changed since flipguard wrote it", "nothing was changed", "move it away")
+    assert _tree(study) == before  # nothing was changed, as the line says
+    template.rename(tmp_path / "my-template.jinja")  # the user moves it away: the merge's edit is met next
+    before = _tree(study)
     proc = fg("study", recipe, "--out", study, "--from", "sft")
-    assert f"--- sft-merge: kept 1 file(s) flipguard did not write or you changed: {generation}" in proc.stdout
-    refused(proc, f"{generation}: changed since flipguard wrote it", "move your copy away and rerun")
-    assert hashes([generation]) == {str(generation): before[str(generation)]}
+    refused(proc, f"stage sft-merge: {generation}: changed since flipguard wrote it", "nothing was changed")
+    assert _tree(study) == before
     generation.rename(tmp_path / "my-generation.json")
     proc = fg("study", recipe, "--out", study, "--from", "sft")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _proven(study) == []  # redone whole, every file proven again
+    assert json.loads((study / "study.json").read_text())["stages"]["sft"]["status"] == "done"
 
 
 # ---------------------------------------------------------------------------- view / compare --out
@@ -304,25 +332,22 @@ def test_view_and_compare_never_replace_a_users_file_or_another_runs_records(sha
 @pytest.fixture(scope="module")
 def published(shared, tiny_model_path) -> dict[str, Path]:
     """flipguard's published folders of each kind, made by the real writers: a pair set (`flipguard
-    pairs`), an adapter as the trainers leave it (peft's save, then claim_written_since and the
-    provenance, as train/utils.save_adapter does), and a merged model (`flipguard merge`)."""
+    pairs`), an adapter as the trainers leave it (peft's save inside train/utils.adapter_saved, as
+    train/utils.save_adapter does), and a merged model (`flipguard merge`)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from flipguard.files import claim_written_since
-    from flipguard.train.utils import write_training_info
+    from flipguard.train.utils import adapter_saved
 
     base = shared["base"]
     pairs = base / "pairs"
     assert cli_main(["pairs", str(ROOT / "recipes" / "tiny.yaml"), "--out", str(pairs), "--pairs_datasets", "amqa"]) == 0
     adapter = base / "adapter"
     torch.manual_seed(0)
-    since = time.time() - 1.0
-    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
-                   LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
-    claim_written_since(adapter, since, writer="flipguard train")
-    write_training_info(str(adapter), {"trainer": "sft", "base_model": tiny_model_path}, None)
+    with adapter_saved(str(adapter), {"trainer": "sft", "base_model": tiny_model_path}, None):
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                       LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(adapter)
     merged = base / "merged"
     assert cli_main(["merge", str(ROOT / "recipes" / "tiny.yaml"), "--model_name_or_path", tiny_model_path,
                      "--gap_prompts", "0", "--adapter", str(adapter), "--out", str(merged)]) == 0

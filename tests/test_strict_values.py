@@ -59,6 +59,20 @@ def test_backend_args_are_checked_by_type_and_value_before_any_model_loads(tmp_p
     assert not out.exists()
 
 
+def test_a_key_given_twice_in_json_is_refused_as_in_yaml(tmp_path, capsys):
+    """JSON keeps the last of a key given twice without a word; flipguard refuses it, as load_yaml does in a
+    recipe: in --backend_args (eval and a study's --backend_args), and in a data file's row (data --register below)."""
+    out = tmp_path / "run"
+    twice = '{"prefix_sharing": false, "prefix_sharing": true}'
+    code = cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa", "--limit", "1", "--out", str(out),
+                     "--backend_args", twice])
+    one_line(capsys, code, "--backend_args: key 'prefix_sharing' is given twice", "nothing was run")
+    assert not out.exists()
+    code = cli_main(["study", "tiny", "--out", str(tmp_path / "study"), "--backend_args", twice])
+    one_line(capsys, code, "key 'prefix_sharing' is given twice")
+    assert not (tmp_path / "study").exists()
+
+
 def test_a_device_this_machine_lacks_is_refused_as_a_flag_and_in_backend_args(tmp_path, capsys):
     gpu = _unused_gpu()
     base = ["eval", "--model", str(tmp_path / "no-such-model"), "--datasets", "truthfulqa", "--out", str(tmp_path / "r")]
@@ -249,6 +263,7 @@ def _row(**change) -> bytes:
     (ENTRY, _row() + b'{"id": "a-2", "question": "caf\xe9"}\n', "test.jsonl:2: not UTF-8 text (byte(s) e9"),
     (ENTRY, _row() + _row(id="a-2", correct_answer=""), "test.jsonl:2: field 'correct_answer' is missing or empty"),
     (ENTRY, _row() + b"{not json\n", "test.jsonl:2:"),
+    (ENTRY, _row() + _row(id="a-2")[:-2] + b', "id": "a-3"}\n', "test.jsonl:2: key 'id' is given twice in one object"),
     (ENTRY, b"", "test.jsonl: file is empty"),
     ("name: mine\ndomain: Legal\ndomain: Law\nsplits:\n  test: test.jsonl\n", _row(),
      "dataset.yaml:3: key 'domain' is given twice (first at line 2)"),

@@ -150,7 +150,8 @@ def test_a_killed_worker_fails_its_stage_and_a_killed_study_takes_its_workers_al
     assert (f"flipguard study: error: stage sft: its worker process (pid {worker}) died during the stage (killed by "
             "signal 9); rerun the same command to resume") in printed
     stages = json.loads((out / "study.json").read_text())["stages"]
-    assert stages["sft"]["status"] == "running" and "sft-merge" not in stages
+    assert stages["sft"]["status"] == "failed" and "sft-merge" not in stages  # never left "running"
+    assert "died during the stage (killed by signal 9)" in stages["sft"]["error"]
     assert stages["pairs"]["status"] == "done"
 
     # 2. SIGKILL to the study alone (not its process group): its workers die with it

@@ -113,11 +113,12 @@ def make_adapter(organism: str, out: Path, target_modules: list[str]) -> Path:
         for name, param in model.named_parameters():
             if "lora_B" in name or "lora_embedding_B" in name:
                 param.mul_(0.05)
-    model.save_pretrained(out)
-    # the provenance flipguard's trainers write last: eval --adapter takes only finished adapters
-    from flipguard.train.utils import write_training_info
+    # finished as flipguard's trainers finish theirs (peft's files recorded, the provenance last): eval --adapter
+    # takes only finished adapters
+    from flipguard.train.utils import adapter_saved
 
-    write_training_info(str(out), {"trainer": "test", "base_model": organism}, None)
+    with adapter_saved(str(out), {"trainer": "test", "base_model": organism}, None):
+        model.save_pretrained(out)
     return out
 
 

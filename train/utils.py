@@ -9,6 +9,7 @@ checkpoint resumption and model cards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -344,6 +345,34 @@ def check_lora_rank(rank: Any, targets: Any, model_path: str, where: str = "reci
                          "nothing was run")
 
 
+def model_bytes(path: str) -> int | None:
+    """Bytes of a local model's weight files; None where the path is not a local folder or file."""
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    if not p.is_dir():
+        return None
+    return sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+
+
+def adapter_bytes(rank: Any, targets: Any, model_path: str) -> int | None:
+    """About the bytes a trainer's output folder takes: the LoRA weights (rank x (in + out) float32 values per
+    adapted layer of the meta-device model) and the tokenizer files it saves beside them; None when unknown."""
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return None
+    import torch
+
+    model = _meta_model(model_path)
+    if model is None:
+        return None
+    chosen = None if not targets or isinstance(targets, str) else set(targets)
+    values = sum(rank * (m.in_features + m.out_features) for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and (chosen is None or n.rsplit(".", 1)[-1] in chosen or n in chosen))
+    folder = Path(model_path)
+    tokenizer = sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and "token" in f.name) if folder.is_dir() else 0
+    return values * 4 + tokenizer
+
+
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -417,7 +446,9 @@ def check_quantization_available(model_args) -> None:
 
 def load_pair_dataset(pairs_dir: str, kind: str, recipe_path: str | None = None):
     """The `kind` pair set (data/pair_sets.py) that `flipguard pairs` or the study's pairs stage
-    wrote, validated; a trainer never builds one (a missing set is one line naming the command)."""
+    wrote, validated; a trainer never builds one (a missing set is one line naming the command). Read
+    into memory: a trainer's preparation (TRL's `map`) then writes no cache file into the pair set,
+    which is the pairs stage's output and stays exactly as it was published."""
     from datasets import load_from_disk
 
     path = Path(pairs_dir) / kind
@@ -425,7 +456,7 @@ def load_pair_dataset(pairs_dir: str, kind: str, recipe_path: str | None = None)
         recipe = recipe_path or "RECIPE"
         raise TrainError(f"{path}: no {kind} pair set; build it with `flipguard pairs {recipe}` (or run "
                          f"`flipguard study {recipe}`, whose pairs stage builds it)")
-    dataset = load_from_disk(str(path))
+    dataset = load_from_disk(str(path), keep_in_memory=True)
     missing = [c for c in PAIR_COLUMNS[kind] if c not in dataset.column_names]
     if missing:
         raise TrainError(f"{path}: missing column(s) {missing}; expected TRL {kind} format {PAIR_COLUMNS[kind]}")
@@ -606,14 +637,25 @@ def save_adapter(trainer, tokenizer, training_args, config: dict[str, Any], pair
         (Path(training_args.output_dir) / PROVENANCE_FILE).unlink(missing_ok=True)
     trainer.accelerator.wait_for_everyone()
     since = time.time() - 1.0  # the file system's clock is coarser than time.time()
-    trainer.save_model(training_args.output_dir)
+    trainer.save_model(training_args.output_dir)  # every process takes part (a sharded model's gather)
     if trainer.accelerator.is_main_process:
-        tokenizer.save_pretrained(training_args.output_dir)
-        # what save_model and save_pretrained just wrote (the adapter, its card) is flipguard's
-        claim_written_since(training_args.output_dir, since, writer="flipguard train")
-        write_training_info(training_args.output_dir, config, pairs_dir)
+        with adapter_saved(training_args.output_dir, config, pairs_dir, since=since):
+            tokenizer.save_pretrained(training_args.output_dir)
         print(f"adapter saved to {training_args.output_dir}")
     finish_tracking(run)
+
+
+@contextlib.contextmanager
+def adapter_saved(output_dir: str, config: dict[str, Any], pairs_dir: str | None, *, since: float | None = None):
+    """Around a library's save of an adapter into OUTPUT_DIR (a Trainer's save_model, peft's save_pretrained,
+    a tokenizer's): what it writes (the adapter, peft's README card, the tokenizer's files) recorded as
+    flipguard's with its hashes right after, then the model card and flipguard_training.json written last
+    (write_training_info). The one way an adapter is finished, a trainer's or a test's alike: a library's
+    file left unrecorded would make flipguard refuse its own card."""
+    since = time.time() - 1.0 if since is None else since  # the file system's clock is coarser than time.time()
+    yield
+    claim_written_since(output_dir, since, writer="flipguard train")
+    write_training_info(output_dir, config, pairs_dir)
 
 
 def write_training_info(output_dir: str, config: dict[str, Any], pairs_dir: str | None) -> None:

@@ -50,7 +50,7 @@ from flipguard.eval.backends.base import (
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.mitigations import MITIGATIONS, system_label
 from flipguard.eval.parallel import is_writer
-from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record
+from flipguard.eval.records import Record, RunDir, load_records, load_run_meta, pending_record, require_whole
 from flipguard.eval.task import (
     DEFAULT_MODEL,
     LIMIT_HELP,
@@ -734,7 +734,10 @@ class AFRTask(Task):
 
     @classmethod
     def report_only(cls, args: AFRArgs, out: Path) -> Path | None:
-        return write_report(out, n_boot=args.n_boot, seed=args.seed) if args.report_only else None
+        if not args.report_only:
+            return None
+        require_whole(out)  # the completeness rule `flipguard report` reads
+        return write_report(out, n_boot=args.n_boot, seed=args.seed)
 
     @classmethod
     def rebuild_report(cls, run_dir: Path, args) -> Path:

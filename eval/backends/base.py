@@ -56,7 +56,7 @@ from typing import Any, ClassVar, Sequence
 from flipguard import plugins
 from flipguard.config import check_values, did_you_mean
 from flipguard.errors import FlipguardError
-from flipguard.files import check_types
+from flipguard.files import check_types, loads_json
 from flipguard.runtime.adapters import require_weights
 from flipguard.runtime.resolve import resolve_model
 
@@ -100,7 +100,7 @@ def parse_backend_args(text: str | dict | None, where: str = "--backend_args") -
         kwargs = dict(text)
     else:
         try:
-            kwargs = json.loads(text or "{}")
+            kwargs = loads_json(text or "{}", where, BackendError)
         except json.JSONDecodeError as exc:
             raise BackendError(f"{where} is not valid JSON: {exc.msg}") from None
     if not isinstance(kwargs, dict):
@@ -361,6 +361,8 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     """Build a backend by name ("hf", "vllm", "openai"); "flipguard:tiny" names the
     local test model."""
     plugins.load_plugins(plugins.BACKENDS)
+    if name not in _REGISTRY and plugins.broken(plugins.BACKENDS, name):
+        raise BackendError(plugins.broken(plugins.BACKENDS, name))
     if name not in _REGISTRY:
         raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}{did_you_mean(name, _REGISTRY)}")
     check_backend_kwargs(name, kwargs)

@@ -50,6 +50,7 @@ from flipguard.eval.records import (
     EXPECTED_CHOICE,
     RECORDS_FILE,
     Record,
+    StaleReport,
     load_run_meta,
     pending_record,
 )
@@ -252,6 +253,9 @@ class DDSTask(Task):
         summary_csv = Path(run_dir) / "report" / "summary.csv"
         if not summary_csv.is_file():
             raise UserError(f"{summary_csv}: no DDS report; write it first (flipguard report {run_dir})")
+        stale = report.report_problem(run_dir)
+        if stale:  # a run grown (or cut) since its report: the report's numbers are not the run's
+            raise StaleReport(f"{run_dir}: {stale}; no number is read from it")
         meta = load_run_meta(run_dir)
         system = system_label(str(meta.get("model") or Path(run_dir).name), meta.get("mitigation"))
         rows = []

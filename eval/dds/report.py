@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -43,7 +44,17 @@ from flipguard.data.schema import AIO_DATASET
 from flipguard.eval import bootstrap as B
 from flipguard.eval.dds import metrics as M
 from flipguard.eval.estimate import NOT_MEANINGFUL, is_meaningful, not_meaningful_text
-from flipguard.eval.records import C1_CASES, CASES, REPORT_DIR, Record, load_records, load_run_meta
+from flipguard.eval.records import (
+    C1_CASES,
+    CASES,
+    REPORT_BASIS,
+    REPORT_DIR,
+    Record,
+    load_records,
+    load_run_meta,
+    records_basis,
+    report_staleness,
+)
 from flipguard.files import atomic_write_json, atomic_write_text
 
 STATS_COLUMNS = (
@@ -635,7 +646,8 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
                allow_cross_mode_c1: bool = False) -> DDSReport:
     """Load a run (and its C1 baseline) and build its report, without writing anything."""
     run_dir = Path(run_dir)
-    records = dds_records(load_records(run_dir))
+    read = load_records(run_dir)
+    records = dds_records(read)
     meta = load_run_meta(run_dir)
     c1_from = c1_from or meta.get("c1_from")
     allow_cross_mode_c1 = allow_cross_mode_c1 or bool(meta.get("allow_cross_mode_c1"))
@@ -662,6 +674,7 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
         except M.MetricsError:
             baseline_dds = None
     report = build_report(records, c1_records=c1_records, n_boot=n_boot, seed=seed, baseline_dds=baseline_dds)
+    report.meta.update({REPORT_BASIS: records_basis(read)})  # which records it describes (report_problem)
     report.meta.update(run_dir=str(run_dir), c1_from=str(c1_from) if c1_from else None,
                           model=meta.get("model"), mitigation=meta.get("mitigation"),
                           mode=meta.get("mode"), c1_cross_mode=is_cross)
@@ -684,6 +697,19 @@ def report_run(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 20
         report.meta["c1_differs_note"] = "C1 baseline judged with another " + ", ".join(
             f"{k} ({a} vs {b})" for k, (a, b) in differs.items())
     return report
+
+
+def report_problem(run_dir: str | Path) -> str | None:
+    """Why RUN_DIR/report/ does not describe the run's records now (records.report_staleness: the
+    records its summary.json says it was built from, else the files' times), or None."""
+    report = Path(run_dir) / REPORT_DIR
+    basis = None
+    if (report / "summary.json").is_file():
+        try:
+            basis = (json.loads((report / "summary.json").read_text(encoding="utf-8")).get("meta") or {}).get(REPORT_BASIS)
+        except (OSError, ValueError, AttributeError):
+            basis = None
+    return report_staleness(run_dir, basis, report / "summary.csv")
 
 
 def write_run_report(run_dir: str | Path, c1_from: str | None = None, n_boot: int = 2000, seed: int = 0,

@@ -19,7 +19,14 @@ from flipguard.config import parse_dataclasses, positionals_as
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.comparison_rows import comparison_long_rows
 from flipguard.eval.interop.inspect_log import inspect_log, require_inspect, write_log
-from flipguard.eval.records import RUN_META_FILE, load_records, load_run_meta, refuse_busy, run_completeness
+from flipguard.eval.records import (
+    RUN_META_FILE,
+    StaleReport,
+    load_records,
+    load_run_meta,
+    refuse_busy,
+    run_completeness,
+)
 from flipguard.eval.task_registry import get_task
 from flipguard.files import check_outputs, check_own_folder, owned_replace, refuse_link
 
@@ -71,6 +78,8 @@ def export_inspect(run_dir: str | Path, out: str | Path) -> list[tuple[Path, int
         else:
             try:
                 headline, note = comparison_long_rows(system, f"{run_dir}@{system}"), ""
+            except StaleReport:  # a report older than its records: never exported as the run's numbers
+                raise
             except FlipguardError as exc:  # a DDS run without its report: the samples and accuracy still go out
                 headline, note = [], f"without the {task.name} numbers ({exc})"
         log = inspect_log(recs, protocol=task.name, system=system, meta=meta, headline=headline,

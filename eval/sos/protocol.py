@@ -42,7 +42,7 @@ from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import GenerationConfig, ModelRef, model_kwargs, parse_model_ref
 from flipguard.eval.backends.openai_api import BACKEND_ARGS_HELP
 from flipguard.eval.mitigations import MITIGATIONS
-from flipguard.eval.records import Record, load_records, pending_record
+from flipguard.eval.records import Record, load_records, pending_record, require_whole
 from flipguard.eval.sos.metrics import ABSTENTION_REFERENCES, system_label
 from flipguard.eval.sos.prompts import (
     LETTERS,
@@ -551,8 +551,11 @@ class SosTask(Task):
 
     @classmethod
     def report_only(cls, args: SosArgs, out: Path) -> Path | None:
-        """--report_only RUN_DIR: rebuild that run's report (no model)."""
-        return write_report(args.report_only) if args.report_only else None
+        """--report_only RUN_DIR: rebuild that run's report (no model), from a whole run only (require_whole)."""
+        if not args.report_only:
+            return None
+        require_whole(args.report_only)
+        return write_report(args.report_only)
 
     @classmethod
     def rebuild_report(cls, run_dir: Path, args) -> Path:

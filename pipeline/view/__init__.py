@@ -153,6 +153,9 @@ def study_view(folder: Path) -> dict[str, Any]:
     its status and time last."""
     state = read_json(folder / "study.json", UserError, "study state")
     stages = state.get("stages") or {}
+    for entry in stages.values():  # the page reads a study no process holds (refuse_busy): a stage still
+        if isinstance(entry, dict) and entry.get("status") == "running":  # "running" was stopped with it (killed)
+            entry["status"] = "interrupted"
     order = state.get("order") or list(stages)
     # a done stage whose run was cut short (or replaced) since: marked, as the study would resume (or refuse) it
     problems = {n: p for n in order if (stages.get(n) or {}).get("status") == "done"

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from flipguard.errors import UserError
 from flipguard.eval.afr.metrics import records_frame
 from flipguard.eval.comparison_rows import comparison_long_rows
-from flipguard.eval.dds.report import _resolve, row_mark
+from flipguard.eval.dds.report import _resolve, report_problem, row_mark
 from flipguard.eval.estimate import NOT_MEANINGFUL, Estimate
 from flipguard.eval.records import REPORT_DIR, Record, load_records, load_run_meta, run_completeness
 from flipguard.eval.sos.metrics import system_label
@@ -470,6 +470,8 @@ def run_view(run_dir: Path) -> dict[str, Any]:
         tables = [{**t, "title": f"{t['title']} — {state.describe()}"} for t in tables]
         if view.get("entries_title"):
             view["entries_title"] += f" — {state.describe()}"
+    elif protocol == "dds" and (stale := report_problem(run_dir)):  # its report's tables describe other records
+        tables = [{**t, "title": f"{t['title']} — {stale}"} for t in tables]
     return {"title": f"flipguard {protocol} run: {model}",
             "subtitle": f"{run_dir} · {len(records)} records" + ("" if state.whole else f" · {state.describe()}"),
             "provenance": provenance(meta, run_dir), "tables": tables,
