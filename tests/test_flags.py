@@ -143,12 +143,14 @@ def test_old_words_are_refused_in_every_command_naming_the_word_to_use(tiny, tmp
         config.write_text(f"{key}: {value}\n")
         one_line(capsys, cli_main(["sos", str(config)]), f"{config}:1: '{key}' is an old word, not read: the key is "
                                                          f"'{LEGACY[key]}'")
-    # AFR's models as mappings (the form of before) under the word of today
-    config.write_text("datasets: mmlu\nmodel:\n  - {name: a, model: 'flipguard:tiny', kwargs: {batch_size: 5}}\n"
-                      "  - {name: b, model: 'flipguard:tiny', mitigation: be_honest}\n")
+    # AFR's models as mappings (the form of before) under the word of today: `label`, as a spec's label=
+    config.write_text("datasets: mmlu\nmodel:\n  - {label: a, model: 'flipguard:tiny', kwargs: {batch_size: 5}}\n"
+                      "  - {label: b, model: 'flipguard:tiny', mitigation: be_honest}\n")
     settings = settings_from_args(parse_dataclasses([str(config)], AFRArgs, prog="flipguard afr", description=""))
     assert [(m.name, m.mitigation, m.kwargs["batch_size"]) for m in settings.models] == [
         ("a", "none", 5), ("b", "be_honest", 8)]
+    config.write_text("datasets: mmlu\nmodel:\n  - {name: a, model: 'flipguard:tiny'}\n")
+    one_line(capsys, cli_main(["afr", str(config)]), "'name' is an old word, not read: the key is 'label'")
     # a run directory's report at its root (written before RUN/report/): `--report_only` still rebuilds it
     run = tmp_path / "run"
     assert cli_main(["sos", "sos_tiny", "--model", f"tiny={tiny}", "--limit", "1", "--n_shots", "1",
