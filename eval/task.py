@@ -48,6 +48,7 @@ from flipguard.config import leading_config, parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import ModelRef
 from flipguard.eval.batches import Batch, Plan, _class_file
+from flipguard.eval.embedded.tiny_model import smoke_test_line
 from flipguard.eval.mitigations import system_label
 from flipguard.eval.parallel import is_writer
 from flipguard.eval.records import Record, RunDir, content_digest
@@ -140,6 +141,9 @@ class Task:
             print(f"report: {report}")
             return 0
         task = cls.from_args(args, where)
+        smoke = smoke_test_line(task.models)
+        if smoke and is_writer():  # the random-init default: said before any number is
+            print(smoke, flush=True)
         result = run_task(task, out, progress=getattr(args, "progress", True))
         if is_writer():  # data-parallel: rank 0 alone says it and reports
             task.after_run(result)

@@ -46,7 +46,9 @@ from flipguard.config import (
     validate_recipe,
 )
 from flipguard.errors import FlipguardError, UserError
+from flipguard.eval.backends.base import LOCAL_WEIGHTS
 from flipguard.eval.dds.metrics import TOTAL_AVG
+from flipguard.eval.embedded.tiny_model import SMOKE_TEST_LINE, smoke_test_line
 from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
 from flipguard.eval.task_includes import include_tasks, included_task_files, split_includes
 from flipguard.files import (
@@ -77,7 +79,7 @@ from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs
 from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.pipeline.view import VIEW_FILE, check_page, write_view
 from flipguard.pipeline.view.grid import GRID_DIR
-from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.resolve import check_local_model, resolve_model
 from flipguard.runtime.threads import THREADS_HELP, configure_threads, default_threads
 
 STUDY_FILE = "study.json"
@@ -529,6 +531,10 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
     many as this machine and study allow, study_jobs); `grid`: the --grid options (a recipe grid)."""
     raw = read_recipe(recipe_path) if raw is None else raw
     validate_recipe(raw, recipe_path)
+    if (raw.get("eval") or {}).get("backend", "hf") in LOCAL_WEIGHTS and raw.get("model_name_or_path"):
+        # a path that is not there: one line naming where it was given, no study folder made
+        given = read_recipe(recipe_path).get("model_name_or_path") == raw["model_name_or_path"]
+        check_local_model(raw["model_name_or_path"], f"{recipe_path}: model_name_or_path" if given else "--model")
     # one writer per study folder, held from before study.json is read until the last stage
     # (trainers and merges included): a second study is refused at once, naming the holder
     with run_lock(out):
@@ -585,6 +591,8 @@ def _print_if_unchanged(recipe: str, flags: list[str], out: str) -> bool:
     if not plan_unchanged(state, recipe, flags, out):
         return False
     order = state["order"]
+    if smoke_test_line([state.get("model")]):
+        print(SMOKE_TEST_LINE)
     for name in order:
         print(f"--- {name}: skipped (up to date)")
     print_outcome(f"Stages (recipe, flags and inputs unchanged since {state['plan'].get('at')}):",
@@ -620,6 +628,8 @@ def main(argv: list[str]) -> int:
         parsed[section] = {k[len(prefix):]: v for k, v in dataclasses.asdict(obj).items()}
     raw = effective_recipe(recipe_path, parsed, args.model)
     out = args.out or str(Path("runs") / f"{Path(recipe_path).stem}-study")
+    if smoke_test_line([raw.get("model_name_or_path")]):  # the random-init model: said before any number is
+        print(SMOKE_TEST_LINE, flush=True)
     def record_plan(study: Study) -> None:
         if args.from_stage or args.only:
             return

@@ -43,7 +43,7 @@ from flipguard.files import (
     unproven,
 )
 from flipguard.runtime.adapters import PROVENANCE_FILE
-from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.resolve import check_local_model, resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
 from flipguard.train import compat, speed, tokenized
 
@@ -269,7 +269,7 @@ def resolve_model_path(name: str | None) -> str:
     """`flipguard:tiny` -> the locally built tiny model; anything else unchanged."""
     if not name:
         raise TrainError("the recipe sets no model_name_or_path")
-
+    check_local_model(name, "model_name_or_path")
     return resolve_model(name)
 
 
