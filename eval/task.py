@@ -48,7 +48,6 @@ from flipguard.config import leading_config, parse_dataclasses
 from flipguard.errors import UserError
 from flipguard.eval.backends.base import ModelRef
 from flipguard.eval.batches import Batch, Plan, _class_file
-from flipguard.eval.embedded.tiny_model import smoke_test_line
 from flipguard.eval.mitigations import system_label
 from flipguard.eval.parallel import is_writer
 from flipguard.eval.records import Record, RunDir, content_digest
@@ -141,6 +140,8 @@ class Task:
             print(f"report: {report}")
             return 0
         task = cls.from_args(args, where)
+        from flipguard.eval.embedded.tiny_model import smoke_test_line  # here: it imports the DDS task, which imports this
+
         smoke = smoke_test_line(task.models)
         if smoke and is_writer():  # the random-init default: said before any number is
             print(smoke, flush=True)

@@ -106,7 +106,8 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
         if clash:  # refused before any model loads
             detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
             raise UserError(f"{out_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); "
-                            "use another --out")
+                            "use another --out, or leave it out (other settings get a folder of their own); nothing "
+                            "was changed")
         store = RecordStore(out_dir / RECORDS_FILE)
         if dp is not None:
             dp.wait_for_everyone()

@@ -49,7 +49,7 @@ from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import LOCAL_WEIGHTS
 from flipguard.eval.dds.metrics import TOTAL_AVG
 from flipguard.eval.embedded.tiny_model import SMOKE_TEST_LINE, smoke_test_line
-from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
+from flipguard.eval.records import FOLDER_KINDS, OWNER_FILE, RUN_META_FILE, now_iso, refuse_other_kind, run_lock
 from flipguard.eval.task_includes import include_tasks, included_task_files, split_includes
 from flipguard.files import (
     atomic_write_text,
@@ -82,7 +82,7 @@ from flipguard.pipeline.view.grid import GRID_DIR
 from flipguard.runtime.resolve import check_local_model, resolve_model
 from flipguard.runtime.threads import THREADS_HELP, configure_threads, default_threads
 
-STUDY_FILE = "study.json"
+STUDY_FILE = FOLDER_KINDS["study"]
 # stages run side by side write their output here while they run (the study holds the folder's lock);
 # removed when the study ends, and by the next run after a kill
 STAGE_LOGS = ".stage-logs"
@@ -535,6 +535,7 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
         # a path that is not there: one line naming where it was given, no study folder made
         given = read_recipe(recipe_path).get("model_name_or_path") == raw["model_name_or_path"]
         check_local_model(raw["model_name_or_path"], f"{recipe_path}: model_name_or_path" if given else "--model")
+    refuse_other_kind(out, "study")  # a run's or a comparison's folder holds no study
     # one writer per study folder, held from before study.json is read until the last stage
     # (trainers and merges included): a second study is refused at once, naming the holder
     with run_lock(out):

@@ -108,12 +108,14 @@ def test_a_protocol_run_without_out_goes_to_a_folder_of_its_settings(tiny, tmp_p
     assert again == one and line.endswith("4 judgments, 4 already recorded, 0 to run")
     off, line = run("--limit", "1", "--backend_args", '{"prefix_sharing": false}')
     assert off not in (one, two) and line.endswith("4 judgments, 0 already recorded, 4 to run")
-    # a named folder that earlier invocations filled: the report covers them, and says so
-    assert cli_main([*base, "--limit", "2", "--out", str(tmp_path / "shared")]) == 0
+    # a named folder holds one run: another --limit into it is refused in one line, the run as it was
+    shared = tmp_path / "shared"
+    assert cli_main([*base, "--limit", "2", "--out", str(shared)]) == 0
     capsys.readouterr()
-    assert cli_main([*base, "--limit", "1", "--out", str(tmp_path / "shared")]) == 0
-    err = capsys.readouterr().err
-    assert f"note: {tmp_path / 'shared'} also holds 4 records of earlier invocations with other settings" in err
+    before = {p.name: p.read_bytes() for p in shared.iterdir() if p.is_file() and p.name != ".lock"}
+    one_line(capsys, cli_main([*base, "--limit", "1", "--out", str(shared)]),
+             f"{shared / 'run.json'}: this run directory holds another condition (limit: 2 there, 1 now)")
+    assert {p.name: p.read_bytes() for p in shared.iterdir() if p.is_file() and p.name != ".lock"} == before
 
 
 def test_old_words_are_refused_in_every_command_naming_the_word_to_use(tiny, tmp_path, capsys):
