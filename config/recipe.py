@@ -22,7 +22,7 @@ is `--pairs_strategy flips`); trainer and model keys keep their TRL names
 (`--learning_rate 1e-4`, `--lora_r 8`).
 
 The recipe path may be given positionally, exactly as typed
-(`python train/dpo.py recipes/tiny.yaml`), or as `--config recipes/tiny.yaml` (TRL).
+(`flipguard dpo recipes/tiny.yaml`), or as `--config recipes/tiny.yaml` (TRL).
 """
 
 from __future__ import annotations

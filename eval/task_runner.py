@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from flipguard.errors import UserError
 from flipguard.eval.backend_pool import BackendPool
 from flipguard.eval.backends.base import LOCAL_WEIGHTS, Backend
-from flipguard.runtime.resolve import check_local_model
 from flipguard.eval.batches import Batch, Plan, _task_file, check_batch, check_batches
 from flipguard.eval.parallel import data_parallel, merge_computed
 from flipguard.eval.records import (
@@ -29,6 +28,7 @@ from flipguard.eval.records import (
     run_contents,
 )
 from flipguard.eval.runner import check_context, run_records
+from flipguard.runtime.resolve import check_local_model
 
 if TYPE_CHECKING:  # annotations only: eval/task.py imports this module
     from flipguard.eval.task import Task

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_view import Page, browser  # noqa: F401  (the page in the system's headless chromium)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,3 +166,235 @@ def test_a_run_of_the_random_init_default_says_first_that_its_numbers_are_noise(
     organism = flipguard("eval", "--model", "flipguard:organism", "--datasets", "organism", "--limit", "1", "--out",
                          "runs/organism")
     assert organism.returncode == 0 and SMOKE_TEST_LINE not in organism.stdout, organism.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ on a terminal: short, with progress, as the files say
+
+def on_a_terminal(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str, list[str]]:
+    """`flipguard ARGS` as a user runs it, on a terminal (a pseudo-terminal): (exit code, every byte it wrote,
+    the screen it leaves: each line as its last carriage return and erase left it)."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the process closed the terminal (EIO)
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    proc.wait(timeout=60)
+    raw = b"".join(chunks).decode("utf-8", "replace")
+    screen = [line.split("\r")[-1].replace("\x1b[K", "") for line in raw.replace("\r\n", "\n").split("\n")]
+    while screen and not screen[-1].strip():
+        screen.pop()
+    return proc.returncode, raw, screen
+
+
+def live_states(raw: str) -> list[str]:
+    """What the live line said while stages ran, in order."""
+    return [seg.replace("\x1b[K", "").strip() for seg in re.split(r"[\r\n]", raw) if "running:" in seg]
+
+
+def terminal_table(screen: list[str], header: str) -> dict[str, list[str]]:
+    """The rows of the terminal table under the line starting `header`: condition -> its cells."""
+    start = next(i for i, line in enumerate(screen) if line.startswith(header))
+    rows = {}
+    for line in screen[start + 2:]:
+        if not line.strip():
+            break
+        rows[line[:14].strip()] = line[14:].split()
+    return rows
+
+
+@pytest.fixture()
+def terminal_env(tmp_path, tiny_model_path):
+    """A scratch folder and an environment as a user's (progress bars on), the session's tiny model in FLIPGUARD_HOME."""
+    from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
+
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    (home / f"tiny-chat-{TINY_MODEL_VERSION}").symlink_to(Path(tiny_model_path))
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    env.update(FLIPGUARD_HOME=str(home), OMP_NUM_THREADS="1", COLUMNS="160", LINES="50")
+    return work, env
+
+
+@pytest.mark.slow
+def test_a_study_on_a_terminal_fits_a_screen_shows_progress_and_says_what_its_files_say(terminal_env, browser):  # noqa: F811
+    
+    work, env = terminal_env
+    code, raw, screen = on_a_terminal(["study", "tiny", "--out", "study"], work, env)
+    assert code == 0, raw[-3000:]
+    out = work / "study"
+    order = json.loads((out / "study.json").read_text())["order"]
+    # a screen or two: a line per stage, the tables, the artefacts; each stage's output is in its log
+    assert len(screen) <= 60, "\n".join(screen)
+    assert "Loading weights" not in raw and "{'loss'" not in raw
+    for name in order:
+        assert f"--- {name}: run in " in "\n".join(screen), name
+        assert (out / "logs" / f"{name}.log").stat().st_size > 0, name
+    assert "adapter saved to" in (out / "logs" / "sft.log").read_text()
+    # progress while the stages ran: the live line named each running stage, its time and its bar's state
+    states = live_states(raw)
+    assert any(re.search(r"running: \S+ \d+s \(.*\d+% [\d.]+/[\d.]+\)", s) for s in states), states[-5:]
+    first_live = raw.index("running: baseline")
+    assert first_live < raw.index("--- baseline: run in")
+
+    # the terminal's table is comparison.csv's, cell for cell as the page shows it: n/m where the file says not
+    # meaningful, a flag only where the file sets one, never nan
+    table = terminal_table(screen, "condition      C1 true")
+    rows = [r for r in csv_rows(out / "compare" / "comparison.csv") if r["dataset"] == "total_avg"]
+    assert list(table) == [r["condition"] for r in rows]
+    assert not re.search(r"\bnan\b", "\n".join(screen))
+    page = Page(browser, out / "view.html")
+    try:
+        for r in rows:
+            cells = table[r["condition"]]
+            key = f"{r['condition']}|total_avg"
+            shown = [page.cell("comparison", key, col).text_content() for col in
+                     ("own_c1_true", "own_c1_false", "c2_correct", "c2_incorrect", "dds", "own_dds", "invalid_judgments")]
+            assert cells[:7] == shown, (r["condition"], cells, shown)
+            if r["meaningful"] == "False":
+                assert cells[4] == cells[5] == "n/m" and r["dds"] == ""
+            flags = " ".join(cells[7:])
+            assert ("†" in flags) == (r["over_correction"] == "True") == ("†" in page.cell("comparison", key, "flags")
+                                                                           .text_content())
+            assert ("‡" in flags) == (r["c1_damage"] == "True")
+    finally:
+        page.close()
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+# ------------------------------------------------------------------ a grid answers per variant
+
+def _grid_recipe(work: Path) -> Path:
+    """The tiny recipe, short: SFT and DPO, two steps each, two items per dataset, Be Honest."""
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    raw.pop("kto")
+    raw["report_to"] = "none"
+    raw["sft"]["max_steps"] = raw["dpo"]["max_steps"] = 2
+    raw["eval"].update(limit=2, n_boot=50, mitigations=["be_honest"])
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _markdown_table(path: Path) -> tuple[list[str], list[list[str]]]:
+    lines = [line for line in path.read_text().splitlines() if line.startswith("| ")]
+    split = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in lines]
+    return split[0], split[1:]
+
+
+@pytest.mark.slow
+def test_a_grid_answers_per_variant_never_from_an_older_comparison(flipguard, browser):  # noqa: F811
+    from PIL import Image
+
+    from flipguard.eval.plots import TEXTS_KEY
+    from flipguard.pipeline.grid import POINT_LABEL
+
+    work = flipguard.work
+    recipe = _grid_recipe(work)
+    # a plain study first, into the folder the grid then uses: its comparison is not the grid's answer
+    plain = flipguard("study", str(recipe), "--out", "study")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    grid = ["study", str(recipe), "--grid", "dpo.beta=0.1,0.5", "--out", "study"]
+    done = flipguard(*grid)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = work / "study"
+    printed = done.stdout
+    # the terminal: one answer line per trained model, its trainer and values named; no before/after table of
+    # the plain study's comparison (made before the grid retrained), no nan
+    answer = printed.split("The answer, per variant", 1)[1].split("\n\n", 1)[0]
+    for label in ("SFT: ", "DPO (dpo.beta=0.1): ", "DPO (dpo.beta=0.5): ", "Be Honest: "):
+        assert f"\n  {label}" in answer, (label, answer)
+    assert "\n  DPO: " not in answer and "Before/after (all datasets" not in printed
+    assert not re.search(r"\bnan\b", printed)
+    head, body = _markdown_table(out / "grid" / "variants.md")
+    table = printed.split("Recipe grid (", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert [line.split()[:2] for line in table[1:]] == [cells[:2] for cells in body]
+
+    # the page: the same lines, the table as variants.md has it, the chart's labels inside its frame, apart
+    page = Page(browser, out / "view.html")
+    try:
+        verdicts = {li.get_attribute("data-condition"): li.locator("p.verdict").text_content()
+                    for li in page.page.locator("#answer-verdicts > li").all()}
+        assert set(verdicts) == {"Be Honest", "SFT", "DPO (dpo.beta=0.1)", "DPO (dpo.beta=0.5)"}, verdicts
+        for text in verdicts.values():
+            assert f"\n  {text}" in answer  # the terminal's line is the page's
+        assert [h.text_content() for h in page.page.locator("#table-grid thead th").all()] == head
+        assert "dds.before" not in page.page.locator("#grid").text_content()
+        for cells in body:
+            row = page.page.locator(f"#table-grid tr[data-row=\"{cells[0]}|{cells[1]}\"] td")
+            assert [c.text_content() for c in row.all()] == cells
+    finally:
+        page.close()
+    meta = json.loads(Image.open(out / "grid" / "variants.png").info[TEXTS_KEY])
+    (x0, y0, x1, y1), = meta["axes"]
+    points = [t for t in meta["texts"] if t.get("gid") == POINT_LABEL]
+    assert sorted(int(n) for t in points for n in t["text"].split(", ")) == list(range(1, len(body) + 1)), points
+    labels = [t["box"] for t in points]
+    for i, (a0, b0, a1, b1) in enumerate(labels):
+        assert x0 < a0 and a1 < x1 and y0 < b0 and b1 < y1, (labels[i], meta["axes"])  # inside, off the frame
+        for c0, d0, c1, d1 in labels[i + 1:]:
+            assert a1 <= c0 or c1 <= a0 or b1 <= d0 or d1 <= b0, labels  # never on each other
+
+    # one variant's DPO retrained alone: its comparison is now older than what it summarises; said, not shown
+    again = flipguard(*grid, "--only", "dpo.beta=0.1:dpo")
+    assert again.returncode == 0, again.stderr[-3000:]
+    answer = again.stdout.split("The answer, per variant", 1)[1].split("\n\n", 1)[0]
+    assert "\n  DPO (dpo.beta=0.1): its comparison" in answer and "older than the stages it summarises" in answer
+    assert "\n  DPO (dpo.beta=0.5): " in answer
+    viewed = flipguard("view", "study")
+    assert viewed.returncode == 0, viewed.stderr[-3000:]
+    page = Page(browser, out / "view.html")
+    try:
+        conditions = [li.get_attribute("data-condition") for li in page.page.locator("#answer-verdicts > li").all()]
+        assert "DPO (dpo.beta=0.1)" not in conditions and "DPO (dpo.beta=0.5)" in conditions
+        assert "older than the stages it summarises" in page.page.locator("#answer").text_content()
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("points", [
+    [(0.0, 44.0), (0.0, 44.0), (0.0, 44.0)],                       # three models at one spot (the organism's DPO betas)
+    [(float("nan"), float("nan")), (0.0, float("nan")), (3.0, float("nan"))],  # removal not meaningful (tiny)
+    [(0.0, 0.0), (60.0, -10.0), (0.1, 44.0), (0.2, 43.5), (0.3, 43.0), (59.0, -9.0)],  # crowded corners
+])
+def test_the_grid_chart_fits_its_points_and_its_labels_sit_apart_inside_the_frame(tmp_path, points):
+    """The removed-vs-damaged chart as the grid stage draws it (the PNG lists each text's box and the frame): every
+    point inside the axes (not on the frame), every model numbered once, no label on the frame or on another."""
+    import pandas as pd
+    from PIL import Image
+
+    from flipguard.eval.plots import TEXTS_KEY
+    from flipguard.pipeline.grid import POINT_LABEL, plot_tradeoff
+
+    frame = pd.DataFrame([("DPO", f"dpo.beta={k}", x, y) for k, (x, y) in enumerate(points)],
+                         columns=["trainer", "variant", "damage", "removal"])
+    path = tmp_path / "variants.png"
+    plot_tradeoff(frame, path)
+    meta = json.loads(Image.open(path).info[TEXTS_KEY])
+    (x0, y0, x1, y1), = meta["axes"]
+    labels = [t for t in meta["texts"] if t.get("gid") == POINT_LABEL]
+    assert sorted(int(n) for t in labels for n in t["text"].split(", ")) == list(range(1, len(points) + 1))
+    boxes = [t["box"] for t in labels]
+    for i, (a0, b0, a1, b1) in enumerate(boxes):
+        assert x0 < a0 and a1 < x1 and y0 < b0 and b1 < y1, (boxes[i], meta["axes"])
+        for c0, d0, c1, d1 in boxes[i + 1:]:
+            assert a1 <= c0 or c1 <= a0 or b1 <= d0 or d1 <= b0, boxes

@@ -1,6 +1,6 @@
 """QLoRA KTO of a one-token deference judge from a flipguard recipe: the third built-in trainer.
 
-    python train/kto.py recipes/tiny.yaml                       # CPU, tiny local model
+    flipguard kto recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
         train/kto.py recipes/qwen7b.yaml [--beta 0.2 ...]
 
@@ -43,7 +43,7 @@ def main(argv: list[str], prog: str = "train/kto.py") -> int:
 
 # the DPO pairs, each reply a sample of its own (KTOTrainer unpairs them itself: TRL tokenizes them)
 TRAINER = Trainer(name="kto", config="trl:KTOConfig", pairs="dpo", main=main, label="KTO",
-                  help="LoRA KTO from a recipe, on the DPO pairs unpaired (same as python train/kto.py RECIPE)", order=30)
+                  help="LoRA KTO from a recipe, on the DPO pairs unpaired (same as flipguard kto RECIPE)", order=30)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """QLoRA SFT of a one-token deference judge (paper K.2) from a flipguard recipe.
 
-    python train/sft.py recipes/tiny.yaml                       # CPU, tiny local model
+    flipguard sft recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
         train/sft.py recipes/qwen7b.yaml [--learning_rate 1e-4 ...]
 
@@ -50,7 +50,7 @@ def main(argv: list[str], prog: str = "train/sft.py") -> int:
     return utils.train_and_save(SFTTrainer(**job.trainer_kwargs()), job)
 
 
-TRAINER = Trainer(name="sft", config="trl:SFTConfig", pairs="sft", main=main, label="SFT", help="LoRA SFT from a recipe (same as python train/sft.py RECIPE)",
+TRAINER = Trainer(name="sft", config="trl:SFTConfig", pairs="sft", main=main, label="SFT", help="LoRA SFT from a recipe (same as flipguard sft RECIPE)",
                   tokenize=sft_columns, token_columns=TOKEN_COLUMNS, order=10)
 
 

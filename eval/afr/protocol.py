@@ -532,7 +532,7 @@ class AFRTask(Task):
             config["scripted_arguments"] = str(beside(config["scripted_arguments"], source))
         kwargs = model_kwargs(ctx.backend, ctx.backend_args, batch_size=16, device=ctx.device,
                               where=f"{ctx.recipe_path}: eval.backend_args")
-        entries = [{"name": c.name, "backend": ctx.backend, "model": c.model,
+        entries = [{"label": c.name, "backend": ctx.backend, "model": c.model,
                     **({"mitigation": c.mitigation} if c.mitigation != "none" else {})} for c in ctx.conditions]
         # the comparison reads AFR at k = 10 (comparison_rows)
         for key in ("models", "model", "backend", "backend_args", "device", "batch_size", "mitigations"):
@@ -557,7 +557,7 @@ class AFRTask(Task):
         title = ("AFR, base model on the TRAIN split: the conversations multi-turn pairs are built from" if ctx.train
                  else "answer-flip protocol (AFR): every condition as target and source")
         return StudyRun(title, {"config": config}, go, (run_dir / REPORT_FILE,),
-                        [] if ctx.train else [(e["name"], f"{run_dir}@{e['name']}") for e in entries],
+                        [] if ctx.train else [(e["label"], f"{run_dir}@{e['label']}") for e in entries],
                         None if ctx.train else run_dir / REPORT_FILE)
 
     def __init__(self, settings: AFRSettings):
