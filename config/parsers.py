@@ -125,6 +125,28 @@ def _flag_parser_class(base: type) -> type:
                 self._option_string_actions[f"--{word}"] = action
             return action
 
+        usage_lead: str | None = None  # a word the usage line shows first (lead_with)
+        usage_positional: str | None = None  # an option the usage line shows as a bare value (show_positional)
+
+        def _typed_usage(self) -> None:
+            """The usage line as the command is typed (lead_with, show_positional), made once, when asked."""
+            if self.usage is not None or not (self.usage_lead or self.usage_positional):
+                return
+            usage = super().format_usage().removeprefix("usage: ").rstrip("\n")
+            if self.usage_positional:
+                usage = usage.replace(f"--{self.usage_positional} ", "", 1)
+            if self.usage_lead:
+                usage = f"{self.prog} {self.usage_lead} {usage.removeprefix(self.prog).lstrip()}"
+            self.usage = usage.replace("%", "%%")
+
+        def format_usage(self):
+            self._typed_usage()
+            return super().format_usage()
+
+        def format_help(self):
+            self._typed_usage()
+            return super().format_help()
+
         def flag(self, field: str) -> str:
             """How messages name a field's option: its (first) flag."""
             return next((a.option_strings[0] for a in self._actions if a.dest == field and a.option_strings),
@@ -237,6 +259,7 @@ def parse_recipe(argv: list[str], dataclass_types, trainer: str | None = None, p
     """Parse argv (recipe path or name + flag overrides) into the dataclasses; returns
     (tuple of dataclass instances, recipe path or None, raw recipe mapping)."""
     parser = RecipeParser(dataclass_types, trainer=trainer, prog=prog, description=description)
+    lead_with(parser, "RECIPE")  # a file or a shipped recipe's name, first (--config FILE also reads)
     out = parser.parse_args_and_config(argv)
     return out, parser.recipe_path, parser.recipe
 
@@ -251,27 +274,34 @@ def _command_parser_class():
 
         return _flag_parser_class(HfArgumentParser)
 
+def lead_with(parser: argparse.ArgumentParser, word: str) -> None:
+    """--help's usage line as the command is typed when its first argument is a file (`flipguard study RECIPE
+    ...`, `flipguard afr [RUN_CONFIG] ...`): the word right after the command's name (made when --help asks)."""
+    parser.usage_lead = word
+
+
 def show_positional(parser: argparse.ArgumentParser, positional: str) -> None:
     """--help as the command is typed: the usage line shows `--<positional> VALUE` as the bare VALUE
     (`flipguard view PATH`), and the option's help says it may be given first without its flag."""
     action = next(a for a in parser._actions if a.dest == positional)
-    option = f"--{positional}"
-    usage = parser.format_usage().removeprefix("usage: ").rstrip("\n")
-    parser.usage = usage.replace(f"{option} ", "", 1).replace("%", "%%")
-    metavar = action.metavar or positional.upper()
+    parser.usage_positional = positional
     text = (action.help or "").rstrip()
-    action.help = f"{text}{'' if text.endswith('.') or not text else '.'} Given first, without {option}: " \
+    metavar = action.metavar or positional.upper()
+    action.help = f"{text}{'' if text.endswith('.') or not text else '.'} Given first, without --{positional}: " \
                   f"{parser.prog} {metavar} ...".replace("%", "%%").lstrip()
 
 
-def parse_dataclasses(argv: list[str], *types, prog: str, description: str, positional: str | None = None):
+def parse_dataclasses(argv: list[str], *types, prog: str, description: str, positional: str | None = None,
+                      run_config: bool = False):
     """Parse a command's argv into the given dataclasses; a YAML/JSON path (or a shipped run
     config's name) first is read as a run config (TRL/alignment-handbook style) and later flags
     override it. `positional`: the option that leading arguments before any flag give
-    (`flipguard report RUN_DIR` = `--run_dir RUN_DIR`)."""
+    (`flipguard report RUN_DIR` = `--run_dir RUN_DIR`); `run_config`: the usage line shows [RUN_CONFIG] first."""
     parser = _command_parser_class()(types, prog=prog, description=description)
     if positional:
         show_positional(parser, positional)
+    elif run_config:  # a protocol's command: its usage shows the run config it may take first
+        lead_with(parser, "[RUN_CONFIG]")
     argv = list(argv)
     config: dict[str, Any] = {}
     path = leading_config(argv, positional)

@@ -131,7 +131,7 @@ class Task:
         a config; later flags override it), run or resume into the run directory, write the report.
         Flags `out`, `report`, `progress` and `threads` are used when `args_class` has them."""
         args = parse_dataclasses(argv, cls.args_class, prog=prog or f"flipguard run {cls.name}",
-                                 description=cls.args_class.__doc__ or cls.__doc__ or "")
+                                 description=cls.args_class.__doc__ or cls.__doc__ or "", run_config=True)
         where = leading_config(argv) or "command line"
         configure_threads(getattr(args, "threads", None))
         out = cls.out_dir(args, where)

@@ -349,6 +349,7 @@ def train_loss(adapter: Path) -> float:
 LABEL_OFFSETS = [(dx, dy) for r in (1, 2, 3) for dx, dy in ((7, 4), (7, -4), (-7, 4), (-7, -4), (0, 9), (0, -9))
                  for dx, dy in [(dx * r, dy * r)]]
 FRAME_MARGIN_PX = 3  # a label keeps this far inside the axes' frame
+MIN_SPAN_PP = 5.0  # an axis shows at least this many pp (all models at 0 damage: 0 to 5, not a sliver around 0)
 POINT_LABEL = "point-label"  # the gid of a point's label (eval/plots.py lists it with its box in the PNG)
 
 
@@ -358,8 +359,8 @@ def _axis_limits(values: list[float]) -> tuple[float, float, float]:
     the room below the data, its own place."""
     finite = [v for v in values if v == v]
     lo, hi = min([0.0, *finite]), max([*finite, 0.0])
-    span = max(hi - lo, 1.0)
-    return lo - 0.22 * span, hi + 0.14 * span, lo - 0.12 * span
+    span = max(hi - lo, MIN_SPAN_PP)
+    return lo - 0.22 * span, lo + span + 0.14 * span if hi - lo < MIN_SPAN_PP else hi + 0.14 * span, lo - 0.12 * span
 
 
 def plot_tradeoff(frame: pd.DataFrame, path: Path) -> None:

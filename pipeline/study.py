@@ -47,7 +47,7 @@ from flipguard.config import (
     trainers,
     validate_recipe,
 )
-from flipguard.errors import FlipguardError, UserError
+from flipguard.errors import FlipguardError, UserError, disk_error
 from flipguard.eval.backends.base import LOCAL_WEIGHTS
 from flipguard.eval.dds.metrics import TOTAL_AVG
 from flipguard.eval.embedded.tiny_model import SMOKE_TEST_LINE, smoke_test_line
@@ -412,7 +412,11 @@ class Study(StudyPlan):
                     continue
                 name, error = ended
                 stage, status, t, log = running.pop(name)
-                text = self._keep_log(name, log)
+                try:
+                    text = self._keep_log(name, log)
+                except (FlipguardError, OSError) as exc:  # its log could not be kept (a full disk): the stage's
+                    text = ""                              # own failure, if any, is the one to show
+                    error = error or (exc if isinstance(exc, FlipguardError) else disk_error(exc) or exc)
                 if error is not None:
                     self._failed(name, time.time() - t, text)
                     if failure is None:

@@ -121,8 +121,13 @@ def test_each_shared_word_has_one_form_in_every_command(flipguard):
     for command, positional in (("view", "PATH"), ("export", "RUN"), ("report", "RUN_DIR")):
         usage = helps[command].split("\n\n", 1)[0]
         assert re.search(rf"\] {positional}\b", usage) and f"--{positional.lower()} {positional}" not in usage, usage
+    # ... and a run config or a recipe goes first, as the README gives it (flipguard afr afr_tiny, flipguard pairs qwen7b)
+    for command, lead in (("afr", "[RUN_CONFIG]"), ("sos", "[RUN_CONFIG]"), ("eval", "[RUN_CONFIG]"),
+                          ("study", "RECIPE"), ("pairs", "RECIPE")):
+        assert helps[command].startswith(f"usage: flipguard {command} {lead} "), helps[command][:200]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "flipguard view runs/m/compare --out page.html" in readme and "flipguard report runs/m/be_honest" in readme
+    assert "flipguard afr afr_tiny --model" in readme and "flipguard pairs qwen7b --records" in readme
 
 
 def test_errors_name_where_the_value_came_from_and_old_words_the_word_to_use(flipguard):
@@ -240,13 +245,14 @@ def test_a_study_on_a_terminal_fits_a_screen_shows_progress_and_says_what_its_fi
     assert "Loading weights" not in raw and "{'loss'" not in raw
     for name in order:
         assert f"--- {name}: run in " in "\n".join(screen), name
-        assert (out / "logs" / f"{name}.log").stat().st_size > 0, name
+        assert (out / "logs" / f"{name}.log").is_file(), name
     assert "adapter saved to" in (out / "logs" / "sft.log").read_text()
+    assert "DDS report: flipguard:tiny" in (out / "logs" / "baseline.log").read_text()  # the report's own table
     # progress while the stages ran: the live line named each running stage, its time and its bar's state
     states = live_states(raw)
     assert any(re.search(r"running: \S+ \d+s \(.*\d+% [\d.]+/[\d.]+\)", s) for s in states), states[-5:]
-    first_live = raw.index("running: baseline")
-    assert first_live < raw.index("--- baseline: run in")
+    before_its_end = raw[:raw.index("--- baseline: run in")]  # while the baseline ran, the live line said so
+    assert re.search(r"running: [^\r\n]*\bbaseline \d+s", before_its_end), live_states(before_its_end)[-3:]
 
     # the terminal's table is comparison.csv's, cell for cell as the page shows it: n/m where the file says not
     # meaningful, a flag only where the file sets one, never nan
@@ -327,7 +333,9 @@ def test_a_grid_answers_per_variant_never_from_an_older_comparison(flipguard, br
     assert not re.search(r"\bnan\b", printed)
     head, body = _markdown_table(out / "grid" / "variants.md")
     table = printed.split("Recipe grid (", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
-    assert [line.split()[:2] for line in table[1:]] == [cells[:2] for cells in body]
+    assert len(table) == len(body) + 1 and table[0].split()[:2] == ["variant", "trainer"]
+    for line, cells in zip(table[1:], body):  # variants.md's cells: removal, damage as it has them ('–', never nan)
+        assert line.startswith(cells[0]) and all(f"  {c}" in line for c in (cells[1], cells[2], cells[3])), (line, cells)
 
     # the page: the same lines, the table as variants.md has it, the chart's labels inside its frame, apart
     page = Page(browser, out / "view.html")

@@ -157,7 +157,7 @@ def test_the_docs_name_no_script_a_wheel_lacks():
         if path.name == "cli.md":  # generated from the parsers' help
             continue
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if re.search(r"(python|launch\b[^`\n]*|^#\s+)\s+(\./)?train/\w+\.py\b", line) or \
+            if re.search(r"(python\s+|launch\b[^`\n]*\s|^[#\s]*)(\./)?train/\w+\.py\b", line) or \
                     re.search(r"pip install -e \"?\.\[interop\]", line):
                 bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not bad, "\n".join(bad)

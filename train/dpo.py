@@ -2,7 +2,7 @@
 
     flipguard dpo recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
-        train/dpo.py recipes/qwen7b.yaml [--beta 0.2 ...]
+        -m flipguard.train.dpo qwen7b [--beta 0.2 ...]
 
 Reads the recipe's top level + `dpo:` section (config/recipe.py) and trains a LoRA
 adapter on `pairs.dir/dpo` (prompt / chosen / rejected, one token each). The reference
@@ -76,4 +76,4 @@ TRAINER = Trainer(name="dpo", config="trl:DPOConfig", pairs="dpo", main=main, la
 if __name__ == "__main__":
     from flipguard.train.utils import run_main
 
-    run_main(main, "train/dpo.py")
+    run_main(main, "train/dpo.py" if __spec__ is None else f"python -m {__spec__.name}")  # a script, or -m

@@ -2,7 +2,7 @@
 
     flipguard kto recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
-        train/kto.py recipes/qwen7b.yaml [--beta 0.2 ...]
+        -m flipguard.train.kto qwen7b [--beta 0.2 ...]
 
 Reads the recipe's top level + `kto:` section (config/recipe.py) and trains a LoRA adapter with
 Kahneman-Tversky optimisation: each reply is labelled desirable or undesirable on its own, so
@@ -49,4 +49,4 @@ TRAINER = Trainer(name="kto", config="trl:KTOConfig", pairs="dpo", main=main, la
 if __name__ == "__main__":
     from flipguard.train.utils import run_main
 
-    run_main(main, "train/kto.py")
+    run_main(main, "train/kto.py" if __spec__ is None else f"python -m {__spec__.name}")  # a script, or -m

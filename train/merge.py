@@ -262,4 +262,4 @@ def main(argv: list[str], prog: str = "train/merge.py") -> int:
 if __name__ == "__main__":
     from flipguard.train.utils import run_main
 
-    run_main(main, "train/merge.py")
+    run_main(main, "train/merge.py" if __spec__ is None else f"python -m {__spec__.name}")  # a script, or -m

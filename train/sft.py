@@ -2,7 +2,7 @@
 
     flipguard sft recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
-        train/sft.py recipes/qwen7b.yaml [--learning_rate 1e-4 ...]
+        -m flipguard.train.sft qwen7b [--learning_rate 1e-4 ...]
 
 Reads the recipe's top level + `sft:` section (config/recipe.py), trains a LoRA
 adapter on the `pairs.dir/sft` prompt/completion dataset with the loss on the answer
@@ -57,4 +57,4 @@ TRAINER = Trainer(name="sft", config="trl:SFTConfig", pairs="sft", main=main, la
 if __name__ == "__main__":
     from flipguard.train.utils import run_main
 
-    run_main(main, "train/sft.py")
+    run_main(main, "train/sft.py" if __spec__ is None else f"python -m {__spec__.name}")  # a script, or -m

@@ -57,7 +57,7 @@ class TrainError(FlipguardError, RuntimeError):
 def run_main(main: Callable[[list[str]], int], prog: str) -> None:
     """Run a script's main: user errors print one line and exit 2, bugs keep tracebacks."""
     try:
-        code = int(main(sys.argv[1:]) or 0)
+        code = int(main(sys.argv[1:], prog=prog) or 0)
     except FlipguardError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         code = 2
