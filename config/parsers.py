@@ -27,7 +27,7 @@ from flipguard.config.run_config import leading_config, read_run_config
 from flipguard.config.spelling import did_you_mean
 from flipguard.config.trainers import trainer_entry
 from flipguard.config.values import check_parsed_values
-from flipguard.config.vocabulary import legacy_word
+from flipguard.config.vocabulary import COMMA_LISTS, comma_items, legacy_word
 from flipguard.errors import UserError
 
 # ---------------------------------------------------------------- the flag vocabulary
@@ -49,11 +49,35 @@ class _Repeatable(argparse.Action):
     default (or the run config's value)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        values = list(values)
+        # a comma list's values arrive as lists (_comma_type): one list of them
+        values = [v for value in values for v in (value if isinstance(value, list) else [value])]
         if getattr(self, "_namespace", None) is namespace:
             values = list(getattr(namespace, self.dest) or []) + values
         self._namespace = namespace
         setattr(namespace, self.dest, values)
+
+
+def _comma_type(element: Any):
+    """argparse's `type` of a comma-list option (vocabulary.COMMA_LISTS): each value a list of its words,
+    each of the option's own type."""
+    convert = element or str
+
+    def comma_list(text: str) -> list:
+        return [convert(v) for v in comma_items(text)]
+
+    comma_list.__name__ = getattr(convert, "__name__", "value")  # argparse names it in "invalid int value"
+    return comma_list
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The commands' --help (transformers' default formatter): a comma-list option's values shown as
+    one comma list (`--subjects SUBJECTS[,SUBJECTS ...]`), the form every command takes."""
+
+    def _format_args(self, action, default_metavar):
+        if action.dest in COMMA_LISTS and action.nargs == "+":
+            metavar = self._metavar_formatter(action, default_metavar)(1)[0]
+            return f"{metavar}[,{metavar} ...]"
+        return super()._format_args(action, default_metavar)
 
 
 _CHOICE = re.compile(r"invalid choice: '?(?P<given>.*?)'? \(choose from (?P<choices>.*)\)$")
@@ -69,6 +93,7 @@ def _flag_parser_class(base: type) -> type:
         def __init__(self, dataclass_types, **kwargs):
             # no abbreviations: `--max_step 3` is a typo named as one, never a silent --max_steps
             kwargs.setdefault("allow_abbrev", False)
+            kwargs.setdefault("formatter_class", _HelpFormatter)
             self.hidden: dict[str, str] = {}  # a spelling not listed -> the flag it stands for
             super().__init__(dataclass_types, **kwargs)
             dests = {a.dest for a in self._actions}
@@ -82,9 +107,14 @@ def _flag_parser_class(base: type) -> type:
             word = kwargs.pop("flag", None)
             if kwargs.get("nargs") == "+" and "action" not in kwargs:
                 kwargs["action"] = _Repeatable
-            action = super().add_argument(*args, **kwargs)
+                if kwargs.get("dest", str(args[0]).lstrip("-")) in COMMA_LISTS:
+                    kwargs["type"] = _comma_type(kwargs.get("type"))
             if args and str(args[0]).startswith("--no_"):  # a boolean's complement: its field's word is done
-                return action
+                main = self.flag(kwargs.get("dest") or str(args[0])[5:])
+                # its own help (not its field's, which says what the flag turns on), no default of its own
+                kwargs.update(help=f"Turns {main} off: the same as {main} false.", default=argparse.SUPPRESS)
+                return super().add_argument(*args, **kwargs)
+            action = super().add_argument(*args, **kwargs)
             if word:  # the field's own spellings become hidden ones of its word
                 for string in action.option_strings:
                     del self._option_string_actions[string]
@@ -94,6 +124,28 @@ def _flag_parser_class(base: type) -> type:
                     action.metavar = word.upper()
                 self._option_string_actions[f"--{word}"] = action
             return action
+
+        usage_lead: str | None = None  # a word the usage line shows first (lead_with)
+        usage_positional: str | None = None  # an option the usage line shows as a bare value (show_positional)
+
+        def _typed_usage(self) -> None:
+            """The usage line as the command is typed (lead_with, show_positional), made once, when asked."""
+            if self.usage is not None or not (self.usage_lead or self.usage_positional):
+                return
+            usage = super().format_usage().removeprefix("usage: ").rstrip("\n")
+            if self.usage_positional:
+                usage = usage.replace(f"--{self.usage_positional} ", "", 1)
+            if self.usage_lead:
+                usage = f"{self.prog} {self.usage_lead} {usage.removeprefix(self.prog).lstrip()}"
+            self.usage = usage.replace("%", "%%")
+
+        def format_usage(self):
+            self._typed_usage()
+            return super().format_usage()
+
+        def format_help(self):
+            self._typed_usage()
+            return super().format_help()
 
         def flag(self, field: str) -> str:
             """How messages name a field's option: its (first) flag."""
@@ -183,9 +235,15 @@ def _trl_parser_class():
                 self.recipe_path, self.recipe = recipe_path, public_recipe(raw)
             try:
                 parsed = self.parse_flags(argv)
-            except ValueError as exc:  # the configs' own checks (TRL's __post_init__) too
-                raise UserError(f"{recipe_path or 'command line'}: {exc}") from None
-            check_parsed_values(parsed, f"{recipe_path or 'command line'} (with its flags)", flag=self.flag)
+            except UserError:  # a flag's own mistake (unknown, a bad choice): the command line's, said as such
+                raise
+            except ValueError as exc:  # the configs' own checks (TRL's __post_init__): the recipe and flags together
+                where = f"{recipe_path} with the command line's flags" if recipe_path and argv else recipe_path
+                raise UserError(f"{where or 'command line'}: {exc}") from None
+            # the recipe's values were checked where they are written (read_recipe: path:line); what a flag
+            # changed is the command line's
+            recipe_values = flatten_recipe(read_recipe(recipe_path), self.trainer) if recipe_path else {}
+            check_parsed_values(parsed, "command line", skip=recipe_values, flag=self.flag)
             return parsed
 
     return RecipeParser
@@ -201,6 +259,7 @@ def parse_recipe(argv: list[str], dataclass_types, trainer: str | None = None, p
     """Parse argv (recipe path or name + flag overrides) into the dataclasses; returns
     (tuple of dataclass instances, recipe path or None, raw recipe mapping)."""
     parser = RecipeParser(dataclass_types, trainer=trainer, prog=prog, description=description)
+    lead_with(parser, "RECIPE")  # a file or a shipped recipe's name, first (--config FILE also reads)
     out = parser.parse_args_and_config(argv)
     return out, parser.recipe_path, parser.recipe
 
@@ -215,12 +274,34 @@ def _command_parser_class():
 
         return _flag_parser_class(HfArgumentParser)
 
-def parse_dataclasses(argv: list[str], *types, prog: str, description: str, positional: str | None = None):
+def lead_with(parser: argparse.ArgumentParser, word: str) -> None:
+    """--help's usage line as the command is typed when its first argument is a file (`flipguard study RECIPE
+    ...`, `flipguard afr [RUN_CONFIG] ...`): the word right after the command's name (made when --help asks)."""
+    parser.usage_lead = word
+
+
+def show_positional(parser: argparse.ArgumentParser, positional: str) -> None:
+    """--help as the command is typed: the usage line shows `--<positional> VALUE` as the bare VALUE
+    (`flipguard view PATH`), and the option's help says it may be given first without its flag."""
+    action = next(a for a in parser._actions if a.dest == positional)
+    parser.usage_positional = positional
+    text = (action.help or "").rstrip()
+    metavar = action.metavar or positional.upper()
+    action.help = f"{text}{'' if text.endswith('.') or not text else '.'} Given first, without --{positional}: " \
+                  f"{parser.prog} {metavar} ...".replace("%", "%%").lstrip()
+
+
+def parse_dataclasses(argv: list[str], *types, prog: str, description: str, positional: str | None = None,
+                      run_config: bool = False):
     """Parse a command's argv into the given dataclasses; a YAML/JSON path (or a shipped run
     config's name) first is read as a run config (TRL/alignment-handbook style) and later flags
     override it. `positional`: the option that leading arguments before any flag give
-    (`flipguard report RUN_DIR` = `--run_dir RUN_DIR`)."""
+    (`flipguard report RUN_DIR` = `--run_dir RUN_DIR`); `run_config`: the usage line shows [RUN_CONFIG] first."""
     parser = _command_parser_class()(types, prog=prog, description=description)
+    if positional:
+        show_positional(parser, positional)
+    elif run_config:  # a protocol's command: its usage shows the run config it may take first
+        lead_with(parser, "[RUN_CONFIG]")
     argv = list(argv)
     config: dict[str, Any] = {}
     path = leading_config(argv, positional)

@@ -22,7 +22,7 @@ is `--pairs_strategy flips`); trainer and model keys keep their TRL names
 (`--learning_rate 1e-4`, `--lora_r 8`).
 
 The recipe path may be given positionally, exactly as typed
-(`python train/dpo.py recipes/tiny.yaml`), or as `--config recipes/tiny.yaml` (TRL).
+(`flipguard dpo recipes/tiny.yaml`), or as `--config recipes/tiny.yaml` (TRL).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from flipguard.config.shipped import find_recipe
 from flipguard.config.spelling import did_you_mean
 from flipguard.config.trainers import broken_trainers, trainers
 from flipguard.config.values import check_values
+from flipguard.config.vocabulary import legacy_word
 from flipguard.errors import UserError
 from flipguard.files import check_types, field_types, load_yaml
 from flipguard.redact import redact_values
@@ -68,8 +69,21 @@ def _top_level_classes(raw: dict[str, Any], configs: dict[str, Any]) -> list[Any
     return present or list(configs.values())
 
 
-def _unknown(path: str, where: str, key: str, valid: Iterable[str]) -> UserError:
-    return UserError(f"{path}: unknown key {key!r} in {where}{did_you_mean(key, valid)}")
+# what a recipe calls the model: TRL's name (the commands' word, --model, overrides it in `flipguard study`)
+RECIPE_MODEL_KEY = "model_name_or_path"
+
+
+def _unknown(path: str, where: str, key: str, valid: Iterable[str], line: int | None = None) -> UserError:
+    """An unknown key, one line: an old word (config/vocabulary.LEGACY) or the commands' `model` named with
+    the key to use where it is written, else the closest key."""
+    at = f"{path}:{line}" if line else str(path)
+    word = legacy_word(str(key)) or (str(key) if str(key) == "model" else None)
+    if word == "model" or word == RECIPE_MODEL_KEY:
+        return UserError(f"{at}: {key!r} is not read in {where}: a recipe names its model at the top level as "
+                         f"{RECIPE_MODEL_KEY!r} (flipguard study --model overrides it)")
+    if word and word in valid:
+        return UserError(f"{at}: {key!r} is an old word, not read: the key is {word!r} (in {where})")
+    return UserError(f"{at}: unknown key {key!r} in {where}{did_you_mean(key, valid)}")
 
 def read_recipe(path: str | os.PathLike) -> dict[str, Any]:
     """The YAML mapping of a recipe file, validated: every key known, sections are mappings.
@@ -106,7 +120,7 @@ def check_recipe_types(raw: dict[str, Any], path: str = "<recipe>", lines: dict[
 
 
 def validate_recipe(raw: dict[str, Any], path: str = "<recipe>", lines: dict[str, int] | None = None) -> None:
-    _check_keys(raw, path)
+    _check_keys(raw, path, lines or {})
     check_recipe_types(raw, path, lines)
     check_recipe_values(raw, path, lines)
 
@@ -138,7 +152,7 @@ def recipe_keys(raw: dict[str, Any]) -> list[str]:
     return sorted({k for k in top if not is_section(k)} | {f"{name}.{k}" for name, keys in sections.items() for k in keys})
 
 
-def _check_keys(raw: dict[str, Any], path: str) -> None:
+def _check_keys(raw: dict[str, Any], path: str, lines: dict[str, int]) -> None:
     configs, _ = _trainer_classes()
     top_valid, section_keys = _valid_keys(raw)
     broken = broken_trainers()
@@ -146,7 +160,7 @@ def _check_keys(raw: dict[str, Any], path: str) -> None:
         if key in broken:  # a section of a trainer plug-in that cannot load: its own line, naming its package
             raise UserError(f"{path}: section {key!r}: {broken[key]}")
         if key not in top_valid:
-            error = _unknown(path, "the top level", key, top_valid)
+            error = _unknown(path, "the top level", key, top_valid, lines.get(str(key)))
             if isinstance(value, dict):  # a section: most likely a trainer that is not registered
                 error = UserError(f"{error}; a section is a registered trainer ({', '.join(configs)}) "
                                     f"or {', '.join([*ARG_SECTIONS, 'env'])}")
@@ -161,11 +175,11 @@ def _check_keys(raw: dict[str, Any], path: str) -> None:
                 label = f"section {key!r} ({configs[key].__name__} or ModelConfig fields)"
                 for sub in value:
                     if sub not in valid:
-                        raise _unknown(path, label, sub, valid)
+                        raise _unknown(path, label, sub, valid, lines.get(f"{key}.{sub}"))
             else:
                 for sub in value:
                     if sub not in valid and not (key == "eval" and is_task_config_key(str(sub))):
-                        raise _unknown(path, f"section {key!r}", sub, valid)
+                        raise _unknown(path, f"section {key!r}", sub, valid, lines.get(f"{key}.{sub}"))
         if key == "env" and not isinstance(value, dict):
             raise UserError(f"{path}: 'env' must be a mapping of environment variables")
 

@@ -10,7 +10,7 @@ from typing import Any, Iterable
 from flipguard.config.shipped import find_recipe
 from flipguard.config.spelling import did_you_mean
 from flipguard.config.values import check_values
-from flipguard.config.vocabulary import legacy_word
+from flipguard.config.vocabulary import COMMA_LISTS, comma_items, legacy_word
 from flipguard.errors import UserError
 from flipguard.files import check_types, field_types, load_yaml
 
@@ -69,7 +69,9 @@ def read_run_config(path: str, types: Iterable[type]) -> dict[str, Any]:
             if word and (word in types or word in aliases):
                 raise UserError(f"{where}: {str(key)!r} is an old word, not read: the key is {word!r}")
             raise UserError(f"{where}: unknown key {str(key)!r}{did_you_mean(key, types)}")
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and _takes_list(types[key]):
+        if isinstance(value, str) and key in COMMA_LISTS and _takes_list(types[key]):
+            config[key] = comma_items(value)  # `subjects: anatomy,astronomy`, as on the command line
+        elif isinstance(value, (str, int, float)) and not isinstance(value, bool) and _takes_list(types[key]):
             config[key] = [value]  # `model: flipguard:tiny` for a list of models
     check_types(config, types, path, UserError, lines, written)
     check_values(config, path, written, lines)

@@ -29,7 +29,21 @@ VOCABULARY: dict[str, str] = {
            "other settings, another folder.",
     "report": "Write the report when the run finishes (true | false). Default true.",
     "threads": "CPU threads of this process.",
+    "subjects": "A comma list of MMLU subjects the items are restricted to (afr, sos). Default: every subject.",
 }
+
+# options whose values are lists of words: a comma list in every command (`--mitigations be_honest,dehumanizing`,
+# `--subjects anatomy,astronomy`), on the command line and as a run config's string; values given one by one
+# (`--k_values 1 5`) are read too. Not the lists of paths, runs or model specs, whose values may hold a comma.
+COMMA_LISTS = frozenset({
+    "mitigations", "subjects", "scenarios", "targets", "sources", "k_values", "eval_plan_mitigations",
+    "eval_plan_trainers", "eval_plan_extra_modes", "eval_plan_protocols", "eval_plan_train_protocols",
+    "pairs_framings", "tracking_tags"})
+
+
+def comma_items(value: str) -> list[str]:
+    """The words of a comma list ('a, b,c' -> ['a', 'b', 'c'])."""
+    return [v.strip() for v in str(value).split(",") if v.strip()]
 
 # an old or another tool's word -> the word of the vocabulary: refused in every command, naming the word
 LEGACY: dict[str, str] = {

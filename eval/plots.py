@@ -37,7 +37,8 @@ TITLE_FONT = 11
 MAX_WIDTH_IN = 9.5
 # the PNG text chunk that lists every text drawn in a figure: where it is (pixels of the saved image,
 # origin top left), its size in pixels, its colour and, for a number printed on a coloured cell, the
-# cell's colour ("on"): what a test reads to check that nothing is cut and everything is legible
+# cell's colour ("on"), and each axes' frame ("axes"): what a test reads to check that nothing is cut,
+# everything is legible and no label sits on a frame
 TEXTS_KEY = "flipguard:texts"
 ON_PREFIX = "on:"  # a text's gid, "on:#rrggbb": the colour of the cell it is printed on
 
@@ -79,8 +80,12 @@ def _write_png(fig, target, dpi: int) -> None:
         texts.append({"text": t.get_text(), "box": [round(v, 1) for v in (x0, y0, x1, y1)],
                       "size_px": round(t.get_fontsize() * dpi / 72, 2), "rotation": round(t.get_rotation(), 1),
                       "color": _hex(t.get_color()),
-                      **({"on": gid[len(ON_PREFIX):]} if gid.startswith(ON_PREFIX) else {})})
-    meta = {TEXTS_KEY: json.dumps({"width": width_px, "height": height_px, "texts": texts})}
+                      **({"on": gid[len(ON_PREFIX):]} if gid.startswith(ON_PREFIX) else {"gid": gid} if gid else {})})
+    # each axes' frame in the saved image (same coordinates): what a text must not sit on
+    frames = [[round(v, 1) for v in (b.x0 - bbox.x0 * dpi, height_px - (b.y1 - bbox.y0 * dpi),
+                                     b.x1 - bbox.x0 * dpi, height_px - (b.y0 - bbox.y0 * dpi))]
+              for b in (ax.get_window_extent(renderer) for ax in fig.axes)]
+    meta = {TEXTS_KEY: json.dumps({"width": width_px, "height": height_px, "texts": texts, "axes": frames})}
     fig.savefig(target, format="png", dpi=dpi, bbox_inches=bbox, metadata=meta)
 
 

@@ -444,6 +444,23 @@ def refuse_busy(path: str | os.PathLike, what: str = "read") -> None:
             os.close(fd)
 
 
+# what a folder of flipguard's output is, by the file that makes it one: a folder holds one kind
+FOLDER_KINDS = {"run": RUN_META_FILE, "study": "study.json", "comparison": "comparison.json"}
+KIND_WRITERS = {"run": "flipguard eval, afr, sos, run or import", "study": "flipguard study or demo",
+                "comparison": "flipguard compare"}
+
+
+def refuse_other_kind(folder: str | os.PathLike, kind: str, flag: str = "--out") -> None:
+    """A folder holds one kind of flipguard output (FOLDER_KINDS): a run, a study or a comparison. Writing
+    `kind` into a folder that holds another is refused in one line, before anything is written there (its
+    subfolders are other folders: a study's runs and comparison live in its own)."""
+    folder = Path(folder)
+    for other, marker in FOLDER_KINDS.items():
+        if other != kind and (folder / marker).is_file():
+            raise RecordError(f"{flag} {folder}: holds a flipguard {other} ({marker}, written by {KIND_WRITERS[other]}); "
+                              f"a {kind} goes in a folder of its own: give another {flag} (nothing was written)")
+
+
 def refuse_other_protocol(run_dir: str | os.PathLike, protocol: str) -> None:
     """A run directory holds one protocol: refuse to write `protocol` records into a run
     whose run.json names another one."""
@@ -564,8 +581,10 @@ def open_run_dir(run_dir: str | os.PathLike, protocol: str, command: str | None 
     lock (`run_lock`) for the block. Nothing is written but the lock file until the
     protocol calls `write_meta`, so a run refused inside the block (bad input, an
     oversized item) leaves no run directory behind."""
+    refuse_other_kind(run_dir, "run")  # a study's or a comparison's folder: not a run's
     refuse_other_protocol(run_dir, protocol)  # before the lock: a clear refusal, nothing created
     with run_lock(run_dir, command) as path:
+        refuse_other_kind(path, "run")
         refuse_other_protocol(path, protocol)
         yield RunDir(path, protocol, load_run_meta(path))
 

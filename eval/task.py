@@ -131,7 +131,7 @@ class Task:
         a config; later flags override it), run or resume into the run directory, write the report.
         Flags `out`, `report`, `progress` and `threads` are used when `args_class` has them."""
         args = parse_dataclasses(argv, cls.args_class, prog=prog or f"flipguard run {cls.name}",
-                                 description=cls.args_class.__doc__ or cls.__doc__ or "")
+                                 description=cls.args_class.__doc__ or cls.__doc__ or "", run_config=True)
         where = leading_config(argv) or "command line"
         configure_threads(getattr(args, "threads", None))
         out = cls.out_dir(args, where)
@@ -140,6 +140,11 @@ class Task:
             print(f"report: {report}")
             return 0
         task = cls.from_args(args, where)
+        from flipguard.eval.embedded.tiny_model import smoke_test_line  # here: it imports the DDS task, which imports this
+
+        smoke = smoke_test_line(task.models)
+        if smoke and is_writer():  # the random-init default: said before any number is
+            print(smoke, flush=True)
         result = run_task(task, out, progress=getattr(args, "progress", True))
         if is_writer():  # data-parallel: rank 0 alone says it and reports
             task.after_run(result)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from flipguard.errors import UserError
 from flipguard.eval.backend_pool import BackendPool
-from flipguard.eval.backends.base import Backend
+from flipguard.eval.backends.base import LOCAL_WEIGHTS, Backend
 from flipguard.eval.batches import Batch, Plan, _task_file, check_batch, check_batches
 from flipguard.eval.parallel import data_parallel, merge_computed
 from flipguard.eval.records import (
@@ -28,6 +28,7 @@ from flipguard.eval.records import (
     run_contents,
 )
 from flipguard.eval.runner import check_context, run_records
+from flipguard.runtime.resolve import check_local_model
 
 if TYPE_CHECKING:  # annotations only: eval/task.py imports this module
     from flipguard.eval.task import Task
@@ -97,12 +98,16 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
         dp.wait_for_everyone()  # rank 0 has opened the run directory and prepared records.jsonl
         store = RecordStore(out_dir / RECORDS_FILE, mirror=True)
         return _run_plan(task, None, store, BackendPool(task.models, backends), False, dp)
+    for model in task.models:  # a model path that is not there: one line before the run folder is made
+        if model.backend in LOCAL_WEIGHTS:
+            check_local_model(model.model)
     with open_run_dir(out_dir, task.name) as run:  # one writer, held until the last record
         clash = task.condition_clash(run.old, task.meta())
         if clash:  # refused before any model loads
             detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in clash.items())
             raise UserError(f"{out_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); "
-                            "use another --out")
+                            "use another --out, or leave it out (other settings get a folder of their own); nothing "
+                            "was changed")
         store = RecordStore(out_dir / RECORDS_FILE)
         if dp is not None:
             dp.wait_for_everyone()

@@ -49,14 +49,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cross-model": ("flipguard.eval.dds.analyses.cross_model:main", "cross-model flip agreement and per-item DDS mean/std (Tables 25/27/29)"),
     "run": ("flipguard.eval.task_commands:run_main", "any registered task (dds, afr, sos, or your own with --include FILE)"),
     "study": ("flipguard.pipeline.study:main", "a recipe's whole before/after plan in one resumable command (eval: section)"),
-    "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as python train/merge.py RECIPE)"),
+    "merge": ("flipguard.train.merge:main", "merge a LoRA adapter into its base (same as flipguard merge RECIPE)"),
     "recipes": ("flipguard.config.recipes_command:recipes_main", "the shipped recipes and run configs; `recipes show NAME` prints one to copy"),
 }
 
 
 def _trainer_commands() -> dict[str, tuple[Callable[..., int], str]]:
     """One command per registered trainer (a `flipguard.trainers` entry point, flipguard's own or a
-    plug-in's): `flipguard dpo RECIPE` = python train/dpo.py RECIPE. A plug-in that fails to load is
+    plug-in's): `flipguard dpo RECIPE` = python -m flipguard.train.dpo RECIPE. A plug-in that fails to load is
     listed too: its command says why, in one line naming its package; nothing else is blocked."""
     commands = {name: (t.main, t.help) for name, t in trainers().items() if name not in COMMANDS}
     for name, why in broken_trainers().items():

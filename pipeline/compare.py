@@ -47,7 +47,7 @@ from flipguard.eval.plots import (
     pyplot,
     save_figure,
 )
-from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, require_whole
+from flipguard.eval.records import C2_CASES, load_run_meta, refuse_busy, refuse_other_kind, require_whole
 from flipguard.eval.task_includes import take_includes
 from flipguard.eval.task_registry import get_task, task_names
 from flipguard.files import atomic_write_json, atomic_write_text, check_outputs
@@ -619,6 +619,7 @@ def main(argv: list[str]) -> int:
     for path in [*conditions.values(), *(split_system(spec)[0] for _, spec in runs), args.c1_from, args.out]:
         if path:
             refuse_busy(path, "compared")
+    refuse_other_kind(args.out, "comparison")  # a run's or a study's folder holds no comparison
     check_outputs(args.out, OUTPUT_FILES)
     require_whole_runs(conditions, runs, args.c1_from)
     read_counts(args.pairs, "--pairs")  # a typo in --pairs, or a cut-short counts.json: refused before any number

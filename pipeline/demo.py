@@ -27,9 +27,10 @@ from pathlib import Path
 
 from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, read_recipe
 from flipguard.eval.embedded.organism import ORGANISM_ALIAS, organism_info
+from flipguard.eval.embedded.tiny_model import SMOKE_TEST_LINE, smoke_test_line
 from flipguard.organism.card import capability_card
 from flipguard.pipeline.study import JOBS_HELP, print_artefacts, run_study
-from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.resolve import check_local_model, resolve_model
 from flipguard.runtime.threads import THREADS_HELP, configure_threads
 
 
@@ -100,6 +101,9 @@ def main(argv: list[str]) -> int:
     args.recipe = find_recipe(args.recipe)  # a file, or a shipped recipe's name
     if args.threads:
         configure_threads(args.threads)  # an explicit choice holds for the organism build too
+    check_local_model(args.model)  # a path that is not there: one line, before anything is printed or made
+    if smoke_test_line([args.model]):  # the random-init model: said before any number is
+        print(SMOKE_TEST_LINE, flush=True)
     print(f"=== embedded model {args.model} (the organism is shipped; `flipguard organism` builds your own)", flush=True)
     path = resolve_model(args.model)  # the organism build picks its own threads unless told
     configure_threads(args.threads)

@@ -44,8 +44,19 @@ from flipguard.pipeline.compare import BASELINE, protocol_flags
 from flipguard.pipeline.fingerprints import stage_fingerprints
 from flipguard.pipeline.study_plan import Stage, StudyPlan, recipe_trainers
 from flipguard.pipeline.transfer import BIAS_METRICS, TRANSFER_CSV
-from flipguard.pipeline.view.answer import HEADLINE, PROTOCOL_NAMES, PROTOCOLS_CSV, change, level
-from flipguard.pipeline.view.grid import GRID_DIR, GRID_STAGE, VARIANTS_CSV, VARIANTS_MD, VARIANTS_PNG
+from flipguard.pipeline.view.answer import HEADLINE, PROTOCOLS_CSV
+from flipguard.pipeline.view.grid import (
+    EVERY_VARIANT,
+    GRID_DIR,
+    GRID_STAGE,
+    VARIANTS_CSV,
+    VARIANTS_MD,
+    VARIANTS_PNG,
+    render_markdown,
+    variant_table,
+    variant_verdicts,
+)
+from flipguard.pipeline.view.runs import read_csv
 from flipguard.train.utils import PROVENANCE_FILE
 
 GRID_HELP = ("Vary recipe settings: KEY=V1,V2,... (a recipe key, a section's dotted: dpo.beta, dpo.learning_rate, "
@@ -281,7 +292,7 @@ def model_row(model: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     """One trained model's row, from its comparison's files: levels before (the baseline) and after with
     the after's 95% CI, the paired changes (transfer.csv), the flags, removal and damage (pp)."""
     compare, name = Path(model["compare"]), model["condition"]
-    row: dict[str, Any] = {"variant": variant_name(model["values"]) or "(every variant)", "trainer": name,
+    row: dict[str, Any] = {"variant": variant_name(model["values"]) or EVERY_VARIANT, "trainer": name,
                            **{k: value_text(model["values"][k]) if k in model["values"] else "" for k in keys},
                            "removal": math.nan, "damage": math.nan, "flags": ""}
     removed: list[float] = []  # drops (pp) of the planted behaviours
@@ -348,129 +359,141 @@ def train_loss(adapter: Path) -> float:
     return next((_x(h["train_loss"]) for h in reversed(history) if "train_loss" in h), math.nan)
 
 
-def _level(row: dict[str, Any], col: str, unit: str) -> str:
-    if f"{col}.after" not in row:
-        return "–"
-    before, after = row[f"{col}.before"], row[f"{col}.after"]
-    spec = "+.1f" if unit == "pp" else ".1f"
-    return (f"{before:{spec}}" if before == before else "n/m") + " → " + level(after, row[f"{col}.ci_low"],
-                                                                             row[f"{col}.ci_high"], unit).replace("not measured", "n/m")
+# where a point's label may go, in points from the point: right/left and above/below first, then further out
+LABEL_OFFSETS = [(dx, dy) for r in (1, 2, 3) for dx, dy in ((7, 4), (7, -4), (-7, 4), (-7, -4), (0, 9), (0, -9))
+                 for dx, dy in [(dx * r, dy * r)]]
+FRAME_MARGIN_PX = 3  # a label keeps this far inside the axes' frame
+MIN_SPAN_PP = 5.0  # an axis shows at least this many pp (all models at 0 damage: 0 to 5, not a sliver around 0)
+POINT_LABEL = "point-label"  # the gid of a point's label (eval/plots.py lists it with its box in the PNG)
 
 
-def _label(stem: str) -> str:
-    """A level's column as a header: 'DDS (pp)', 'AFR afr_blind', 'stick-or-switch correct_switch (organism_mc)'."""
-    if stem == "dds":
-        return "DDS (pp)"
-    protocol, _, metric = stem.partition(".")
-    metric, _, dataset = metric.partition("@")
-    return f"{PROTOCOL_NAMES.get(protocol, protocol)} {metric}" + (f" ({dataset})" if dataset else "")
-
-
-def render_markdown(frame: pd.DataFrame, keys: list[str]) -> str:
-    """variants.md: a row per trained model, what it removed then what it damaged; levels as
-    'before → after [CI of after]', paired changes as 'change [CI]'."""
-    cols = list(frame.columns)
-    levels = list(dict.fromkeys(c[: -len(".after")] for c in cols if c.endswith(".after")))
-    # model_row writes a protocol's headline (what it removed) before its guarded metrics
-    headline = {}
-    for stem in levels:
-        headline.setdefault(stem.partition(".")[0], stem.partition("@")[0])
-    removed = [s for s in levels if s.partition("@")[0] in headline.values()]
-    kept = [s for s in levels if s not in removed]
-    paired = list(dict.fromkeys(c[: -len(".change")] for c in cols if c.endswith(".change")))
-    down = list(dict.fromkeys(c[: -len(".cells_down")] for c in cols if c.endswith(".cells_down")))
-    head = ["variant", "trainer", "removal (pp)", "damage (pp)", *(f"removed: {_label(s)}" for s in removed),
-            *(f"{PROTOCOL_NAMES.get(p, p)}: targeted cells down" for p in down), "kept: own C1 true / false (Δ)",
-            *(f"kept: {_label(s)}" for s in kept), *(f"kept, paired Δ: {c}" for c in paired), "invalid (DDS)",
-            "train loss", "flags"]
-    lines = [f"# Recipe grid: {', '.join(keys)}", "",
-             "A row per trained model (a trainer no grid key reaches is trained once, for every variant). Levels: "
-             "before → after [95% CI of after] (%; DDS in pp; n/m: not meaningful or not measured). Targeted cells "
-             "down: of the cells the pairs targeted (transfer.csv), those whose paired 95% CI lies wholly below 0. "
-             "Paired Δ (transfer.csv): pp [95% CI]. removal: the mean drop (pp) of the planted behaviours (DDS "
-             "towards 0); damage: the largest drop (pp) of what must stay. † over-correction, ‡ damage, § a guarded "
-             "metric more than 10 pp below the baseline's (as the comparison marks them).", "",
-             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for r in frame.to_dict("records"):
-        def num(key: str, spec: str = ".1f") -> str:
-            v = r.get(key, math.nan)
-            return "–" if v is None or v != v else format(v, spec)
-        c1 = (f"{num('own_c1_true')} / {num('own_c1_false')} ({num('c1_true_change', '+.1f')} / "
-              f"{num('c1_false_change', '+.1f')})") if "own_c1_true" in r else "–"
-        cells = [r["variant"], r["trainer"], num("removal"), num("damage"),
-                 *(_level(r, s, "pp" if s == "dds" else "%") for s in removed),
-                 *(f"{num(f'{p}.cells_down', '.0f')} of {num(f'{p}.cells', '.0f')}" for p in down), c1,
-                 *(_level(r, s, "%") for s in kept),
-                 *(change(r[f"{c}.change"], r[f"{c}.ci_low"], r[f"{c}.ci_high"]) if r.get(f"{c}.change") == r.get(f"{c}.change")
-                   else "–" for c in paired),
-                 f"{num('invalid_before', '.0f')} → {num('invalid_after', '.0f')}", num("train_loss", ".4f"),
-                 r["flags"] if isinstance(r["flags"], str) else ""]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    lines += ["", "Each row's numbers are its variant's comparison's (the compare column of variants.csv)."]
-    return "\n".join(lines) + "\n"
+def _axis_limits(values: list[float]) -> tuple[float, float, float]:
+    """(low, high, where a point without this coordinate goes): the data and 0 (removal and damage are
+    read from 0) with room on both sides, so no point sits on the frame; an unmeasured coordinate goes in
+    the room below the data, its own place."""
+    finite = [v for v in values if v == v]
+    lo, hi = min([0.0, *finite]), max([*finite, 0.0])
+    span = max(hi - lo, MIN_SPAN_PP)
+    return lo - 0.22 * span, lo + span + 0.14 * span if hi - lo < MIN_SPAN_PP else hi + 0.14 * span, lo - 0.12 * span
 
 
 def plot_tradeoff(frame: pd.DataFrame, path: Path) -> None:
-    """Removed vs damaged: a numbered point per trained model, the numbers named in a key under the axes
-    (variants close together stay readable); one whose damage or removal could not be measured is a
-    hollow point on that axis."""
+    """Removed vs damaged: a point per trained model, numbered, the numbers named in a key under the axes.
+    Models at one spot share one label ('1, 2'); each label goes where it overlaps no other label, no point
+    and not the frame (the first such of LABEL_OFFSETS); a model whose damage or removal could not be
+    measured is a hollow point in the room left for it below (or left of) the data on that axis."""
     from matplotlib.lines import Line2D
 
     plt = pyplot()
     n = len(frame)
     fig, ax = plt.subplots(figsize=(8.0, 4.6 + 0.24 * n))
     xs, ys = [float(v) for v in frame["damage"]], [float(v) for v in frame["removal"]]
-    x_lo, x_hi = min([0.0, *(v for v in xs if v == v)]), max([1.0, *(v for v in xs if v == v)])
-    y_lo, y_hi = min([0.0, *(v for v in ys if v == v)]), max([1.0, *(v for v in ys if v == v)])
-    ax.set_xlim(x_lo - 0.08 * (x_hi - x_lo), x_hi + 0.08 * (x_hi - x_lo))
-    ax.set_ylim(y_lo - 0.08 * (y_hi - y_lo), y_hi + 0.12 * (y_hi - y_lo))
-    handles, seen = [], {}  # seen: model index -> its point in display coordinates
+    x_lo, x_hi, x_none = _axis_limits(xs)
+    y_lo, y_hi, y_none = _axis_limits(ys)
+    ax.set_xlim(x_lo, x_hi)
+    ax.set_ylim(y_lo, y_hi)
+    handles, spots = [], []
     for k, (r, x, y) in enumerate(zip(frame.itertuples(), xs, ys)):
-        spot = (x if x == x else ax.get_xlim()[0], y if y == y else ax.get_ylim()[0])
+        spot = (x if x == x else x_none, y if y == y else y_none)
         marker = {"SFT": "o", "DPO": "s", "KTO": "^"}.get(r.trainer, "D")
         filled = x == x and y == y
         ax.scatter(*spot, s=60, marker=marker, color=f"C{k % 10}", facecolors=f"C{k % 10}" if filled else "none",
-                   clip_on=False, zorder=3)
-        px = ax.transData.transform(spot)
-        near = sum(1 for other in seen.values() if abs(other[0] - px[0]) < 14 and abs(other[1] - px[1]) < 14)
-        seen[k] = px  # models numbered within a few points of this one: its number steps right of theirs
-        ax.annotate(str(k + 1), spot, xytext=(7 + 10 * near, 5), textcoords="offset points", fontsize=MIN_FONT,
-                    fontweight="bold", color=f"C{k % 10}", annotation_clip=False)
+                   zorder=3)
+        spots.append(spot)
         handles.append(Line2D([], [], marker=marker, linestyle="", color=f"C{k % 10}",
                               markerfacecolor=f"C{k % 10}" if filled else "none", label=f"{k + 1}  {r.trainer} {r.variant}"))
-    unknown = [w for w, vs in (("removal", ys), ("damage", xs)) if any(v != v for v in vs)]
-    if unknown:
-        ax.text(0.99, 0.99, "hollow: " + " / ".join(unknown) + " not measured or not meaningful (on that axis)",
-                transform=ax.transAxes, ha="right", va="top", fontsize=MIN_FONT, color="#b3261e", parse_math=False)
     ax.axhline(0, color="black", lw=0.6)
     ax.axvline(0, color="black", lw=0.6)
+    for axis, values, none, lo in ((ax.yaxis, ys, y_none, y_lo), (ax.xaxis, xs, x_none, x_lo)):
+        if any(v != v for v in values):  # the room of the unmeasured: shaded, its tick 'n/m', no number there
+            finite_lo = min([0.0, *(v for v in values if v == v)])
+            ticks = [t for t in axis.get_ticklocs() if finite_lo - 1e-9 <= t <= axis.get_view_interval()[1]]
+            axis.set_ticks([none, *ticks], ["n/m", *(f"{t:g}" for t in ticks)])
+            span = (lo, (none + finite_lo) / 2)
+            (ax.axhspan if axis is ax.yaxis else ax.axvspan)(*span, color="#eeeeee", zorder=0)
+    unknown = [w for w, vs in (("removal", ys), ("damage", xs)) if any(v != v for v in vs)]
+    if unknown:
+        ax.set_title("Removed vs damaged, per trained model (up and to the left is better)\nhollow: "
+                     + " / ".join(unknown) + " not measured or not meaningful (drawn at n/m on that axis)",
+                     fontsize=TITLE_FONT)
+    else:
+        ax.set_title("Removed vs damaged, per trained model (up and to the left is better)", fontsize=TITLE_FONT)
     ax.set_xlabel("damage: largest drop of what must stay (pp)", fontsize=MIN_FONT)
     ax.set_ylabel("removal: mean drop of the planted\nbehaviours (pp)", fontsize=MIN_FONT)
     ax.tick_params(labelsize=MIN_FONT)
-    ax.set_title("Removed vs damaged, per trained model (up and to the left is better)", fontsize=TITLE_FONT)
     key = fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.01, 0.0), fontsize=MIN_FONT, frameon=False)
     for text in key.get_texts():
         text.set_parse_math(False)
     fig.tight_layout(rect=(0, (0.3 + 0.24 * n) / (4.6 + 0.24 * n), 1, 1))
+    _label_points(fig, ax, spots)
     save_figure(fig, path)
 
 
+def _label_points(fig, ax, spots: list[tuple[float, float]]) -> None:
+    """One label per spot ('1, 2' for models drawn at one place), each at the first offset whose box stays
+    inside the frame and clear of the other labels and of every point."""
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer).padded(-FRAME_MARGIN_PX)
+    px = [tuple(ax.transData.transform(s)) for s in spots]
+    groups: list[list[int]] = []
+    for k, p in enumerate(px):  # models within a marker's width of each other share a label
+        home = next((g for g in groups if abs(px[g[0]][0] - p[0]) < 6 and abs(px[g[0]][1] - p[1]) < 6), None)
+        if home is None:
+            groups.append([k])
+        else:
+            home.append(k)
+    marker_boxes = [(x - 6, y - 6, x + 6, y + 6) for x, y in px]
+    placed: list[tuple[float, float, float, float]] = []
+
+    def clear(b) -> bool:
+        inside = frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1
+        return inside and not any(b.x0 < o[2] and o[0] < b.x1 and b.y0 < o[3] and o[1] < b.y1
+                                  for o in [*placed, *marker_boxes])
+
+    for group in groups:
+        text = ", ".join(str(k + 1) for k in group)
+        color = f"C{group[0] % 10}" if len(group) == 1 else "black"
+        best = None
+        for dx, dy in LABEL_OFFSETS:
+            label = ax.annotate(text, spots[group[0]], xytext=(dx, dy), textcoords="offset points", fontsize=MIN_FONT,
+                                fontweight="bold", color=color, ha="left" if dx > 0 else "right" if dx < 0 else "center",
+                                va="bottom" if dy > 0 else "top")
+            box = label.get_window_extent(renderer)
+            if clear(box):
+                best = (label, box)
+                break
+            label.remove()
+        if best is None:  # nowhere clear (a crowded chart): beside the point, inside the frame
+            label = ax.annotate(text, spots[group[0]], xytext=(7, 4), textcoords="offset points", fontsize=MIN_FONT,
+                                fontweight="bold", color=color, va="bottom")
+            best = (label, label.get_window_extent(renderer))
+        best[0].set_gid(POINT_LABEL)
+        placed.append((best[1].x0, best[1].y0, best[1].x1, best[1].y1))
+
+
 def write_grid(folder: Path, keys: list[str], models: list[dict[str, Any]]) -> pd.DataFrame:
-    """variants.csv, variants.md and variants.png from the variants' comparisons."""
+    """variants.csv, then variants.md and variants.png from what the CSV holds (the page and the terminal read it too)."""
     frame = pd.DataFrame([model_row(m, keys) for m in models])
     atomic_write_text(folder / VARIANTS_CSV, frame.to_csv(index=False, float_format="%.4f"))
-    atomic_write_text(folder / VARIANTS_MD, render_markdown(frame, keys))
+    rows = read_csv(folder / VARIANTS_CSV)
+    atomic_write_text(folder / VARIANTS_MD, render_markdown(rows, keys))
     plot_tradeoff(frame, folder / VARIANTS_PNG)
     return frame
 
 
-def print_grid(folder: Path, print_fn: Callable[[str], None] = print) -> None:
-    """The table's short form on the terminal: each trained model's removal, damage and flags."""
-    frame = _read(folder / VARIANTS_CSV)
-    if frame is None:
+def print_grid(study: Path, stages: dict[str, Any], print_fn: Callable[[str], None] = print) -> None:
+    """The grid on the terminal: the answer's line per trained model (the page's, pipeline/view/grid.py), then
+    the variant table's first columns as variants.md has them (its cells: '–' and n/m, never nan)."""
+    folder = study / GRID_DIR
+    if not (folder / VARIANTS_CSV).is_file():
         return
-    lines = [f"\nRecipe grid ({folder / VARIANTS_MD}; removal and damage in pp, the chart: {VARIANTS_PNG}):",
-             f"{'variant':<32}{'trainer':<9}{'removal':>8}{'damage':>8}  flags"]
-    for r in frame.itertuples():
-        lines.append(f"{r.variant:<32}{r.trainer:<9}{r.removal:8.1f}{r.damage:8.1f}  {'' if r.flags != r.flags else r.flags}")
+    verdicts, notes = variant_verdicts(study, stages)
+    lines = ["\nThe answer, per variant (each against the baseline; the page: view.html):"]
+    lines += [f"  {v['text']}" for v in verdicts] + [f"  {n}" for n in notes]
+    head, body = variant_table(read_csv(folder / VARIANTS_CSV))
+    shown = [head.index(h) for h in ("variant", "trainer", "removal (pp)", "damage (pp)", "flags")]
+    widths = [max(len(head[i]), *(len(cells[i]) for cells in body)) + 2 for i in shown]
+    lines += [f"\nRecipe grid ({folder / VARIANTS_MD}: every column; the chart: {folder / VARIANTS_PNG}):",
+              "".join(f"{head[i]:<{w}}" for i, w in zip(shown, widths)).rstrip()]
+    lines += ["".join(f"{cells[i]:<{w}}" for i, w in zip(shown, widths)).rstrip() for cells in body]
     print_fn("\n".join(lines))

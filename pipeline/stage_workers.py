@@ -19,9 +19,11 @@ import multiprocessing
 import os
 import pickle
 import re
+import shutil
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -77,6 +79,93 @@ def last_of_each_line(text: str) -> str:
             lines.append(line)
         last_desc = desc
     return "\n".join(lines)
+
+
+# a tqdm bar's state: its description, percentage and counts ("dds none/logprob:  40%|####  | 32/80 [...]")
+PROGRESS_STATE = re.compile(r"(?P<desc>[^\r\n|]*?):?\s*(?P<pct>\d+)%\|[^|]*\|\s*(?P<n>[\d.]+[kMG]?)/(?P<total>[\d.]+[kMG]?)")
+
+
+def progress_of(log: Path, tail: int = 8192) -> str:
+    """A running stage's progress as its log shows it now: the last progress bar's state ('dds none/logprob
+    40% 32/80'), '' when its log holds none yet."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    states = list(PROGRESS_STATE.finditer(text))
+    if not states:
+        return ""
+    m = states[-1]
+    return f"{m['desc'].strip()} {m['pct']}% {m['n']}/{m['total']}".strip()
+
+
+class LiveLine:
+    """One line of the terminal rewritten in place while stages run: each running stage, its time and its
+    progress bar's state (read from its log). Only on a terminal (a file or a pipe gets the stages' start
+    lines instead); `clear()` before any other line is printed."""
+
+    def __init__(self, stream=None):
+        stream = stream if stream is not None else sys.stdout
+        try:
+            # the terminal itself (a duplicate of its descriptor): a stage run in this process has fd 1 in its log
+            self.fd = os.dup(stream.fileno()) if stream.isatty() else None
+        except (AttributeError, ValueError, OSError):
+            self.fd = None
+        self.on = self.fd is not None
+        self.shown = False
+
+    def show(self, running: dict[str, tuple[float, Path]]) -> None:
+        """`running`: stage -> (its start time, its live log)."""
+        if not self.on or not running:
+            return
+        now = time.time()
+        parts = []
+        for name, (t0, log) in running.items():
+            state = progress_of(log)
+            parts.append(f"{name} {now - t0:.0f}s" + (f" ({state})" if state else ""))
+        width = shutil.get_terminal_size((100, 24)).columns - 1
+        text = ("  running: " + "; ".join(parts))[:width]
+        self._write("\r" + text + "\x1b[K")
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self._write("\r\x1b[K")
+            self.shown = False
+
+    def _write(self, text: str) -> None:
+        try:
+            os.write(self.fd, text.encode("utf-8", "replace"))
+        except OSError:
+            self.on = False
+
+    def __del__(self):
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+@contextlib.contextmanager
+def output_to(log_path: str | os.PathLike):
+    """The block's output, the process's own (fd 1 and 2: a library's prints, a launched trainer's) and
+    Python's (sys.stdout/sys.stderr, whatever they were replaced by), into the stage's log file."""
+    _flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log_path, "wb", buffering=0) as log, open(log.fileno(), "w", encoding="utf-8", errors="replace",
+                                                         buffering=1, closefd=False) as text:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
+        finally:
+            _flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
 
 
 # ------------------------------------------------------------------ worker side
@@ -161,33 +250,26 @@ def _flush() -> None:
 
 
 def _run_one(name: str, log_path: str, setup_error: BaseException | None):
-    _flush()
-    saved = os.dup(1), os.dup(2)
-    with open(log_path, "wb", buffering=0) as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        try:
-            if setup_error is not None:
-                raise setup_error
-            _STAGES[name].run()
-            return None
-        except _Stopped:
-            raise
-        except BaseException as exc:
-            # a full disk (the stage's files or its log) is one line for the study to print, not a dead worker
-            exc = disk_error(exc, f"stage {name}: ") or exc
-            if not isinstance(exc, FlipguardError):  # a bug or a crash: its traceback belongs in the log
-                try:
-                    traceback.print_exc()
-                except OSError:
-                    pass
-            return _portable(exc)
-        finally:
-            _flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
+    try:
+        with output_to(log_path):
+            try:
+                if setup_error is not None:
+                    raise setup_error
+                _STAGES[name].run()
+                return None
+            except _Stopped:
+                raise
+            except BaseException as exc:
+                # a full disk (the stage's files or its log) is one line for the study to print, not a dead worker
+                exc = disk_error(exc, f"stage {name}: ") or exc
+                if not isinstance(exc, FlipguardError):  # a bug or a crash: its traceback belongs in the log
+                    try:
+                        traceback.print_exc()
+                    except OSError:
+                        pass
+                return _portable(exc)
+    except OSError as exc:  # the log itself could not be opened or written
+        return _portable(disk_error(exc, f"stage {name}: ") or exc)
 
 
 # ------------------------------------------------------------------ parent side
@@ -256,11 +338,13 @@ class StageWorkers:
         worker["conn"].send((name, log_path))
         worker["stage"] = name
 
-    def wait(self) -> tuple[str, BaseException | None]:
-        """Block until a stage ends: (its name, None or the exception it raised). A worker that
-        died (killed, out of memory) ends its stage with an error saying so."""
+    def wait(self, timeout: float | None = None) -> tuple[str, BaseException | None] | None:
+        """Block until a stage ends: (its name, None or the exception it raised); None when `timeout`
+        seconds pass first. A worker that died (killed, out of memory) ends its stage with an error saying so."""
         busy = [w for w in self.workers if w["stage"] is not None]
-        ready = wait([w["conn"] for w in busy] + [w["proc"].sentinel for w in busy])
+        ready = wait([w["conn"] for w in busy] + [w["proc"].sentinel for w in busy], timeout)
+        if not ready:
+            return None
         for w in busy:
             if w["conn"] in ready:
                 try:

@@ -26,8 +26,10 @@ import dataclasses
 import datetime
 import json
 import os
+import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,8 +49,10 @@ from flipguard.config import (
     validate_recipe,
 )
 from flipguard.errors import FlipguardError, UserError, disk_error
+from flipguard.eval.backends.base import LOCAL_WEIGHTS
 from flipguard.eval.dds.metrics import TOTAL_AVG
-from flipguard.eval.records import OWNER_FILE, RUN_META_FILE, now_iso, run_lock
+from flipguard.eval.embedded.tiny_model import SMOKE_TEST_LINE, smoke_test_line
+from flipguard.eval.records import FOLDER_KINDS, OWNER_FILE, RUN_META_FILE, now_iso, refuse_other_kind, run_lock
 from flipguard.eval.task_includes import include_tasks, included_task_files, split_includes
 from flipguard.files import (
     atomic_write_text,
@@ -76,17 +80,30 @@ from flipguard.pipeline.fingerprints import (
     stage_runs_problem,
 )
 from flipguard.pipeline.grid import GRID_HELP, GRID_STAGE, GridPlan, print_grid
-from flipguard.pipeline.stage_workers import WORKER_TMP, StageWorkers, auto_jobs, last_of_each_line
+from flipguard.pipeline.stage_workers import (
+    WORKER_TMP,
+    LiveLine,
+    StageWorkers,
+    auto_jobs,
+    last_of_each_line,
+    output_to,
+)
 from flipguard.pipeline.study_plan import Stage, StudyPlan, check_task_config_keys, study_plan_class
 from flipguard.pipeline.view import VIEW_FILE, check_page, write_view
-from flipguard.pipeline.view.grid import GRID_DIR
-from flipguard.runtime.resolve import resolve_model
+from flipguard.pipeline.view.grid import current_stage, stale_inputs
+from flipguard.pipeline.view.runs import FLAG_WORDS, cell_text, count_cell, flags, number_cell, read_csv
+from flipguard.runtime.resolve import check_local_model, resolve_model
 from flipguard.runtime.threads import THREADS_HELP, configure_threads, default_threads
 
-STUDY_FILE = "study.json"
+STUDY_FILE = FOLDER_KINDS["study"]
 # stages run side by side write their output here while they run (the study holds the folder's lock);
 # removed when the study ends, and by the next run after a kill
 STAGE_LOGS = ".stage-logs"
+# each stage's output as a terminal would have left it, kept after the study (the details the terminal leaves out);
+# replaced when the stage runs again
+LOG_DIR = "logs"
+FAILED_TAIL = 15  # lines of a failed stage's log printed with its failure
+LIVE_EVERY_S = 0.5  # how often the live line is rewritten (a terminal only)
 STUDY_FORMAT = "flipguard-study/1"
 # a stage's status when its last run did not finish: it resumes ("running": a study killed while it ran)
 UNFINISHED = ("running", "failed", "interrupted")
@@ -151,7 +168,13 @@ class Study(StudyPlan):
     def __init__(self, recipe_path: str | os.PathLike, raw: dict[str, Any], out: str | os.PathLike,
                  *, print_fn: Callable[[str], None] = print, **plan_kwargs):
         self.t0 = time.time()
-        super().__init__(recipe_path, raw, out, print_fn=print_fn, **plan_kwargs)
+        self.live = LiveLine()  # on a terminal: the running stages and their progress, rewritten in place
+
+        def print_line(text: str) -> None:
+            self.live.clear()
+            print_fn(text)
+
+        super().__init__(recipe_path, raw, out, print_fn=print_line, **plan_kwargs)
         self.state = self._load_state()
         self.statuses: list[tuple[str, str, float]] = []
 
@@ -200,8 +223,9 @@ class Study(StudyPlan):
         built_from = (entries.get(stage.name) or {}).get("built_from") or {}
         return all(built_from.get(i) == (entries.get(i) or {}).get("build") for i in stage.inputs)
 
-    def step(self, title: str) -> None:
-        self.print(f"\n=== [{time.time() - self.t0:6.0f}s] {title}")
+    def log_of(self, name: str) -> Path:
+        """Where a stage's output is kept once it ends (OUT/logs/STAGE.log)."""
+        return self.out / LOG_DIR / f"{name}.log"
 
     def run(self, from_stage: str | None = None, only: str | None = None, jobs: int = 1,
             plan_args: dict[str, Any] | None = None) -> list[tuple[str, str, float]]:
@@ -219,8 +243,7 @@ class Study(StudyPlan):
         for path in (*(path for path, _ in self.effective_recipes()), self.out / STUDY_FILE):
             check_replace(path)
         check_page(self.out / VIEW_FILE)
-        if jobs > 1 and not only:
-            self._check_stage_logs()
+        self._check_stage_logs()
         self._fps = stage_fingerprints(self.stages)
         self._start = names.index(from_stage) if from_stage else None
         self._only = only
@@ -234,17 +257,7 @@ class Study(StudyPlan):
         if jobs > 1 and not only:
             self._run_side_by_side(jobs, plan_args or {})
         else:
-            for i, stage in enumerate(self.stages):
-                status = self._decide(i, stage)
-                if status in ("skipped", "not run"):
-                    continue
-                self._begin(i, stage, status)
-                t = time.time()
-                try:
-                    stage.run()
-                except BaseException as exc:
-                    raise self._failed(stage, exc) from None
-                self._finish(stage, status, time.time() - t)
+            self._run_in_process()
         self._mark_stale()
         self._save_state()
         return self.statuses
@@ -295,7 +308,9 @@ class Study(StudyPlan):
         self.state.pop("plan", None)  # the quick-rerun key holds only after a full run (main's record_plan)
         # where the study stands, and how long this stage took when it last ran (its ETA on a redo)
         last = f", {entry['seconds']:.0f}s last time" if entry.get("seconds") else ""
-        self.step(f"{stage.title}  [{stage.name}: {status}, stage {i + 1}/{len(self.stages)}{last}]{where}")
+        if not self.live.on:  # on a terminal the live line says what runs; elsewhere a line per start
+            self.print(f"=== [{time.time() - self.t0:5.0f}s] {stage.name} ({status}, stage {i + 1}/{len(self.stages)}"
+                       f"{last}): {stage.title}{where}")
         if stage.name not in entries:
             self.check_folders([stage])  # again at the moment it runs: a folder that appeared since is refused
         foreign = list(entry.get("foreign") or [])
@@ -337,6 +352,58 @@ class Study(StudyPlan):
         self.statuses.append((stage.name, status, seconds))
         self.print(f"--- {stage.name}: {status} in {seconds:.1f}s")
 
+    def _keep_log(self, name: str, live: Path) -> str:
+        """A stage's live log, as a terminal would have left it, kept in OUT/logs/STAGE.log; returns its text."""
+        text = last_of_each_line(live.read_text(encoding="utf-8", errors="replace")) if live.is_file() else ""
+        atomic_write_text(self.log_of(name), text)
+        return text
+
+    def _print_failure(self, name: str, seconds: float, text: str) -> None:
+        """A failed stage: its time, and the end of its log (the error is there), the whole log named."""
+        tail = [line for line in text.rstrip().splitlines() if line.strip()][-FAILED_TAIL:]
+        self.print(f"--- {name}: failed after {seconds:.1f}s; the end of its log ({self.log_of(name)}):"
+                   + "".join(f"\n    {line}" for line in tail))
+
+    def _run_in_process(self) -> None:
+        """The stages one at a time in this process (--jobs 1, --only), each one's output into its log while
+        the live line shows its progress (a thread: the stage holds this one)."""
+        logs = self._stage_logs()
+        try:
+            for i, stage in enumerate(self.stages):
+                status = self._decide(i, stage)
+                if status in ("skipped", "not run"):
+                    continue
+                log = logs / f"{stage.name}.log"
+                claim_stage_log(log)
+                self._begin(i, stage, status)
+                t = time.time()
+                done = threading.Event()
+                ticker = threading.Thread(target=self._tick, args=({stage.name: (t, log)}, done), daemon=True)
+                ticker.start()
+                try:
+                    with output_to(log):
+                        stage.run()
+                except BaseException as exc:
+                    done.set()
+                    ticker.join()
+                    with contextlib.suppress(FlipguardError, OSError):
+                        text = self._keep_log(stage.name, log)
+                        if not isinstance(exc, KeyboardInterrupt):
+                            self._print_failure(stage.name, time.time() - t, text)
+                    raise self._failed(stage, exc) from None
+                done.set()
+                ticker.join()
+                self._keep_log(stage.name, log)
+                self._finish(stage, status, time.time() - t)
+        finally:
+            self.live.clear()
+            with contextlib.suppress(FlipguardError, OSError):  # a failure that got here is the one to show
+                self._remove_stage_logs(logs)
+
+    def _tick(self, running: dict[str, tuple[float, Path]], done: threading.Event) -> None:
+        while not done.wait(LIVE_EVERY_S):
+            self.live.show(running)
+
     def _run_side_by_side(self, jobs: int, plan_args: dict[str, Any]) -> None:
         """The stages as a graph: each starts once every stage it reads is settled, up to `jobs`
         at once in worker processes (stage_workers.py). The first failure starts nothing more;
@@ -365,18 +432,24 @@ class Study(StudyPlan):
                     log = logs / f"{ready.name}.log"
                     claim_stage_log(log)
                     self._begin(order[ready.name], ready, status,
-                                f"\n    (beside {', '.join(running) or 'nothing'}; its output when it ends; live: tail -f {log})")
+                                f" [beside {', '.join(running)}]" if running else "")
                     workers.submit(ready.name, str(log))
                     running[ready.name] = (ready, status, time.time(), log)
                 if not running:
                     break
-                name, error = workers.wait()
+                ended = workers.wait(LIVE_EVERY_S if self.live.on else None)
+                if ended is None:  # nothing ended yet: the live line again
+                    self.live.show({n: (t0, lg) for n, (_, _, t0, lg) in running.items()})
+                    continue
+                name, error = ended
                 stage, status, t, log = running.pop(name)
-                text = last_of_each_line(log.read_text(encoding="utf-8", errors="replace")) if log.is_file() else ""
-                if text.strip():
-                    self.print(f"\n--- output of {name}:\n{text.rstrip()}")
+                try:
+                    text = self._keep_log(name, log)
+                except (FlipguardError, OSError) as exc:  # its log could not be kept (a full disk): the stage's
+                    text = ""                              # own failure, if any, is the one to show
+                    error = error or (exc if isinstance(exc, FlipguardError) else disk_error(exc) or exc)
                 if error is not None:
-                    self.print(f"--- {name}: failed after {time.time() - t:.1f}s")
+                    self._print_failure(name, time.time() - t, text)
                     error = self._failed(stage, error)
                     if failure is None:
                         failure = error if isinstance(error, FlipguardError) else RuntimeError(f"stage {name}: {error}")
@@ -386,12 +459,14 @@ class Study(StudyPlan):
                 except FlipguardError as exc:
                     failure = failure or exc
         except BaseException as exc:
+            self.live.clear()
             workers.close(terminate=True)
             for stage, _, _, _ in running.values():  # stopped with the study: recorded so, never left "running"
                 self._failed(stage, exc, stopped=True)
             with contextlib.suppress(FlipguardError, OSError):  # the failure that got here is the one to show
                 self._remove_stage_logs(logs)
             raise
+        self.live.clear()
         workers.close()
         self._remove_stage_logs(logs)
         self.statuses.sort(key=lambda s: order[s[0]])
@@ -404,12 +479,14 @@ class Study(StudyPlan):
         """Before any work: OUT/.stage-logs is absent or a folder (not a file, not a link), and no
         stage's log would replace a file there that flipguard did not write as that log."""
         logs = self.out / STAGE_LOGS
-        refuse_link(logs)
-        if os.path.lexists(logs) and not logs.is_dir():
-            raise UserError(f"{logs}: is a file, where `flipguard study --jobs` keeps its stages' logs; nothing was "
-                            "changed: move it away, or run with --jobs 1")
+        for folder in (logs, self.out / LOG_DIR):
+            refuse_link(folder)
+            if os.path.lexists(folder) and not folder.is_dir():
+                raise UserError(f"{folder}: is a file, where `flipguard study` keeps its stages' logs; nothing was "
+                                "changed: move it away")
         for stage in self.stages:
             check_replace(logs / f"{stage.name}.log", log=True)
+            check_replace(self.log_of(stage.name))
 
     def _stage_logs(self) -> Path:
         """OUT/.stage-logs, emptied of a killed run's logs and workers' temp folders: only what its
@@ -529,7 +606,7 @@ class Study(StudyPlan):
         return [str(p) for p in kept]
 
     def summary(self) -> None:
-        print_outcome(f"Stages ({time.time() - self.t0:.0f}s in all):", self.statuses, self.out, self.print)
+        print_outcome(f"{time.time() - self.t0:.0f}s in all", self.statuses, self.out, self.print)
 
 
 class GridStudy(Study, GridPlan):
@@ -538,35 +615,48 @@ class GridStudy(Study, GridPlan):
 
 def print_outcome(header: str, statuses: list[tuple[str, str, float]], out: Path,
                   print_fn: Callable[[str], None] = print) -> None:
-    """The stage table, then the before/after table when the comparison exists (a grid's table when
-    the study is a recipe grid)."""
-    print_fn(f"\n{header}")
-    width = max([22, *(len(name) + 2 for name, _, _ in statuses)])
-    for name, status, seconds in statuses:
-        print_fn(f"  {name:<{width}}{status:<9}{seconds:8.1f}s")
+    """The stage table, then the before/after table of this study's comparison, or a grid's answer per
+    variant and table (a recipe grid): read from the files the page reads, never a comparison older than
+    the stages it summarises (study.json) or another study's in the same folder."""
+    counts = Counter(status for _, status, _ in statuses)
+    print_fn(f"\nStages: {len(statuses)} ({', '.join(f'{n} {status}' for status, n in counts.items())}; {header}); "
+             f"each stage's output: {out / LOG_DIR}/STAGE.log, the stages' state: {out / STUDY_FILE}")
+    names = {name for name, _, _ in statuses}
+    state = json.loads((out / STUDY_FILE).read_text(encoding="utf-8")) if (out / STUDY_FILE).is_file() else {}
+    stages = state.get("stages") or {}
     comparison = out / "compare" / "comparison.csv"
-    if comparison.is_file():
-        print_before_after(comparison, print_fn)
-    if any(name == GRID_STAGE for name, _, _ in statuses):  # a grid's table (not an earlier grid's, in a plain study)
-        print_grid(out / GRID_DIR, print_fn)
+    if "compare" in names and comparison.is_file():
+        if not current_stage(stages, "compare"):
+            print_fn(f"\n{comparison.parent} is older than the stages it summarises (redone since: "
+                     f"{', '.join(stale_inputs(stages, 'compare')) or 'its inputs'}): rerun the study to update it.")
+        else:
+            print_before_after(comparison, print_fn)
+    if GRID_STAGE in names:  # a grid's answer and table (not an earlier grid's, in a plain study)
+        print_grid(out, stages, print_fn)
 
 
 def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = print) -> None:
-    """The short before/after table a newcomer reads first (all datasets, macro average)."""
-    table = pd.read_csv(comparison_csv)
-    rows = table[table["dataset"] == TOTAL_AVG]
+    """The short before/after table a newcomer reads first (all datasets, macro average): comparison.csv's
+    cells as the page shows them (pipeline/view/runs.number_cell: n/m where the file says not meaningful,
+    no flag where it sets none), then the other protocols' and the verdicts against a planted profile."""
+    rows = [r for r in read_csv(comparison_csv) if r["dataset"] == TOTAL_AVG]
+    columns = (("C1 true", "own_c1_true", False, 8), ("C1 false", "own_c1_false", False, 9),
+               ("C2 corr", "c2_correct", False, 8), ("C2 incorr", "c2_incorrect", False, 10),
+               ("DDS paper", "dds", True, 10), ("own DDS", "own_dds", True, 9))
+    widths = [max(least, *(len(cell_text(number_cell(r, col, signed))) + 1 for r in rows))
+              for _, col, signed, least in columns]
     lines = ["\nBefore/after (all datasets, %; DDS in pp; paper = C2 vs the baseline's C1, own = the model's own C1):",
-             f"{'condition':<14}{'C1 true':>8}{'C1 false':>9}{'C2 corr':>8}{'C2 incorr':>10}{'DDS paper':>10}"
-             f"{'own DDS':>9}{'invalid':>8}  flags"]
-    for r in rows.itertuples():
-        flags = " ".join(f for f, on in (("†over-correction", r.over_correction), ("‡C1-damage", r.c1_damage is True
-                                         or str(r.c1_damage) == "True")) if on)
-        lines.append(f"{r.condition:<14}{r.own_c1_true:8.1f}{r.own_c1_false:9.1f}{r.c2_correct:8.1f}{r.c2_incorrect:10.1f}"
-                     f"{r.dds:+10.1f}{r.own_dds:+9.1f}{int(r.invalid_judgments):8d}  {flags}")
-    print_fn("\n".join(lines))
+             f"{'condition':<14}" + "".join(f"{head:>{w}}" for (head, *_), w in zip(columns, widths))
+             + f"{'invalid':>8}  flags"]
+    for r in rows:
+        marks = flags(r)["t"]
+        cells = "".join(f"{cell_text(number_cell(r, col, signed)):>{w}}" for (_, col, signed, _), w in zip(columns, widths))
+        lines.append(f"{r['condition']:<14}{cells}{cell_text(count_cell(r.get('invalid_judgments'))):>8}  "
+                     + " ".join(f"{m}{FLAG_WORDS[m]}" for m in marks))
+    print_fn("\n".join(line.rstrip() for line in lines))
     protocols = comparison_csv.with_name("comparison_protocols.csv")
     if protocols.is_file():
-        print_protocols_table(pd.read_csv(protocols), print_fn)
+        print_protocols_table(protocols, print_fn)
     truth = comparison_csv.with_name(GROUND_TRUTH_JSON)
     if truth.is_file():
         conditions = json.loads(truth.read_text(encoding="utf-8"))["conditions"]
@@ -575,19 +665,22 @@ def print_before_after(comparison_csv: Path, print_fn: Callable[[str], None] = p
                  + "\n".join(f"{name + ':':<{width}}{c['verdict']}" for name, c in conditions.items()))
 
 
-def print_protocols_table(frame, print_fn: Callable[[str], None] = print) -> None:
+def print_protocols_table(protocols_csv: Path, print_fn: Callable[[str], None] = print) -> None:
     """The multi-turn half of the before/after table: a row per condition, a column per metric
-    of each protocol (comparison_protocols.csv; % and pp), with the guarded-metric flags."""
-    flags = protocol_flags(frame)
-    for protocol, rows in frame.groupby("protocol", sort=False):
-        metrics = list(dict.fromkeys(rows["metric"]))
-        width = max(len(m) for m in metrics) + 1
+    of each protocol (comparison_protocols.csv; % and pp; cells as the page shows them), with the
+    guarded-metric flags."""
+    flags_of = protocol_flags(pd.read_csv(protocols_csv))
+    rows = read_csv(protocols_csv)
+    for protocol in dict.fromkeys(r["protocol"] for r in rows):
+        mine = [r for r in rows if r["protocol"] == protocol]
+        metrics = list(dict.fromkeys(r["metric"] for r in mine))
+        cells = {(r["condition"], r["system"], r["metric"]): cell_text(number_cell(r, "value")) for r in mine}
+        width = max(len(m) for m in [*metrics, *cells.values()]) + 1
         lines = [f"\n{protocol} before/after (%; differences in pp; 95% CIs in compare/comparison_protocols.csv):",
                  f"{'condition':<14}" + "".join(f"{m:>{width}}" for m in metrics) + "  flags"]
-        for (condition, system), group in rows.groupby(["condition", "system"], sort=False):
-            values = dict(zip(group["metric"], group["value"]))
-            cells = "".join(f"{values[m]:>{width}.1f}" if m in values else f"{'–':>{width}}" for m in metrics)
-            lines.append(f"{condition:<14}{cells}  {flags.get((condition, protocol, system), '')}")
+        for condition, system in dict.fromkeys((r["condition"], r["system"]) for r in mine):
+            line = "".join(f"{cells.get((condition, system, m), '–'):>{width}}" for m in metrics)
+            lines.append(f"{condition:<14}{line}  {flags_of.get((condition, protocol, system), '')}".rstrip())
         print_fn("\n".join(lines))
 
 
@@ -629,6 +722,11 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
     many as this machine and study allow, study_jobs); `grid`: the --grid options (a recipe grid)."""
     raw = read_recipe(recipe_path) if raw is None else raw
     validate_recipe(raw, recipe_path)
+    if (raw.get("eval") or {}).get("backend", "hf") in LOCAL_WEIGHTS and raw.get("model_name_or_path"):
+        # a path that is not there: one line naming where it was given, no study folder made
+        given = read_recipe(recipe_path).get("model_name_or_path") == raw["model_name_or_path"]
+        check_local_model(raw["model_name_or_path"], f"{recipe_path}: model_name_or_path" if given else "--model")
+    refuse_other_kind(out, "study")  # a run's or a comparison's folder holds no study
     # one writer per study folder, held from before study.json is read until the last stage
     # (trainers and merges included): a second study is refused at once, naming the holder
     with run_lock(out):
@@ -685,18 +783,40 @@ def _print_if_unchanged(recipe: str, flags: list[str], out: str) -> bool:
     if not plan_unchanged(state, recipe, flags, out):
         return False
     order = state["order"]
+    if smoke_test_line([state.get("model")]):
+        print(SMOKE_TEST_LINE)
     for name in order:
         print(f"--- {name}: skipped (up to date)")
-    print_outcome(f"Stages (recipe, flags and inputs unchanged since {state['plan'].get('at')}):",
+    print_outcome(f"recipe, flags and inputs unchanged since {state['plan'].get('at')}",
                   [(name, "skipped", 0.0) for name in order], Path(out))
     print_artefacts([(what, Path(path)) for what, path in state.get("artefacts", [])])
     return True
 
 
 def print_artefacts(artefacts: list[tuple[str, Path]]) -> None:
-    print("\nArtefacts:")
+    """The files worth opening, one line per kind: several of a kind ('DDS report: baseline', 'DDS report:
+    sft-eval') on one line, their paths as one pattern (OUT/dds/{baseline,sft-eval}/report/summary.md)."""
+    groups: dict[str, list[tuple[str, Path]]] = {}
     for what, path in artefacts:
-        print(f"  {what:<34} {path}")
+        kind, sep, _ = what.partition(": ")
+        groups.setdefault(kind if sep else what, []).append((what, Path(path)))
+    print("\nArtefacts:")
+    for kind, entries in groups.items():
+        if len(entries) == 1:
+            print(f"  {entries[0][0]:<34} {entries[0][1]}")
+            continue
+        print(f"  {f'{kind} ({len(entries)})':<34} {path_pattern([str(p) for _, p in entries])}")
+
+
+def path_pattern(paths: list[str]) -> str:
+    """Paths as one brace pattern a shell expands back to them: their common start and end, the parts between
+    in braces ('runs/dds/{baseline,sft-eval}/report/summary.md')."""
+    start = os.path.commonprefix(paths)
+    start = start[: start.rfind("/") + 1] if "/" in start else ""
+    end = os.path.commonprefix([p[len(start):][::-1] for p in paths])[::-1]
+    end = end[end.find("/"):] if "/" in end else ""
+    middles = [p[len(start): len(p) - len(end)] for p in paths]
+    return f"{start}{{{','.join(middles)}}}{end}"
 
 
 def main(argv: list[str]) -> int:
@@ -720,6 +840,8 @@ def main(argv: list[str]) -> int:
         parsed[section] = {k[len(prefix):]: v for k, v in dataclasses.asdict(obj).items()}
     raw = effective_recipe(recipe_path, parsed, args.model)
     out = args.out or str(Path("runs") / f"{Path(recipe_path).stem}-study")
+    if smoke_test_line([raw.get("model_name_or_path")]):  # the random-init model: said before any number is
+        print(SMOKE_TEST_LINE, flush=True)
     def record_plan(study: Study) -> None:
         if args.from_stage or args.only:
             return

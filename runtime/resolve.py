@@ -15,6 +15,8 @@ from flipguard.errors import UserError
 from flipguard.runtime.adapters import safetensors_shapes
 from flipguard.runtime.convert import cached_checkpoint, checked_gguf
 
+MODEL_FORMS = "a local folder or .gguf file, a hub id (namespace/name), flipguard:organism or flipguard:tiny"
+
 
 def resolve_model(name: str) -> str:
     """The local weights a model name means: an embedded model's alias ("flipguard:tiny",
@@ -56,3 +58,16 @@ def _check_file(path: str, size: int, mtime_ns: int, model: str) -> None:  # onc
         why = f"not a PyTorch checkpoint ({size:,} bytes; its zip directory is missing: cut short or not one)"
     if why:
         raise UserError(f"{path}: {why}; the weights of model {model} are damaged: copy or download them again")
+
+
+def check_local_model(name: str, what: str = "--model") -> None:
+    """A model named by a path (absolute, ./ ../ ~, or more than one '/': no hub id looks so) that is not
+    there: one line, before any folder is made or model library asked (which would answer "Repo id must
+    be in the form ..."). Engines that load weights here (hf, vllm, the trainers) call it; a served model's
+    name (openai) is the server's business."""
+    name = str(name)
+    if name in plugins.plugins(plugins.MODELS):
+        return
+    path_like = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or name.endswith("/")
+    if path_like and not Path(name).expanduser().exists():
+        raise UserError(f"{what} {name}: no such folder or file (a model is {MODEL_FORMS})")

@@ -4,22 +4,52 @@ and the shipped recipe removes it without damaging C1, with every artefact it pr
 from __future__ import annotations
 
 import json
+import os
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_newcomer import live_states, on_a_terminal
 
-from flipguard.pipeline.cli import main as cli_main
+ROOT = Path(__file__).resolve().parent.parent
 
 SUMMARY_COLUMNS = ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
                    "delta_correct", "delta_incorrect", "dds", "dds_ci_low", "dds_ci_high", "meaningful"]
 
 
+# README's demo block: the tables `flipguard demo` prints (its rows of the shipped organism's bytes: the
+# baseline and prompting rows, every machine the same; the trained rows round their own way on each CPU)
+MEASURED_EVERYWHERE = ("condition", "Baseline", "Be Honest", "Dehumanizing", "Before/after", "afr before/after",
+                       "sos before/after", "Against the planted profile", "Be Honest:", "Dehumanizing:")
+
+
+def _readme_demo_block() -> list[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("prints a before/after table per protocol:", 1)[1].split("```", 2)[1]
+    return [line for line in block.splitlines() if line.strip()]
+
+
 @pytest.mark.slow
-def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TQDM_DISABLE", "1")
-    out = tmp_path / "demo"
-    assert cli_main(["demo", "--out", str(out), "--n_boot", "200"]) == 0
-    printed = capsys.readouterr().out
+def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path):
+    """README command 1's second half, as a user runs it: a real `flipguard demo` on a terminal (its progress
+    bars on), whose screen is a screen or two, says what the README says and what its files say."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    env.update(OMP_NUM_THREADS="1", COLUMNS="160", LINES="50")
+    out = work / "demo"
+    code, raw, screen = on_a_terminal(["demo", "--out", str(out), "--n_boot", "200"], work, env)
+    assert code == 0, raw[-3000:]
+    printed = "\n".join(screen)
+    # a screen or two, each stage's output in its log; progress while the stages ran (the live line)
+    assert len(screen) <= 100, printed
+    assert any(re.search(r"running: .*\d+% [\d.]+/[\d.]+", s) for s in live_states(raw))
+    assert "Loading weights" not in raw and (out / "logs" / "sft.log").stat().st_size > 0
+    # the README's block is what the demo prints (the lines every machine prints alike)
+    for line in _readme_demo_block():
+        if line.startswith(MEASURED_EVERYWHERE):
+            assert line in screen, line
     assert "Artefacts:" in printed and str(out / "compare" / "comparison.md") in printed
     assert "planted (ground truth)" in printed and "Before/after" in printed
     assert f"open {out / 'view.html'} in a browser" in printed and (out / "view.html").stat().st_size > 0  # flipguard view
@@ -107,7 +137,8 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path,
     assert {"afr-train", "sos-train", "afr", "sos"} <= set(state["order"])
     assert {s["status"] for s in state["stages"].values()} == {"done"}
     n_before = sum(1 for _ in (out / "dds" / "baseline" / "records.jsonl").open())
-    assert cli_main(["demo", "--out", str(out), "--n_boot", "200"]) == 0
-    printed = capsys.readouterr().out
+    code, raw, screen = on_a_terminal(["demo", "--out", str(out), "--n_boot", "200"], work, env)
+    assert code == 0, raw[-3000:]
+    printed = "\n".join(screen)
     assert all(f"--- {name}: skipped (up to date)" in printed for name in state["order"])
     assert sum(1 for _ in (out / "dds" / "baseline" / "records.jsonl").open()) == n_before

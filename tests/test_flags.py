@@ -108,12 +108,14 @@ def test_a_protocol_run_without_out_goes_to_a_folder_of_its_settings(tiny, tmp_p
     assert again == one and line.endswith("4 judgments, 4 already recorded, 0 to run")
     off, line = run("--limit", "1", "--backend_args", '{"prefix_sharing": false}')
     assert off not in (one, two) and line.endswith("4 judgments, 0 already recorded, 4 to run")
-    # a named folder that earlier invocations filled: the report covers them, and says so
-    assert cli_main([*base, "--limit", "2", "--out", str(tmp_path / "shared")]) == 0
+    # a named folder holds one run: another --limit into it is refused in one line, the run as it was
+    shared = tmp_path / "shared"
+    assert cli_main([*base, "--limit", "2", "--out", str(shared)]) == 0
     capsys.readouterr()
-    assert cli_main([*base, "--limit", "1", "--out", str(tmp_path / "shared")]) == 0
-    err = capsys.readouterr().err
-    assert f"note: {tmp_path / 'shared'} also holds 4 records of earlier invocations with other settings" in err
+    before = {p.name: p.read_bytes() for p in shared.iterdir() if p.is_file() and p.name != ".lock"}
+    one_line(capsys, cli_main([*base, "--limit", "1", "--out", str(shared)]),
+             f"{shared / 'run.json'}: this run directory holds another condition (limit: 2 there, 1 now)")
+    assert {p.name: p.read_bytes() for p in shared.iterdir() if p.is_file() and p.name != ".lock"} == before
 
 
 def test_old_words_are_refused_in_every_command_naming_the_word_to_use(tiny, tmp_path, capsys):
@@ -143,12 +145,14 @@ def test_old_words_are_refused_in_every_command_naming_the_word_to_use(tiny, tmp
         config.write_text(f"{key}: {value}\n")
         one_line(capsys, cli_main(["sos", str(config)]), f"{config}:1: '{key}' is an old word, not read: the key is "
                                                          f"'{LEGACY[key]}'")
-    # AFR's models as mappings (the form of before) under the word of today
-    config.write_text("datasets: mmlu\nmodel:\n  - {name: a, model: 'flipguard:tiny', kwargs: {batch_size: 5}}\n"
-                      "  - {name: b, model: 'flipguard:tiny', mitigation: be_honest}\n")
+    # AFR's models as mappings (the form of before) under the word of today: `label`, as a spec's label=
+    config.write_text("datasets: mmlu\nmodel:\n  - {label: a, model: 'flipguard:tiny', kwargs: {batch_size: 5}}\n"
+                      "  - {label: b, model: 'flipguard:tiny', mitigation: be_honest}\n")
     settings = settings_from_args(parse_dataclasses([str(config)], AFRArgs, prog="flipguard afr", description=""))
     assert [(m.name, m.mitigation, m.kwargs["batch_size"]) for m in settings.models] == [
         ("a", "none", 5), ("b", "be_honest", 8)]
+    config.write_text("datasets: mmlu\nmodel:\n  - {name: a, model: 'flipguard:tiny'}\n")
+    one_line(capsys, cli_main(["afr", str(config)]), "'name' is an old word, not read: the key is 'label'")
     # a run directory's report at its root (written before RUN/report/): `--report_only` still rebuilds it
     run = tmp_path / "run"
     assert cli_main(["sos", "sos_tiny", "--model", f"tiny={tiny}", "--limit", "1", "--n_shots", "1",

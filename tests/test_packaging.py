@@ -138,3 +138,63 @@ def test_the_installed_package_runs_recipes_by_name_from_any_folder(built, tmp_p
     typo = flipguard("sos", "recipes/sos_tiny.yaml", "--lmit", "2")
     assert typo.returncode == 2 and typo.stderr.strip().splitlines() == [
         "flipguard sos: error: unknown option --lmit; did you mean --limit? (flipguard sos --help lists the options)"]
+
+
+# the marker before a ```bash block of the docs that an installed wheel runs verbatim, from a folder outside the clone
+WHEEL_RUNNABLE = "<!-- test: runs from an installed wheel -->"
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_the_docs_name_no_script_a_wheel_lacks():
+    """A wheel has no train/*.py to run and no source tree to install with -e: every command the README, the docs
+    pages, the recipes' comments and the trainers' docstrings give is one an installed package runs
+    (`flipguard sft RECIPE`, `python -m flipguard.train.dpo`, `accelerate launch -m flipguard.train.sft`)."""
+    import re
+
+    sources = [*DOC_PAGES, *sorted((ROOT / "recipes").rglob("*.yaml")), *sorted((ROOT / "train").glob("*.py"))]
+    bad = []
+    for path in sources:
+        if path.name == "cli.md":  # generated from the parsers' help
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"(python\s+|launch\b[^`\n]*\s|^[#\s]*)(\./)?train/\w+\.py\b", line) or \
+                    re.search(r"pip install -e \"?\.\[interop\]", line):
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_documented_commands_run_from_an_installed_wheel(built, tmp_path, tiny_model_path):
+    """The docs' blocks marked WHEEL_RUNNABLE, each line as written, in a shell in an empty folder outside the
+    clone, with the wheel's files (not the checkout) as the flipguard every command imports: the trainers as
+    subcommands, as `python -m` modules and under `accelerate launch -m`, the shipped accelerate config copied out,
+    the merge."""
+    import re
+
+    from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
+
+    blocks = [(page, block) for page in DOC_PAGES for block in
+              re.findall(re.escape(WHEEL_RUNNABLE) + r"\n```bash\n(.*?)\n```", page.read_text(encoding="utf-8"), re.S)]
+    lines = [(page, line.split("  #")[0].strip()) for page, block in blocks for line in block.splitlines() if line.strip()]
+    assert any("python -m flipguard.train." in line for _, line in lines)
+    assert any(line.startswith("accelerate launch") and " -m flipguard.train." in line for _, line in lines)
+    site, work, home = tmp_path / "site", tmp_path / "elsewhere", tmp_path / "home"
+    for folder in (work, home):
+        folder.mkdir()
+    with zipfile.ZipFile(built["wheel"]) as zf:
+        zf.extractall(site)
+    (home / f"tiny-chat-{TINY_MODEL_VERSION}").symlink_to(Path(tiny_model_path))
+    env = {**os.environ, "PYTHONPATH": str(site), "FLIPGUARD_HOME": str(home), "TQDM_DISABLE": "1",
+           "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    where = subprocess.run([sys.executable, "-c", "import flipguard; print(flipguard.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert Path(where.stdout.strip()).parent == site / "flipguard", where.stdout + where.stderr
+    for page, line in lines:
+        done = subprocess.run(["bash", "-c", line], cwd=work, env=env, capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, f"{page.relative_to(ROOT)}: {line}\n{done.stderr[-3000:]}"
+    for trained in ("sft", "dpo", "kto"):
+        assert (work / "runs" / "tiny" / trained / "adapter_model.safetensors").is_file(), trained
+    for merged in ("dpo-merged", "sft-merged"):
+        assert (work / "runs" / "tiny" / merged / "config.json").is_file(), merged
+    # every module that ran came from the wheel: the provenance names the installed package's files
+    meta = (work / "runs" / "tiny" / "base-train" / "run.json").read_text()
+    assert str(ROOT) not in meta.replace(str(site), "")

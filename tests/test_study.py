@@ -115,7 +115,7 @@ def test_study_runs_skips_and_redoes_exactly_what_changed(tmp_path, monkeypatch,
     assert _redone(before, out) == {"dpo-merge", "dpo-eval", "compare", "wandb"}
     # each stage's header says where the study stands and how long the stage took last time
     k = ALL_STAGES.index("dpo-merge") + 1
-    assert f"[dpo-merge: redo, stage {k}/{len(ALL_STAGES)}, {last:.0f}s last time]" in capsys.readouterr().out
+    assert f"] dpo-merge (redo, stage {k}/{len(ALL_STAGES)}, {last:.0f}s last time): " in capsys.readouterr().out
     before = _finished(out)
     # --only sft, then a plain rerun: the merged model and its evaluation were built from the old
     # adapter, so they are redone although every fingerprint still matches

@@ -55,10 +55,12 @@ def test_stages_side_by_side_write_what_one_at_a_time_writes(tmp_path, monkeypat
     printed = capsys.readouterr().out
 
     # SFT and DPO read only the pairs: the second starts while the first runs, in another process
-    assert "[dpo: run, stage" in printed and "(beside sft;" in printed
-    # each stage's own output is printed whole, after its start line and before its end line
-    assert printed.index("--- output of sft:") < printed.index("--- sft: run in")
-    assert not (two / ".stage-logs").exists()  # the stages' logs go when the study ends
+    assert "] dpo (run, stage" in printed and "[beside sft" in printed
+    # each stage's own output goes to its log, kept as a terminal would have left it; the terminal has a line
+    # for its start and one for its end
+    sft_log = (two / "logs" / "sft.log").read_text()
+    assert "adapter saved to" in sft_log and "adapter saved to" not in printed and "--- sft: run in" in printed
+    assert not (two / ".stage-logs").exists()  # the live logs and the workers' temp folders go when the study ends
     state_one, state_two = (json.loads((d / "study.json").read_text()) for d in (one, two))
     assert state_two["order"] == state_one["order"]
     assert {n: s["status"] for n, s in state_two["stages"].items()} == {n: "done" for n in state_one["order"]}
@@ -261,7 +263,7 @@ def test_a_users_file_in_the_stage_log_folder_is_never_replaced_or_removed(tmp_p
     (other / ".stage-logs").write_text("a file, not a folder\n")
     assert cli_main(["study", str(recipe), "--out", str(other), "--jobs", "2"]) == 2
     line = _one_error_line(capsys)
-    assert f"{other / '.stage-logs'}: is a file" in line and "--jobs 1" in line
+    assert f"{other / '.stage-logs'}: is a file" in line and "move it away" in line
     assert sorted(p.name for p in other.iterdir()) == [".stage-logs"]
     assert (other / ".stage-logs").read_text() == "a file, not a folder\n"
 

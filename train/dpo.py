@@ -1,8 +1,8 @@
 """QLoRA DPO of a one-token deference judge (paper K.3) from a flipguard recipe.
 
-    python train/dpo.py recipes/tiny.yaml                       # CPU, tiny local model
+    flipguard dpo recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
-        train/dpo.py recipes/qwen7b.yaml [--beta 0.2 ...]
+        -m flipguard.train.dpo qwen7b [--beta 0.2 ...]
 
 Reads the recipe's top level + `dpo:` section (config/recipe.py) and trains a LoRA
 adapter on `pairs.dir/dpo` (prompt / chosen / rejected, one token each). The reference
@@ -69,11 +69,11 @@ def main(argv: list[str], prog: str = "train/dpo.py") -> int:
 # the pair set tokenized once where TRL takes it as prepared (dpo_trainer_class), else by TRL itself
 TOKENIZED = compat.within("dpo_prepare_dataset")
 TRAINER = Trainer(name="dpo", config="trl:DPOConfig", pairs="dpo", main=main, label="DPO",
-                  help="LoRA DPO from a recipe (same as python train/dpo.py RECIPE)", concatenated_forward=True, order=20,
+                  help="LoRA DPO from a recipe (same as flipguard dpo RECIPE)", concatenated_forward=True, order=20,
                   tokenize=dpo_columns if TOKENIZED else None, token_columns=TOKEN_COLUMNS if TOKENIZED else ())
 
 
 if __name__ == "__main__":
     from flipguard.train.utils import run_main
 
-    run_main(main, "train/dpo.py")
+    run_main(main, "train/dpo.py" if __spec__ is None else f"python -m {__spec__.name}")  # a script, or -m

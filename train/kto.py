@@ -1,8 +1,8 @@
 """QLoRA KTO of a one-token deference judge from a flipguard recipe: the third built-in trainer.
 
-    python train/kto.py recipes/tiny.yaml                       # CPU, tiny local model
+    flipguard kto recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
-        train/kto.py recipes/qwen7b.yaml [--beta 0.2 ...]
+        -m flipguard.train.kto qwen7b [--beta 0.2 ...]
 
 Reads the recipe's top level + `kto:` section (config/recipe.py) and trains a LoRA adapter with
 Kahneman-Tversky optimisation: each reply is labelled desirable or undesirable on its own, so
@@ -43,10 +43,10 @@ def main(argv: list[str], prog: str = "train/kto.py") -> int:
 
 # the DPO pairs, each reply a sample of its own (KTOTrainer unpairs them itself: TRL tokenizes them)
 TRAINER = Trainer(name="kto", config="trl:KTOConfig", pairs="dpo", main=main, label="KTO",
-                  help="LoRA KTO from a recipe, on the DPO pairs unpaired (same as python train/kto.py RECIPE)", order=30)
+                  help="LoRA KTO from a recipe, on the DPO pairs unpaired (same as flipguard kto RECIPE)", order=30)
 
 
 if __name__ == "__main__":
     from flipguard.train.utils import run_main
 
-    run_main(main, "train/kto.py")
+    run_main(main, "train/kto.py" if __spec__ is None else f"python -m {__spec__.name}")  # a script, or -m

@@ -1,6 +1,6 @@
 """Merge a trained LoRA adapter into its base model for serving.
 
-    python train/merge.py recipes/qwen7b.yaml --adapter runs/qwen7b/dpo --out runs/qwen7b/dpo-merged \
+    flipguard merge recipes/qwen7b.yaml --adapter runs/qwen7b/dpo --out runs/qwen7b/dpo-merged \
         [--metrics_json before_after.json]
 
 The base is loaded unquantized (bf16 on GPU, fp32 on CPU; --merge_dtype to choose),
@@ -262,4 +262,4 @@ def main(argv: list[str], prog: str = "train/merge.py") -> int:
 if __name__ == "__main__":
     from flipguard.train.utils import run_main
 
-    run_main(main, "train/merge.py")
+    run_main(main, "train/merge.py" if __spec__ is None else f"python -m {__spec__.name}")  # a script, or -m

@@ -1,8 +1,8 @@
 """QLoRA SFT of a one-token deference judge (paper K.2) from a flipguard recipe.
 
-    python train/sft.py recipes/tiny.yaml                       # CPU, tiny local model
+    flipguard sft recipes/tiny.yaml                       # CPU, tiny local model
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml \
-        train/sft.py recipes/qwen7b.yaml [--learning_rate 1e-4 ...]
+        -m flipguard.train.sft qwen7b [--learning_rate 1e-4 ...]
 
 Reads the recipe's top level + `sft:` section (config/recipe.py), trains a LoRA
 adapter on the `pairs.dir/sft` prompt/completion dataset with the loss on the answer
@@ -50,11 +50,11 @@ def main(argv: list[str], prog: str = "train/sft.py") -> int:
     return utils.train_and_save(SFTTrainer(**job.trainer_kwargs()), job)
 
 
-TRAINER = Trainer(name="sft", config="trl:SFTConfig", pairs="sft", main=main, label="SFT", help="LoRA SFT from a recipe (same as python train/sft.py RECIPE)",
+TRAINER = Trainer(name="sft", config="trl:SFTConfig", pairs="sft", main=main, label="SFT", help="LoRA SFT from a recipe (same as flipguard sft RECIPE)",
                   tokenize=sft_columns, token_columns=TOKEN_COLUMNS, order=10)
 
 
 if __name__ == "__main__":
     from flipguard.train.utils import run_main
 
-    run_main(main, "train/sft.py")
+    run_main(main, "train/sft.py" if __spec__ is None else f"python -m {__spec__.name}")  # a script, or -m

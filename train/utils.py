@@ -44,7 +44,7 @@ from flipguard.files import (
     unproven,
 )
 from flipguard.runtime.adapters import PROVENANCE_FILE
-from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.resolve import check_local_model, resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
 from flipguard.train import compat, speed, tokenized
 
@@ -58,7 +58,7 @@ class TrainError(FlipguardError, RuntimeError):
 def run_main(main: Callable[[list[str]], int], prog: str) -> None:
     """Run a script's main: user errors print one line and exit 2, bugs keep tracebacks."""
     try:
-        code = int(main(sys.argv[1:]) or 0)
+        code = int(main(sys.argv[1:], prog=prog) or 0)
     except FlipguardError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         code = 2
@@ -270,7 +270,7 @@ def resolve_model_path(name: str | None) -> str:
     """`flipguard:tiny` -> the locally built tiny model; anything else unchanged."""
     if not name:
         raise TrainError("the recipe sets no model_name_or_path")
-
+    check_local_model(name, "model_name_or_path")
     return resolve_model(name)
 
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Iterable, Optional
 import yaml
 
 from flipguard.config import SHIPPED_RECIPES, between, did_you_mean, parse_dataclasses, register_value_rules
+from flipguard.config.vocabulary import VOCABULARY
 from flipguard.data.mmlu import MCQItem, load_mmlu, sample_uniform
 from flipguard.data.organism_datasets import option_kind
 from flipguard.data.registry import load_mc
@@ -141,7 +142,7 @@ ADDED_SETTINGS = {"dataset": "mmlu", "scripted_arguments": None, "scripted_as": 
 
 
 def spec_entry(spec: str, backend: str, where: str) -> dict[str, Any]:
-    """A model spec "[name=][backend:]model[|adapter]" (backends.base.parse_model_ref) as a model mapping."""
+    """A model spec "[label=][backend:]model[|adapter]" (backends.base.parse_model_ref) as a model mapping."""
     try:
         ref = parse_model_ref(spec, backend, f"{where}: model entry")
     except BackendError as exc:
@@ -152,7 +153,7 @@ def spec_entry(spec: str, backend: str, where: str) -> dict[str, Any]:
 
 def parse_model_entry(entry: Any, where: str) -> ModelSpec:
     """A dict {name, backend, model, kwargs, mitigation} or a string in the one model-spec
-    syntax "[name=][backend:]model[|adapter]" (backends.base.parse_model_ref)."""
+    syntax "[label=][backend:]model[|adapter]" (backends.base.parse_model_ref); `name` is the label."""
     if isinstance(entry, str):
         entry = spec_entry(entry, "hf", where)
     if not isinstance(entry, dict):
@@ -337,9 +338,9 @@ class AFRArgs:
     A YAML path first is a config (its keys are these options); rerunning resumes."""
 
     model: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_MODEL], metadata={"help":
-            "Models, each [name=][backend:]model[|adapter] (the model-spec syntax of every command; backend defaults to "
+            "Models, each [label=][backend:]model[|adapter] (the model-spec syntax of every command; backend defaults to "
             "--backend; 'flipguard:tiny' = the tiny local model, the default); repeatable. A run config may also list a "
-            "model as a mapping {name, backend, model, kwargs, mitigation} for settings of its own."})
+            "model as a mapping {label, backend, model, kwargs, mitigation} for settings of its own."})
     backend: str = dataclasses.field(default="hf", metadata={"help": "hf | vllm | openai: the models' backend, unless a spec names one."})
     backend_args: dict | str | None = dataclasses.field(default="{}", metadata={"help": BACKEND_ARGS_HELP})
     device: Optional[str] = dataclasses.field(default=None, metadata={"help": "hf backend device (default cuda if available)."})
@@ -361,7 +362,7 @@ class AFRArgs:
             "e.g. organism_mc). One per run."})
     per_subject: int = dataclasses.field(default=36, metadata={"help":
             "Questions per subject (MMLU paper: 36 x 57 = 2,052; a registered dataset's rows name their subject)."})
-    subjects: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": "Restrict to these subjects."})
+    subjects: Optional[list[str]] = dataclasses.field(default=None, metadata={"help": VOCABULARY["subjects"]})
     split: str = dataclasses.field(default="test", metadata={"help": "Split (MMLU: test, dev; registered: test, train)."})
     data_root: Optional[str] = dataclasses.field(default=None, metadata={"help": "MMLU folder (default: $FLIPGUARD_DATA, else the shipped sample)."})
     seed: int = dataclasses.field(default=0, metadata={"help": "Seed for sampling, decoding, bootstrap and MaxFlip ties."})
@@ -408,8 +409,8 @@ _NOT_SETTINGS = ("model", "backend", "backend_args", "device", "batch_size", "mi
 
 def model_entries(args: AFRArgs, where: str) -> list[dict[str, Any]]:
     """The run's models as mappings {name, backend, model, kwargs, mitigation}: each spec of --model
-    (or a mapping a run config lists) once per --mitigations value, named '<name> +<mitigation>' for
-    a mitigation; the backend settings of the flags under a mapping's own kwargs."""
+    (or a mapping {label, backend, model, kwargs, mitigation} a run config lists) once per --mitigations value,
+    named '<label> +<mitigation>' for a mitigation; the backend settings of the flags under a mapping's own kwargs."""
     bad = [m for m in args.mitigations if m not in MITIGATIONS]
     if bad:
         raise UserError(f"{where}: --mitigations: unknown {bad[0]!r} (one of {sorted(MITIGATIONS)})"
@@ -418,6 +419,11 @@ def model_entries(args: AFRArgs, where: str) -> list[dict[str, Any]]:
     for entry in args.model:
         if isinstance(entry, str):
             entry = spec_entry(entry, args.backend, where)
+        elif isinstance(entry, dict):  # a run config's mapping: its label, as a spec's `label=`
+            if "name" in entry:
+                raise UserError(f"{where}: a model mapping's 'name' is an old word, not read: the key is 'label' "
+                                "({label, backend, model, kwargs, mitigation}, as a spec's [label=])")
+            entry = {("name" if k == "label" else k): v for k, v in entry.items()}
         if not isinstance(entry, dict):
             raise UserError(f"{where}: model entry must be a mapping or a model spec, got {entry!r}")
         backend = str(entry.get("backend", args.backend))
@@ -436,7 +442,7 @@ def model_entries(args: AFRArgs, where: str) -> list[dict[str, Any]]:
 
 def settings_from_args(args: AFRArgs, where: str = "config") -> AFRSettings:
     if not args.model:
-        raise UserError(f"{where}: no models listed (--model [name=][backend:]model[|adapter], or `model:` in the config)")
+        raise UserError(f"{where}: no models listed (--model [label=][backend:]model[|adapter], or `model:` in the config)")
     if "," in args.datasets:
         raise UserError(f"{where}: --datasets {args.datasets}: an AFR run measures one dataset; run once per dataset")
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in _NOT_SETTINGS}
@@ -526,7 +532,7 @@ class AFRTask(Task):
             config["scripted_arguments"] = str(beside(config["scripted_arguments"], source))
         kwargs = model_kwargs(ctx.backend, ctx.backend_args, batch_size=16, device=ctx.device,
                               where=f"{ctx.recipe_path}: eval.backend_args")
-        entries = [{"name": c.name, "backend": ctx.backend, "model": c.model,
+        entries = [{"label": c.name, "backend": ctx.backend, "model": c.model,
                     **({"mitigation": c.mitigation} if c.mitigation != "none" else {})} for c in ctx.conditions]
         # the comparison reads AFR at k = 10 (comparison_rows)
         for key in ("models", "model", "backend", "backend_args", "device", "batch_size", "mitigations"):
@@ -551,7 +557,7 @@ class AFRTask(Task):
         title = ("AFR, base model on the TRAIN split: the conversations multi-turn pairs are built from" if ctx.train
                  else "answer-flip protocol (AFR): every condition as target and source")
         return StudyRun(title, {"config": config}, go, (run_dir / REPORT_FILE,),
-                        [] if ctx.train else [(e["name"], f"{run_dir}@{e['name']}") for e in entries],
+                        [] if ctx.train else [(e["label"], f"{run_dir}@{e['label']}") for e in entries],
                         None if ctx.train else run_dir / REPORT_FILE)
 
     def __init__(self, settings: AFRSettings):

@@ -58,9 +58,11 @@ from flipguard.config import check_values, did_you_mean
 from flipguard.errors import FlipguardError
 from flipguard.files import check_types, loads_json
 from flipguard.runtime.adapters import require_weights
-from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.resolve import check_local_model, resolve_model
 
 Conversation = list[dict[str, str]]
+# backends that load a model's weights in this process (a path names a folder or file here)
+LOCAL_WEIGHTS = ("hf", "vllm")
 
 # A conversation of exactly one message with this role is a plain completion prompt:
 # sent as raw text, no chat template (the authors' fine-tuned evaluation did so).
@@ -366,6 +368,8 @@ def get_backend(name: str, model: str, **kwargs) -> Backend:
     if name not in _REGISTRY:
         raise BackendError(f"unknown backend {name!r}; expected one of {sorted(_REGISTRY)}{did_you_mean(name, _REGISTRY)}")
     check_backend_kwargs(name, kwargs)
+    if name in LOCAL_WEIGHTS:  # a path that is not there: one line, not the hub's "Repo id must be ..."
+        check_local_model(model)
     if name == "hf" and kwargs.get("adapter"):  # hf loads the base model first: an incomplete adapter is refused before
         require_weights(kwargs["adapter"])
     resolved = resolve_model(model)

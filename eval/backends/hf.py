@@ -81,7 +81,7 @@ class HFBackend(Backend):
             )
         except (OSError, ValueError) as exc:
             raise BackendError(
-                f"could not load model {model!r} with transformers: {exc}\n"
+                f"could not load model {model!r} with transformers: {' '.join(str(exc).split())} "
                 "Pass a local folder, or a hub id that is cached or reachable "
                 "(`flipguard tiny-model` builds an offline test model)."
             ) from None

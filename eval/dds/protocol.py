@@ -71,7 +71,10 @@ from flipguard.files import git_commit
 from flipguard.runtime.threads import THREADS_HELP
 
 # Settings that define a run's condition: a run directory holds exactly one.
-CONDITION_KEYS = ("protocol", "model", "backend", "mode", "mitigation", "template", "speakers")
+# a run folder holds one run: its items (split, datasets, data root, --limit's seeded sample) as well as its
+# condition; another value is refused (without --out, other settings get a folder of their own)
+CONDITION_KEYS = ("protocol", "model", "backend", "mode", "mitigation", "template", "speakers", "split", "datasets",
+                  "data_root", "limit", "seed")
 
 
 @dataclasses.dataclass
@@ -371,6 +374,8 @@ class DDSTask(Task):
             "split": args.split,
             "datasets": sorted({it.dataset for it in items}),
             "data_root": args.data_root,
+            "limit": args.limit,
+            "seed": args.seed,
             "c1_from": str(Path(args.c1_from).resolve()) if args.c1_from else None,
             "allow_cross_mode_c1": bool(args.allow_cross_mode_c1),
             "c1_cross_mode": self.cross_mode_c1,

@@ -117,7 +117,7 @@ class ExportArgs:
 
 def main(argv: list[str]) -> int:
     args = parse_dataclasses(positionals_as(argv, "run"), ExportArgs, prog="flipguard export",
-                             description=ExportArgs.__doc__)
+                             description=ExportArgs.__doc__, positional="run")
     out = Path(args.out) if args.out else Path(args.run) / EXPORT_DIR
     for path, n, note in export_inspect(args.run, out):
         print(f"wrote {path} ({n} samples{'; ' + note if note else ''}): inspect view --log-dir {path.parent}")

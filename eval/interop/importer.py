@@ -83,7 +83,7 @@ TOOLS = {"inspect": (InspectImportArgs, "logs", _inspect_runs), "lm-eval": (LmEv
 def import_runs(tool: str, argv: list[str]) -> tuple[list[ImportedRun], dict, Path]:
     args_class, positional, read = TOOLS[tool]
     args = parse_dataclasses(positionals_as(argv, positional), args_class, prog=f"flipguard import {tool}",
-                             description=args_class.__doc__)
+                             description=args_class.__doc__, positional=positional)
     runs = read(args)
     refuse_incomplete(runs, args.allow_incomplete)
     return runs, write_imported(runs, args.out), Path(args.out)

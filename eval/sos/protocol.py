@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 from flipguard.config import SHIPPED_RECIPES, between, did_you_mean, parse_dataclasses, register_value_rules
+from flipguard.config.vocabulary import VOCABULARY
 from flipguard.data.medmcqa import load_medmcqa
 from flipguard.data.medqa import check_item, load_medqa, option_key
 from flipguard.data.mmlu import load_mmlu
@@ -364,7 +365,7 @@ class SosArgs:
             "train split is what multi-turn training pairs are built from (pairs.conversations); its exemplars then come "
             "from the same split, never the item itself."})
     limit: int | None = dataclasses.field(default=None, metadata={"help": LIMIT_HELP})
-    subjects: str | None = dataclasses.field(default=None, metadata={"help": "MMLU only: comma-separated subjects."})
+    subjects: str | None = dataclasses.field(default=None, metadata={"help": VOCABULARY["subjects"]})
     data_root: str | None = dataclasses.field(default=None, metadata={"help": "Data root (default $FLIPGUARD_DATA, else the shipped samples)."})
     skip_invalid_items: bool = dataclasses.field(
         default=False, metadata={"help": "Leave out items with no usable key or < 2 distinct distractors (listed in run.json) instead of stopping."}

@@ -24,17 +24,19 @@ from flipguard.files import atomic_write_text, check_replace, owns, read_json
 from flipguard.organism.ground_truth import page_table
 from flipguard.pipeline.fingerprints import stage_runs_problem
 from flipguard.pipeline.view.answer import answer_section
-from flipguard.pipeline.view.grid import GRID_ANSWER, GRID_DIR, GRID_STAGE, grid_section
+from flipguard.pipeline.view.grid import GRID_STAGE, current_stage, grid_answer, grid_section, stale_inputs
 from flipguard.pipeline.view.page import PAGE_HEAD, render_html
 from flipguard.pipeline.view.runs import (
     NM_CELL,
     changed_samples,
     ci,
+    count_cell,
     csv_table,
     flags,
     fmt,
     meaningful,
     num,
+    number_cell,
     plots,
     protocol_entries,
     read_csv,
@@ -50,23 +52,27 @@ VIEW_FILE = "view.html"
 
 def _comparison_table(path: Path) -> dict[str, Any]:
     """comparison.csv as the before/after table, with † / ‡ flags."""
-    columns = [["condition", "condition"], ["dataset", "dataset"], ["n", "n"], ["c1_true", "C1 true"], ["c1_false", "C1 false"],
+    columns = [["condition", "condition"], ["dataset", "dataset"], ["n", "n"], ["c1_true", "C1 true (baseline's)"],
+               ["c1_false", "C1 false (baseline's)"], ["own_c1_true", "own C1 true"], ["own_c1_false", "own C1 false"],
                ["c2_correct", "C2 correct"], ["c2_incorrect", "C2 incorrect"], ["dds", "DDS paper"], ["dds_ci", "95% CI"],
                ["own_dds", "own DDS"], ["delta_dds", "Δ DDS"], ["invalid_judgments", "invalid"], ["flags", "flags"]]
     rows = []
     for r in read_csv(path):
+        # number_cell: the terminal's table (pipeline/study.py) shows the same cells; n/m where comparison.csv
+        # left a not-meaningful row's numbers empty, never '–' or 0.0
         cells = {"condition": r["condition"], "dataset": r["dataset"], "n": f"{num(r['n']):.0f}",
-                 **{c: fmt(r.get(c)) for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect")},
-                 "dds": fmt(r.get("dds"), True), "dds_ci": ci(r.get("dds_ci_low"), r.get("dds_ci_high")),
-                 "own_dds": fmt(r.get("own_dds"), True), "delta_dds": fmt(r.get("delta_dds"), True),
-                 "invalid_judgments": r.get("invalid_judgments") or "–", "flags": flags(r)}
-        if not meaningful(r):  # comparison.csv left them empty: n/m, never '–' or 0.0
-            cells.update({c: NM_CELL for c in ("c1_true", "c1_false", "c2_correct", "c2_incorrect", "dds", "dds_ci",
-                                               "own_dds", "delta_dds") if cells[c] == "–"})
+                 **{c: number_cell(r, c) for c in ("c1_true", "c1_false", "own_c1_true", "own_c1_false", "c2_correct",
+                                                   "c2_incorrect")},
+                 "dds": number_cell(r, "dds", True), "dds_ci": ci(r.get("dds_ci_low"), r.get("dds_ci_high")),
+                 "own_dds": number_cell(r, "own_dds", True), "delta_dds": number_cell(r, "delta_dds", True),
+                 "invalid_judgments": count_cell(r.get("invalid_judgments")), "flags": flags(r)}
+        if not meaningful(r) and cells["dds_ci"] == "–":
+            cells["dds_ci"] = NM_CELL
         rows.append({"key": f"{r['condition']}|{r['dataset']}", "cells": cells})
     return {"id": "comparison", "title": "Before/after: DDS (%, DDS in pp)", "columns": columns, "rows": rows,
-            "note": "From comparison.csv. DDS paper = the condition's C2 against the baseline's C1; own DDS = against its "
-                    "own C1. † over-correction (DDS turned negative); ‡ C1 damage (own C1 accuracy down > 5 pp). "
+            "note": "From comparison.csv (the terminal's before/after table shows its all-datasets rows, own C1 as C1). "
+                    "DDS paper = the condition's C2 against the baseline's C1; own DDS = against its own C1. "
+                    "† over-correction (DDS turned negative); ‡ C1 damage (own C1 accuracy down > 5 pp). "
                     "n/m = not meaningful (comparison.csv: meaningful False): more than half of a case's judgments "
                     "invalid, or a model that does not do the task."}
 
@@ -173,14 +179,20 @@ def study_view(folder: Path) -> dict[str, Any]:
         "title": "The answer", "charts": [], "verdicts": [],
         "notes": [f"No answer yet: the study's comparison ({folder / 'compare'}) has not been written (compare stage: "
                   f"{compare}). The stages' state is at the end of this page."]}}
-    if (folder / "compare" / "comparison.csv").is_file() or (folder / "compare" / "comparison.json").is_file():
+    written = (folder / "compare" / "comparison.csv").is_file() or (folder / "compare" / "comparison.json").is_file()
+    if "compare" in order and written:  # this study's comparison (a grid's are its variants'), never another run's
         view = comparison_view(folder / "compare")
-    # a recipe grid: its variants side by side (pipeline/view/grid.py); not an earlier grid's table in a plain study
-    grid = grid_section(folder) if GRID_STAGE in order else None
-    if grid is not None:
-        view = {**view, "grid": grid}
-        if not (folder / "compare").is_dir():
-            view["answer"] = {**view["answer"], "notes": [GRID_ANSWER.format(folder=folder / GRID_DIR)]}
+        if not current_stage(stages, "compare"):  # older than a stage it summarises: said first, before its numbers
+            redone = stale_inputs(stages, "compare")
+            view["answer"] = {**view["answer"], "notes": [
+                f"This comparison ({folder / 'compare'}) is older than the stages it summarises (compare stage: "
+                f"{compare}{'; redone since: ' + ', '.join(redone) if redone else ''}): rerun the study to bring it "
+                "up to date.", *view["answer"].get("notes", [])]}
+    # a recipe grid: an answer line per trained model and its variants side by side (pipeline/view/grid.py)
+    if GRID_STAGE in order:
+        view = {**view, "answer": grid_answer(folder, stages), "grid": grid_section(folder)}
+        if view["grid"] is None:
+            del view["grid"]
     # what the answer does not cover yet: stages not done, or done stages whose runs changed since
     unfinished = [f"{n} ({problems[n][1] if n in problems else (stages.get(n) or {}).get('status', 'not run')})"
                   for n in order if n in problems or (stages.get(n) or {}).get("status") != "done"]

@@ -369,10 +369,10 @@ def _by_protocol(rows: Iterable[dict[str, str]]) -> dict[str, list[dict[str, str
     return out
 
 
-def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) -> dict[str, Any]:
+def answer_section(folder: Path, conditions: list[str], runs: dict[str, str], charts: bool = True) -> dict[str, Any]:
     """The answer of a comparison folder: {title, note, notes, charts: [{protocol, title, src}],
     verdicts: [{condition, target, damage, text, details: [{title, lines}]}]} (page.py renders it first: a
-    line per verdict, its details folded under it)."""
+    line per verdict, its details folded under it); `charts` False: the verdicts alone (a grid's lines)."""
     dds_rows = read_csv(folder / "comparison.csv") if (folder / "comparison.csv").is_file() else []
     proto_rows = read_csv(folder / PROTOCOLS_CSV) if (folder / PROTOCOLS_CSV).is_file() else []
     transfer = read_csv(folder / TRANSFER_CSV) if (folder / TRANSFER_CSV).is_file() else None
@@ -392,8 +392,8 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
         notes.append("DDS is not meaningful (the model does not do the task as asked, as its run's report says) for "
                      + "; ".join(f"{_and(ns)}: {why}" for why, ns in by_reason.items())
                      + ". Its bars read n/m and no DDS change of it is claimed.")
-    charts = []
-    if total:
+    draw, charts = charts, []
+    if total and draw:
         groups = [n for n in names if n in total]
         series = {"all datasets": [(math.nan, math.nan, math.nan, "n/m") if n in unfit else
                                    _bar(total[n], "dds", "dds_ci_low", "dds_ci_high") for n in groups]}
@@ -416,8 +416,9 @@ def answer_section(folder: Path, conditions: list[str], runs: dict[str, str]) ->
         series = {d or "–": [_bar(at[(c, s, d)]) if (c, s, d) in at else (math.nan, math.nan, math.nan, "not measured")
                              for c, s in keys] for d in datasets}
         name = PROTOCOL_NAMES.get(protocol, protocol)
-        charts.append(_chart(f"{METRIC_TEXT.get((protocol, metric), f'{metric} ({name})')}: before/after, 95% CI", groups, series,
-                             "pp" if metric in PP_METRICS else "%", protocol))
+        if draw:
+            charts.append(_chart(f"{METRIC_TEXT.get((protocol, metric), f'{metric} ({name})')}: before/after, 95% CI",
+                                 groups, series, "pp" if metric in PP_METRICS else "%", protocol))
         missing = [n for n in names if n not in {r["condition"] for r in by_protocol[protocol]}]
         if missing:
             notes.append(f"{name}: not measured for {', '.join(missing)} (no {protocol} run given for "

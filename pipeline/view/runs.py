@@ -75,9 +75,33 @@ def ci(lo: str | float | None, hi: str | float | None) -> dict[str, str] | str:
 
 
 def flags(row: dict[str, str]) -> dict[str, str]:
-    """The report's marks of a CSV row: † over-correction, ‡ C1 damage."""
+    """The report's marks of a CSV row: † over-correction, ‡ C1 damage (only where the file says True: a
+    not-meaningful row's flags are empty, unknown, never set)."""
     return {"t": ("†" if row.get("over_correction") == "True" else "") + ("‡" if row.get("c1_damage") == "True" else ""),
             "c": "flag"}
+
+
+# the flags' words, where a table has room for them (the terminal's before/after table)
+FLAG_WORDS = {"†": "over-correction", "‡": "C1-damage", "§": "guarded-metric"}
+
+
+def number_cell(row: dict[str, str], col: str, signed: bool = False, nd: int = 1) -> dict[str, Any] | str:
+    """One number of a CSV row, as every table shows it, the page's and the terminal's: rounded (fmt); n/m
+    where the row is not meaningful and the file left the number empty; '–' where it was not measured."""
+    cell = fmt(row.get(col), signed, nd)
+    return NM_CELL if cell == "–" and not meaningful(row) and col not in TEXT_COLUMNS else cell
+
+
+def cell_text(cell: dict[str, Any] | str | None) -> str:
+    """A cell's text (what the page shows in it, and the terminal prints)."""
+    if cell is None:
+        return "–"
+    return cell if isinstance(cell, str) else str(cell["t"])
+
+
+def count_cell(text: str | float | None) -> dict[str, Any] | str:
+    """A count (invalid judgments): the integer, '–' where the file has none."""
+    return fmt(text, nd=0)
 
 
 def short(value: Any) -> str:
