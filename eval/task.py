@@ -140,8 +140,6 @@ class Task:
             print(f"report: {report}")
             return 0
         task = cls.from_args(args, where)
-        from flipguard.eval.embedded.tiny_model import smoke_test_line  # here: it imports the DDS task, which imports this
-
         smoke = smoke_test_line(task.models)
         if smoke and is_writer():  # the random-init default: said before any number is
             print(smoke, flush=True)
@@ -239,11 +237,23 @@ class Task:
 # The shared words' common parts (config/vocabulary.py states them): the default model of every protocol,
 # and --limit's rule
 DEFAULT_MODEL = "flipguard:tiny"
+# its names (eval/embedded/tiny_model.py builds and serves it), and the first line a run of it prints: the
+# random-init default of every protocol, so a newcomer's first table is of noise, and says so before the numbers do
+RANDOM_INIT_MODELS = (DEFAULT_MODEL, "tiny")
+SMOKE_TEST_LINE = (f"note: {DEFAULT_MODEL} is the random-init smoke-test model (every protocol's default): its numbers "
+                   "are noise and most of its judgments may be invalid; this run checks that the pipeline works. "
+                   "For numbers that mean something: --model flipguard:organism (the planted-bias judge) or a real model.")
 LIMIT_HELP = ("At most N items per dataset, drawn with --seed (the same seed, the same items), kept in the dataset's "
               "order. Default: every item.")
 # the salt of --limit's sample: the string stick-or-switch drew its samples with from its first runs, so that
 # theirs stay what they were
 LIMIT_SALT = "sos-sample"
+
+
+def smoke_test_line(models) -> str | None:
+    """SMOKE_TEST_LINE when one of `models` (names, specs or model refs) is the random-init default."""
+    names = {str(getattr(m, "model", m)) for m in models}
+    return SMOKE_TEST_LINE if names & set(RANDOM_INIT_MODELS) else None
 
 
 def limit_sample(items: Sequence[Any], limit: int | None, seed: int,

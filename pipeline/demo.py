@@ -27,7 +27,7 @@ from pathlib import Path
 
 from flipguard.config import SHIPPED_RECIPES, find_recipe, parse_dataclasses, read_recipe
 from flipguard.eval.embedded.organism import ORGANISM_ALIAS, organism_info
-from flipguard.eval.embedded.tiny_model import SMOKE_TEST_LINE, smoke_test_line
+from flipguard.eval.task import SMOKE_TEST_LINE, smoke_test_line
 from flipguard.organism.card import capability_card
 from flipguard.pipeline.study import JOBS_HELP, print_artefacts, run_study
 from flipguard.runtime.resolve import check_local_model, resolve_model

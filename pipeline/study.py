@@ -51,8 +51,8 @@ from flipguard.config import (
 from flipguard.errors import FlipguardError, UserError, disk_error
 from flipguard.eval.backends.base import LOCAL_WEIGHTS
 from flipguard.eval.dds.metrics import TOTAL_AVG
-from flipguard.eval.embedded.tiny_model import SMOKE_TEST_LINE, smoke_test_line
 from flipguard.eval.records import FOLDER_KINDS, OWNER_FILE, RUN_META_FILE, now_iso, refuse_other_kind, run_lock
+from flipguard.eval.task import SMOKE_TEST_LINE, smoke_test_line
 from flipguard.eval.task_includes import include_tasks, included_task_files, split_includes
 from flipguard.files import (
     atomic_write_text,

@@ -163,7 +163,7 @@ def test_a_missing_local_model_is_one_line_and_leaves_no_folder(flipguard):
 
 
 def test_a_run_of_the_random_init_default_says_first_that_its_numbers_are_noise(flipguard):
-    from flipguard.eval.embedded.tiny_model import SMOKE_TEST_LINE
+    from flipguard.eval.task import SMOKE_TEST_LINE
 
     done = flipguard("eval", "--limit", "1", "--out", "runs/smoke")
     assert done.returncode == 0, done.stderr[-3000:]

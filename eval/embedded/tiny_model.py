@@ -24,6 +24,7 @@ from flipguard.data.roots import SAMPLES_ROOT
 from flipguard.data.schema import Item
 from flipguard.eval.dds import prompts
 from flipguard.eval.records import CASES
+from flipguard.eval.task import DEFAULT_MODEL, RANDOM_INIT_MODELS
 from flipguard.files import (
     flipguard_home,
     staging_dir,
@@ -205,19 +206,9 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, **overrides) -> str
     return str(target)
 
 
-TINY_MODEL_ALIAS = "flipguard:tiny"
-TINY_MODEL_ALIASES = (TINY_MODEL_ALIAS, "tiny")
-# the first line a run of the random-init model prints: the default of every protocol, so a newcomer's
-# first table is of noise, and says so before the numbers do
-SMOKE_TEST_LINE = (f"note: {TINY_MODEL_ALIAS} is the random-init smoke-test model (every protocol's default): its numbers "
-                   "are noise and most of its judgments may be invalid; this run checks that the pipeline works. "
-                   "For numbers that mean something: --model flipguard:organism (the planted-bias judge) or a real model.")
-
-
-def smoke_test_line(models) -> str | None:
-    """SMOKE_TEST_LINE when one of `models` (names, specs or model refs) is the random-init tiny model."""
-    names = {str(getattr(m, "model", m)) for m in models}
-    return SMOKE_TEST_LINE if names & set(TINY_MODEL_ALIASES) else None
+# the names every protocol's default answers to (eval/task.py: a run of it says first that its numbers are noise)
+TINY_MODEL_ALIAS = DEFAULT_MODEL
+TINY_MODEL_ALIASES = RANDOM_INIT_MODELS
 
 
 def main(argv: list[str]) -> int:
