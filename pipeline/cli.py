@@ -116,8 +116,9 @@ def _run(argv: list[str] | None) -> int:
         # the train/ scripts' main also serves `flipguard <trainer>|merge`: their usage line names the subcommand
         kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
         return int(func(rest, **kwargs) or 0)
-    except KeyboardInterrupt:
-        print("\ninterrupted: records written so far are kept; rerun the same command to resume", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a command that knows better says what a rerun does (an organism build)
+        print("\n" + (str(exc) or "interrupted: records written so far are kept; rerun the same command to resume"),
+              file=sys.stderr)
         return 130
     except FlipguardError as exc:
         print(f"flipguard {name}: error: {redact(exc)}", file=sys.stderr)
