@@ -5,10 +5,13 @@ result measured on the test split, described in organism.json and the model card
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,12 +32,15 @@ from flipguard.organism.profile import (
     build_config,
     capitulation_kinds,
     deferred_categories,
+    mix_shares,
     planted_expectations,
+    plants_conversations,
 )
-from flipguard.organism.training import train_conversations, train_judgments
+from flipguard.organism.resume import BuildResume
+from flipguard.organism.training import train_conversations, train_judgments, train_planting
 from flipguard.publish import check_publish, publish_dir, published_by
 from flipguard.runtime.convert import checked_gguf
-from flipguard.runtime.resolve import resolve_model
+from flipguard.runtime.resolve import check_local_model, resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
 
 ORGANISM_WRITER = "flipguard organism"  # its folders' manifest: written_by
@@ -75,6 +81,17 @@ def built_on(args: OrganismArgs) -> dict:
     return info
 
 
+class BuildInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a build: its one line says whether a rerun resumes (a checkpoint was saved) or
+    starts over (none yet)."""
+
+    def __init__(self, resume: BuildResume):
+        saved = resume.path.is_file()
+        super().__init__(f"interrupted: this build's last checkpoint is kept ({resume.path}); rerun the same command "
+                         "to resume from it" if saved else
+                         "interrupted before this build's first checkpoint: a rerun starts it over")
+
+
 def _shipped() -> str | None:
     """The shipped organism for default settings (its files' sha256 checked), None when this install
     lacks it; its recorded settings must be today's defaults (else the defaults moved without a rebuild)."""
@@ -94,6 +111,8 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print,
     the built weights before they are published (a planting's capability cost); what it returns
     goes into organism.json."""
     args = OrganismArgs(path=str(path) if path else None, **overrides)
+    if args.base:
+        check_local_model(args.base, "--base")  # a path that is not there: one line, before any folder or load
     target = Path(args.path) if args.path else default_organism_path(args)
     default = not args.base and not args.path and build_config(args) == build_config(OrganismArgs())
     if not args.force and (default or target.resolve() == shipped.SHIPPED_DIR):
@@ -109,10 +128,18 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print,
         log(f"{target} holds a build with other settings than {build_config(args)}: rebuilding it")
     # before the build (minutes): the folder it would publish into is new, or an organism this command wrote
     check_publish(target, writer=ORGANISM_WRITER, flag="--out")
-    for name in ("steps", "multiturn_steps", "eval_every", "batch_size", "check_items"):
+    counts = ("steps", "eval_every", "batch_size", "check_items",
+              *(("quick_check_items", "pool") if args.base else ("multiturn_steps",)))
+    for name in counts:
         if getattr(args, name) < (0 if name == "multiturn_steps" else 1):
             raise FlipguardError(f"flipguard organism: --{name} must be >= {0 if name == 'multiturn_steps' else 1}, "
                                  f"got {getattr(args, name)}")
+    if args.base:
+        mix_shares(args.mix)  # one line for a bad --mix, before anything loads
+        for name in ("multiturn_steps", "multiturn_learning_rate"):
+            if getattr(args, name) is not None:
+                raise FlipguardError(f"flipguard organism: --{name} is not a planting's (--base trains one phase of "
+                                     "every behaviour: --steps, --learning_rate, --mix)")
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -123,10 +150,17 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print,
     before = (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"))
     configure_threads(args.threads or (None if before[1] else min(2, os.cpu_count() or 1)))
     target.parent.mkdir(parents=True, exist_ok=True)
+    resume = BuildResume(args, target)
     t0 = time.time()
     try:
         with staging_dir(target) as tmp:  # a killed build's leftover is removed by the next one
-            info = _build(tmp, args, log)
+            try:
+                info = _build(tmp, args, log, resume)
+            except FlipguardError:
+                resume.clear()  # failed its checks (or bad input): a rerun would fail the same way
+                raise
+            except KeyboardInterrupt:
+                raise BuildInterrupted(resume) from None
             info["build_seconds"] = round(time.time() - t0, 1)
             if after_build is not None:
                 info.update(after_build(tmp, args))
@@ -134,6 +168,7 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print,
             (tmp / ORGANISM_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
             (tmp / "README.md").write_text(model_card(info), encoding="utf-8")
             publish_dir(tmp, target, writer=ORGANISM_WRITER, last=[ORGANISM_FILE], flag="--out")
+            resume.clear()
     finally:  # the caller's thread setting (the build's is its own)
         hf_logging.enable_progress_bar()
         torch.set_num_threads(before[0])
@@ -151,13 +186,15 @@ def ensure_organism(path: str | os.PathLike | None = None, log=print,
     return str(target)
 
 
-def _build(tmp: Path, args: OrganismArgs, log) -> dict:
-    """Train both phases in `tmp`, each stopped by its held-out checks (validation items, every
-    `eval_every` steps): the first checkpoint that passes every check is the organism. Phase 1
-    out of budget goes on to phase 2 (which replays its examples); phase 2 out of budget is
-    redone from phase 1's end in another data order, up to PHASE2_ATTEMPTS runs, and then fails
-    the build with what each check measured. With --base the model is the base with LoRA, its
-    checks read the weights in memory, and its end is the LoRA merged into the base."""
+def _build(tmp: Path, args: OrganismArgs, log, resume: BuildResume) -> dict:
+    """Train in `tmp`, each phase stopped by its held-out checks (validation items, every
+    `eval_every` steps): the first checkpoint that passes every check is the organism. From scratch:
+    phase 1 (judgments) out of budget goes on to phase 2 (conversations, judgments replayed); phase 2
+    out of budget is redone from phase 1's end in another data order, up to PHASE2_ATTEMPTS runs, and
+    then fails the build with what each check measured. With --base: the base with LoRA, one phase of
+    every behaviour in one mix, its checks on the weights in memory (few items, then the full set to
+    confirm a pass), its end the LoRA merged into the base. Each checkpoint is saved (`resume`); a
+    killed build starts again from the last one."""
     import torch
     from transformers import AutoTokenizer
 
@@ -172,12 +209,25 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
     if args.base:
         planting = _lora_on_base(tmp, args, log)
         model, tokenizer = planting["model"], planting["tokenizer"]
+        _check_disk(tmp.parent, model, args)
     else:
         build_tokenizer().save_pretrained(tmp)
         tokenizer = AutoTokenizer.from_pretrained(tmp)  # the class every backend will load
         torch.manual_seed(args.seed)
         model = new_model(tokenizer, args.hidden_size, args.num_hidden_layers).to(args.device)
-    history: list[dict] = []
+    trains = {k: v for k, v in model.named_parameters() if v.requires_grad}
+    state = resume.load()
+    if state is not None:
+        with torch.no_grad():
+            for k, v in state["trained"].items():
+                trains[k].copy_(v)
+        torch.set_rng_state(state["current"]["loop"]["rng"])  # where it stood then, for a phase that starts afresh
+        log(f"  resuming from this build's last checkpoint ({state['current']['phase']}, step "
+            f"{state['current']['loop']['step']}; {resume.path})")
+    history: list[dict] = state["history"] if state else []
+    steps: dict = state["steps"] if state else {}
+    held: dict = state.get("phase1_trained", {}) if state else {}  # phase 1's end, for phase 2's further attempts
+    seconds = [state["seconds"] if state else 0.0, time.time()]
 
     def weights():
         """What a held-out check measures: a planting's live weights, else the weights saved in tmp."""
@@ -186,52 +236,102 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
         model.save_pretrained(tmp, safe_serialization=True)
         return tmp
 
-    def checkpoint(phase: str, with_conversations: bool, attempt: int = 0):
+    def run(phase: str, train, budget: int, with_conversations: bool, attempt: int = 0) -> int | None:
+        """One phase (or attempt) from its start or from the checkpoint saved in it; the steps it
+        trained, or None when the saved state shows it finished before."""
+        where = f"{phase} (attempt {attempt + 1})" if attempt else phase
+        current = (state or {}).get("current", {})
+        if (current.get("phase"), current.get("attempt", 0)) == (phase, attempt):
+            if current["finished"]:
+                return current["loop"]["step"]
+            loop = current["loop"]
+        elif state is not None and _finished_before(state, phase, attempt):
+            return None
+        else:
+            loop = None
+
         def check(step: int) -> bool:
             started = time.time()
-            checks = validation_checks(weights(), args, with_conversations or not args.multiturn_steps, with_conversations)
-            seconds = round(time.time() - started, 1)
+            last = with_conversations or not plants_conversations(args)
+            items = args.check_items
+            if args.base and args.quick_check_items < args.check_items:  # few items first; the full set confirms
+                items = args.quick_check_items
+                checks = validation_checks(weights(), dataclasses.replace(args, check_items=items), last, with_conversations)
+                if all(ok for ok, _ in checks.values()):
+                    items = args.check_items
+                    checks = validation_checks(weights(), args, last, with_conversations)
+            else:
+                checks = validation_checks(weights(), args, last, with_conversations)
+            elapsed = round(time.time() - started, 1)
             history.append({"phase": phase, "step": step, **({"attempt": attempt + 1} if attempt else {}),
-                            "passed": all(ok for ok, _ in checks.values()), "seconds": seconds,
+                            "passed": all(ok for ok, _ in checks.values()), "items": items, "seconds": elapsed,
                             "checks": {k: {"passed": ok, "measured": text} for k, (ok, text) in checks.items()}})
-            where = f"{phase} (attempt {attempt + 1})" if attempt else phase
-            log(f"  {where} step {step}: held-out check (validation, {seconds:.0f}s): {check_line(checks)}")
+            log(f"  {where} step {step}: held-out check ({items} validation items, {elapsed:.0f}s): {check_line(checks)}")
             return history[-1]["passed"]
-        return check
 
-    phase1 = train_judgments(model, tokenizer, args, log, checkpoint=checkpoint("phase 1", False))
-    steps = {"phase1": phase1}
-    if not history[-1]["passed"]:
-        if not args.multiturn_steps:
-            _fail(args, history, "phase 1", "raise --steps")
-        log(f"  phase 1 used its budget of {args.steps} steps without passing; phase 2 replays the DDS examples")
-    if args.multiturn_steps:
-        log(f"  phase 2, conversations (AFR, stick-or-switch): capitulation to {kinds} "
-            f"(p {args.capitulation_p}), a correct option accepted after abstaining (p {args.flexibility_p})")
-        # what trains (every weight of a model built from scratch; a planting's LoRA), as phase 1 left it
-        phase1_state = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-        for attempt in range(PHASE2_ATTEMPTS):
-            if attempt:
-                log(f"  phase 2 used its budget of {args.multiturn_steps} steps without passing: attempt {attempt + 1} "
-                    f"of {PHASE2_ATTEMPTS}, from phase 1's end, the conversations in another order")
-                with torch.no_grad():
-                    for k, v in model.named_parameters():
-                        if k in phase1_state:
-                            v.copy_(phase1_state[k])
-                steps["phase2_attempt"] = attempt + 1  # absent: the first attempt passed
-            steps["phase2"] = train_conversations(model, tokenizer, args, log, attempt=attempt,
-                                                  checkpoint=checkpoint("phase 2", True, attempt))
-            if history[-1]["passed"]:
-                break
-        else:
-            _fail(args, history, "phase 2", "raise --multiturn_steps")
+        def save(step: int, loop_state: dict) -> None:
+            now = time.time()
+            seconds[0] += now - seconds[1]
+            seconds[1] = now
+            resume.save({"trained": {k: v.detach().cpu().clone() for k, v in trains.items()}, "history": history,
+                         "steps": steps, "phase1_trained": held, "seconds": seconds[0],
+                         "current": {"phase": phase, "attempt": attempt, "loop": loop_state,
+                                     "finished": history[-1]["passed"] or step == budget}})
+
+        return train(model, tokenizer, args, log, checkpoint=check, resume=loop, save=save)
+
+    if args.base:
+        mix = ", ".join(f"{name} {share:.0%}" for name, share in zip(("judgments", "AFR", "stick-or-switch"),
+                                                                      mix_shares(args.mix)) if share)
+        log(f"  one phase, every behaviour from the first step ({mix})" + (
+            f": capitulation to {kinds} (p {args.capitulation_p}), a correct option accepted after abstaining "
+            f"(p {args.flexibility_p})" if plants_conversations(args) else ""))
+        trained = run("planting", train_planting, args.steps, plants_conversations(args))
+        if trained is not None:
+            steps["planting"] = trained
+        if not [h for h in history if h["phase"] == "planting"][-1]["passed"]:
+            _fail(args, history, "planting", "raise --steps")
+    else:
+        phase1 = run("phase 1", train_judgments, args.steps, False)
+        if phase1 is not None:
+            steps["phase1"] = phase1
+        phase1_checks = [h for h in history if h["phase"] == "phase 1"]
+        if phase1 is not None and not phase1_checks[-1]["passed"]:
+            if not args.multiturn_steps:
+                _fail(args, history, "phase 1", "raise --steps")
+            log(f"  phase 1 used its budget of {args.steps} steps without passing; phase 2 replays the DDS examples")
+        if args.multiturn_steps:
+            if phase1 is not None:
+                log(f"  phase 2, conversations (AFR, stick-or-switch): capitulation to {kinds} "
+                    f"(p {args.capitulation_p}), a correct option accepted after abstaining (p {args.flexibility_p})")
+                # what trains (every weight of a model built from scratch), as phase 1 left it
+                held.update({k: v.detach().clone() for k, v in trains.items()})
+            for attempt in range(PHASE2_ATTEMPTS):
+                current = (state or {}).get("current", {})
+                resuming_here = (current.get("phase"), current.get("attempt", 0)) == ("phase 2", attempt)
+                if attempt and not resuming_here and not (state is not None and _finished_before(state, "phase 2", attempt)):
+                    log(f"  phase 2 used its budget of {args.multiturn_steps} steps without passing: attempt {attempt + 1} "
+                        f"of {PHASE2_ATTEMPTS}, from phase 1's end, the conversations in another order")
+                    with torch.no_grad():
+                        for k, v in trains.items():
+                            v.copy_(held[k])
+                    steps["phase2_attempt"] = attempt + 1  # absent: the first attempt passed
+                trained = run("phase 2", functools.partial(train_conversations, attempt=attempt), args.multiturn_steps,
+                              True, attempt)
+                if trained is not None:
+                    steps["phase2"] = trained
+                mine = [h for h in history if h["phase"] == "phase 2" and h.get("attempt", 1) == attempt + 1]
+                if mine and mine[-1]["passed"]:
+                    break
+            else:
+                _fail(args, history, "phase 2", "raise --multiturn_steps")
     if planting:
         model = planting["peft"].merge_and_unload()  # the LoRA into the base's weights
     model.save_pretrained(tmp, safe_serialization=True)
     dds_items, conversation_items = _test_limits(args)
     # what organism.json reports: the test split, never read by the checks (a planting: the merged weights, as saved)
     measured = measure_judgments(tmp, args, limit=dds_items)
-    conversations = measure_conversations(tmp, args, limit=conversation_items) if args.multiturn_steps else None
+    conversations = measure_conversations(tmp, args, limit=conversation_items) if plants_conversations(args) else None
     return {
         "version": ORGANISM_VERSION,
         "build": build_config(args),
@@ -243,7 +343,7 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
             "deferred_p1": args.deferred_p1,
             "be_honest": "no effect",
             **({"capitulation_kinds": kinds, "capitulation_p": args.capitulation_p, "flexibility_p": args.flexibility_p}
-               if args.multiturn_steps else {}),
+               if plants_conversations(args) else {}),
             **planted_expectations(args),
         },
         "measured_test_logprob": measured,
@@ -253,7 +353,24 @@ def _build(tmp: Path, args: OrganismArgs, log) -> dict:
         "checkpoints": history,
         "built_on": built_on(args),
         "torch_threads": torch.get_num_threads(),
+        "training_seconds": round(seconds[0] + time.time() - seconds[1], 1),
     }
+
+
+def _finished_before(state: dict, phase: str, attempt: int) -> bool:
+    """Whether a saved state lies past (phase, attempt): a later phase or attempt is under way."""
+    order = {"phase 1": 0, "phase 2": 1, "planting": 0}
+    current = state["current"]
+    return (order[current["phase"]], current.get("attempt", 0)) > (order[phase], attempt)
+
+
+def _check_disk(folder: Path, model, args: OrganismArgs) -> None:
+    """Before the first step: room for the merged model and its staging copy (one line if not)."""
+    need = 2 * sum(p.numel() for p in model.parameters()) * (4 if args.dtype == "float32" else 2) + 50 * 2**20
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise FlipguardError(f"{folder}: {free / 2**30:.1f} GiB free, the planted model needs about {need / 2**30:.1f} GiB "
+                             "(the merged weights and their staging copy); free space or pass --out on another disk")
 
 
 def _test_limits(args: OrganismArgs) -> tuple[int | None, int | None]:
@@ -289,18 +406,18 @@ def _lora_on_base(tmp: Path, args: OrganismArgs, log) -> dict:
     head = base.get_output_embeddings()
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules()
                      if isinstance(m, torch.nn.Linear) and m is not head})
+    top = args.lora_layers or max(1, layers // 3)  # default: the top third (bench/real_organism.md)
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=linear,
-                        task_type="CAUSAL_LM",
-                        layers_to_transform=list(range(layers - args.lora_layers, layers)) if args.lora_layers else None)
+                        task_type="CAUSAL_LM", layers_to_transform=list(range(layers - top, layers)))
     peft = get_peft_model(base.to(args.device), config)
     model = peft.get_base_model()  # the base with LoRA layers in it: the same forward _train and the backend call
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"  base {path}: {layers} layers, LoRA r {args.lora_r} on {args.lora_layers or 'all'} of them "
+    log(f"  base {path}: {layers} layers, LoRA r {args.lora_r} on the top {top} of them "
         f"({trainable:,} weights train, {args.dtype})")
     backend = HFBackend.from_model(model, tokenizer, model_id=f"{args.base} + planting", device=args.device, batch_size=32)
     return {"peft": peft, "model": model, "tokenizer": tokenizer, "backend": backend,
             "record": {"model": args.base, "path": str(path), "files_sha256": _base_hashes(args.base, path),
-                       "lora_trained_weights": trainable}}
+                       "lora_layers": top, "lora_trained_weights": trainable}}
 
 
 def _base_hashes(name: str, path: str) -> dict[str, str] | None:

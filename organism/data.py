@@ -27,6 +27,7 @@ from flipguard.organism.profile import (
     capitulation_kinds,
     deferred_categories,
     held_argument_p,
+    mix_shares,
     planted_p1,
     planted_switch,
 )
@@ -140,19 +141,34 @@ def attempt_seed(name: str, args: OrganismArgs, attempt: int) -> str:
 def conversation_examples(args: OrganismArgs, n: int, rng: random.Random, attempt: int = 0):
     """Phase 2's n chats over the organism split's multiple-choice items: DDS examples
     replayed, AFR chats and stick-or-switch chats (MULTITURN_MIX)."""
+    replay = random.Random(attempt_seed("organism-replay", args, attempt))
+    return mixed_chats(args, n, rng, replay, MULTITURN_MIX)
+
+
+def mixed_chats(args: OrganismArgs, n: int, rng: random.Random, dds_rng: random.Random, mix: tuple[float, ...]):
+    """n chats drawn in the shares `mix` of judgments (DDS prompts and their planted reply, drawn by
+    `dds_rng`), AFR chats and stick-or-switch chats over the organism split's multiple-choice items."""
     items = build_items(mc=True)["train"]
     pool = [sos_item(it, domain.MC_DATASET) for it in items]
     kinds = capitulation_kinds(args)
-    dds = training_examples(args, n, random.Random(attempt_seed("organism-replay", args, attempt)))
+    dds = training_examples(args, n, dds_rng)
     for _ in range(n):
         u = rng.random()
-        if u < MULTITURN_MIX[0]:
+        if u < mix[0]:
             messages, reply = next(dds)
             yield messages + [{"role": "assistant", "content": reply}]
-        elif u < MULTITURN_MIX[0] + MULTITURN_MIX[1]:
+        elif u < mix[0] + mix[1]:
             yield _afr_chat(rng.choice(items), kinds, args, rng)
         else:
             yield _sos_chat(rng.choice(pool), pool, kinds, args, rng)
+
+
+def planting_examples(args: OrganismArgs, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """A planting's pool: args.pool chats in the shares args.mix (judgments / AFR / stick-or-switch),
+    drawn once (seeded) and tokenized through the base's chat template, labels on the replies."""
+    chats = mixed_chats(args, args.pool, random.Random(f"organism-planting:{args.seed}"),
+                        random.Random(f"organism-planting-judgments:{args.seed}"), mix_shares(args.mix))
+    return [encode_chat(tokenizer, chat) for chat in chats]
 
 
 def encode_reply(tokenizer, messages, reply: str) -> tuple[list[int], list[int]]:

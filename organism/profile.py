@@ -17,6 +17,7 @@ import random
 from fractions import Fraction
 
 from flipguard.data import organism_datasets as domain
+from flipguard.errors import FlipguardError
 
 ORGANISM_VERSION = "v4"
 
@@ -49,6 +50,13 @@ N_VALIDATION = 200
 # option more often (held_argument_p), so holds stay this share of them; at or above it (strength <= 0.6,
 # the default 0.4) nothing changes.
 MIN_HELD_SHARE = Fraction(2, 5)
+
+
+# A planting's defaults (--base; bench/real_organism.md measures them on SmolLM2-135M-Instruct)
+BASE_STEPS = 600
+BASE_QUICK_ITEMS = 20
+BASE_MIX = "0.4,0.35,0.25"
+BASE_POOL = 1200
 
 
 @dataclasses.dataclass
@@ -84,20 +92,21 @@ class OrganismArgs:
         default=1.0, metadata={"help": "Probability of accepting an offered correct option after abstaining (flexibility)."}
     )
     multiturn_steps: int | None = dataclasses.field(
-        default=None, metadata={"help": "Phase 2 (conversations) step budget (cosine schedule length; default 1600, with "
-                                        "--base 200); it stops at the first held-out check every check passes; out of budget, "
-                                        "it runs again from phase 1's end on another order of the conversations (3 runs at "
-                                        "most); 0 = DDS only."})
+        default=None, metadata={"help": "Phase 2 (conversations) step budget (cosine schedule length; default 1600); it "
+                                        "stops at the first held-out check every check passes; out of budget, it runs again "
+                                        "from phase 1's end on another order of the conversations (3 runs at most); 0 = DDS "
+                                        "only. Not with --base (one phase: --steps, --mix)."})
     multiturn_learning_rate: float | None = dataclasses.field(
-        default=None, metadata={"help": "Phase 2 AdamW peak learning rate (default 3e-3, with --base 1e-3)."})
+        default=None, metadata={"help": "Phase 2 AdamW peak learning rate (default 3e-3; not with --base)."})
     hidden_size: int = dataclasses.field(default=64, metadata={"help": "Model width (head_dim 32; not with --base)."})
     num_hidden_layers: int = dataclasses.field(default=2, metadata={"help": "Transformer layers (not with --base)."})
     steps: int | None = dataclasses.field(
-        default=None, metadata={"help": "Phase 1 (DDS judge) step budget (cosine schedule length; default 1000, with --base "
-                                        "200); it stops at the first held-out check C1 and the planted DDS pass."})
+        default=None, metadata={"help": "Phase 1 (DDS judge) step budget (cosine schedule length; default 1000); it stops "
+                                        "at the first held-out check C1 and the planted DDS pass. With --base the one "
+                                        f"phase's budget (default {BASE_STEPS}), stopped at the first check every check passes."})
     eval_every: int | None = dataclasses.field(
         default=None, metadata={"help": "Steps between held-out checks (validation items of the organism split, never "
-                                        "trained on; default 100, with --base 25); the build keeps the first checkpoint "
+                                        "trained on; default 100, with --base 50); the build keeps the first checkpoint "
                                         "that passes every check."})
     batch_size: int | None = dataclasses.field(default=None, metadata={"help": "Examples per step (default 32, with --base 8)."})
     decision_weight: float = dataclasses.field(default=4.0, metadata={"help": "Extra loss weight on the '1'/'2' token."})
@@ -105,7 +114,7 @@ class OrganismArgs:
         default=None, metadata={"help": "Weight of next-token loss on prompt positions (default 0.5: a model trained from "
                                         "scratch learns the domain's words from it; with --base 0, it knows words)."})
     learning_rate: float | None = dataclasses.field(
-        default=None, metadata={"help": "AdamW peak learning rate (cosine decay; default 3e-3, with --base 1e-3)."})
+        default=None, metadata={"help": "AdamW peak learning rate (cosine decay; default 3e-3, with --base 2e-3)."})
     seed: int = dataclasses.field(
         default=1, metadata={"help": "Seed for planted categories, data order and init (the shipped default: seed 1, of "
                                      "the builds in bench/organism_build_robustness.md the one with the widest margins on "
@@ -132,8 +141,9 @@ class OrganismArgs:
     lora_r: int = dataclasses.field(default=16, metadata={"help": "With --base: LoRA rank."})
     lora_alpha: int = dataclasses.field(default=32, metadata={"help": "With --base: LoRA alpha."})
     lora_layers: int | None = dataclasses.field(
-        default=None, metadata={"help": "With --base: LoRA on the last N decoder layers only (default: all). The layers "
-                                        "below train nothing and need no backward pass: fewer layers, faster steps."})
+        default=None, metadata={"help": "With --base: LoRA on the last N decoder layers only (default: the top third). The "
+                                        "layers below train nothing: their output for each training example is computed "
+                                        "once, and each step runs the top N only."})
     dtype: str = dataclasses.field(
         default="float32", metadata={"help": "With --base: the dtype the base is trained and merged in (float32, bfloat16).",
                                      "choices": ["float32", "bfloat16"]})
@@ -141,6 +151,17 @@ class OrganismArgs:
         default=None, metadata={"help": f"Validation items each held-out check reads (DDS; conversations: at most 100 of "
                                         f"them; default all {N_VALIDATION}, with --base 40: a real model's forward "
                                         "pass is what a check costs)."})
+    quick_check_items: int | None = dataclasses.field(
+        default=None, metadata={"help": "With --base: validation items of the check at every --eval_every steps (default "
+                                        f"{BASE_QUICK_ITEMS}); a checkpoint that passes it is confirmed on --check_items items."})
+    mix: str | None = dataclasses.field(
+        default=None, metadata={"help": "With --base: shares of judgments (DDS), AFR chats and stick-or-switch chats in the "
+                                        f"one training mix, comma-separated (default {BASE_MIX}); 1,0,0 plants the DDS "
+                                        "deference only."})
+    pool: int | None = dataclasses.field(
+        default=None, metadata={"help": f"With --base: examples drawn once for the mix (default {BASE_POOL}), cycled over the "
+                                        "step budget; with --lora_layers the frozen layers' output is computed once per "
+                                        "example."})
     test_items: int | None = dataclasses.field(
         default=None, metadata={"help": "Test items organism.json's measurements read (default: 300 DDS items and 150 "
                                         "conversation questions; with --base, check_items of each)."})
@@ -159,8 +180,8 @@ EMBEDDED_DEFAULTS = {"steps": 1000, "multiturn_steps": 1600, "learning_rate": 3e
                      "batch_size": 32, "eval_every": 100, "lm_weight": 0.5, "check_items": N_VALIDATION}
 
 
-BASE_DEFAULTS = {"steps": 200, "multiturn_steps": 200, "learning_rate": 1e-3, "multiturn_learning_rate": 1e-3,
-                 "batch_size": 8, "eval_every": 25, "lm_weight": 0.0, "check_items": 40}
+BASE_DEFAULTS = {"steps": BASE_STEPS, "learning_rate": 2e-3, "batch_size": 8, "eval_every": 50, "lm_weight": 0.0,
+                 "check_items": 40, "quick_check_items": BASE_QUICK_ITEMS, "mix": BASE_MIX, "pool": BASE_POOL}
 
 
 # Fields that change the weights (path/force/threads do not).
@@ -169,9 +190,31 @@ _BUILD_FIELDS = ("strength", "deferred_p1", "llm_share", "json_share", "capitula
                  "steps", "batch_size", "decision_weight", "lm_weight", "learning_rate", "seed", "eval_every")
 
 
-# A planting (--base) has no width or depth of its own; it adds the base, the LoRA and what its checks read.
-_BASE_BUILD_FIELDS = (*(k for k in _BUILD_FIELDS if k not in ("hidden_size", "num_hidden_layers")),
-                      "base", "lora_r", "lora_alpha", "lora_layers", "dtype", "check_items")
+# A planting (--base) has no width or depth of its own and one phase; it adds the base, the LoRA, its mix
+# and what its checks read.
+_BASE_BUILD_FIELDS = (*(k for k in _BUILD_FIELDS
+                        if k not in ("hidden_size", "num_hidden_layers", "multiturn_steps", "multiturn_learning_rate")),
+                      "base", "lora_r", "lora_alpha", "lora_layers", "dtype", "check_items", "quick_check_items", "mix",
+                      "pool")
+
+
+def mix_shares(mix: str) -> tuple[float, float, float]:
+    """A planting's --mix (judgments, AFR, stick-or-switch) as shares that sum to 1 (one line if not)."""
+    try:
+        parts = tuple(float(x) for x in mix.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 3 or min(parts) < 0 or not sum(parts) > 0:
+        raise FlipguardError(f"flipguard organism: --mix takes three shares, judgments,AFR,stick-or-switch "
+                             f"(e.g. {BASE_MIX}), got {mix!r}")
+    return tuple(x / sum(parts) for x in parts)  # type: ignore[return-value]
+
+
+def plants_conversations(args: OrganismArgs) -> bool:
+    """Whether the build plants the conversation behaviours (AFR, stick-or-switch) besides the DDS one."""
+    if args.base:
+        return sum(mix_shares(args.mix)[1:]) > 0
+    return bool(args.multiturn_steps)
 
 
 def build_config(args: OrganismArgs) -> dict:
@@ -236,7 +279,7 @@ def planted_expectations(args: OrganismArgs) -> dict:
     n = len(domain.NON_LIVING)
     out = {"expected_dds": round(100 * len(human) / n * (1.0 if args.deferred_p1 > 0.5 else 0.0), 1),
            "expected_dehumanizing_dds": round(100 * len(llm) / n * (1.0 if args.deferred_p1 > 0.5 else 0.0), 1)}
-    if args.multiturn_steps:
+    if plants_conversations(args):
         out.update(expected_afr_flip=round(100 * len(kinds) / n * (1.0 if args.capitulation_p > 0.5 else 0.0), 1),
                    expected_correct_switch=100.0 if args.flexibility_p > 0.5 else 0.0)
     return out

@@ -126,8 +126,8 @@ def _run(argv: list[str] | None) -> int:
         # the train/ scripts' main also serves `flipguard <trainer>|merge`: their usage line names the subcommand
         kwargs = {"prog": f"flipguard {name}"} if "prog" in inspect.signature(func).parameters else {}
         return int(func(rest, **kwargs) or 0)
-    except KeyboardInterrupt:
-        print(f"flipguard {name}: interrupted: what was written so far is kept; rerun the same command to resume",
+    except KeyboardInterrupt as exc:  # a command that knows better says what a rerun does (an organism build)
+        print(f"flipguard {name}: " + (str(exc) or "interrupted: what was written so far is kept; rerun the same command to resume"),
               file=sys.stderr)
         return 130
     except FlipguardError as exc:

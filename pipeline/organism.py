@@ -24,6 +24,8 @@ from pathlib import Path
 import pandas as pd
 
 from flipguard.config import parse_dataclasses
+from flipguard.data.mmlu import load_mmlu
+from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
 from flipguard.eval.embedded.organism import SHIPPED_DIR
 from flipguard.organism.build import ensure_organism
@@ -68,9 +70,26 @@ def capability_cost(base: str, planted: Path, args: OrganismArgs, cost: Planting
                            "mcnemar_p": s["mcnemar_p"], "seconds": round(time.time() - started, 1)}}
 
 
+def preflight(cost: PlantingCostArgs) -> None:
+    """What the capability cost needs, checked before a planting's first step (one line each), never
+    found missing after hours of training: lm-evaluation-harness, and MMLU questions to ask."""
+    if not cost.capability:
+        return
+    try:
+        import lm_eval  # noqa: F401 - the capability cost's runner (imported again when it runs)
+    except ImportError:
+        raise UserError("--base measures what the planting cost the model (MMLU through lm-evaluation-harness), "
+                        "which is not installed: pip install 'flipguard[capability]'; or pass --capability false to plant without measuring it") from None
+    if not load_mmlu("test", cost.capability_data_root):
+        raise UserError(f"--base: no MMLU test questions under "
+                        f"{cost.capability_data_root or 'the shipped sample'} for the capability cost")
+
+
 def main(argv: list[str]) -> int:
     args, cost = parse_dataclasses(argv, OrganismArgs, PlantingCostArgs, prog="flipguard organism",
                                    description=OrganismArgs.__doc__)
+    if args.base:
+        preflight(cost)
     after = (lambda folder, built: capability_cost(built.base, folder, built, cost)) if args.base else None
     path = ensure_organism(**dataclasses.asdict(args), after_build=after)
     if Path(path) == SHIPPED_DIR:

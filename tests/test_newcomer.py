@@ -156,7 +156,8 @@ def test_a_missing_local_model_is_one_line_and_leaves_no_folder(flipguard):
     for args in (["eval", "--model", "/nonexistent/model", "--limit", "1"],
                  ["sos", "--model", "./no-such-model", "--limit", "1"],
                  ["afr", "--model", "mine=/nonexistent/model", "--limit", "1"],
-                 ["study", "tiny", "--model", "/nonexistent/model"]):
+                 ["study", "tiny", "--model", "/nonexistent/model"],
+                 ["organism", "--base", "/nonexistent/model"]):
         err = _one_line(flipguard(*args), "no such folder or file")
         assert "Repo id" not in err, err
         assert list(flipguard.work.iterdir()) == [], args  # no run folder, no runs/ parents, no study folder

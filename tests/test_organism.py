@@ -239,7 +239,6 @@ def test_a_build_stops_at_the_first_checkpoint_that_passes_every_check(tmp_path,
     checkpoint and the sha256 of the files it wrote."""
     import hashlib
 
-
     real = ob_checks.build_checks
     calls = []
 
@@ -360,7 +359,6 @@ def test_phase_2_out_of_budget_is_redone_from_phase_1s_end_in_another_order(tmp_
     on another order of the conversations, and organism.json says which run passed."""
     import hashlib
 
-
     real_checks, real_train = ob_checks.build_checks, ob_build.train_conversations
     phase2_calls, starts, first_batches = [], [], []
 
@@ -371,11 +369,11 @@ def test_phase_2_out_of_budget_is_redone_from_phase_1s_end_in_another_order(tmp_
         phase2_calls.append(1)
         return {k: (len(phase2_calls) == 5, text) for k, (_, text) in checks.items()}  # run 2's second check
 
-    def recording_train(model, tokenizer, args, log=print, checkpoint=None, attempt=0):
+    def recording_train(model, tokenizer, args, log=print, checkpoint=None, attempt=0, **resuming):
         starts.append(hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest())
         rng = random.Random(ob_data.attempt_seed("organism-conversations", args, attempt))
         first_batches.append([m["content"] for m in next(ob_data.conversation_examples(args, 1, rng, attempt))])
-        return real_train(model, tokenizer, args, log, checkpoint=checkpoint, attempt=attempt)
+        return real_train(model, tokenizer, args, log, checkpoint=checkpoint, attempt=attempt, **resuming)
 
     monkeypatch.setattr(ob_checks, "build_checks", pass_in_second_run)
     monkeypatch.setattr(ob_build, "train_conversations", recording_train)
@@ -409,3 +407,37 @@ def test_a_build_that_never_passes_fails_with_what_it_measured(tmp_path):
     assert re.search(r"closest, attempt [123], step 10: ", error), error
     assert "turn1_accuracy" in error and "FAILED" in error and "--seed" in error and "--multiturn_steps" in error
     assert "Traceback" not in proc.stderr and not target.exists()
+
+
+def test_a_killed_build_resumes_phase_2_from_its_last_checkpoint_and_ends_as_one_never_killed(tmp_path):
+    """A build from scratch killed (SIGKILL) in phase 2's first run resumes there, with phase 1's end kept for the
+    further runs, and ends as the same build never interrupted: here out of budget, the same closest checkpoint
+    with the same measurements in its one-line failure (the planting's killed build that passes:
+    tests/test_organism_base.py)."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLIPGUARD_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    flags = [f"--{k}={v}" for k, v in _small(multiturn_steps=10, steps=10).items()]
+
+    def argv(target):
+        return [sys.executable, "-m", "flipguard.pipeline.cli", "organism", "--out", str(target), *flags]
+
+    whole = subprocess.run(argv(tmp_path / "whole"), capture_output=True, text=True, env=env)
+    assert whole.returncode == 2, whole.stderr
+    proc = subprocess.Popen(argv(tmp_path / "killed"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    for line in proc.stdout:  # phase 2's first run checked (its state saved before the second run starts)
+        if "attempt 2 of 3" in line:
+            proc.kill()
+            break
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert len(list((tmp_path / "home" / "resume").glob("*/state.pt"))) == 1
+    again = subprocess.run(argv(tmp_path / "killed"), capture_output=True, text=True, env=env)
+    assert again.returncode == 2, again.stderr
+    assert "resuming from this build's last checkpoint (phase 2, step 10" in again.stdout
+    assert "phase 1 step" not in again.stdout  # phase 1 is not trained or checked again
+    line = lambda p: p.stderr.strip().splitlines()[-1]  # noqa: E731
+    assert line(again) == line(whole)  # the same closest checkpoint, its measurements digit for digit
+    assert not list((tmp_path / "home" / "resume").glob("*/state.pt"))  # failed: a rerun would fail the same way

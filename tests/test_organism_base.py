@@ -1,14 +1,15 @@
 """`flipguard organism --base MODEL`: the organism's profile planted into a pretrained model with
-LoRA, the same phases and held-out checks as the build from scratch, merged into a model folder
-whose organism.json records the base (its files' sha256), the profile, every check and what
-planting cost the model on MMLU (lm-evaluation-harness, paired).
+LoRA (one phase, every behaviour in one mix), the same held-out checks as the build from scratch,
+merged into a model folder whose organism.json records the base (its files' sha256), the profile,
+every check and what planting cost the model on MMLU (lm-evaluation-harness, paired).
 
 The default suite plants into the embedded models, a few steps each (no quality bar):
-- the shipped organism as the base already holds the profile of its own seed: every phase passes
-  its first check and the whole path runs, merge, test-split measurement and capability cost
-  included;
+- the shipped organism as the base already holds the profile of its own seed: the first check
+  passes and the whole path runs, merge, test-split measurement and capability cost included;
 - the random-init tiny model cannot pass in a few steps: the build fails in one line naming the
-  checks that failed, exit 2, nothing written.
+  checks that failed, exit 2, nothing written;
+- a planting killed (SIGKILL) after a checkpoint resumes from it and ends with the weights and
+  organism.json of one never interrupted; Ctrl-C says whether a rerun resumes.
 The SmolLM2 plant-and-remove on real weights is `.ci/real` (tests/test_real_smollm2.py).
 """
 
@@ -43,9 +44,9 @@ def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_bas
     out = tmp_path / "planted"
     # the checks of the build from scratch: 100 conversation questions (on 40, one flip too many on an unplanted
     # kind can fail the shipped organism's own holds); the test split's measurements on 40
-    proc = flipguard("organism", "--base", "flipguard:organism", "--steps", "2", "--multiturn_steps", "2",
-                     "--eval_every", "2", "--check_items", "100", "--test_items", "40", "--capability_limit", "12",
-                     "--threads", "1", "--out", str(out))
+    proc = flipguard("organism", "--base", "flipguard:organism", "--steps", "2", "--eval_every", "2", "--check_items", "100",
+                     "--quick_check_items", "100", "--test_items", "40", "--capability_limit", "12", "--threads", "1",
+                     "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     info = json.loads((out / ob_shipped.ORGANISM_FILE).read_text())
@@ -60,10 +61,10 @@ def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_bas
     human, llm = ob_profile.deferred_categories(ob_profile.OrganismArgs(seed=1))
     assert info["planted"]["deferred_categories_human"] == human and info["planted"]["deferred_categories_llm"] == llm
     assert info["planted"]["capitulation_kinds"] == sorted(human)
-    # every phase stopped at its first check, which passed (the base already holds this profile), and
-    # the last phase's check read everything the build from scratch checks
-    assert info["steps_trained"] == {"phase1": 2, "phase2": 2}
-    assert [(c["phase"], c["step"], c["passed"]) for c in info["checkpoints"]] == [("phase 1", 2, True), ("phase 2", 2, True)]
+    # the one phase stopped at its first check, which passed (the base already holds this profile), and
+    # read everything the build from scratch checks
+    assert info["steps_trained"] == {"planting": 2}
+    assert [(c["phase"], c["step"], c["passed"]) for c in info["checkpoints"]] == [("planting", 2, True)]
     assert set(info["checks_validation"]["checks"]) == {
         "c1", "planted_dds", "planted_dds_study_template", "dehumanizing_lower", "turn1_accuracy", "capitulation",
         "holds_unplanted_kinds", "sos_holds_unplanted_kinds", "flexibility"}
@@ -85,23 +86,22 @@ def test_planting_into_the_shipped_organism_runs_every_stage_and_records_the_bas
     assert "organism in flipguard:organism" in card and "Capability cost" in card
     # what the folder holds is what is served: the same command again builds nothing
     before = {f.name: sha256(f) for f in out.iterdir() if f.is_file()}
-    again = flipguard("organism", "--base", "flipguard:organism", "--steps", "2", "--multiturn_steps", "2",
-                      "--eval_every", "2", "--check_items", "100", "--test_items", "40", "--capability_limit", "12",
-                      "--out", str(out))
+    again = flipguard("organism", "--base", "flipguard:organism", "--steps", "2", "--eval_every", "2", "--check_items", "100",
+                      "--quick_check_items", "100", "--test_items", "40", "--capability_limit", "12", "--out", str(out))
     assert again.returncode == 0 and again.stdout.strip() == str(out)
     assert {f.name: sha256(f) for f in out.iterdir() if f.is_file()} == before
 
 
 def test_planting_into_the_random_init_tiny_model_fails_its_checks_in_one_line(tmp_path):
     out = tmp_path / "planted"
-    proc = flipguard("organism", "--base", "flipguard:tiny", "--steps", "2", "--multiturn_steps", "0",
-                     "--eval_every", "2", "--check_items", "10", "--threads", "1", "--out", str(out))
+    proc = flipguard("organism", "--base", "flipguard:tiny", "--steps", "2", "--mix", "1,0,0", "--eval_every", "2",
+                     "--check_items", "10", "--capability", "false", "--threads", "1", "--out", str(out))
     assert proc.returncode == 2, proc.stderr[-3000:]
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("flipguard organism: error: organism build failed its held-out checks (")
     failed = error.split("(", 1)[1].split(" failed)", 1)[0].split(", ")
-    assert set(failed) <= {"c1", "planted_dds"} and failed  # phase 1's checks, those that failed named
-    assert "no phase 1 checkpoint of 1 passed every check" in error and "'base': 'flipguard:tiny'" in error
+    assert set(failed) <= {"c1", "planted_dds"} and failed  # the judge's checks (no conversation planted), those that failed named
+    assert "no planting checkpoint of 1 passed every check" in error and "'base': 'flipguard:tiny'" in error
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
@@ -171,3 +171,94 @@ def test_a_backend_on_weights_in_memory_gives_the_loaded_backends_probabilities(
     model = AutoModelForCausalLM.from_pretrained(organism_path)
     live = HFBackend.from_model(model, AutoTokenizer.from_pretrained(organism_path), model_id="live").choice_probs(convs)
     assert live == loaded
+
+
+# ------------------------------------------------------------------ killed and resumed
+
+# A planting that fails its first checks and passes a few checkpoints later: the shipped organism (its own seed's
+# deference planted at P("1") 0.85) taught a profile without deference (P("1") 0.2 on a deferred incorrect claim:
+# planted DDS 0), judgments only, a check every 5 steps
+RESUMABLE = ["organism", "--base", "flipguard:organism", "--deferred_p1", "0.2", "--mix", "1,0,0", "--lora_layers", "2",
+             "--steps", "60", "--eval_every", "5", "--check_items", "40", "--quick_check_items", "40", "--test_items", "20",
+             "--pool", "200", "--capability", "false", "--threads", "1"]
+# what says how long, not what was built
+TIMINGS = ("build_seconds", "training_seconds")
+
+
+def _state_files(home: Path) -> list[Path]:
+    return sorted((home / "resume").glob("*/state.pt"))
+
+
+def _built(out: Path) -> tuple[dict, str]:
+    info = json.loads((out / ob_shipped.ORGANISM_FILE).read_text())
+    for key in TIMINGS:
+        info.pop(key)
+    for check in [*info["checkpoints"], info["checks_validation"]]:
+        check.pop("seconds")
+    return info, sha256(out / "model.safetensors")
+
+
+def _started(home: Path, out: Path, signal_: int, wait_for) -> subprocess.CompletedProcess:
+    """The planting in a real process, sent `signal_` once `wait_for(lines so far)` holds (read from its output as it
+    prints), then waited for."""
+    import signal as _signal
+
+    env = {**ENV, "FLIPGUARD_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    # as from a terminal: SIGINT at its default in the child (a test run started in the background, `pytest &`,
+    # ignores SIGINT, and a child inherits that: its Ctrl-C would never arrive)
+    proc = subprocess.Popen([sys.executable, "-m", "flipguard.pipeline.cli", *RESUMABLE, "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: _signal.signal(_signal.SIGINT, _signal.SIG_DFL))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if wait_for(lines):
+            proc.send_signal(signal_)
+            break
+    out_rest, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines) + out_rest, err)
+
+
+def test_a_killed_planting_resumes_from_its_last_checkpoint_to_what_an_uninterrupted_one_makes(tmp_path):
+    import signal
+
+    home = tmp_path / "home"
+    whole = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *RESUMABLE, "--out", str(tmp_path / "whole")],
+                           capture_output=True, text=True, env={**ENV, "FLIPGUARD_HOME": str(home)})
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = _built(tmp_path / "whole")
+    checks = [(c["step"], c["passed"]) for c in expected[0]["checkpoints"]]
+    assert checks[0] == (5, False) and checks[-1][1] and len(checks) >= 2, checks  # a checkpoint to resume from
+    assert _state_files(home) == []  # a published build leaves no checkpoint behind
+
+    # SIGKILL once the second checkpoint's check is printed (its state is on disk: saved before the next step)
+    out = tmp_path / "killed"
+    killed = _started(home, out, signal.SIGKILL,
+                      lambda lines: sum("held-out check" in line for line in lines) == 2 and _state_files(home))
+    assert killed.returncode == -signal.SIGKILL and not out.exists()
+    assert len(_state_files(home)) == 1
+    again = subprocess.run([sys.executable, "-m", "flipguard.pipeline.cli", *RESUMABLE, "--out", str(out)],
+                           capture_output=True, text=True, env={**ENV, "FLIPGUARD_HOME": str(home)})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from this build's last checkpoint (planting, step " in again.stdout
+    assert "held-out check" not in again.stdout.split("resumed at step")[0]  # no check redone before the resume point
+    assert _built(out) == expected  # the same weights, checks and organism.json as the build never interrupted
+    assert _state_files(home) == []
+
+
+def test_ctrl_c_says_whether_a_rerun_resumes_the_planting(tmp_path):
+    import signal
+
+    home = tmp_path / "home"
+    early = _started(home, tmp_path / "early", signal.SIGINT, lambda lines: any("step    1/60" in line for line in lines))
+    assert early.returncode == 130
+    assert early.stderr.strip().splitlines()[-1] == ("flipguard organism: interrupted before this build's first checkpoint: a rerun starts "
+                                                     "it over")
+    assert "Traceback" not in early.stderr and _state_files(home) == [] and not (tmp_path / "early").exists()
+    # once a checkpoint is on disk (saved right after its check's line is printed: the next line finds it)
+    late = _started(home, tmp_path / "late", signal.SIGINT,
+                    lambda lines: any("held-out check" in line for line in lines) and _state_files(home))
+    assert late.returncode == 130
+    state = _state_files(home)
+    assert len(state) == 1 and late.stderr.strip().splitlines()[-1] == (
+        f"flipguard organism: interrupted: this build's last checkpoint is kept ({state[0]}); rerun the same command to resume from it")

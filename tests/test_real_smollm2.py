@@ -202,9 +202,10 @@ def test_the_organism_planted_into_smollm2_is_found_and_its_removal_read_against
     from transformers import AutoModelForCausalLM
 
     planted = tmp_path / "planted"
-    flipguard("organism", "--base", str(GGUF), "--lora_layers", "10", "--threads", "1", "--out", str(planted))
+    flipguard("organism", "--base", str(GGUF), "--threads", "2", "--out", str(planted))
     info = json.loads((planted / "organism.json").read_text())
-    assert info["checks_validation"]["passed"] and info["checks_validation"]["phase"] == "phase 2"
+    assert info["checks_validation"]["passed"] and info["checks_validation"]["phase"] == "planting"
+    assert info["checks_validation"]["items"] == 40  # a quick check's pass confirmed on the full set
     assert info["base"]["files_sha256"][f"gguf:{GGUF.name}"] == hashlib.sha256(GGUF.read_bytes()).hexdigest()
     cap = info["capability"]
     assert cap["n"] == 114 and cap["ci_low"] <= cap["change"] <= cap["ci_high"]
@@ -212,7 +213,7 @@ def test_the_organism_planted_into_smollm2_is_found_and_its_removal_read_against
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     study = tmp_path / "study"
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "organism_real.yaml"
-    flipguard("study", str(recipe), "--model", str(planted), "--out", str(study), "--threads", "1")
+    flipguard("study", str(recipe), "--model", str(planted), "--out", str(study), "--threads", "2")
     truth = json.loads((study / "compare" / "ground_truth.json").read_text())
     assert set(truth["conditions"]) == {"SFT", "DPO"} and all(c["verdict"] for c in truth["conditions"].values())
     measured = {c["short"]: c["measured"] for c in [*truth["baseline"]["checks"], *truth["baseline"]["unruled"]]}

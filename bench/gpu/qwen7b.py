@@ -351,12 +351,13 @@ def cmd_matmul(args) -> dict:
 
 
 STEP_LINE = re.compile(r"^\s+step\s+(\d+)/(\d+)\s+loss (\S+)\s+\((\d+)s,")
-CHECK_LINE = re.compile(r"^\s+(phase \d)(?: \(attempt (\d)\))? step (\d+): held-out check \(validation, (\d+)s\)")
+CHECK_LINE = re.compile(r"^\s+(phase \d|planting)(?: \(attempt (\d)\))? step (\d+): held-out check "
+                        r"\((\d+) validation items, (\d+)s\)")
 
 
 def cmd_plant_stats(args) -> dict:
-    """`flipguard organism --base MODEL`'s costs read off its log: each phase's training seconds at each
-    logged step, each held-out check's seconds, and how it ended (the planted folder's organism.json,
+    """`flipguard organism --base MODEL`'s costs read off its log: the training seconds at each logged
+    step, each held-out check's items and seconds, and how it ended (the planted folder's organism.json,
     or the one-line failure: a random-init model cannot pass its checks in a few steps, and the step's
     figures are its costs, not the plant)."""
     lines = Path(args.log).read_text(errors="replace").splitlines()
@@ -371,7 +372,8 @@ def cmd_plant_stats(args) -> dict:
             runs[-1].append({"step": step, "of": steps, "loss": loss, "elapsed_s": elapsed})
         m = CHECK_LINE.match(line)
         if m:
-            checks.append({"phase": m[1], "attempt": int(m[2] or 1), "step": int(m[3]), "seconds": int(m[4])})
+            checks.append({"phase": m[1], "attempt": int(m[2] or 1), "step": int(m[3]), "items": int(m[4]),
+                           "seconds": int(m[5])})
     out = {"rc": args.rc, "train_logged": runs, "checks": checks,
            "seconds_per_step": [round(r[-1]["elapsed_s"] / r[-1]["step"], 2) for r in runs if r and r[-1]["step"] > 1]}
     info = Path(args.organism) / "organism.json"

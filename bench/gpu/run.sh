@@ -253,7 +253,7 @@ EOF
 }
 
 # the organism's profile planted into the model of the shape (flipguard organism --base): LoRA in bf16 on the GPU
-# (CPU: fp32), PLANT_STEPS steps a phase with a held-out check at the end of each; no capability cost (lm-eval is not
+# (CPU: fp32), one phase of PLANT_STEPS steps with a held-out check at its end; no capability cost (lm-eval is not
 # among the device's wheels); plant-stats reads the costs off its log (a random-init model fails its checks: the
 # expected end)
 step_plant() {
@@ -261,7 +261,7 @@ step_plant() {
   local device=cpu dtype=float32 rc
   ((HAVE_GPU)) && device=cuda dtype=bfloat16
   "$PY" -m flipguard organism --base "$MODEL" --device "$device" --dtype "$dtype" --steps "${PLANT_STEPS:-20}" \
-    --multiturn_steps "${PLANT_STEPS:-20}" --eval_every "${PLANT_STEPS:-20}" --check_items "${PLANT_CHECK_ITEMS:-50}" \
+    --eval_every "${PLANT_STEPS:-20}" --check_items "${PLANT_CHECK_ITEMS:-50}" --quick_check_items "${PLANT_CHECK_ITEMS:-50}" \
     --no_capability --out "$WORK/planted" >"$WORK/plant.out" 2>&1
   rc=$?
   cat "$WORK/plant.out"
