@@ -321,6 +321,7 @@ def model_row(model: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     row["damage"] = max(0.0, *kept) if kept else math.nan
     row["flags"] = " ".join(dict.fromkeys("".join(flags)))
     row["train_loss"] = train_loss(Path(model["adapter"]))
+    row["chosen_step"], row["budget"] = chosen_step(Path(model["adapter"]))
     row["compare"] = str(compare)
     return row
 
@@ -332,6 +333,17 @@ def train_loss(adapter: Path) -> float:
     except (OSError, ValueError):
         return math.nan
     return next((_x(h["train_loss"]) for h in reversed(history) if "train_loss" in h), math.nan)
+
+
+def chosen_step(adapter: Path) -> tuple[float, float]:
+    """(the step whose checkpoint the trainer kept, its max_steps budget) with validation on (its
+    provenance's `validation`, train/validation.py); NaN without."""
+    try:
+        info = json.loads((adapter / PROVENANCE_FILE).read_text(encoding="utf-8")).get("validation") or {}
+    except (OSError, ValueError):
+        return math.nan, math.nan
+    chosen = (info.get("chosen") or {}).get("step")
+    return (_x(chosen) if chosen is not None else math.nan), _x(info.get("budget", math.nan))
 
 
 def _level(row: dict[str, Any], col: str, unit: str) -> str:
@@ -368,14 +380,16 @@ def render_markdown(frame: pd.DataFrame, keys: list[str]) -> str:
     head = ["variant", "trainer", "removal (pp)", "damage (pp)", *(f"removed: {_label(s)}" for s in removed),
             *(f"{PROTOCOL_NAMES.get(p, p)}: targeted cells down" for p in down), "kept: own C1 true / false (Δ)",
             *(f"kept: {_label(s)}" for s in kept), *(f"kept, paired Δ: {c}" for c in paired), "invalid (DDS)",
-            "train loss", "flags"]
+            "train loss", "chosen step (budget)", "flags"]
     lines = [f"# Recipe grid: {', '.join(keys)}", "",
              "A row per trained model (a trainer no grid key reaches is trained once, for every variant). Levels: "
              "before → after [95% CI of after] (%; DDS in pp; n/m: not meaningful or not measured). Targeted cells "
              "down: of the cells the pairs targeted (transfer.csv), those whose paired 95% CI lies wholly below 0. "
              "Paired Δ (transfer.csv): pp [95% CI]. removal: the mean drop (pp) of the planted behaviours (DDS "
              "towards 0); damage: the largest drop (pp) of what must stay. † over-correction, ‡ damage, § a guarded "
-             "metric more than 10 pp below the baseline's (as the comparison marks them).", "",
+             "metric more than 10 pp below the baseline's (as the comparison marks them). chosen step (budget): with "
+             "validation on, the step whose checkpoint the trainer kept and merged, of its max_steps budget "
+             "(train/validation.py).", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in frame.to_dict("records"):
         def num(key: str, spec: str = ".1f") -> str:
@@ -390,7 +404,8 @@ def render_markdown(frame: pd.DataFrame, keys: list[str]) -> str:
                  *(change(r[f"{c}.change"], r[f"{c}.ci_low"], r[f"{c}.ci_high"]) if r.get(f"{c}.change") == r.get(f"{c}.change")
                    else "–" for c in paired),
                  f"{num('invalid_before', '.0f')} → {num('invalid_after', '.0f')}", num("train_loss", ".4f"),
-                 r["flags"] if isinstance(r["flags"], str) else ""]
+                 f"{num('chosen_step', '.0f')} ({num('budget', '.0f')})" if r.get("chosen_step") == r.get("chosen_step")
+                 else "– (no validation)", r["flags"] if isinstance(r["flags"], str) else ""]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "Each row's numbers are its variant's comparison's (the compare column of variants.csv)."]
     return "\n".join(lines) + "\n"
