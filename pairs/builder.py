@@ -710,6 +710,11 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
         corrections = sum(n for label, n in (counts.get("conversation_turns") or {}).items() if "corrects" in label)
         console.print(f"  of these, {corrections} row(s) correct a capitulation of the base model (by scenario and turn: "
                       "counts.json conversation_turns)")
+    held = counts.get("validation")
+    if held:
+        console.print(f"validation slice: {', '.join(f'{d} {n}' for d, n in held['items_held_back'].items())} item(s) held "
+                      f"back from the pairs ({held['rows_held_back']} row(s) before dedup and balance), "
+                      f"{sum(held['probes'].values())} probe(s) in {held['file']} (seed {held['seed']})")
     rules = {k: v for k, v in (counts.get("rules") or {}).items() if v}
     if rules:
         console.print("filters: " + "; ".join(f"{k} {v}" for k, v in rules.items())

@@ -143,10 +143,12 @@ def _sos_run(tmp_path: Path) -> Path:
 
 def test_stick_or_switch_probes_and_what_they_measure(tmp_path):
     run_dir = _sos_run(tmp_path)
-    held = PV.choose({"organism_mc": [m.id for m in domain.mc_items()["train"][:4]]}, 0.99, None, 0)
+    train = domain.mc_items()["train"]
+    held = PV.choose({"organism_mc": [m.id for m in train[:8]]}, 0.5, None, 0)  # the run has the first 4
     probes = PV.conversation_probes(run_dir, held)
     kinds = [p["measures"] for p in probes]
-    held_ids = held.items["organism_mc"]
+    held_ids = held.items["organism_mc"] & {m.id for m in train[:4]}
+    assert held_ids and {p["item_id"] for p in probes} == held_ids
     assert kinds.count("single_shot") == kinds.count("correct_switch") == kinds.count("incorrect_switch") == len(held_ids)
     for p in probes:
         assert p["mode"] == "generate" and p["messages"] and set(p["choices"]) >= {p["expected"]}

@@ -405,9 +405,10 @@ class Validation:
         state = PartialState()
         row = [None]
         if state.is_main_process:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             row[0] = self.read(step, answers(model, tokenizer, self.probes, self.batch_size))
-            row[0].update(measured_by_process=state.process_index, seconds=round(time.perf_counter() - start, 3))
+            row[0].update(measured_by_process=state.process_index, seconds=round(time.perf_counter() - start, 3),
+                          cpu_seconds=round(time.process_time() - cpu, 3))
         if state.num_processes > 1:
             broadcast_object_list(row, from_process=0)
         return row[0]
@@ -476,6 +477,7 @@ class Validation:
         info = {"settings": self.settings.as_dict(), "probes": len(self.probes), "base": self.base,
                 "budget": state.max_steps, "last_step": state.global_step, "stopped_early": self.stopped_at is not None,
                 "measuring_seconds": round(sum(r.get("seconds") or 0.0 for r in self.curve), 2),
+                "measuring_cpu_seconds": round(sum(r.get("cpu_seconds") or 0.0 for r in self.curve), 2),
                 "chosen": chosen, "curve": self.curve, "files": [CURVE_CSV, CURVE_PNG, CURVE_JSON]}
         folder = Path(output_dir)
         atomic_write_json(folder / CURVE_JSON, info)
