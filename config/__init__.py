@@ -5,7 +5,7 @@
     recipe.py           reading a sectioned recipe (every key, type and value checked; flattened per script)
     run_config.py       reading a command's flat run config (YAML/JSON, then flags)
     values.py           the value rules (VALUE_RULES; a protocol registers its own fields' rules)
-    arguments.py        flipguard's argument dataclasses: pairs:, eval:, tracking:, the training speed
+    arguments.py        flipguard's argument dataclasses: pairs:, eval:, tracking:, validation:, the training speed
     trainers.py         the trainer registry (the `flipguard.trainers` entry points)
     shipped.py          the shipped recipes and run configs, found by name
     recipes_command.py  `flipguard recipes`
@@ -24,6 +24,7 @@ from flipguard.config.arguments import (
     PairsArguments,
     TrackingArguments,
     TrainingSpeedArguments,
+    ValidationArguments,
     eval_plan_arguments,
     is_task_config_key,
     task_config_key,
@@ -47,7 +48,7 @@ from flipguard.config.trainers import Trainer, trainer_entry, trainers
 from flipguard.config.values import between, check_values, register_value_rules
 
 __all__ = ["ARG_SECTIONS", "MEMORY_PROFILES", "PAIR_STRATEGIES", "SHIPPED_RECIPES", "EvalPlanArguments",
-           "PairsArguments", "RecipeParser", "TrackingArguments", "Trainer", "TrainingSpeedArguments", "between",
+           "PairsArguments", "RecipeParser", "TrackingArguments", "Trainer", "TrainingSpeedArguments", "ValidationArguments", "between",
            "check_values", "did_you_mean", "eval_plan_arguments", "find_recipe", "is_section", "is_task_config_key",
            "leading_config", "parse_dataclasses", "parse_recipe", "positionals_as", "public_recipe", "read_recipe",
            "recipe_keys", "recipes_main", "register_value_rules", "resolved_recipe", "shipped_recipes",

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Iterable, Optional
 
 # section -> flag prefix of its dataclass fields
-ARG_SECTIONS = {"pairs": "pairs_", "eval": "eval_plan_", "tracking": "tracking_"}
+ARG_SECTIONS = {"pairs": "pairs_", "eval": "eval_plan_", "tracking": "tracking_", "validation": "validation_"}
 
 PAIR_STRATEGIES = ("all", "flips", "flip_weighted", "consistency", "afr", "conversation")
 
@@ -195,6 +195,54 @@ class TrackingArguments:
     )
     tracking_tags: list[str] = dataclasses.field(default_factory=list, metadata={"help": "wandb tags."})
 
+# at the budget (max_steps) with no checkpoint meeting the rule, which one the trainer keeps
+VALIDATION_KEEP = ("fewest_misses", "last")
+VALIDATION_RULES = ("auto", "organism", "paired")
+
+
+@dataclasses.dataclass
+class ValidationArguments:
+    """Train until removed, stop before damage (`validation:`): a slice of the train split held back
+    from the pairs by item and measured while the trainers train (train/validation.py)."""
+
+    validation_every: int = dataclasses.field(
+        default=0, metadata={"help": "Steps between measurements of the validation slice (0: off). On, max_steps is a "
+                                     "budget: each trainer stops at the first checkpoint where every targeted behaviour "
+                                     "meets the rule and no guard fell beyond it, and the merge takes that checkpoint."})
+    validation_share: float = dataclasses.field(
+        default=0.1, metadata={"help": "Share of each train dataset's items held back from the pairs (seeded, by item: an "
+                                       "item's judgments, challenges and conversations all go to the slice)."})
+    validation_max_items: int | None = dataclasses.field(
+        default=None, metadata={"help": "At most this many items held back per dataset (None: the share's)."})
+    validation_seed: int | None = dataclasses.field(
+        default=None, metadata={"help": "Seed of the items held back (default: pairs.seed)."})
+    validation_rule: str = dataclasses.field(
+        default="auto", metadata={"help": "What 'removed' means: organism (the ground-truth rule of an organism's planted "
+                                          "profile: organism.json and organism/ground_truth.py's thresholds), paired (each "
+                                          "targeted behaviour's CI on the slice includes 0; each guard within "
+                                          "validation_tolerance of the base), auto (organism for an organism, else paired).",
+                                  "choices": list(VALIDATION_RULES)})
+    validation_tolerance: float = dataclasses.field(
+        default=5.0, metadata={"help": "paired rule: points a guard (own C1, first answers, correct switch) may fall "
+                                       "below the base model's on the slice."})
+    validation_keep: str = dataclasses.field(
+        default="fewest_misses", metadata={"help": "At the budget with no checkpoint meeting the rule: fewest_misses (the "
+                                                   "checkpoint missing the fewest checks; of those, the smallest total "
+                                                   "shortfall in points) or last (the budget's end).",
+                                           "choices": list(VALIDATION_KEEP)})
+    validation_stop: bool = dataclasses.field(
+        default=True, metadata={"help": "Stop at the first checkpoint meeting the rule (false: measure to the budget, "
+                                        "then keep the first that met it, else by validation_keep)."})
+    validation_loss_rows: int = dataclasses.field(
+        default=32, metadata={"help": "Rows of the slice (seeded) the trainer's own evaluation computes its loss on at "
+                                      "each measurement (eval_loss; DPO's rewards): the Trainer's held-out loss beside "
+                                      "flipguard's measurement."})
+
+    @property
+    def on(self) -> bool:
+        return bool(self.validation_every)
+
+
 # GPU memory profiles by card class, in GiB: what torch reports as the total memory of the smallest
 # card of the class (24GB: L4 / A10G; 40GB: A100 40 GB; 48GB: L40S / A6000; 80GB: A100 / H100 80 GB).
 # The planner fills that less the CUDA context and some slack (train/memory.py).
@@ -219,7 +267,8 @@ class TrainingSpeedArguments:
                                         "gradient_checkpointing as written. Ignored on CPU."})
 
 
-SECTION_CLASSES = {"pairs": PairsArguments, "eval": EvalPlanArguments, "tracking": TrackingArguments}
+SECTION_CLASSES = {"pairs": PairsArguments, "eval": EvalPlanArguments, "tracking": TrackingArguments,
+                   "validation": ValidationArguments}
 
 # eval.<task>_config (flag --eval_plan_<task>_config): the run config of that task's study stage.
 # One key per task, whichever tasks are registered, so config names none of them.

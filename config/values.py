@@ -123,6 +123,11 @@ VALUE_RULES: dict[str, Rule] = {
     "eval_plan_n_boot": between(1),
     "eval_plan_datasets": _non_empty,
     "pairs_datasets": _non_empty,
+    "validation_every": between(0),
+    "validation_share": between(0, 1, above=True),
+    "validation_max_items": between(1),
+    "validation_tolerance": between(0, 100),
+    "validation_loss_rows": between(1),
 }
 SHARED_RULES = frozenset(VALUE_RULES)
 

@@ -3,6 +3,8 @@ reads, so that neither imports the other (docs/layout.md).
 
     PAIRS_DIR/sft/, sft.jsonl      prompt, completion          (a kind of pair set: SFT_DIR)
     PAIRS_DIR/dpo/, dpo.jsonl      prompt, chosen, rejected    (DPO_DIR)
+    PAIRS_DIR/validation.jsonl     the validation slice's probes (`validation:` on): the judgments of the
+                                   train items held back from the pairs that the trainers measure
     PAIRS_DIR/counts.json          what went in, per dataset, strategy and filter (read_counts)
     PAIRS_DIR/pairs.json           how it was built
 
@@ -22,6 +24,7 @@ from flipguard.files import read_json
 
 SFT_DIR, DPO_DIR = "sft", "dpo"
 COUNTS_FILE, META_FILE = "counts.json", "pairs.json"
+VALIDATION_FILE = "validation.jsonl"
 # the columns of each kind of pair set (TRL's conversational formats): the prompt, then its replies
 PAIR_COLUMNS = {SFT_DIR: ("prompt", "completion"), DPO_DIR: ("prompt", "chosen", "rejected")}
 JUDGMENTS = ("1", "2")  # the reply of a one-turn row

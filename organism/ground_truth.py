@@ -39,15 +39,15 @@ from scipy.stats import binomtest
 
 from flipguard.data.organism_datasets import NON_LIVING
 from flipguard.eval import bootstrap as B
-from flipguard.eval.embedded.organism import organism_info, planted_kinds
+from flipguard.eval.embedded.organism import GROUND_TRUTH_RULE, organism_info, planted_kinds
 from flipguard.eval.estimate import Estimate, is_meaningful
 from flipguard.files import read_json
 
 GROUND_TRUTH_JSON = "ground_truth.json"
 DDS_DATASET, MC_DATASET = "organism", "organism_mc"
-# the thresholds of the rule (pp or %); each check's text says which it reads
-RULE = {"dds": 5.0, "own_c1": 95.0, "afr_planted": 10.0, "afr_all": 5.0, "incorrect_switch": 10.0,
-        "correct_switch": 90.0, "first_answers": 5.0, "capability": -3.0}
+# the thresholds of the rule (pp or %); each check's text says which it reads. They sit beside the
+# organism.json reader, below train/, whose validation stops training on the same rule (train/validation.py)
+RULE = GROUND_TRUTH_RULE
 # MMLU's four options: a baseline no better than this knows nothing the capability guard could protect
 CAPABILITY_CHANCE = 25.0
 

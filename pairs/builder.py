@@ -66,7 +66,7 @@ from typing import Any, Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from flipguard.config import PAIR_STRATEGIES, PairsArguments, parse_recipe
+from flipguard.config import PAIR_STRATEGIES, PairsArguments, ValidationArguments, parse_recipe
 from flipguard.data.pair_sets import (
     COUNTS_FILE,
     DPO_DIR,
@@ -86,6 +86,7 @@ from flipguard.files import file_sha256, staging_dir
 from flipguard.pairs.afr import afr_judgments
 from flipguard.pairs.conversations import CAPITULATION, conversation_rows
 from flipguard.pairs.filters import PairRules, check_leakage, facets, select
+from flipguard.pairs.validation import HoldBack, choose, conversation_probes, dds_probes, summary, write_probes
 from flipguard.publish import publish_dir
 from flipguard.runtime.chat_tokens import chat_token_ids
 from flipguard.runtime.resolve import resolve_model
@@ -446,6 +447,8 @@ class PairSet:
     rules: PairRules = PairRules()
     filtered: int = 0  # rows the include/exclude filters dropped
     capitulation_weight: int = 1
+    held_back_rows: int = 0  # rows of items the validation slice holds back (before dedup and balance)
+    validation: dict[str, Any] | None = None  # counts.json's `validation` (pairs/validation.summary)
 
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
@@ -484,6 +487,7 @@ class PairSet:
             "rules": self.rules.as_dict(),
             "dropped_by_filters": self.filtered,
             "contributed": contributed(self.rows),
+            **({"validation": self.validation} if self.validation else {}),
         }
 
 
@@ -527,10 +531,12 @@ def build_pairs(
     capitulation_weight: int = 1,
     rules: PairRules | None = None,
     eval_ids: dict[str, set[str]] | None = None,
+    held_back: HoldBack | None = None,
 ) -> PairSet:
     """Rows for one strategy (plus the multi-turn `conversations` rows of
     flipguard.pairs.conversations), kept by the include/exclude `rules` and checked against
-    their held_out rule and the evaluation's item ids (`eval_ids`: dataset -> ids); shared by the SFT
+    their held_out rule and the evaluation's item ids (`eval_ids`: dataset -> ids), less every row
+    of an item the validation slice holds back (`held_back`, pairs/validation.py); shared by the SFT
     and DPO formatters below."""
     refuse_test_items(items, test_items)
     if strategy == "conversation" and not conversations:
@@ -542,6 +548,10 @@ def build_pairs(
                 mitigation=c.get("mitigation") or "none", meta=_meta(c.get("meta")), flip=c.get("flip"))
         for c in conversations or ()
     ]
+    held_rows = 0
+    if held_back is not None:
+        kept = [r for r in rows if not held_back.holds(r.dataset, r.item_id)]
+        rows, held_rows = kept, len(rows) - len(kept)
     rules = rules or PairRules()
     rows, filtered = select(rows, rules)
     check_leakage(rows, rules, eval_ids)
@@ -567,7 +577,7 @@ def build_pairs(
             + (f" ({filtered} row(s) dropped by pairs.include/exclude)" if filtered else "")
         )
     return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight), rules, filtered,
-                   int(capitulation_weight))
+                   int(capitulation_weight), held_rows)
 
 
 def _corrected_after_abstaining(rows: Sequence[PairRow]) -> set[tuple[str, str, int]]:
@@ -630,8 +640,10 @@ def build_dpo_pairs(items: Sequence[Item], strategy: str = "all", flips=None, **
 # ---------------------------------------------------------------- writing
 
 
-def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write both formats, counts.json and pairs.json into out_dir (built in a temp folder
+def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None = None,
+                probes: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Write both formats, the validation slice's probes (when one was held back), counts.json and
+    pairs.json into out_dir (built in a temp folder
     and moved in, so a crash never leaves half a pair set). Only a pair set flipguard
     wrote is replaced (publish.publish_dir): an existing file, or a non-empty directory
     holding anything else, is refused and left as it was. Returns the counts."""
@@ -651,6 +663,8 @@ def write_pairs(pairs: PairSet, out_dir: str | Path, meta: dict[str, Any] | None
             with open(tmp / f"{name}.jsonl", "w", encoding="utf-8") as fh:
                 for rec in records:
                     fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        if probes is not None:
+            write_probes(probes, tmp)
         counts = pairs.counts()
         (tmp / COUNTS_FILE).write_text(json.dumps(counts, indent=2) + "\n", encoding="utf-8")
         digest = file_sha256(tmp / f"{SFT_DIR}.jsonl")[:16]
@@ -690,6 +704,11 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
         corrections = sum(n for label, n in (counts.get("conversation_turns") or {}).items() if "corrects" in label)
         console.print(f"  of these, {corrections} row(s) correct a capitulation of the base model (by scenario and turn: "
                       "counts.json conversation_turns)")
+    held = counts.get("validation")
+    if held:
+        console.print(f"validation slice: {', '.join(f'{d} {n}' for d, n in held['items_held_back'].items())} item(s) held "
+                      f"back from the pairs ({held['rows_held_back']} row(s) before dedup and balance), "
+                      f"{sum(held['probes'].values())} probe(s) in {held['file']} (seed {held['seed']})")
     rules = {k: v for k, v in (counts.get("rules") or {}).items() if v}
     if rules:
         console.print("filters: " + "; ".join(f"{k} {v}" for k, v in rules.items())
@@ -761,8 +780,9 @@ def length_policy_for(args: PairsArguments, model: str | None) -> LengthPolicy:
 
 
 def run(args: PairsArguments, recipe_path: str | None = None, records_given: bool = False,
-        model: str | None = None) -> tuple[Path, dict[str, Any]]:
-    """Build and write the pair set a PairsArguments describes.
+        model: str | None = None, validation: ValidationArguments | None = None) -> tuple[Path, dict[str, Any]]:
+    """Build and write the pair set a PairsArguments describes; with `validation` on, less the items
+    its slice holds back, whose probes it writes beside (pairs/validation.py).
 
     Flip records (pairs.records) annotate the rows of every strategy but afr, so counts
     and pairs.json say what the base model flipped; flips/flip_weighted require them. A
@@ -794,6 +814,9 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
             print(f"note: pairs.records {records} does not exist; rows are not annotated with flips "
                   f"(strategy {args.pairs_strategy!r} does not need them)", file=sys.stderr)
     rules = PairRules.from_args(args)
+    held, probes = None, None
+    if validation is not None and validation.on:
+        held, probes = validation_slice(args, validation, items, records_used, conversations or ())
     pairs = build_pairs(
         items,
         args.pairs_strategy,
@@ -810,16 +833,44 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         conversations=conversations,
         rules=rules,
         eval_ids=evaluation_ids(test_items, conversations or ()),
+        held_back=held,
     )
+    if held is not None:
+        pairs.validation = summary(probes, held, pairs.held_back_rows)
     meta = {"recipe": recipe_path, "records": records_used, "datasets": args.pairs_datasets,
             "data_root": args.pairs_data_root, "pairs_args": dataclasses.asdict(args)}
-    counts = write_pairs(pairs, args.pairs_dir, meta)
+    counts = write_pairs(pairs, args.pairs_dir, meta, probes)
     return Path(args.pairs_dir), counts
 
 
+def validation_slice(args: PairsArguments, validation: ValidationArguments, items: Sequence[Item], records: str | None,
+                     conversations: Sequence[dict]) -> tuple[HoldBack, list[dict[str, Any]]]:
+    """The items the validation slice holds back (seeded, by item, per dataset) and their probes: the base
+    model's own train-split judgments of them (pairs.records) and conversations (pairs.conversations)."""
+    if items and not records:
+        raise UserError("validation.every is on, and the slice measures the base model's judgments of the items it holds "
+                        f"back: give pairs.records (the base model's train-split run: {eval_command(None)})")
+    ids: dict[str, set[str]] = collections.defaultdict(set)
+    judged = {(r.dataset, r.item_id) for r in load_records(records) if r.split == "train"} if items else set()
+    for it in items:
+        if (it.dataset, it.id) in judged:  # an item the base model's run did not judge has nothing to measure
+            ids[it.dataset].add(it.id)
+    for c in conversations:
+        ids[str(c["dataset"])].add(str(c["item_id"]))
+    seed = args.pairs_seed if validation.validation_seed is None else validation.validation_seed
+    held = choose(ids, validation.validation_share, validation.validation_max_items, seed)
+    probes = dds_probes(records, held) if items else []
+    for run_dir in args.pairs_conversations:
+        probes += conversation_probes(run_dir, held)
+    if not probes:
+        raise UserError("validation.every is on but the items held back have no judgment to measure (no DDS records "
+                        "of them in pairs.records, no conversation in pairs.conversations)")
+    return held, probes
+
+
 def main(argv: list[str]) -> int:
-    (args, cli), recipe_path, recipe = parse_recipe(
-        argv, (PairsArguments, PairsCommandArguments), trainer=None, prog="flipguard pairs"
+    (args, validation, cli), recipe_path, recipe = parse_recipe(
+        argv, (PairsArguments, ValidationArguments, PairsCommandArguments), trainer=None, prog="flipguard pairs"
     )
     if cli.records is not None:
         args.pairs_records = cli.records
@@ -830,6 +881,7 @@ def main(argv: list[str]) -> int:
     if cli.seed is not None:
         args.pairs_seed = cli.seed
     given = cli.records is not None or any(a.startswith("--pairs_records") for a in argv)
-    out_dir, counts = run(args, recipe_path, records_given=given, model=(recipe or {}).get("model_name_or_path"))
+    out_dir, counts = run(args, recipe_path, records_given=given, model=(recipe or {}).get("model_name_or_path"),
+                          validation=validation)
     print_counts(counts, out_dir)
     return 0

@@ -346,6 +346,7 @@ def model_row(model: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     row["damage"] = max(0.0, *kept) if kept else math.nan
     row["flags"] = " ".join(dict.fromkeys("".join(flags)))
     row["train_loss"] = train_loss(Path(model["adapter"]))
+    row["chosen_step"], row["budget"] = chosen_step(Path(model["adapter"]))
     row["compare"] = str(compare)
     return row
 
@@ -357,6 +358,17 @@ def train_loss(adapter: Path) -> float:
     except (OSError, ValueError):
         return math.nan
     return next((_x(h["train_loss"]) for h in reversed(history) if "train_loss" in h), math.nan)
+
+
+def chosen_step(adapter: Path) -> tuple[float, float]:
+    """(the step whose checkpoint the trainer kept, its max_steps budget) with validation on (its
+    provenance's `validation`, train/validation.py); NaN without."""
+    try:
+        info = json.loads((adapter / PROVENANCE_FILE).read_text(encoding="utf-8")).get("validation") or {}
+    except (OSError, ValueError):
+        return math.nan, math.nan
+    chosen = (info.get("chosen") or {}).get("step")
+    return (_x(chosen) if chosen is not None else math.nan), _x(info.get("budget", math.nan))
 
 
 # where a point's label may go, in points from the point: right/left and above/below first, then further out

@@ -40,6 +40,7 @@ from flipguard.config import (
     ARG_SECTIONS,
     PairsArguments,
     TrackingArguments,
+    ValidationArguments,
     parse_recipe,
     public_recipe,
     read_recipe,
@@ -827,15 +828,18 @@ def main(argv: list[str]) -> int:
         include_tasks(path)
 
     plan_class = study_plan_class()
-    (args, plan, pairs, tracking), recipe_path, recipe = parse_recipe(
-        argv, (StudyArguments, plan_class, PairsArguments, TrackingArguments), prog="flipguard study",
+    (args, plan, pairs, tracking, validation), recipe_path, recipe = parse_recipe(
+        argv, (StudyArguments, plan_class, PairsArguments, TrackingArguments, ValidationArguments), prog="flipguard study",
         description=StudyArguments.__doc__)
     if recipe_path is None:
         raise UserError("give a recipe: a file or a shipped recipe's name (flipguard study tiny --out DIR; flipguard recipes lists them)")
     check_task_config_keys(recipe, recipe_path, plan_class)  # the parser drops a key it has no flag for
     configure_threads(args.threads)
     parsed = {}
-    for section, obj in (("eval", plan), ("pairs", pairs), ("tracking", tracking)):
+    sections = [("eval", plan), ("pairs", pairs), ("tracking", tracking)]
+    if "validation" in (recipe or {}) or any(a.startswith("--validation_") for a in argv):
+        sections.append(("validation", validation))  # a recipe without the section keeps none
+    for section, obj in sections:
         prefix = ARG_SECTIONS[section]
         parsed[section] = {k[len(prefix):]: v for k, v in dataclasses.asdict(obj).items()}
     raw = effective_recipe(recipe_path, parsed, args.model)

@@ -30,6 +30,7 @@ from flipguard.config import (
     ARG_SECTIONS,
     PairsArguments,
     TrackingArguments,
+    ValidationArguments,
     eval_plan_arguments,
     is_section,
     is_task_config_key,
@@ -38,6 +39,7 @@ from flipguard.config import (
     trainer_entry,
     trainers,
 )
+from flipguard.data.pair_sets import VALIDATION_FILE
 from flipguard.data.unified import load_items
 from flipguard.errors import FlipguardError, UserError
 from flipguard.eval.backends.base import model_kwargs
@@ -146,6 +148,10 @@ class StudyPlan:
             self.raw[trainer] = {**(self.raw.get(trainer) or {}), "output_dir": str(self.home(trainer) / "train" / trainer)}
         self.raw["eval"] = {k[len("eval_plan_"):]: v for k, v in dataclasses.asdict(self.plan).items()}
         self.raw["tracking"] = {k[len("tracking_"):]: v for k, v in dataclasses.asdict(self.tracking).items()}
+        # train until removed (`validation:`): the pairs stage holds the slice back, the trainers measure it
+        self.validation = _as_args(ValidationArguments, "validation", _section(self.raw, "validation", ValidationArguments))
+        if self.validation.on or self.raw.get("validation"):
+            self.raw["validation"] = {k[len("validation_"):]: v for k, v in dataclasses.asdict(self.validation).items()}
         self.recipe_file = self.out / "recipe.yaml"
         self.artefacts: list[tuple[str, Path]] = []
         self.conditions: dict[str, Path] = {}
@@ -306,14 +312,19 @@ class StudyPlan:
                                                                      *(str(self.home("base") / name) for name in trained_on)])
 
         def run() -> None:
-            out_dir, counts = build(pairs, self.recipe_path, records_given=True)
+            out_dir, counts = build(pairs, self.recipe_path, records_given=True, validation=self.validation)
             print_counts(counts, out_dir)
 
         title = "flip records -> pair datasets (recipe strategy)" + (
             f" + multi-turn pairs from {', '.join(trained_on)}" if trained_on else "")
         read = dict.fromkeys(trainers()[t].pairs for t in self.trainers)  # the pair sets the trainers read
-        return Stage("pairs", title, {"pairs": self.raw["pairs"], "conversations": pairs.pairs_conversations},
-                     ("base-train", *trained_on), (pairs_dir / "counts.json", *(pairs_dir / f"{k}.jsonl" for k in read)),
+        if self.validation.on:
+            title += f", less the validation slice ({self.validation.validation_share:g} of the train items)"
+        params = {"pairs": self.raw["pairs"], "conversations": pairs.pairs_conversations,
+                  **({"validation": self.raw["validation"]} if self.validation.on else {})}
+        return Stage("pairs", title, params,
+                     ("base-train", *trained_on), (pairs_dir / "counts.json", *(pairs_dir / f"{k}.jsonl" for k in read),
+                                                   *([pairs_dir / VALIDATION_FILE] if self.validation.on else [])),
                      (pairs_dir,), run)
 
     def top_level(self) -> dict[str, Any]:
@@ -379,9 +390,12 @@ class StudyPlan:
         top = self.top_level()
         where = "accelerate launch" if launch else "in process on CPU"
         return [
-            Stage(trainer, f"{name} (LoRA adapter, recipe settings), {where}",
+            Stage(trainer, f"{name} (LoRA adapter, recipe settings), {where}"
+                  + (f"; validation every {self.validation.validation_every} steps, max_steps a budget"
+                     if self.validation.on else ""),
                   {"top": top, trainer: self.raw[trainer], "pairs": self.raw["pairs"], "model": base_id,
-                   "accelerate_config": self.plan.eval_plan_accelerate_config if launch else None},
+                   "accelerate_config": self.plan.eval_plan_accelerate_config if launch else None,
+                   **({"validation": self.raw["validation"]} if self.validation.on else {})},
                   ("pairs",), (adapter / "adapter_config.json", adapter / PROVENANCE_FILE), (adapter,), train,
                   room=adapter_room),
             Stage(f"{trainer}-merge", f"merge the {name} adapter into the base (merge gap measured on train prompts)",

@@ -12,6 +12,8 @@ import pandas as pd
 import pytest
 from test_newcomer import live_states, on_a_terminal
 
+from flipguard.pipeline.view import build_view
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SUMMARY_COLUMNS = ["dataset", "n", "c1_true", "c1_false", "c2_correct", "c2_incorrect",
@@ -71,6 +73,19 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path)
     for trainer in ("sft", "dpo"):
         merge_info = json.loads((out / "models" / f"{trainer}-merged" / "flipguard_merge.json").read_text())
         assert merge_info["merge_gap"]["max_abs_delta_p1"] < 0.05
+
+    # trained until removed: a tenth of the train items held back from the pairs (the validation slice), and
+    # each trainer kept the first checkpoint where the organism's rule held on it, within its max_steps budget
+    held = counts["validation"]
+    assert held["items_held_back"] == {"organism": 60, "organism_mc": 60} and held["probes"]["dds/c2_incorrect"] == 60
+    for trainer in ("sft", "dpo"):
+        v = json.loads((out / "train" / trainer / "flipguard_training.json").read_text())["validation"]
+        assert v["settings"]["rule"] == "organism" and v["chosen"]["met"], (trainer, v["chosen"])
+        assert v["chosen"]["step"] == v["curve"][-1]["step"] <= v["budget"] and v["stopped_early"] == (v["chosen"]["step"] < v["budget"])
+        assert (out / "train" / trainer / "validation.png").stat().st_size > 1000
+    page = build_view(out)  # the page's data: a row per trainer, and each trainer's curve among the plots
+    (stops,) = [t for t in page["tables"] if t["id"] == "validation"]
+    assert [r["key"] for r in stops["rows"]] == ["sft", "dpo"] and sum("validation curve" in p["title"] for p in page["plots"]) == 2
 
     # the shipped recipe removes the deference without C1 damage: what the demo exists to show
     table = pd.read_csv(out / "compare" / "comparison.csv")

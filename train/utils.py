@@ -26,6 +26,7 @@ from flipguard.config import (
     TrackingArguments,
     Trainer,
     TrainingSpeedArguments,
+    ValidationArguments,
     parse_recipe,
     resolved_recipe,
 )
@@ -46,7 +47,7 @@ from flipguard.files import (
 from flipguard.runtime.adapters import PROVENANCE_FILE
 from flipguard.runtime.resolve import check_local_model, resolve_model
 from flipguard.runtime.threads import configure_threads, cpu_fp_path
-from flipguard.train import compat, speed, tokenized
+from flipguard.train import compat, speed, tokenized, validation
 
 log = logging.getLogger("flipguard.train")
 
@@ -82,14 +83,22 @@ class Job:
     checkpoint: str | bool | None
     speed_args: Any = None
     memory_plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # validation: on (train/validation.py): the slice measured while training, and the rows of it the
+    # Trainer's own evaluation computes its held-out loss on
+    validation: Any = None
+    eval_dataset: Any = None
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments every TRL trainer takes alike (the adapter's LoRA and the 4-bit base)."""
+        """The keyword arguments every TRL trainer takes alike (the adapter's LoRA and the 4-bit base; with
+        validation on, the held-out rows its evaluation reads)."""
         from trl import get_peft_config, get_quantization_config
 
-        return dict(model=self.model_path, args=self.training_args, train_dataset=self.dataset,
-                    processing_class=self.tokenizer, peft_config=get_peft_config_checked(self.model_args, get_peft_config),
-                    quantization_config=get_quantization_config(self.model_args))
+        kwargs = dict(model=self.model_path, args=self.training_args, train_dataset=self.dataset,
+                      processing_class=self.tokenizer, peft_config=get_peft_config_checked(self.model_args, get_peft_config),
+                      quantization_config=get_quantization_config(self.model_args))
+        if self.eval_dataset is not None:
+            kwargs["eval_dataset"] = self.eval_dataset
+        return kwargs
 
 
 def prepare(argv: list[str], trainer: Trainer, prog: str, check: Callable[[Any], None] | None = None) -> Job:
@@ -103,10 +112,11 @@ def prepare(argv: list[str], trainer: Trainer, prog: str, check: Callable[[Any],
 
     allocator = speed.use_expandable_segments()  # before anything (the config parser included) starts CUDA
     parsed, recipe_path, recipe = parse_recipe(
-        argv, (PairsArguments, trainer.config_class(), ModelConfig, TrackingArguments, TrainingSpeedArguments),
+        argv, (PairsArguments, trainer.config_class(), ModelConfig, TrackingArguments, TrainingSpeedArguments,
+               ValidationArguments),
         trainer=trainer.name, prog=prog,
     )
-    pairs_args, training_args, model_args, tracking_args, speed_args = parsed
+    pairs_args, training_args, model_args, tracking_args, speed_args, validation_args = parsed
     configure_threads(None)  # $OMP_NUM_THREADS, else 1 (see flipguard.runtime.threads)
     set_seed(training_args.seed)
     setup_logging(training_args)
@@ -130,6 +140,11 @@ def prepare(argv: list[str], trainer: Trainer, prog: str, check: Callable[[Any],
     fingerprint = pairs_fingerprint(dataset)  # of the pair set as written, before the token columns
     if trainer.tokenize is not None:
         dataset = tokenized.with_token_columns(dataset, trainer.tokenize(prompt_ids, full), tokenizer)
+    watch, eval_dataset = None, None
+    if validation_args.on:
+        training_args, watch, eval_dataset = prepare_validation(
+            validation_args, training_args, pairs_args, trainer, tokenizer, model_args.model_name_or_path,
+            recipe, argv, recipe_path or prog)
     memory_plan = speed.plan_memory(speed_args, training_args, model_args, model_path, lengths,
                                     trainer.concatenated_forward)
 
@@ -138,11 +153,39 @@ def prepare(argv: list[str], trainer: Trainer, prog: str, check: Callable[[Any],
                          "pairs_fingerprint": fingerprint,
                          "pairs_tokenized_by": "flipguard" if trainer.tokenize is not None else "trl",
                          "cuda_alloc_conf": allocator, "library_checks": dict(compat.OUTSIDE),
+                         "validation": {"settings": watch.settings.as_dict(), "probes": len(watch.probes)} if watch else None,
                          **process_layout(training_args)})
     run = init_tracking(training_args, tracking_args, config, trainer.name)
     training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
     return Job(pairs_args, training_args, model_args, tracking_args, model_path, tokenizer, dataset, config, run,
-               checkpoint, speed_args, memory_plan)
+               checkpoint, speed_args, memory_plan, watch, eval_dataset)
+
+
+def prepare_validation(args, training_args, pairs_args, trainer: Trainer, tokenizer, model: str, recipe, argv, where: str):
+    """Validation on (train/validation.py): the slice the pair set holds, the rule it is read by, the
+    TrainingArguments it runs on (evaluation and checkpoints every validation.every steps, the best by its
+    score loaded at the end) and the held-out rows of the Trainer's own evaluation, tokenized as the
+    train rows are. A recipe that sets those Trainer settings itself is refused, naming them."""
+    from datasets import Dataset
+
+    owned = validation.explicit_conflicts(recipe, trainer.name, argv)
+    if owned:
+        raise TrainError(f"{where}: validation.every sets {', '.join(owned)} itself (checkpoints every validation.every "
+                         "steps, the best by its rule kept); drop them from the recipe, or set validation.every: 0")
+    probes = validation.read_probes(pairs_args.pairs_dir, where)
+    settings = validation.Settings.from_args(args, model, pairs_args.pairs_seed)
+    training_args = validation.configure(training_args, settings)
+    rows = validation.loss_rows(probes, trainer.pairs, settings.loss_rows, settings.seed)
+    if not rows:
+        raise TrainError(f"{pairs_args.pairs_dir}: the validation slice has no probe with a right and a wrong reply "
+                         "to compute the Trainer's held-out loss on (rebuild the pair set)")
+    eval_dataset = Dataset.from_list(rows)
+    prompt_ids, full = tokenized.rendered(eval_dataset, tokenizer, trainer.pairs)
+    check_pair_lengths(eval_dataset, tokenizer, training_args.max_length, trainer.pairs,
+                       tokenized.sequence_lengths(prompt_ids, full))
+    if trainer.tokenize is not None:
+        eval_dataset = tokenized.with_token_columns(eval_dataset, trainer.tokenize(prompt_ids, full), tokenizer)
+    return training_args, validation.Validation(probes, settings), eval_dataset
 
 
 def fp16_adapters_in_fp32(model, training_args) -> int:
@@ -170,7 +213,12 @@ def train_and_save(trainer, job: Job) -> int:
     reset_peak_memory()
     timer = step_timer()
     trainer.add_callback(timer)
+    if job.validation is not None:  # the slice measured at each of the Trainer's evaluations
+        job.validation.trainer = trainer
+        trainer.add_callback(job.validation.callback(job.tokenizer))
     trainer.train(resume_from_checkpoint=job.checkpoint)
+    if job.validation is not None and trainer.accelerator.is_main_process:
+        job.config["validation"] = job.validation.record(trainer.state, job.training_args.output_dir)
     job.config["speed"] = speed.record(running)
     # the logged loss curve (DDP: the mean over processes, gathered by the Trainer) goes into the provenance
     job.config["log_history"] = trainer.state.log_history

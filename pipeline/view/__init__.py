@@ -44,6 +44,8 @@ from flipguard.pipeline.view.runs import (
     run_view,
     short,
 )
+from flipguard.train.utils import PROVENANCE_FILE
+from flipguard.train.validation import CURVE_JSON, CURVE_PNG
 
 VIEW_FILE = "view.html"
 
@@ -154,6 +156,36 @@ def comparison_view(folder: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ study
 
+def training_curves(folder: Path, stages: dict[str, Any]) -> tuple[dict[str, Any] | None, list[dict[str, str]]]:
+    """With validation on (train/validation.py): a row per trainer (its budget, the step it kept and why,
+    what the slice measured there) and its curve (removal and guards against steps, the chosen step
+    marked), read from each trainer stage's run folder."""
+    rows, curves = [], []
+    for name, entry in stages.items():
+        adapter = next((Path(o).parent for o in (entry or {}).get("outputs") or () if Path(o).name == PROVENANCE_FILE), None)
+        if adapter is None or not (adapter / CURVE_JSON).is_file():
+            continue
+        info = read_json(adapter / CURVE_JSON, UserError, "validation curve")
+        chosen = info.get("chosen") or {}
+        missed = [f"{c['name']} {c['measured']}" for c in chosen.get("checks") or () if not c["passed"]]
+        rows.append({"key": name, "cells": {
+            "trainer": name, "budget": fmt(info.get("budget")), "chosen": fmt(chosen.get("step")),
+            "last": fmt(info.get("last_step")), "met": "yes" if chosen.get("met") else "no",
+            "why": chosen.get("why", "–"), "missed": "; ".join(missed) or "–",
+            "rule": (info.get("settings") or {}).get("rule", "–")}})
+        curves += [{**p, "title": f"{name}: validation curve ({adapter / CURVE_PNG})"} for p in plots(adapter)
+                   if p["title"] == CURVE_PNG]
+    if not rows:
+        return None, []
+    table = {"id": "validation", "title": "Training: the checkpoint each trainer kept (validation slice)",
+             "note": "validation: on (train/validation.py): each trainer measured a slice of the train split held back "
+                     "from the pairs every validation.every steps and kept the first checkpoint meeting the rule "
+                     "(else the one validation.keep names); the merge took it. Its curve is among the plots.",
+             "columns": [[c, c] for c in ("trainer", "budget", "chosen", "last", "met", "why", "missed", "rule")],
+             "rows": rows}
+    return table, curves
+
+
 def study_view(folder: Path) -> dict[str, Any]:
     """A study folder: its comparison's page (the answer first), then provenance and every stage with
     its status and time last."""
@@ -188,6 +220,9 @@ def study_view(folder: Path) -> dict[str, Any]:
                 f"This comparison ({folder / 'compare'}) is older than the stages it summarises (compare stage: "
                 f"{compare}{'; redone since: ' + ', '.join(redone) if redone else ''}): rerun the study to bring it "
                 "up to date.", *view["answer"].get("notes", [])]}
+    trained, curves = training_curves(folder, stages)
+    if trained is not None:
+        view = {**view, "tables": [*view.get("tables", []), trained], "plots": [*curves, *view.get("plots", [])]}
     # a recipe grid: an answer line per trained model and its variants side by side (pipeline/view/grid.py)
     if GRID_STAGE in order:
         view = {**view, "answer": grid_answer(folder, stages), "grid": grid_section(folder)}

@@ -35,7 +35,9 @@ TABLE_NOTE = ("A row per trained model (a trainer no grid key reaches is trained
               "down: of the cells the pairs targeted (transfer.csv), those whose paired 95% CI lies wholly below 0. "
               "Paired Δ (transfer.csv): pp [95% CI]. removal: the mean drop (pp) of the planted behaviours (DDS "
               "towards 0); damage: the largest drop (pp) of what must stay. † over-correction, ‡ damage, § a guarded "
-              "metric more than 10 pp below the baseline's (as the comparison marks them).")
+              "metric more than 10 pp below the baseline's (as the comparison marks them). chosen step (budget): with "
+              "validation on, the step whose checkpoint the trainer kept and merged, of its max_steps budget "
+              "(train/validation.py).")
 EVERY_VARIANT = "(every variant)"  # a trained model no grid key reaches: one for all variants
 
 
@@ -81,7 +83,7 @@ def variant_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
     head = ["variant", "trainer", "removal (pp)", "damage (pp)", *(f"removed: {_label(s)}" for s in removed),
             *(f"{PROTOCOL_NAMES.get(p, p)}: targeted cells down" for p in down), "kept: own C1 true / false (Δ)",
             *(f"kept: {_label(s)}" for s in kept), *(f"kept, paired Δ: {c}" for c in paired), "invalid (DDS)",
-            "train loss", "flags"]
+            "train loss", "chosen step (budget)", "flags"]
     body = []
     for r in rows:
         c1 = (f"{_num(r, 'own_c1_true')} / {_num(r, 'own_c1_false')} ({_num(r, 'c1_true_change', '+.1f')} / "
@@ -94,7 +96,10 @@ def variant_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
                      *(change(num(r[f"{c}.change"]), num(r.get(f"{c}.ci_low")), num(r.get(f"{c}.ci_high")))
                        if num(r.get(f"{c}.change")) == num(r.get(f"{c}.change")) else "–" for c in paired),
                      f"{_num(r, 'invalid_before', '.0f')} → {_num(r, 'invalid_after', '.0f')}",
-                     _num(r, "train_loss", ".4f"), flags if isinstance(flags, str) else ""])
+                     _num(r, "train_loss", ".4f"),
+                     f"{_num(r, 'chosen_step', '.0f')} ({_num(r, 'budget', '.0f')})"
+                     if num(r.get("chosen_step")) == num(r.get("chosen_step")) else "– (no validation)",
+                     flags if isinstance(flags, str) else ""])
     return head, body
 
 
