@@ -589,6 +589,24 @@ def blocking_kept(root: str | os.PathLike) -> list[tuple[Path, str]]:
     return sorted(found.items())
 
 
+def unlisted_files(root: str | os.PathLike) -> list[Path]:
+    """The files under ROOT that no manifest lists (nor a folder its parent's manifest lists as a whole):
+    the user's, never flipguard's. A stage resumed over them keeps them as the user's, as a redo does
+    (remove_owned); nothing is changed, and symbolic links are not followed."""
+    root = Path(root)
+    out: list[Path] = []
+    if root.is_symlink() or not root.is_dir():
+        return out
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        folder = Path(folder)
+        doc = read_manifest(folder)
+        listed = set(doc["files"]) if doc is not None else set()
+        dirs[:] = [d for d in dirs if d not in listed]  # a folder published whole: its files are its own
+        out += [folder / n for n in sorted(names)
+                if n not in (OWNER_FILE, LOCK_NAME) and n not in listed and not (folder / n).is_symlink()]
+    return out
+
+
 def _unproven_in(folder: Path) -> list[tuple[Path, str]]:
     """The files under FOLDER (a folder flipguard published whole) that its manifests do not prove."""
     out = []

@@ -81,24 +81,30 @@ def last_of_each_line(text: str) -> str:
     return "\n".join(lines)
 
 
-# a tqdm bar's state: its description, percentage and counts ("dds none/logprob:  40%|####  | 32/80 [...]")
-PROGRESS_STATE = re.compile(r"(?P<desc>[^\r\n|]*?):?\s*(?P<pct>\d+)%\|[^|]*\|\s*(?P<n>[\d.]+[kMG]?)/(?P<total>[\d.]+[kMG]?)")
+# a tqdm bar's state: percentage, counts and what follows ("40%|####  | 32/80 [00:01<00:02, 20.0req/s]"); its
+# description is what precedes it on its line ("dds none/logprob: "), where that reads as one
+PROGRESS_STATE = re.compile(r"(?P<pct>\d+)%\|[^|\r\n]*\|\s*(?P<n>[\d.]+[kMG]?)/(?P<total>[\d.]+[kMG]?)(?P<rest>[^\r\n]*)")
+PROGRESS_DESC = re.compile(r"\s*(?:(?P<desc>\w[\w /.+=-]*?):?\s*)?")
 
 
 def progress_of(log: Path, tail: int = 8192) -> str:
-    """A running stage's progress as its log shows it now: the last progress bar's state ('dds none/logprob
-    40% 32/80'), '' when its log holds none yet."""
+    """A running stage's progress as its log shows it now: the last state of a bar flipguard draws (its
+    requests, 'dds none/logprob 40% 32/80') or of a trainer's steps ('40% 8/20'); '' when its log holds none
+    yet. The libraries' own bars (loading weights, mapping a dataset) and text written into a bar's line
+    (a warning, a loss dict) are not progress of the stage: never shown."""
     try:
         with open(log, "rb") as fh:
             fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail))
             text = fh.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    states = list(PROGRESS_STATE.finditer(text))
-    if not states:
-        return ""
-    m = states[-1]
-    return f"{m['desc'].strip()} {m['pct']}% {m['n']}/{m['total']}".strip()
+    for m in reversed(list(PROGRESS_STATE.finditer(text))):
+        start = max(text.rfind("\r", 0, m.start()), text.rfind("\n", 0, m.start())) + 1
+        named = PROGRESS_DESC.fullmatch(text[start:m.start()])
+        desc = (named["desc"] or "") if named else ""  # anything else before the bar is not its name
+        if "req" in m["rest"] or not desc:  # flipguard's bars count requests; a trainer's steps have no name
+            return f"{desc} {m['pct']}% {m['n']}/{m['total']}".strip()
+    return ""
 
 
 class LiveLine:

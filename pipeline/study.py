@@ -66,6 +66,7 @@ from flipguard.files import (
     read_manifest,
     refuse_link,
     remove_owned,
+    unlisted_files,
     written_files,
 )
 from flipguard.organism.ground_truth import GROUND_TRUTH_JSON
@@ -324,6 +325,8 @@ class Study(StudyPlan):
                                until=None if until is None else until + 1.0, changed=False)
         if status != "resume":
             foreign = self.clear(stage, entry)
+        else:  # what no manifest lists is the user's (notes put there since): the resumed run never claims it
+            foreign = sorted({*foreign, *(str(p) for path in stage.clear for p in unlisted_files(path))})
         self._began[stage.name] = time.time()
         # what it wrote when it last finished: the room it needs when a disk fills (room_needed)
         sizes = [v[0] for v in (entry.get("files") or {}).values() if isinstance(v, list) and v and isinstance(v[0], int)]
@@ -734,6 +737,8 @@ def run_study(recipe_path: str, out: str | os.PathLike, raw: dict[str, Any] | No
         study = GridStudy(recipe_path, raw, out, print_fn=print_fn, grid=list(grid)) if grid else \
             Study(recipe_path, raw, out, print_fn=print_fn)
         jobs = 1 if only else study_jobs(study, jobs)
+        if smoke_test_line([raw.get("model_name_or_path")]):  # the random-init model: said before any number is
+            print_fn(SMOKE_TEST_LINE)  # (and after the recipe and the grid were read: a refusal stays one line)
         plan_args = {"recipe_path": recipe_path, "raw": raw, "out": str(out), "threads": default_threads(),
                      "includes": included_task_files(), "grid": list(grid)}
         study.run(from_stage=from_stage, only=only, jobs=jobs, plan_args=plan_args)
@@ -844,8 +849,6 @@ def main(argv: list[str]) -> int:
         parsed[section] = {k[len(prefix):]: v for k, v in dataclasses.asdict(obj).items()}
     raw = effective_recipe(recipe_path, parsed, args.model)
     out = args.out or str(Path("runs") / f"{Path(recipe_path).stem}-study")
-    if smoke_test_line([raw.get("model_name_or_path")]):  # the random-init model: said before any number is
-        print(SMOKE_TEST_LINE, flush=True)
     def record_plan(study: Study) -> None:
         if args.from_stage or args.only:
             return

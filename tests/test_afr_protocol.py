@@ -144,7 +144,7 @@ def test_tiny_model_through_cli_and_resume(tmp_path, tiny_model_path):
     cfg = tmp_path / "afr.yaml"
     cfg.write_text(
         "model:\n"
-        f"  - {{name: tiny, backend: hf, model: '{tiny_model_path}', kwargs: {{device: cpu, batch_size: 16}}}}\n"
+        f"  - {{label: tiny, backend: hf, model: '{tiny_model_path}', kwargs: {{device: cpu, batch_size: 16}}}}\n"
         "k_values: [1]\nper_subject: 1\nlimit: 3\ncross: false\nanswer_mode: logprob\n"
         "coercion_temperature: 1.0\ncoercion_max_new_tokens: 8\nn_boot: 100\nprogress: false\n",
         encoding="utf-8",

@@ -30,7 +30,9 @@ def _settings(**kw) -> PR.AFRSettings:
     config = yaml.safe_load((FIXTURE / "afr.yaml").read_text())
     config.pop("progress")
     config.update(kw)
-    return PR.build_settings(config.pop("model"), **config)
+    # a run config's mappings name their label `label`; build_settings takes the entries as model_entries makes them
+    models = [{("name" if k == "label" else k): v for k, v in m.items()} for m in config.pop("model")]
+    return PR.build_settings(models, **config)
 
 
 def _old_run(tmp_path: Path) -> Path:

@@ -98,7 +98,7 @@ def test_a_study_resumes_a_run_cut_short_and_refuses_another_run_in_its_place(st
     assert cli_main(["study", str(recipe), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"--- dpo-eval: {run}: incomplete ({left} of {len(keys)} records" in printed
-    assert "[dpo-eval: resume" in printed and "[compare: redo" in printed
+    assert "] dpo-eval (resume, stage" in printed and "] compare (redo, stage" in printed
     assert "--- baseline: skipped (up to date)" in printed and "--- dpo: skipped (up to date)" in printed
     assert _keys(run) == keys
     calls = json.loads((run / "run.json").read_text())["invocations"][-1]["calls_total"]
@@ -204,29 +204,47 @@ def test_report_refuses_a_run_cut_short_as_compare_does(study, capsys, tmp_path)
     assert _tree(dpo / "report") == report
 
 
+DIALDEFER = ROOT / "tests" / "fixtures" / "dialdefer" / "qwen-2.5-7b-instruct"
+
+
 @pytest.fixture(scope="module")
-def grown_run(tmp_path_factory) -> Path:
-    """A DDS run reported at --limit 1, then grown to --limit 2 with --no_report: its report describes half of
-    its records. Real processes of the CLI's own main."""
+def grown_run(tmp_path_factory) -> tuple[Path, int]:
+    """A DDS run reported, then grown: the authors' GPQA records imported and reported, then their r/AIO
+    records imported into the same run (`import-records` writes no report). A run of `flipguard eval` can no
+    longer grow (a rerun with other settings is refused: test_newcomer), an import can. Its report describes
+    the GPQA records only. The CLI's own main, as the commands run."""
     run = tmp_path_factory.mktemp("grown") / "run"
-    base = ["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa", "--out", str(run)]
-    assert cli_main([*base, "--limit", "1"]) == 0
-    assert cli_main([*base, "--limit", "2", "--no_report"]) == 0
-    return run
+    assert cli_main(["import-records", str(DIALDEFER / "gpqa.jsonl"), "--out", str(run),
+                     "--model", "qwen-2.5-7b-instruct"]) == 0
+    reported = len(_keys(run))  # the records the report is built from, counted in records.jsonl
+    assert cli_main(["report", str(run)]) == 0
+    assert cli_main(["import-records", str(DIALDEFER / "aio.jsonl"), "--out", str(run),
+                     "--model", "qwen-2.5-7b-instruct"]) == 0
+    return run, reported
+
+
+def _reported_keys(run: Path) -> int:
+    """How many records the run's report says it was built from (its meta's basis)."""
+    return json.loads((run / "report" / "summary.json").read_text(encoding="utf-8"))["meta"]["records"]["n"]
 
 
 def test_export_refuses_a_report_older_than_its_records(grown_run, capsys, tmp_path):
     pytest.importorskip("inspect_ai")
+    grown_run, built = grown_run
     capsys.readouterr()
     n = len(_keys(grown_run))
+    assert 0 < built < n
     out = tmp_path / "logs"
     _refused(capsys, cli_main(["export", str(grown_run), "--out", str(out)]),
-             f"{grown_run}: its report is older than its records (built from {n // 2} records, {n} there now)",
+             f"{grown_run}: its report is older than its records (built from {built} records, {n} there now)",
              f"flipguard report {grown_run}")
     assert not out.exists()
     # rebuilt from the records there: exported whole, its DDS the one the new report holds
-    assert cli_main(["report", str(grown_run)]) == 0
-    assert cli_main(["export", str(grown_run), "--out", str(out)]) == 0
+    run = tmp_path / "run"
+    shutil.copytree(grown_run, run)
+    assert cli_main(["report", str(run)]) == 0
+    assert _reported_keys(run) == n
+    assert cli_main(["export", str(run), "--out", str(out)]) == 0
     assert "status started" not in capsys.readouterr().out
 
 
@@ -235,12 +253,9 @@ def test_view_and_compare_rows_mark_or_refuse_a_report_older_than_its_records(gr
     from flipguard.eval.records import StaleReport
 
     run = tmp_path / "run"
-    shutil.copytree(grown_run, run)
-    # the records grow again after the report (run at --limit 1): the report describes a third of them
-    assert cli_main(["eval", "--model", "flipguard:tiny", "--datasets", "truthfulqa", "--out", str(run),
-                     "--limit", "3", "--no_report"]) == 0
+    shutil.copytree(grown_run[0], run)
     capsys.readouterr()
-    assert (run / "report" / "summary.csv").is_file()  # the report of --limit 1, copied with the run
+    assert (run / "report" / "summary.csv").is_file()  # the report of the GPQA records, copied with the run
     with pytest.raises(StaleReport, match="its report is older than its records"):
         comparison_long_rows("run", str(run))
     page = tmp_path / "page.html"

@@ -212,9 +212,11 @@ def terminal_table(screen: list[str], header: str) -> dict[str, list[str]]:
     """The rows of the terminal table under the line starting `header`: condition -> its cells."""
     start = next(i for i, line in enumerate(screen) if line.startswith(header))
     rows = {}
-    for line in screen[start + 2:]:
+    for line in screen[start + 1:]:
         if not line.strip():
             break
+        if set(line.strip()) <= set("-─ "):  # a rule under the header, where the table has one
+            continue
         rows[line[:14].strip()] = line[14:].split()
     return rows
 
@@ -407,3 +409,20 @@ def test_the_grid_chart_fits_its_points_and_its_labels_sit_apart_inside_the_fram
         assert x0 < a0 and a1 < x1 and y0 < b0 and b1 < y1, (boxes[i], meta["axes"])
         for c0, d0, c1, d1 in boxes[i + 1:]:
             assert a1 <= c0 or c1 <= a0 or b1 <= d0 or d1 <= b0, boxes
+
+
+@pytest.mark.parametrize("log, shown", [
+    ("dds none/logprob:  40%|####      | 32/80 [00:01<00:02, 20.0req/s]", "dds none/logprob 40% 32/80"),
+    # a trainer's steps (no name), with a warning and a loss dict written into its line: the steps only
+    ("\r  0%|          | 0/8 [00:00<?, ?it/s]warnings.warn(\r 25%|##   | 2/8 [00:01<00:03, 2.0it/s]", "25% 2/8"),
+    ("{'loss': '7.6', 'grad_norm': '0.9'}  0%|   | 0/8 [00:00<?, ?it/s]", "0% 0/8"),
+    # the libraries' own bars are not the stage's progress
+    ("Loading weights: 100%|##########| 26/26 [00:00<00:00, 300.0it/s]\n", ""),
+    ("Map: 100%|####| 40/40 [00:00<00:00, 400 examples/s]", ""),
+    ("Loading weights: 100%|#| 26/26 [00:00, 3it/s]\nsft: 50%|#####| 1/2 [00:01<00:01, 1.0req/s]", "sft 50% 1/2"),
+])
+def test_the_live_line_shows_flipguards_bars_and_a_trainers_steps_never_a_librarys(tmp_path, log, shown):
+    from flipguard.pipeline.stage_workers import progress_of
+
+    (tmp_path / "stage.log").write_text(log)
+    assert progress_of(tmp_path / "stage.log") == shown

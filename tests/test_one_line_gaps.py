@@ -36,7 +36,7 @@ def _eval(out: Path, *extra: str, model: str = "flipguard:tiny") -> int:
     (b"GGUF", "cannot read this GGUF file: truncated (4 bytes"),
     (b"GGUF\x03\x00\x00\x00\x01", "cannot read this GGUF file: truncated (9 bytes"),
     (b"PK\x03\x04 a zip file, not a model", "it starts with b'PK\\x03\\x04', not b'GGUF' (not a GGUF file)"),
-    (None, "no such GGUF file"),
+    (None, "model.gguf: no such folder or file (a model is a local folder or .gguf file"),
 ])
 def test_a_bad_or_missing_gguf_file(tmp_path, capsys, content, needle):
     path = tmp_path / "model.gguf"

@@ -164,7 +164,9 @@ def test_a_resumed_stage_claims_only_what_its_own_unfinished_run_wrote(shared, t
     """The user's notes put in a finished stage's folder are never taken for the stage's: not when its run is
     resumed because it was cut short since (the stage claims what its libraries wrote only for a run of its
     own that stopped), nor by a later redo, which keeps them."""
-    study = _copy(shared["study"], tmp_path / "study")
+    # its own study, not a copy: a copied study's stages are redone whole (their fingerprints name its folder)
+    study = tmp_path / "study"
+    assert cli(capsys, "study", shared["recipe"], "--out", study).returncode == 0
     notes = study / "dds" / "baseline" / "NOTES.md"
     notes.write_text("the user's notes")
     records = study / "dds" / "baseline" / "records.jsonl"
@@ -172,7 +174,7 @@ def test_a_resumed_stage_claims_only_what_its_own_unfinished_run_wrote(shared, t
     records.write_text("".join(lines[: len(lines) // 2]))
     proc = cli(capsys, "study", shared["recipe"], "--out", study)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[baseline: resume" in proc.stdout
+    assert "] baseline (resume, stage" in proc.stdout, proc.stdout
     assert "NOTES.md" not in json.loads((notes.parent / OWNER_FILE).read_text())["files"]
     proc = cli(capsys, "study", shared["recipe"], "--out", study, "--from", "baseline")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -470,7 +472,7 @@ def test_symbolic_links_inside_a_run_folder_are_refused_never_followed(shared, t
     (run / link).symlink_to(target)
     before = hashes(watched)
     command = (["report", run] if link == "report" else
-               ["eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "2", "--out", run])
+               ["eval", "--model", "flipguard:tiny", "--datasets", "bbq", "--limit", "1", "--out", run])
     refused(cli(capsys, *command), "is a symbolic link")
     assert hashes(watched) == before
     if link == "report":

@@ -79,7 +79,14 @@ def test_dds_report_serialises_to_the_summary_json_of_before(name, run_name, c1_
                         allow_cross_mode_c1=name == "dds_generate_c1_from_logprob")
     assert isinstance(report, DDSReport)
     got = _text(report.to_json(), work)
-    assert got == _expected(f"{name}.summary.json", got)
+    # since issue 58 a report's meta records which records it was built from: the run's distinct keys, counted
+    # here from records.jsonl itself; the rest is the JSON of before
+    basis = json.loads(got)["meta"]["records"]
+    lines = [json.loads(line) for line in (run / "records.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert basis["n"] == len({r["key"] for r in lines}) > 0
+    without = json.loads(got)
+    del without["meta"]["records"]
+    assert json.dumps(without, indent=1) == _expected(f"{name}.summary.json", json.dumps(without, indent=1))
     # the file the command writes is that JSON
     write_run_report(run, c1_from=str(work / c1_from) if c1_from else None, n_boot=200, seed=0,
                      allow_cross_mode_c1=name == "dds_generate_c1_from_logprob")

@@ -172,7 +172,7 @@ def test_second_afr_on_the_same_out_is_refused_naming_the_holder(tmp_path, no_ke
     with Server(lambda n, body, headers: completion([("A", 0.9)], content="A"), hold=hold) as server:
         config = tmp_path / "afr.yaml"
         config.write_text(json.dumps({  # JSON is YAML
-            "model": [{"name": "fake", "backend": "openai", "model": "fake-model",
+            "model": [{"label": "fake", "backend": "openai", "model": "fake-model",
                         "kwargs": {"base_url": server.base_url, "max_retries": 0}}],
             "limit": 1, "k_values": [1], "cross": False, "maxflip": False, "n_boot": 10, "progress": False,
         }))

@@ -137,14 +137,14 @@ def test_a_copied_study_redoes_every_stage_and_from_any_stage_in_any_order(refer
     shutil.copytree(ref, copy, symlinks=True)
     proc = study(recipe, copy)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all(f"[{name}: redo" in proc.stdout for name in STAGES), proc.stdout[-3000:]
+    assert all(f"] {name} (redo, stage" in proc.stdout for name in STAGES), proc.stdout[-3000:]
     assert results(copy) == expected
     assert_sound(copy)
     order = random.Random(58).sample(["pairs", "kto", "compare"], 3)
     for name in order:
         proc = study(recipe, copy, "--from", name)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        assert f"[{name}: redo" in proc.stdout
+        assert f"] {name} (redo, stage" in proc.stdout
         assert results(copy) == expected, name
         assert_sound(copy)
 

@@ -250,7 +250,8 @@ def test_comparison_page_matches_comparison_csv_and_lists_items_fixed_and_broken
 
 
 def test_study_page_lists_every_stage_with_its_status(browser, dds_run, tmp_path):
-    """A study folder (study.json as flipguard study writes it, one stage still running) and its compare/."""
+    """A study folder (study.json as flipguard study writes it, one stage left "running" by a process that is
+    gone: the page, which reads only a study no process holds, shows it interrupted) and its compare/."""
     from flipguard.pipeline.study import STUDY_FILE, STUDY_FORMAT
 
     study = tmp_path / "study"
@@ -266,11 +267,12 @@ def test_study_page_lists_every_stage_with_its_status(browser, dds_run, tmp_path
     assert _sections(page)[0] == "answer" and _sections(page)[-2:] == ["provenance", "sec-stages"]
     assert page.page.locator("main > section > h2").all_text_contents()[-2:] == ["Provenance", "Stages"]
     notes = " ".join(page.page.locator("#answer .answer-note").all_text_contents())
-    assert "Study not finished: sft (running); dpo (not run)" in notes and "Only the baseline (Baseline)" in notes
+    assert "Study not finished: sft (interrupted); dpo (not run)" in notes and "Only the baseline (Baseline)" in notes
     assert page.page.locator("#answer-charts figure[data-protocol='dds']").count() == 1
     assert page.page.locator("#answer-verdicts li").count() == 0  # no mitigation compared yet
     for name in ("baseline", "sft", "compare", "dpo"):
-        assert page.cell("stages", name, "status").text_content() == stages.get(name, {}).get("status", "not run")
+        expected = {"sft": "interrupted"}.get(name) or stages.get(name, {}).get("status", "not run")
+        assert page.cell("stages", name, "status").text_content() == expected
     assert float(page.cell("stages", "compare", "seconds").get_attribute("data-value")) == 3.25
     rows = _csv(study / "compare" / "comparison.csv")
     cell = page.cell("comparison", f"Baseline|{rows[-1]['dataset']}", "dds")

@@ -128,11 +128,13 @@ def grid_table(path: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------ the answer
 
 def stale_inputs(stages: dict[str, Any], name: str) -> list[str]:
-    """The input stages of a study stage that were redone (or are not done) since it was built (study.json)."""
+    """The input stages of a study stage that were redone (or are not done) since it was built, or that
+    are themselves older than one of theirs (study.json): a trainer redone alone (`--only dpo`) makes
+    the comparison stale through the merge and eval stages built from its earlier adapter."""
     entry = stages.get(name) or {}
     built_from = entry.get("built_from") or {}
     return [i for i in entry.get("inputs") or [] if (stages.get(i) or {}).get("status") != "done"
-            or built_from.get(i) != (stages.get(i) or {}).get("build")]
+            or built_from.get(i) != (stages.get(i) or {}).get("build") or stale_inputs(stages, i)]
 
 
 def current_stage(stages: dict[str, Any], name: str) -> bool:
