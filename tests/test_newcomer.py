@@ -47,10 +47,11 @@ def flipguard(tmp_path, tiny_model_path):
 
 
 def _one_line(done: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit 2, one line on stderr holding every needle, no traceback."""
+    """Exit 2, one line on stderr holding every needle, no traceback, nothing on stdout (no note before it)."""
     err = done.stderr.strip()
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], err[-2000:])
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert done.stdout.strip() == "", done.stdout[-2000:]
     for needle in needles:
         assert needle in err, err
     return err
