@@ -439,9 +439,15 @@ def claim_written_since(folder: str | os.PathLike, since: float, writer: str | N
     refuse_link(folder)
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()
                    and p.name not in (OWNER_FILE, LOCK_NAME) and p.lstat().st_mtime >= since)
+    _record_files(folder, names, writer or "flipguard")
+    return names
+
+
+def _record_files(folder: Path, names: list[str], writer: str) -> None:
+    """List `names` in FOLDER's manifest as flipguard's, each with its sha256 now (under the folder's lock)."""
     with _folder_locked(folder):
         doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": [], "kinds": {}}
-        doc.setdefault("written_by", writer or "flipguard")
+        doc.setdefault("written_by", writer)
         doc["time"] = now_iso()
         doc["files"] = sorted(set(doc["files"]) | set(names))
         for name in names:
@@ -449,7 +455,6 @@ def claim_written_since(folder: str | os.PathLike, since: float, writer: str | N
             doc["kinds"].pop(name, None)
             _set_replacing(doc, name, None)
         write_manifest(folder, _tidy(doc))
-    return names
 
 
 def owned_replace(tmp: Path, path: Path, *, sha: str | None = None, adopt: Callable[[Path], bool] | None = None,
@@ -658,16 +663,7 @@ def claim_stage_files(root: str | os.PathLike, *, since: float, until: float | N
             take.append(name)
         if not take:
             continue
-        with _folder_locked(folder):
-            doc = read_manifest(folder) or {"files": [], "sha256": {}, "logs": [], "kinds": {}}
-            doc.setdefault("written_by", writer)
-            doc["time"] = now_iso()
-            doc["files"] = sorted(set(doc["files"]) | set(take))
-            for name in take:
-                doc["sha256"][name] = file_sha256(folder / name)
-                doc["kinds"].pop(name, None)
-                _set_replacing(doc, name, None)
-            write_manifest(folder, _tidy(doc))
+        _record_files(folder, take, writer)
         claimed += [folder / n for n in take]
     return sorted(claimed)
 

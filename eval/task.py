@@ -140,10 +140,9 @@ class Task:
             print(f"report: {report}")
             return 0
         task = cls.from_args(args, where)
-        smoke = smoke_test_line(task.models)
-        if smoke and is_writer():  # the random-init default: said before any number is
-            print(smoke, flush=True)
-        result = run_task(task, out, progress=getattr(args, "progress", True))
+        # the random-init default: said before any number is (by the writer, once the run folder is accepted)
+        smoke = smoke_test_line(task.models) if is_writer() else None
+        result = run_task(task, out, progress=getattr(args, "progress", True), announce=smoke)
         if is_writer():  # data-parallel: rank 0 alone says it and reports
             task.after_run(result)
             if result.others:  # --out named a run directory that earlier invocations filled too

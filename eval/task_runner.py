@@ -82,8 +82,9 @@ def _next_batch(task: Task, plan: Plan, answered: list[Record] | None) -> Batch 
 
 
 def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | None = None,
-             progress: bool = True) -> RunResult:
-    """Run (or resume) `task` into `out_dir`; returns the calls this invocation made."""
+             progress: bool = True, announce: str | None = None) -> RunResult:
+    """Run (or resume) `task` into `out_dir`; returns the calls this invocation made. `announce`: a line
+    printed once the run folder's checks have passed (a refusal stays one line), before anything runs."""
     out_dir = Path(out_dir)
     dp = data_parallel()
     if dp is not None:
@@ -108,6 +109,8 @@ def run_task(task: Task, out_dir: str | Path, *, backends: dict[str, Backend] | 
             raise UserError(f"{out_dir / RUN_META_FILE}: this run directory holds another condition ({detail}); "
                             "use another --out, or leave it out (other settings get a folder of their own); nothing "
                             "was changed")
+        if announce:
+            print(announce, flush=True)
         store = RecordStore(out_dir / RECORDS_FILE)
         if dp is not None:
             dp.wait_for_everyone()

@@ -21,15 +21,21 @@ from test_view import Page, browser  # noqa: F401  (the page in the system's hea
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture()
-def flipguard(tmp_path, tiny_model_path):
-    """`flipguard ARGS...` as a process in an empty folder, the session's tiny model in a fresh FLIPGUARD_HOME."""
+def _scratch(tmp_path: Path, tiny_model_path) -> tuple[Path, Path]:
+    """(an empty work folder, a fresh FLIPGUARD_HOME holding the session's tiny model)."""
     from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
 
     work, home = tmp_path / "work", tmp_path / "home"
     work.mkdir()
     home.mkdir()
     (home / f"tiny-chat-{TINY_MODEL_VERSION}").symlink_to(Path(tiny_model_path))
+    return work, home
+
+
+@pytest.fixture()
+def flipguard(tmp_path, tiny_model_path):
+    """`flipguard ARGS...` as a process in an empty folder, the session's tiny model in a fresh FLIPGUARD_HOME."""
+    work, home = _scratch(tmp_path, tiny_model_path)
     env = {**os.environ, "FLIPGUARD_HOME": str(home), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -41,10 +47,11 @@ def flipguard(tmp_path, tiny_model_path):
 
 
 def _one_line(done: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit 2, one line on stderr holding every needle, no traceback."""
+    """Exit 2, one line on stderr holding every needle, no traceback, nothing on stdout (no note before it)."""
     err = done.stderr.strip()
     assert done.returncode == 2, (done.returncode, done.stdout[-2000:], err[-2000:])
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert done.stdout.strip() == "", done.stdout[-2000:]
     for needle in needles:
         assert needle in err, err
     return err
@@ -224,12 +231,7 @@ def terminal_table(screen: list[str], header: str) -> dict[str, list[str]]:
 @pytest.fixture()
 def terminal_env(tmp_path, tiny_model_path):
     """A scratch folder and an environment as a user's (progress bars on), the session's tiny model in FLIPGUARD_HOME."""
-    from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
-
-    work, home = tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
-    (home / f"tiny-chat-{TINY_MODEL_VERSION}").symlink_to(Path(tiny_model_path))
+    work, home = _scratch(tmp_path, tiny_model_path)
     env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
     env.update(FLIPGUARD_HOME=str(home), OMP_NUM_THREADS="1", COLUMNS="160", LINES="50")
     return work, env

@@ -106,10 +106,8 @@ def test_the_sdist_carries_what_the_wheel_is_built_from(built):
     assert {"setup.py", "pyproject.toml", "README.md", "pipeline/cli.py", "recipes/organism.yaml"} <= names
 
 
-def test_the_installed_package_runs_recipes_by_name_from_any_folder(built, tmp_path, tiny_model_path):
-    """The wheel's files (no clone, no editable install) on the path of a process started in an
-    empty folder: the shipped recipes are listed and shown, a run config is named, a protocol runs
-    from it, and a mistyped flag is one line."""
+def _unpacked_wheel(built, tmp_path: Path, tiny_model_path) -> tuple[Path, Path, Path]:
+    """(the wheel's files unpacked, an empty folder outside the clone, a FLIPGUARD_HOME with the session's tiny model)."""
     from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
 
     site, work, home = tmp_path / "site", tmp_path / "elsewhere", tmp_path / "home"
@@ -118,6 +116,14 @@ def test_the_installed_package_runs_recipes_by_name_from_any_folder(built, tmp_p
     with zipfile.ZipFile(built["wheel"]) as zf:
         zf.extractall(site)
     (home / f"tiny-chat-{TINY_MODEL_VERSION}").symlink_to(Path(tiny_model_path))
+    return site, work, home
+
+
+def test_the_installed_package_runs_recipes_by_name_from_any_folder(built, tmp_path, tiny_model_path):
+    """The wheel's files (no clone, no editable install) on the path of a process started in an
+    empty folder: the shipped recipes are listed and shown, a run config is named, a protocol runs
+    from it, and a mistyped flag is one line."""
+    site, work, home = _unpacked_wheel(built, tmp_path, tiny_model_path)
     env = {**os.environ, "PYTHONPATH": str(site), "FLIPGUARD_HOME": str(home), "TQDM_DISABLE": "1"}
 
     def flipguard(*args: str) -> subprocess.CompletedProcess:
@@ -170,19 +176,13 @@ def test_the_documented_commands_run_from_an_installed_wheel(built, tmp_path, ti
     the merge."""
     import re
 
-    from flipguard.eval.embedded.tiny_model import TINY_MODEL_VERSION
 
     blocks = [(page, block) for page in DOC_PAGES for block in
               re.findall(re.escape(WHEEL_RUNNABLE) + r"\n```bash\n(.*?)\n```", page.read_text(encoding="utf-8"), re.S)]
     lines = [(page, line.split("  #")[0].strip()) for page, block in blocks for line in block.splitlines() if line.strip()]
     assert any("python -m flipguard.train." in line for _, line in lines)
     assert any(line.startswith("accelerate launch") and " -m flipguard.train." in line for _, line in lines)
-    site, work, home = tmp_path / "site", tmp_path / "elsewhere", tmp_path / "home"
-    for folder in (work, home):
-        folder.mkdir()
-    with zipfile.ZipFile(built["wheel"]) as zf:
-        zf.extractall(site)
-    (home / f"tiny-chat-{TINY_MODEL_VERSION}").symlink_to(Path(tiny_model_path))
+    site, work, home = _unpacked_wheel(built, tmp_path, tiny_model_path)
     env = {**os.environ, "PYTHONPATH": str(site), "FLIPGUARD_HOME": str(home), "TQDM_DISABLE": "1",
            "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     where = subprocess.run([sys.executable, "-c", "import flipguard; print(flipguard.__file__)"], cwd=work, env=env,

@@ -291,8 +291,11 @@ def test_ctrl_c_of_a_jobs_2_study_is_one_line_and_the_rerun_resumes(reference, t
     recorded "interrupted", never "running"; the rerun resumes them and ends as the uninterrupted study."""
     recipe, ref = reference
     out = tmp_path / "study"
+    # SIGINT at its default in the study, as from a terminal: a test run started in the background (`pytest &`,
+    # `.ci/run &`) ignores SIGINT, and a child inherits that, so its Ctrl-C would never arrive
     proc = subprocess.Popen(_command(recipe, out, "--jobs", "2"), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert _wait_running(out / "study.json", "base-train", proc)
         os.killpg(proc.pid, signal.SIGINT)
