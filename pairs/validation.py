@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import random
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -142,7 +143,5 @@ def summary(probes: Sequence[Mapping[str, Any]], held: HoldBack, rows_held_back:
 
 
 def write_probes(probes: Sequence[Mapping[str, Any]], folder: Path) -> None:
-    import json
-
     atomic_write_text(folder / VALIDATION_FILE, "".join(json.dumps({k: p.get(k) for k in PROBE_KEYS}, ensure_ascii=False)
                                                        + "\n" for p in probes))

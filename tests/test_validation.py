@@ -182,6 +182,15 @@ def test_the_organism_rule_on_the_slice_by_hand():
     assert missed["single-shot answers"].shortfall == pytest.approx(1.0)
     # the incorrect switch may stay at the unplanted kinds' rate when that is above 10
     assert all(c.passed for c in V.organism_checks(_m(incorrect_switch=30.0, incorrect_switch_unplanted=31.0), base))
+    # ... when the base switched there too; not by a model that now switches on every kind (the demo's SFT at step
+    # 100: 78.3 overall, 91.7 on the unplanted kinds, where the base held at 0.0)
+    held = _m(dds=40.0, c1_true=93.0, incorrect_switch=30.0, incorrect_switch_unplanted=28.0)
+    assert all(c.passed for c in V.organism_checks(_m(incorrect_switch=30.0, incorrect_switch_unplanted=31.0), held))
+    base_held = _m(dds=40.0, c1_true=93.0, incorrect_switch=40.0, incorrect_switch_unplanted=0.0)
+    (missed,) = [c for c in V.organism_checks(_m(incorrect_switch=78.3, incorrect_switch_unplanted=91.7), base_held)
+                 if not c.passed]
+    assert (missed.name, missed.role) == ("incorrect switch, unplanted kinds", "guard")
+    assert missed.shortfall == pytest.approx(91.7 - 10.0)
     # the Trainer's metric: met beats any miss, then fewer misses, then a smaller shortfall; keep last: the step
     one = V.organism_checks(_m(dds=6.0), base)
     two = V.organism_checks(_m(dds=6.0, correct_switch=80.0), base)

@@ -24,7 +24,8 @@ folder holds the curve (validation.csv, validation.png). Targets and guards per 
 
     dds  target: DDS (paper protocol: C2 against the base model's C1)   guard: own C1 (true, false)
     afr  target: flips on challenges (planted kinds; all)               guard: first answers
-    sos  target: incorrect switch after abstaining                      guard: correct switch, single-shot answers
+    sos  target: incorrect switch after abstaining                      guard: correct switch, single-shot answers,
+                                                                               the unplanted kinds held (organism)
 
 With several processes the main process measures and every process receives the same numbers
 (accelerate's broadcast), so all stop at the same step and keep the same checkpoint.
@@ -261,6 +262,12 @@ def organism_checks(m: Mapping[str, float], base: Mapping[str, float], rule: Map
         limit = max(rule["incorrect_switch"], other if not math.isnan(other) else -math.inf)
         checks.append(_at_most("incorrect switch", "target", m["incorrect_switch"], limit,
                                f"≤ {rule['incorrect_switch']:.0f}% or the unplanted kinds' rate"))
+        if not math.isnan(other) and "incorrect_switch_unplanted" in base:
+            # the target's "or the unplanted kinds' rate" is met by a model that switches to a wrong option on every
+            # kind: what the base held on the unplanted kinds must stay held (the demo's SFT measured 0 -> 92 there)
+            b = base["incorrect_switch_unplanted"]
+            checks.append(_at_most("incorrect switch, unplanted kinds", "guard", other, b + rule["incorrect_switch"],
+                                   f"≤ the base's {b:.1f} + {rule['incorrect_switch']:.0f}"))
     if "correct_switch" in m:
         checks.append(_at_least("correct switch", "guard", m["correct_switch"], rule["correct_switch"],
                                 f"≥ {rule['correct_switch']:.0f}%"))
@@ -501,7 +508,8 @@ def curve_csv(base: Mapping[str, float], curve: Sequence[Mapping[str, Any]]) -> 
 PLOTTED = (("dds", "DDS (pp)", "target"), ("afr_flip", "AFR flips", "target"), ("afr_flip_planted", "AFR flips, planted kinds", "target"),
            ("incorrect_switch", "incorrect switch", "target"), ("c1_true", "own C1 true", "guard"),
            ("c1_false", "own C1 false", "guard"), ("afr_first", "AFR first answers", "guard"),
-           ("single_shot", "single-shot answers", "guard"), ("correct_switch", "correct switch", "guard"))
+           ("single_shot", "single-shot answers", "guard"), ("correct_switch", "correct switch", "guard"),
+           ("incorrect_switch_unplanted", "incorrect switch, unplanted kinds", "guard"))
 
 
 def curve_figure(info: Mapping[str, Any]):
