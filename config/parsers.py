@@ -221,12 +221,13 @@ def _trl_parser_class():
         def parse_args_and_config(self, args=None, **kwargs):
             argv = list(sys.argv[1:] if args is None else args)
             recipe_path, argv = split_recipe_argv(argv)
+            known = {action.dest for action in self._actions}
+            argv = current_flag_names(argv, known)
             if recipe_path is not None:
                 raw = read_recipe(recipe_path)
                 for key, value in (raw.get("env") or {}).items():
                     os.environ.setdefault(str(key), str(value))
-                flat = flatten_recipe(raw, self.trainer)
-                known = {action.dest for action in self._actions}
+                flat = current_names(flatten_recipe(raw, self.trainer), known)
                 # keys of other scripts (the other trainer's fields, eval plan, ...) were
                 # validated above and are simply not this script's business
                 self.set_defaults_with_config(**{k: v for k, v in flat.items() if k in known})
@@ -242,11 +243,37 @@ def _trl_parser_class():
                 raise UserError(f"{where or 'command line'}: {exc}") from None
             # the recipe's values were checked where they are written (read_recipe: path:line); what a flag
             # changed is the command line's
-            recipe_values = flatten_recipe(read_recipe(recipe_path), self.trainer) if recipe_path else {}
+            recipe_values = (current_names(flatten_recipe(read_recipe(recipe_path), self.trainer), known)
+                             if recipe_path else {})
             check_parsed_values(parsed, "command line", skip=recipe_values, flag=self.flag)
             return parsed
 
     return RecipeParser
+
+
+# transformers 5.24 renamed TrainingArguments' gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs),
+# keeping the old names as aliases that warn (FutureWarning) and are read only at construction. Recipes and flags keep
+# the name every supported release reads; where the parsed class has the new field, the value is passed under it.
+RENAMED_ARGUMENTS = {"gradient_checkpointing": "activation_checkpointing",
+                     "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
+
+
+def current_names(values: dict[str, Any], known: set[str]) -> dict[str, Any]:
+    """A recipe's flat keys under the names the installed library's dataclasses have (RENAMED_ARGUMENTS)."""
+    return {RENAMED_ARGUMENTS[k] if RENAMED_ARGUMENTS.get(k) in known and RENAMED_ARGUMENTS[k] not in values else k: v
+            for k, v in values.items()}
+
+
+def current_flag_names(argv: list[str], known: set[str]) -> list[str]:
+    """`--gradient_checkpointing[=V]` as `--activation_checkpointing[=V]` where the dataclasses have the new field."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        old = name[2:] if name.startswith("--") else None
+        if old in RENAMED_ARGUMENTS and RENAMED_ARGUMENTS[old] in known:
+            arg = f"--{RENAMED_ARGUMENTS[old]}{eq}{value}"
+        out.append(arg)
+    return out
 
 
 def RecipeParser(dataclass_types, trainer: str | None = None, **kwargs):

@@ -108,6 +108,10 @@ def test_the_tiny_shape_runs_every_gpu_step_on_cpu(tmp_path):
     assert set(steps) == {"env", "matmul", "model", "pairs", "dds", "sft", "dpo", "kto", "dpo_asis", "merge", "plant"}
     failed = {k: v.get("error_tail", "")[-1500:] for k, v in steps.items() if v["rc"] != 0}
     assert not failed, failed
+    # each step records the call that ran it, with the settings read from the environment
+    call = ("RUN_BUDGET_S=1100 BUDGET_SCALE=4 TRAIN_STEPS=2 DDS_BATCHES=8,32 DDS_JUDGMENTS=32 PLANT_STEPS=2 PLANT_CHECK_ITEMS=10 "
+            "bench/gpu/run.sh --shape tiny env matmul model pairs dds sft dpo kto dpo_asis merge plant")
+    assert res["calls"] == [call] and {v["call"] for v in steps.values()} == {call}
     assert steps["model"]["result"]["config"]["hidden_size"] == 64
     assert steps["pairs"]["result"]["sampled_prompt_tokens"]["max"] <= 768
     for kind in ("sft", "dpo", "kto", "dpo_asis"):

@@ -48,6 +48,25 @@ def test_paper_defaults_and_per_trainer_sections():
     assert gemma.model_name_or_path == "google/gemma-3-12b-it" and gemma.lora_r == 64
 
 
+@pytest.mark.parametrize("extra", [[], ["--gradient_checkpointing", "false"], ["--gradient_checkpointing=false"]])
+def test_a_recipes_gradient_checkpointing_reaches_the_name_the_trainer_reads_without_a_warning(extra):
+    """transformers 5.24 renamed the argument (activation_checkpointing; the old name warns and is read only when the
+    arguments are built): the recipe's or a flag's value is passed under the name the installed release has."""
+    import warnings
+
+    from flipguard.train.speed import set_activation_checkpointing
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        (_, args, _, _), _, _ = parse_recipe(["recipes/tiny.yaml", *extra], SFT_TYPES, trainer="sft")
+    on = not extra  # tiny.yaml: gradient_checkpointing: true; the flags turn it off
+    assert args.gradient_checkpointing is on
+    renamed = hasattr(args, "activation_checkpointing")
+    assert not renamed or args.activation_checkpointing is on
+    set_activation_checkpointing(args, not on)  # a memory plan's choice, after the arguments were built
+    assert args.gradient_checkpointing is (not on) and (not renamed or args.activation_checkpointing is (not on))
+
+
 def test_command_line_overrides_yaml():
     (pairs, t, m, tr), _, _ = parse_recipe(
         ["recipes/tiny.yaml", "--learning_rate", "3e-3", "--lora_r", "4", "--pairs_strategy", "flips",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from flipguard.config.parsers import RENAMED_ARGUMENTS
 from flipguard.train import compat, memory, packing
 
 # set before CUDA starts: the caching allocator grows segments instead of keeping one per size,
@@ -45,6 +46,14 @@ def sample_tokens(lengths: dict[str, list[int]], concatenated_forward: bool, pac
     return [max(r) for r in zip(*replies)], 1
 
 
+def set_activation_checkpointing(training_args, on: bool) -> None:
+    """Recompute on or off after the arguments were built: under both names where the installed transformers has
+    the new one (config/parsers.py RENAMED_ARGUMENTS: from 5.24 the Trainer reads only activation_checkpointing)."""
+    training_args.gradient_checkpointing = on
+    if hasattr(training_args, RENAMED_ARGUMENTS["gradient_checkpointing"]):
+        training_args.activation_checkpointing = on
+
+
 def plan_memory(speed_args, training_args, model_args, model_path: str, lengths: dict[str, list[int]],
                 concatenated_forward: bool) -> dict[str, Any]:
     """Under `memory_budget` on a GPU: set micro-batch, accumulation and gradient checkpointing in
@@ -72,7 +81,7 @@ def plan_memory(speed_args, training_args, model_args, model_path: str, lengths:
               "gradient_checkpointing": bool(training_args.gradient_checkpointing)}
     training_args.per_device_train_batch_size = chosen.micro_batch
     training_args.gradient_accumulation_steps = chosen.accumulation
-    training_args.gradient_checkpointing = chosen.checkpointed_layers > 0
+    set_activation_checkpointing(training_args, chosen.checkpointed_layers > 0)
     return {"memory_budget": speed_args.memory_budget, "as_recipe": False, "device_total_gib": round(total, 2),
             "recipe": recipe, **chosen.as_record()}
 

@@ -34,7 +34,7 @@ case "${1:-}" in
 import json, pathlib, sys
 work = pathlib.Path(sys.argv[1])
 out = {}
-for d in sorted(work.glob("cuda_s*")):
+for d in sorted(p for p in work.glob("cuda_s*") if p.is_dir()):  # not the builds' logs
     f = d / "organism.json"
     out[d.name] = json.loads(f.read_text()) if f.is_file() else "failed (no organism.json)"
 pathlib.Path(sys.argv[2]).write_text(json.dumps(out, indent=2) + "\n")

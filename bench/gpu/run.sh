@@ -32,6 +32,12 @@ SHAPE=7b
 QUANT=1
 DRY=0
 STEPS=()
+# the call as typed, with the settings it read from the environment (recorded in each step's record)
+CALL=""
+for v in RUN_BUDGET_S BUDGET_SCALE TRAIN_STEPS DDS_BATCHES DDS_JUDGMENTS MERGE_GAP_PROMPTS PLANT_STEPS PLANT_CHECK_ITEMS CUDA_SEEDS; do
+  [[ -n "${!v:-}" ]] && CALL+="$v=${!v} "
+done
+CALL+="bench/gpu/run.sh $*"
 while (($#)); do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -272,7 +278,7 @@ aggregate() {  # every step's record into $OUT/gpu.json (rewritten after each st
   "$PY" - "$R" "$OUT/gpu.json" "$SHAPE" "$QUANT" <<'EOF'
 import json, pathlib, sys
 r = pathlib.Path(sys.argv[1])
-out = {"shape": sys.argv[3], "load_in_4bit": sys.argv[4] == "1", "command": "bench/gpu/run.sh", "steps": {}}
+out = {"shape": sys.argv[3], "load_in_4bit": sys.argv[4] == "1", "calls": [], "steps": {}}
 for meta in sorted(r.glob("*.step.json")):
     name = meta.name.removesuffix(".step.json")
     rec = json.loads(meta.read_text())
@@ -280,6 +286,8 @@ for meta in sorted(r.glob("*.step.json")):
     if res.is_file():
         rec["result"] = json.loads(res.read_text())
     out["steps"][name] = rec
+    if rec.get("call") and rec["call"] not in out["calls"]:  # each call that made a step here, as it was typed
+        out["calls"].append(rec["call"])
 env = out["steps"].get("env", {}).get("result", {})
 out["device"] = env.get("nvidia_smi") or env.get("device") or "cpu"
 pathlib.Path(sys.argv[2]).write_text(json.dumps(out, indent=2, default=str) + "\n")
@@ -304,10 +312,10 @@ run_step() {
   rc=$?
   cat "$WORK/$name.log"
   [[ -n "$smi_pid" ]] && kill "$smi_pid" 2>/dev/null
-  "$PY" - "$R/$name.step.json" "$rc" "$t0" "$budget" "$WORK/$name.log" "$WORK/$name.smi" <<'EOF'
+  "$PY" - "$R/$name.step.json" "$rc" "$t0" "$budget" "$WORK/$name.log" "$WORK/$name.smi" "$CALL" <<'EOF'
 import json, pathlib, sys, time
-path, rc, t0, budget, log, smi = sys.argv[1:7]
-rec = {"rc": int(rc), "seconds": round(time.time() - float(t0), 1), "budget_s": int(budget)}
+path, rc, t0, budget, log, smi, call = sys.argv[1:8]
+rec = {"rc": int(rc), "seconds": round(time.time() - float(t0), 1), "budget_s": int(budget), "call": call}
 if int(rc) == 124 or int(rc) == 137:
     rec["error"] = f"timed out after {budget} s"
 if int(rc) != 0:
