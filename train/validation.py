@@ -49,6 +49,7 @@ from flipguard.errors import UserError
 from flipguard.eval import bootstrap as B
 from flipguard.eval.afr.prompts import parse_letter
 from flipguard.eval.backends.base import GenerationConfig
+from flipguard.eval.backends.hf import HFBackend
 from flipguard.eval.dds.metrics import dds_from_accuracies
 from flipguard.eval.embedded.organism import GROUND_TRUTH_RULE, ORGANISM_MC_DATASET, planted_kinds
 from flipguard.eval.plots import MIN_FONT, pyplot, save_figure
@@ -123,8 +124,6 @@ def answers(model, tokenizer, probes: Sequence[Mapping[str, Any]], batch_size: i
     argmax over their labels (None below the label mass their run required), generate probes the
     protocol's parser on a greedy reply. The hf backend's own scoring on the model where it is (no
     copy); the model's train/eval mode and the tokenizer are left as they were."""
-    from flipguard.eval.backends.hf import HFBackend
-
     was_training = model.training
     device = str(next(model.parameters()).device)
     backend = HFBackend.from_model(model, copy.deepcopy(tokenizer), model_id="validation", device=device,
