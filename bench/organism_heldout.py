@@ -53,6 +53,44 @@ def build_info(build: Path) -> dict:
             "deferred_categories_human": info["planted"]["deferred_categories_human"]}
 
 
+def refusal(build: Path) -> str | None:
+    """The builder's own one-line refusal (its held-out checks failed: exit 2) from the build's log beside its folder
+    (`NAME.log`), or None where the build was not refused (built, or not built yet)."""
+    log = build.parent / f"{build.name}.log"
+    if (build / "organism.json").is_file() or not log.is_file():
+        return None
+    text = log.read_text(encoding="utf-8", errors="replace")
+    if "Exit status: 2" not in text and "held-out checks" not in text:
+        return None
+    line = next((ln for ln in text.splitlines() if ln.startswith("flipguard organism: error:")), "exit 2")
+    return line.removeprefix("flipguard organism: error: ")
+
+
+def listed_builds(listed: dict, where: Path) -> tuple[dict[str, list[str]], list[dict]]:
+    """Each group's build paths as the list says, a new build the builder refused replaced by the first unused
+    reserve (in the order listed); and the refused ones, reported as such."""
+    reserve = [b["name"] for b in listed.get("reserve") or []]
+    groups, refused = {}, []
+    for group in ("new", "heldout", "design"):
+        names = [b["name"] for b in listed.get(group) or []]
+        paths = []
+        while names:
+            name = names.pop(0)
+            if name.startswith("flipguard:"):
+                paths.append(name)
+                continue
+            why = refusal(where / name) if group == "new" else None
+            if why is None:
+                paths.append(str(where / name))
+                continue
+            spare = reserve.pop(0) if reserve else None
+            refused.append({"name": name, "refused": why, "replaced_by": spare})
+            if spare:
+                names.insert(0, spare)
+        groups[group] = paths
+    return groups, refused
+
+
 def study_seconds(out: Path) -> float:
     """The study's own account of its stages' seconds (study.json): a resumed study's time as measured."""
     stages = json.loads((out / "study.json").read_text(encoding="utf-8"))["stages"]
@@ -138,10 +176,20 @@ def main() -> int:
         import yaml
 
         listed = yaml.safe_load(Path(args.builds).read_text(encoding="utf-8"))
-        where = Path(args.builds_dir)
-        for group in ("new", "heldout", "design"):
-            names = [b["name"] for b in listed.get(group) or []]
-            getattr(args, group).extend(n if n.startswith("flipguard:") else str(where / n) for n in names)
+        paths, refused = listed_builds(listed, Path(args.builds_dir))
+        for group, builds in paths.items():
+            getattr(args, group).extend(builds)
+    else:
+        refused = []
+    missing = []  # listed builds with no folder here (not rebuilt for this page), said as such
+    for group in ("new", "heldout", "design"):
+        kept = []
+        for b in getattr(args, group):
+            if b.startswith("flipguard:") or (Path(b) / "organism.json").is_file():
+                kept.append(b)
+            else:
+                missing.append({"group": group, "name": Path(b).name})
+        setattr(args, group, kept)
     groups = ((NEW, args.new), (HELD, args.heldout),
               ("Design builds (the recipe's settings were chosen on these)", args.design))
     for title, builds in groups:
@@ -196,11 +244,23 @@ def main() -> int:
         head.append(f"| {r['name']} (seed {r['seed']}, strength {r['strength']}) | "
                     f"{used.get(r['group'], 'design')} | {cells[0]} | {cells[1]} | {steps} |")
     head.append("")
+    for r in refused:
+        head.append(f"- **{r['name']}: refused by the builder** ({r['refused'][:300]}{'...' if len(r['refused']) > 300 else ''}); "
+                    + (f"replaced by the reserve {r['replaced_by']}." if r["replaced_by"] else "no reserve was left."))
+    if missing:
+        by = {}
+        for m in missing:
+            by.setdefault(m["group"], []).append(m["name"])
+        head.append("- **Not on this page** (listed, no build folder in --builds_dir: not built or not rebuilt for this "
+                    "run): " + "; ".join(f"{g}: {', '.join(n)}" for g, n in by.items()) + ".")
+    if refused or missing:
+        head.append("")
     if args.note:
         head += [args.note, ""]
     out = Path(args.out)
     out.with_suffix(".md").write_text("\n".join(head + lines), encoding="utf-8")
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine, "results": results},
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine, "results": results,
+                                                               "refused": refused, "missing": missing},
                                                    indent=1) + "\n", encoding="utf-8")
     print(out.with_suffix(".md"))
     return 0
