@@ -467,6 +467,13 @@ class Study(StudyPlan):
             workers.close(terminate=True)
             for stage, _, _, _ in running.values():  # stopped with the study: recorded so, never left "running"
                 self._failed(stage, exc, stopped=True)
+            # a stage begun (study.json says "running") but not yet handed to a worker when the interrupt came
+            begun = [e for e in self.state.get("stages", {}).values() if isinstance(e, dict) and e.get("status") == "running"]
+            for entry in begun:
+                entry.update(status="interrupted", ended=now_iso())
+            if begun:
+                with contextlib.suppress(OSError):
+                    self._save_state()
             with contextlib.suppress(FlipguardError, OSError):  # the failure that got here is the one to show
                 self._remove_stage_logs(logs)
             raise
