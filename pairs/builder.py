@@ -851,7 +851,8 @@ def validation_slice(args: PairsArguments, validation: ValidationArguments, item
         raise UserError("validation.every is on, and the slice measures the base model's judgments of the items it holds "
                         f"back: give pairs.records (the base model's train-split run: {eval_command(None)})")
     ids: dict[str, set[str]] = collections.defaultdict(set)
-    judged = {(r.dataset, r.item_id) for r in load_records(records) if r.split == "train"} if items else set()
+    train = [r for r in load_records(records) if r.split == "train"] if items else []  # read once: judged and probed
+    judged = {(r.dataset, r.item_id) for r in train}
     for it in items:
         if (it.dataset, it.id) in judged:  # an item the base model's run did not judge has nothing to measure
             ids[it.dataset].add(it.id)
@@ -859,7 +860,7 @@ def validation_slice(args: PairsArguments, validation: ValidationArguments, item
         ids[str(c["dataset"])].add(str(c["item_id"]))
     seed = args.pairs_seed if validation.validation_seed is None else validation.validation_seed
     held = choose(ids, validation.validation_share, validation.validation_max_items, seed)
-    probes = dds_probes(records, held) if items else []
+    probes = dds_probes(train, held)
     for run_dir in args.pairs_conversations:
         probes += conversation_probes(run_dir, held)
     if not probes:

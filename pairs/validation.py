@@ -91,10 +91,10 @@ def _choices(record: Record) -> list[str] | None:
     return list(probs) if isinstance(probs, dict) and probs else None
 
 
-def dds_probes(records_dir: str, held: HoldBack) -> list[dict[str, Any]]:
-    """The four cases (no mitigation) of every held DDS item, from the base model's train-split run."""
+def dds_probes(records: Iterable[Record], held: HoldBack) -> list[dict[str, Any]]:
+    """The four cases (no mitigation) of every held DDS item, from the base model's train-split run's records."""
     probes = []
-    for r in load_records(records_dir):
+    for r in records:
         if r.split == "train" and r.case in CASES and (r.mitigation or "none") == "none" and held.holds(r.dataset, r.item_id):
             probes.append(_probe(r, r.case, _choices(r) or ["1", "2"]))
     return probes

@@ -109,6 +109,17 @@ LIVE_EVERY_S = 0.5  # how often the live line is rewritten (a terminal only)
 STUDY_FORMAT = "flipguard-study/1"
 # a stage's status when its last run did not finish: it resumes ("running": a study killed while it ran)
 UNFINISHED = ("running", "failed", "interrupted")
+
+
+def running_as_interrupted(stages: dict[str, Any], ended: str | None = None) -> bool:
+    """Every stage entry still "running" recorded "interrupted" (`ended` set when given): no process runs it
+    now. True when there was one."""
+    begun = [e for e in stages.values() if isinstance(e, dict) and e.get("status") == "running"]
+    for entry in begun:
+        entry["status"] = "interrupted"
+        if ended is not None:
+            entry["ended"] = ended
+    return bool(begun)
 RECIPE_HEADER = "# the effective recipe of this study"
 JOBS_HELP = ("Independent stages (a --grid's variants among them) run at once, each in its own process (default: 2 "
              "on a CPU with 2 free cores per --threads, the hf backend and a small local model, else 1); the "
@@ -190,10 +201,8 @@ class Study(StudyPlan):
             raise UserError(f"{path}: unreadable study state ({exc}); remove it to start the study afresh") from None
         if not isinstance(state, dict) or state.get("format") != STUDY_FORMAT:
             raise UserError(f"{path}: not a {STUDY_FORMAT} file")
-        for entry in (state.get("stages") or {}).values():
-            # read under the study's lock: no process runs it now (the study that did was killed)
-            if isinstance(entry, dict) and entry.get("status") == "running":
-                entry["status"] = "interrupted"
+        # read under the study's lock: no process runs it now (the study that did was killed)
+        running_as_interrupted(state.get("stages") or {})
         return state
 
     def _save_state(self) -> None:
@@ -468,10 +477,7 @@ class Study(StudyPlan):
             for stage, _, _, _ in running.values():  # stopped with the study: recorded so, never left "running"
                 self._failed(stage, exc, stopped=True)
             # a stage begun (study.json says "running") but not yet handed to a worker when the interrupt came
-            begun = [e for e in self.state.get("stages", {}).values() if isinstance(e, dict) and e.get("status") == "running"]
-            for entry in begun:
-                entry.update(status="interrupted", ended=now_iso())
-            if begun:
+            if running_as_interrupted(self.state.get("stages") or {}, ended=now_iso()):
                 with contextlib.suppress(OSError):
                     self._save_state()
             with contextlib.suppress(FlipguardError, OSError):  # the failure that got here is the one to show
