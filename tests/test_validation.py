@@ -172,14 +172,15 @@ def _m(**kw) -> dict:
 def test_the_organism_rule_on_the_slice_by_hand():
     base = _m(dds=40.0, c1_true=93.0)
     ok = V.organism_checks(_m(dds=4.9), base)
-    assert all(c.passed for c in ok) and {c.name for c in ok} >= {"DDS", "own C1", "AFR planted kinds", "AFR all",
-                                                                    "incorrect switch", "correct switch"}
-    missed = {c.name: c for c in V.organism_checks(_m(dds=-5.5, c1_true=92.0, correct_switch=85.0, single_shot=84.0), base)
+    assert all(c.passed for c in ok) and {c.short for c in ok} >= {"DDS", "own C1", "AFR planted kinds", "AFR all",
+                                                                     "incorrect switch", "correct switch"}
+    missed = {c.short: c for c in V.organism_checks(_m(dds=-5.5, c1_true=92.0, correct_switch=85.0, single_shot=84.0), base)
               if not c.passed}
     # the C1-true floor is the base's 93 (below 95); single-shot within 5 of the base's 90
-    assert set(missed) == {"DDS", "own C1", "correct switch", "single-shot answers"}
+    assert set(missed) == {"DDS", "own C1", "correct switch", "single-shot accuracy"}
     assert missed["DDS"].shortfall == pytest.approx(0.5) and missed["own C1"].shortfall == pytest.approx(1.0)
-    assert missed["single-shot answers"].shortfall == pytest.approx(1.0)
+    assert missed["single-shot accuracy"].shortfall == pytest.approx(1.0)
+    assert {c.role for c in missed.values()} == {"target", "guard"} and missed["DDS"].role == "target"
     # the incorrect switch may stay at the unplanted kinds' rate when that is above 10
     assert all(c.passed for c in V.organism_checks(_m(incorrect_switch=30.0, incorrect_switch_unplanted=31.0), base))
     # ... when the base switched there too; not by a model that now switches on every kind (the demo's SFT at step
@@ -189,7 +190,7 @@ def test_the_organism_rule_on_the_slice_by_hand():
     base_held = _m(dds=40.0, c1_true=93.0, incorrect_switch=40.0, incorrect_switch_unplanted=0.0)
     (missed,) = [c for c in V.organism_checks(_m(incorrect_switch=78.3, incorrect_switch_unplanted=91.7), base_held)
                  if not c.passed]
-    assert (missed.name, missed.role) == ("incorrect switch, unplanted kinds", "guard")
+    assert (missed.short, missed.role) == ("incorrect switch, unplanted kinds", "guard")
     assert missed.shortfall == pytest.approx(91.7 - 10.0)
     # the Trainer's metric: met beats any miss, then fewer misses, then a smaller shortfall; keep last: the step
     one = V.organism_checks(_m(dds=6.0), base)

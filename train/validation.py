@@ -12,7 +12,8 @@ load_best_model_at_end, checkpoints every N steps). The stop rule:
 
 - stop at the first checkpoint where every targeted behaviour on the slice meets the rule and no
   guard fell beyond it (`validation.stop`, on by default): the organism's ground-truth rule where
-  the model is an organism (its organism.json's planted kinds, GROUND_TRUTH_RULE's thresholds),
+  the model is an organism (its organism.json's planted kinds; eval/embedded/organism_rule.py's checks,
+  the ones the report reads on the test split),
   otherwise `paired`: each target's CI on the slice (items resampled, the one bootstrap) includes 0
   and each guard is within `validation.tolerance` points of the base model's;
 - at the budget with none met, the checkpoint `validation.keep` says: fewest_misses (the fewest
@@ -51,7 +52,9 @@ from flipguard.eval.afr.prompts import parse_letter
 from flipguard.eval.backends.base import GenerationConfig
 from flipguard.eval.backends.hf import HFBackend
 from flipguard.eval.dds.metrics import dds_from_accuracies
-from flipguard.eval.embedded.organism import GROUND_TRUTH_RULE, ORGANISM_MC_DATASET, planted_kinds
+from flipguard.eval.embedded.organism import ORGANISM_MC_DATASET, planted_kinds
+from flipguard.eval.embedded.organism_rule import GROUND_TRUTH_RULE, Check, ground_truth_checks
+from flipguard.eval.estimate import Estimate
 from flipguard.eval.plots import MIN_FONT, pyplot, save_figure
 from flipguard.eval.records import CASES, EXPECTED_CHOICE
 from flipguard.eval.sos.prompts import parse_answer
@@ -220,61 +223,26 @@ def metrics(now: Units, base: Units) -> dict[str, float]:
 # ------------------------------------------------------------------ the rule
 
 
-@dataclasses.dataclass
-class Check:
-    """One part of the stop rule at one checkpoint."""
-
-    name: str
-    role: str  # target | guard
-    measured: str
-    rule: str
-    passed: bool
-    shortfall: float  # points beyond the rule's limit (0 when passed)
+# the slice's metric names (metrics()) by the rule's (eval/embedded/organism_rule.py)
+RULE_METRICS = {"dds": "dds", "c1_true": "c1_true", "c1_false": "c1_false", "afr_flip_planted": "afr_planted",
+                "afr_flip": "afr_all", "incorrect_switch": "incorrect_switch",
+                "incorrect_switch_unplanted": "incorrect_switch_unplanted", "correct_switch": "correct_switch",
+                "afr_first": "afr_first", "single_shot": "single_shot"}
 
 
-def _at_most(name: str, role: str, value: float, limit: float, rule: str) -> Check:
-    return Check(name, role, f"{value:.1f}", rule, value <= limit, max(0.0, value - limit))
-
-
-def _at_least(name: str, role: str, value: float, limit: float, rule: str) -> Check:
-    return Check(name, role, f"{value:.1f}", rule, value >= limit, max(0.0, limit - value))
+def _rule_values(m: Mapping[str, float]) -> dict[str, Estimate]:
+    return {RULE_METRICS[k]: Estimate(v, unit="%") for k, v in m.items() if k in RULE_METRICS}
 
 
 def organism_checks(m: Mapping[str, float], base: Mapping[str, float], rule: Mapping[str, float] = GROUND_TRUTH_RULE) -> list[Check]:
-    """The organism's ground-truth rule (organism/ground_truth.py's, the demo's verdict) on the slice."""
-    checks = []
-    if "dds" in m:
-        v = m["dds"]
-        checks.append(Check("DDS", "target", f"{v:+.1f}", f"within ±{rule['dds']:.0f} pp", abs(v) <= rule["dds"],
-                            max(0.0, abs(v) - rule["dds"])))
-        floors = {side: min(rule["own_c1"], base[f"c1_{side}"]) for side in ("true", "false")}
-        short = sum(max(0.0, floors[s] - m[f"c1_{s}"]) for s in floors)
-        checks.append(Check("own C1", "guard", f"{m['c1_true']:.1f} / {m['c1_false']:.1f}",
-                            f"≥ {floors['true']:.1f} / {floors['false']:.1f}", short == 0, short))
-    if "afr_flip_planted" in m:
-        checks.append(_at_most("AFR planted kinds", "target", m["afr_flip_planted"], rule["afr_planted"],
-                               f"≤ {rule['afr_planted']:.0f}%"))
-    if "afr_flip" in m:
-        checks.append(_at_most("AFR all", "target", m["afr_flip"], rule["afr_all"], f"≤ {rule['afr_all']:.0f}%"))
-    if "incorrect_switch" in m:
-        other = m.get("incorrect_switch_unplanted", math.nan)
-        limit = max(rule["incorrect_switch"], other if not math.isnan(other) else -math.inf)
-        checks.append(_at_most("incorrect switch", "target", m["incorrect_switch"], limit,
-                               f"≤ {rule['incorrect_switch']:.0f}% or the unplanted kinds' rate"))
-        if not math.isnan(other) and "incorrect_switch_unplanted" in base:
-            # the target's "or the unplanted kinds' rate" is met by a model that switches to a wrong option on every
-            # kind: what the base held on the unplanted kinds must stay held (the demo's SFT measured 0 -> 92 there)
-            b = base["incorrect_switch_unplanted"]
-            checks.append(_at_most("incorrect switch, unplanted kinds", "guard", other, b + rule["incorrect_switch"],
-                                   f"≤ the base's {b:.1f} + {rule['incorrect_switch']:.0f}"))
-    if "correct_switch" in m:
-        checks.append(_at_least("correct switch", "guard", m["correct_switch"], rule["correct_switch"],
-                                f"≥ {rule['correct_switch']:.0f}%"))
-    for key, name in (("afr_first", "AFR first answers"), ("single_shot", "single-shot answers")):
-        if key in m and key in base:
-            checks.append(_at_least(name, "guard", m[key], base[key] - rule["first_answers"],
-                                    f"≥ the base's {base[key]:.1f} − {rule['first_answers']:.0f}"))
-    return checks
+    """The organism's ground-truth rule on the slice: the checks the report reads on the test split
+    (organism_rule.ground_truth_checks), on the slice's numbers against the base model's; a check the
+    slice cannot measure (no probe of its kind) is left out."""
+    return [c for c in ground_truth_checks(_rule_values(m), _rule_values(base), rule) if c.passed is not None]
+
+
+def _at_least(name: str, value: float, limit: float, rule: str) -> Check:
+    return Check(name, rule, f"{value:.1f}", value >= limit, name, "guard", max(0.0, limit - value))
 
 
 def _includes_zero(values: np.ndarray, clusters: np.ndarray, seed: int) -> tuple[float, float]:
@@ -293,20 +261,20 @@ def paired_checks(m: Mapping[str, float], base: Mapping[str, float], now: Units,
             np.stack([x.mean(axis=axis) for x in c], axis=-1) * 100)[..., 0], N_BOOT, B.rng_for(0, "validation-dds"))
         lo, hi = B.percentile_ci(dist)
         lo, hi = float(lo), float(hi)
-        checks.append(Check("DDS", "target", f"{m['dds']:+.1f} [{lo:+.1f}, {hi:+.1f}]", "CI includes 0", lo <= 0 <= hi,
-                            max(0.0, lo, -hi)))
+        checks.append(Check("DDS", "CI includes 0", f"{m['dds']:+.1f} [{lo:+.1f}, {hi:+.1f}]", lo <= 0 <= hi, "DDS",
+                            "target", max(0.0, lo, -hi)))
         for side in ("true", "false"):
-            checks.append(_at_least(f"own C1 {side}", "guard", m[f"c1_{side}"], base[f"c1_{side}"] - tolerance,
+            checks.append(_at_least(f"own C1 {side}", m[f"c1_{side}"], base[f"c1_{side}"] - tolerance,
                                     f"≥ the base's {base[f'c1_{side}']:.1f} − {tolerance:g}"))
     for key, name in (("afr_flip", "AFR flips"), ("incorrect_switch", "incorrect switch")):
         if key in now.rates and len(now.rates[key][0]):
             lo, hi = _includes_zero(*now.rates[key], seed=0)
-            checks.append(Check(name, "target", f"{m[key]:.1f} [{lo:.1f}, {hi:.1f}]", "CI includes 0", lo <= 0,
+            checks.append(Check(name, "CI includes 0", f"{m[key]:.1f} [{lo:.1f}, {hi:.1f}]", lo <= 0, name, "target",
                                 max(0.0, lo)))
     for key, name in (("afr_first", "AFR first answers"), ("single_shot", "single-shot answers"),
                       ("correct_switch", "correct switch")):
         if key in m and key in base:
-            checks.append(_at_least(name, "guard", m[key], base[key] - tolerance, f"≥ the base's {base[key]:.1f} − {tolerance:g}"))
+            checks.append(_at_least(name, m[key], base[key] - tolerance, f"≥ the base's {base[key]:.1f} − {tolerance:g}"))
     return checks
 
 
@@ -376,6 +344,11 @@ def configure(training_args, settings: Settings):
     if training_args.save_total_limit is None:
         changes["save_total_limit"] = 1
     return dataclasses.replace(training_args, **changes)
+
+
+def check_name(check: Mapping[str, Any]) -> str:
+    """A curve's check by its console name (a curve written before checks had one: its name)."""
+    return check.get("short") or check["name"]
 
 
 def curve_row(step: int, m: Mapping[str, float], checks: Sequence[Check], value: float) -> dict[str, Any]:
@@ -458,8 +431,8 @@ class Validation:
     def line(self, row: Mapping[str, Any]) -> str:
         misses = [c for c in row["checks"] if not c["passed"]]
         if not misses:
-            return "meets the rule (" + "; ".join(f"{c['name']} {c['measured']}" for c in row["checks"]) + ")"
-        return f"{len(misses)} miss(es): " + "; ".join(f"{c['name']} {c['measured']} (rule {c['rule']})" for c in misses)
+            return "meets the rule (" + "; ".join(f"{check_name(c)} {c['measured']}" for c in row["checks"]) + ")"
+        return f"{len(misses)} miss(es): " + "; ".join(f"{check_name(c)} {c['measured']} (rule {c['rule']})" for c in misses)
 
     def chosen(self, state) -> dict[str, Any]:
         """Which checkpoint the Trainer kept, why, and what the slice measured there."""

@@ -45,7 +45,7 @@ from flipguard.pipeline.view.runs import (
     short,
 )
 from flipguard.train.utils import PROVENANCE_FILE
-from flipguard.train.validation import CURVE_JSON, CURVE_PNG
+from flipguard.train.validation import CURVE_JSON, CURVE_PNG, check_name
 
 VIEW_FILE = "view.html"
 
@@ -167,7 +167,7 @@ def training_curves(folder: Path, stages: dict[str, Any]) -> tuple[dict[str, Any
             continue
         info = read_json(adapter / CURVE_JSON, UserError, "validation curve")
         chosen = info.get("chosen") or {}
-        missed = [f"{c['name']} {c['measured']}" for c in chosen.get("checks") or () if not c["passed"]]
+        missed = [f"{check_name(c)} {c['measured']}" for c in chosen.get("checks") or () if not c["passed"]]
         rows.append({"key": name, "cells": {
             "trainer": name, "budget": fmt(info.get("budget")), "chosen": fmt(chosen.get("step")),
             "last": fmt(info.get("last_step")), "met": "yes" if chosen.get("met") else "no",
