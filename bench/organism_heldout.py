@@ -216,20 +216,25 @@ def main() -> int:
         setattr(args, group, kept)
     groups = ((NEW, args.new), (HELD, args.heldout),
               ("Design builds (the recipe's settings were chosen on these)", args.design))
+    group_of = dict(zip((g[0] for g in groups), ("new", "heldout", "design")))
+    unstudied = []  # --report_only: built, no finished study in --work
     for title, builds in groups:
         if builds:
             lines += [f"## {title}", ""]
         for b in builds:
             build = Path(resolve_model(b)).resolve()  # a folder or a model alias (flipguard:organism)
             out = work / build.name
+            shipped = build == Path(resolve_model("flipguard:organism")).resolve()
+            name = "flipguard:organism (shipped)" if shipped else build.name
             if not args.report_only:
                 run_study(args.recipe, build, out, args.threads)
+            elif not (out / "compare" / "ground_truth.json").is_file():  # built, its study not finished
+                unstudied.append({"group": group_of[title], "name": name})
+                continue
             seconds = study_seconds(out)  # one meaning whether it ran now or before: the stages' own seconds
             compared = recompare(out) if args.recompare else out / "compare"
             truth = json.loads((compared / "ground_truth.json").read_text(encoding="utf-8"))
             info = build_info(build)
-            shipped = build == Path(resolve_model("flipguard:organism")).resolve()
-            name = "flipguard:organism (shipped)" if shipped else build.name
             results.append({"group": title, "name": name, "build": str(build), **info, "study": str(out), "seconds": seconds,
                             "verdicts": {n: {"passed": c["passed"], "verdict": c["verdict"]}
                                          for n, c in truth["conditions"].items()}, "ground_truth": truth})
@@ -280,14 +285,17 @@ def main() -> int:
             by.setdefault(m["group"], []).append(m["name"])
         head.append("- **Not on this page** (listed, no build folder in --builds_dir: not built or not rebuilt for this "
                     "run): " + "; ".join(f"{g}: {', '.join(n)}" for g, n in by.items()) + ".")
-    if refused or missing:
+    if unstudied:
+        head.append("- **Built, study not finished** (no compare/ground_truth.json in --work): "
+                    + "; ".join(f"{m['name']} ({m['group']})" for m in unstudied) + ".")
+    if refused or missing or unstudied:
         head.append("")
     if args.note:
         head += [args.note, ""]
     out = Path(args.out)
     out.with_suffix(".md").write_text("\n".join(head + lines), encoding="utf-8")
     out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine, "results": results,
-                                                               "refused": refused, "missing": missing},
+                                                               "refused": refused, "missing": missing, "unstudied": unstudied},
                                                    indent=1) + "\n", encoding="utf-8")
     print(out.with_suffix(".md"))
     return 0
