@@ -17,6 +17,7 @@ must hold a validation slice (`flipguard pairs recipes/organism.yaml --validatio
 study's pairs folder).
 
     python bench/validation_cost.py --pairs runs/demo/pairs [--rounds 2] [--work runs/bench-validation]
+    python bench/validation_cost.py --pairs runs/demo/pairs --every 40 --out bench/validation_cost_every40
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {"off": ["--validation_every", "0"],
-         "measured": ["--validation_every", "20", "--validation_stop", "false"],
-         "stopped": ["--validation_every", "20"]}
+def modes(every: int) -> dict[str, list[str]]:
+    """Each mode's flags: off, measured and stopped at a measurement every `every` steps."""
+    return {"off": ["--validation_every", "0"],
+            "measured": ["--validation_every", str(every), "--validation_stop", "false"],
+            "stopped": ["--validation_every", str(every)]}
 
 
 def train(trainer: str, pairs: Path, out: Path, flags: list[str]) -> dict:
@@ -69,14 +72,20 @@ def main() -> int:
     parser.add_argument("--trainers", nargs="*", default=["sft", "dpo"])
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench-validation"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "validation_cost"))
+    parser.add_argument("--every", type=int, default=20, help="steps between measurements (the recipe ships 20)")
+    parser.add_argument("--modes", nargs="*", default=["off", "measured", "stopped"], choices=["off", "measured", "stopped"],
+                        help="which modes to run (off is what the others are read against)")
     args = parser.parse_args()
+    if "off" not in args.modes:
+        parser.error("--modes: off is what the cost is read against; include it")
+    chosen_modes = {m: f for m, f in modes(args.every).items() if m in args.modes}
     pairs, work = Path(args.pairs).resolve(), Path(args.work).resolve()
     if not (pairs / "validation.jsonl").is_file():
         raise SystemExit(f"{pairs}: no validation.jsonl; build the pairs with --validation_every 20")
     rows = []
     for n in range(args.rounds):
         for trainer in args.trainers:
-            for mode, flags in MODES.items():
+            for mode, flags in chosen_modes.items():
                 row = {"round": n + 1, "trainer": trainer, "mode": mode,
                        **train(trainer, pairs, work / f"{trainer}-{mode}", flags)}
                 print(json.dumps(row), flush=True)
@@ -84,12 +93,15 @@ def main() -> int:
     import torch
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    lines = ["# What validation costs a training stage (CPU)", "",
-             f"Measured with `python bench/validation_cost.py --pairs {args.pairs} --rounds {args.rounds}` on {machine} "
+    lines = ["# What validation costs a training stage (CPU)" + (f", measuring every {args.every} steps" if args.every != 20 else ""), "",
+             f"Measured with `python bench/validation_cost.py --pairs {args.pairs} --rounds {args.rounds}"
+             + (f" --every {args.every}" if args.every != 20 else "")
+             + (f" --modes {' '.join(args.modes)}" if len(args.modes) < 3 else "") + f"` on {machine} "
              f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; a shared machine: the load at each run's "
-             "start is in the table). Modes: off (validation.every 0), measured (every 20 steps, the same steps as off: "
-             "the slice measured and a checkpoint written each time, no stop), stopped (as recipes/organism.yaml ships "
-             "it: stop at the first checkpoint meeting the rule). Wall and CPU: the whole trainer process (CPU: user + "
+             f"start is in the table). Modes: off (validation.every 0), measured (every {args.every} steps, the same steps as off: "
+             "the slice measured and a checkpoint written each time, no stop), stopped (stop at the first checkpoint "
+             f"meeting the rule{', as recipes/organism.yaml ships it' if args.every == 20 else '; the recipe ships every 20'}). "
+             "Wall and CPU: the whole trainer process (CPU: user + "
              "system seconds, which a loaded machine's waiting does not inflate); measuring: the slice's measurements "
              "by their own clocks (flipguard_training.json).", "",
              "| round | trainer | mode | steps | wall s | CPU s | measuring wall s / CPU s | measurements | chosen step | load start / end |",
@@ -107,12 +119,17 @@ def main() -> int:
         for key, what in (("wall_s", "wall"), ("cpu_s", "CPU")):
             off, on, stop = total("off", key), total("measured", key), total("stopped", key)
             meas = total("measured", "measuring_s" if key == "wall_s" else "measuring_cpu_s")
-            lines.append(f"- {trainer}, {what}: measured {on:.0f} s against off {off:.0f} s: **{100 * (on - off) / off:+.0f}%** "
-                         f"(of which measuring the slice {meas:.0f} s, {100 * meas / off:.0f}% of off); as shipped "
-                         f"(stopped) {stop:.0f} s, {100 * (stop - off) / off:+.0f}%.")
+            parts = []
+            if "measured" in args.modes:
+                parts.append(f"measured {on:.0f} s against off {off:.0f} s: **{100 * (on - off) / off:+.0f}%** "
+                             f"(of which measuring the slice {meas:.0f} s, {100 * meas / off:.0f}% of off)")
+            if "stopped" in args.modes:
+                parts.append(f"stopped at the first checkpoint meeting the rule {stop:.0f} s, {100 * (stop - off) / off:+.0f}%")
+            lines.append(f"- {trainer}, {what} (off {off:.0f} s): " + "; ".join(parts) + ".")
     out = Path(args.out)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "every": args.every, "rows": rows}, indent=1) + "\n",
+                                        encoding="utf-8")
     print(out.with_suffix(".md"))
     return 0
 
