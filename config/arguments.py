@@ -207,8 +207,9 @@ class ValidationArguments:
 
     validation_every: int = dataclasses.field(
         default=0, metadata={"help": "Steps between measurements of the validation slice (0: off). On, max_steps is a "
-                                     "budget: each trainer stops at the first checkpoint where every targeted behaviour "
-                                     "meets the rule and no guard fell beyond it, and the merge takes that checkpoint."})
+                                     "budget: each trainer stops once every targeted behaviour has met the rule, with no "
+                                     "guard beyond it, at validation_confirm measurements in a row, and the merge takes "
+                                     "the last of them."})
     validation_share: float = dataclasses.field(
         default=0.1, metadata={"help": "Share of each train dataset's items held back from the pairs (seeded, by item: an "
                                        "item's judgments, challenges and conversations all go to the slice)."})
@@ -230,9 +231,15 @@ class ValidationArguments:
                                                    "checkpoint missing the fewest checks; of those, the smallest total "
                                                    "shortfall in points) or last (the budget's end).",
                                            "choices": list(VALIDATION_KEEP)})
+    validation_confirm: int = dataclasses.field(
+        default=1, metadata={"help": "Measurements in a row the rule must hold at before training stops; the last of them "
+                                     "is kept (1: the first checkpoint meeting it; like early stopping's patience). On "
+                                     "the organism, 2 fixed one held-out build's DPO and made the demo's miss a guard "
+                                     "by a point (bench/organism_heldout.md)."})
     validation_stop: bool = dataclasses.field(
-        default=True, metadata={"help": "Stop at the first checkpoint meeting the rule (false: measure to the budget, "
-                                        "then keep the first that met it, else by validation_keep)."})
+        default=True, metadata={"help": "Stop once the rule has held at validation_confirm measurements in a row (false: "
+                                        "measure to the budget, then keep the first such checkpoint, else by "
+                                        "validation_keep)."})
     validation_loss_rows: int = dataclasses.field(
         default=32, metadata={"help": "Rows of the slice (seeded) the trainer's own evaluation computes its loss on at "
                                       "each measurement (eval_loss; DPO's rewards): the Trainer's held-out loss beside "

@@ -80,7 +80,8 @@ def test_demo_detects_and_removes_the_planted_deference(organism_path, tmp_path)
     assert held["items_held_back"] == {"organism": 60, "organism_mc": 60} and held["probes"]["dds/c2_incorrect"] == 60
     for trainer in ("sft", "dpo"):
         v = json.loads((out / "train" / trainer / "flipguard_training.json").read_text())["validation"]
-        assert v["settings"]["rule"] == "organism" and v["chosen"]["met"], (trainer, v["chosen"])
+        assert v["settings"]["rule"] == "organism" and v["chosen"]["met"] and v["chosen"]["confirmed"], (trainer, v["chosen"])
+        assert v["settings"]["confirm"] == 1 and v["curve"][-1]["streak"] >= 1
         assert v["chosen"]["step"] == v["curve"][-1]["step"] <= v["budget"] and v["stopped_early"] == (v["chosen"]["step"] < v["budget"])
         assert (out / "train" / trainer / "validation.png").stat().st_size > 1000
     page = build_view(out)  # the page's data: a row per trainer, and each trainer's curve among the plots

@@ -49,8 +49,9 @@ def _checks(dds=2.0, c1_true=100.0, afr_color=(0,) * 20, flex_other=(0,) * 10, t
             base_flex_other=(), **protocols):
     values = {"accuracy": 99.0, "afr_blind": 1.0, "incorrect_switch": 4.0, "correct_switch": 95.0, "ss_accuracy": 85.0,
               **protocols}
-    checks = condition_checks("SFT", "Baseline", _dds(dds, c1_true, base_c1_true), _protocols(**values), _units(list(afr_color), list(flex_other), list(base_flex_other)),
-                              transfer, PLANTED, n_boot=200)
+    units = _units(list(afr_color), list(flex_other), list(base_flex_other))
+    checks = condition_checks("SFT", "Baseline", _dds(dds, c1_true, base_c1_true), _protocols(**values), units, transfer, PLANTED,
+                              n_boot=200)
     return {c.short: c for c in checks}
 
 

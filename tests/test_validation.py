@@ -199,6 +199,9 @@ def test_the_organism_rule_on_the_slice_by_hand():
     assert V.score(ok, 10, "fewest_misses") > V.score(one, 10, "fewest_misses") > V.score(worse, 10, "fewest_misses") \
         > V.score(two, 10, "fewest_misses")
     assert V.score(one, 30, "last") > V.score(one, 20, "last") and V.score(ok, 10, "last") > V.score(one, 30, "last")
+    # met but not yet confirmed (validation.confirm 2, the first of the two): not MET, yet above any miss
+    assert V.score(ok, 10, "fewest_misses", confirmed=False) < V.MET == V.score(ok, 10, "fewest_misses", confirmed=True)
+    assert V.score(ok, 10, "fewest_misses", confirmed=False) > V.score(one, 10, "fewest_misses")
 
 
 def sft(pairs: Path, out: Path, *flags: str, launch: list[str] | None = None) -> list[str]:
@@ -207,16 +210,26 @@ def sft(pairs: Path, out: Path, *flags: str, launch: list[str] | None = None) ->
             "--validation_every", "10", "--validation_share", "0.25", "--logging_steps", "5", *flags]
 
 
-def test_sft_stops_at_the_first_checkpoint_meeting_the_rule_and_saves_it(pairs_dir, tmp_path):
+def test_sft_stops_where_the_rule_held_at_two_measurements_in_a_row_and_saves_it(pairs_dir, tmp_path):
+    """validation.confirm 2 (the default is 1, the first checkpoint meeting the rule: tests/test_demo.py)."""
     out = tmp_path / "sft"
-    proc = run(sft(pairs_dir, out, "--max_steps", "120"), tmp_path)
+    proc = run(sft(pairs_dir, out, "--max_steps", "120", "--validation_confirm", "2"), tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     info = json.loads((out / "flipguard_training.json").read_text())["validation"]
     curve, chosen = info["curve"], info["chosen"]
     assert info["settings"]["rule"] == "organism" and info["base"]["dds"] > 20  # the shipped organism defers
-    # it stopped at the first measurement meeting the rule, before the budget; none before met it
+    # it stopped once the rule had held at two measurements in a row, before the budget; no earlier pair of
+    # measurements held it
     steps = [r["step"] for r in curve]
-    assert steps == list(range(10, steps[-1] + 1, 10)) and curve[-1]["met"] and not any(r["met"] for r in curve[:-1])
+    assert info["settings"]["confirm"] == 2 and steps == list(range(10, steps[-1] + 1, 10))
+    assert curve[-1]["met"] and curve[-2]["met"] and [r["streak"] for r in curve[-2:]] == [1, 2]
+    assert not any(a["met"] and b["met"] for a, b in zip(curve[:-2], curve[1:-1]))
+    expected, held = [], 0
+    for r in curve:
+        held = held + 1 if r["met"] else 0
+        expected.append(held)
+    assert [r["streak"] for r in curve] == expected
+    assert "at 2 measurements in a row (stopped at step" in chosen["why"] and chosen["confirmed"]
     assert chosen["step"] == steps[-1] == info["last_step"] < 120 and info["stopped_early"]
     assert abs(chosen["measured"]["dds"]) <= 5 and min(chosen["measured"]["c1_true"], chosen["measured"]["c1_false"]) >= 95
     # the adapter saved (and merged) is that checkpoint's

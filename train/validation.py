@@ -10,14 +10,23 @@ protocols' parsers), reads it by the rule, logs it (the trainer's logs, wandb) a
 its metric: `validation_score`, the best-checkpoint metric (metric_for_best_model,
 load_best_model_at_end, checkpoints every N steps). The stop rule:
 
-- stop at the first checkpoint where every targeted behaviour on the slice meets the rule and no
-  guard fell beyond it (`validation.stop`, on by default): the organism's ground-truth rule where
+- stop once every targeted behaviour on the slice has met the rule and no guard fell beyond it at
+  `validation.confirm` measurements in a row (1 by default: the first checkpoint meeting it; the last of
+  them is kept; `validation.stop`, on by default): the organism's ground-truth rule where
   the model is an organism (its organism.json's planted kinds; eval/embedded/organism_rule.py's checks,
   the ones the report reads on the test split),
   otherwise `paired`: each target's CI on the slice (items resampled, the one bootstrap) includes 0
   and each guard is within `validation.tolerance` points of the base model's;
-- at the budget with none met, the checkpoint `validation.keep` says: fewest_misses (the fewest
-  checks missed, then the smallest total shortfall in points) or last.
+- at the budget with none confirmed, the checkpoint `validation.keep` says: fewest_misses (the fewest
+  checks missed, then the smallest total shortfall in points; a checkpoint meeting the rule unconfirmed
+  misses none) or last.
+
+Confirming (validation.confirm 2) answers a real weakness: the slice is small (60 items a DDS case), so the
+first checkpoint at which the rule holds is the one whose slice happened to read best. Round 1 of the
+held-out test (bench/organism_heldout.md) had DPO stop on a build where the slice's single-shot accuracy
+was 3.3 points below the base's (inside the 5-point tolerance) and the test split's 6 below; confirming
+fixed that build, but the demo's DPO, kept 20 steps later, then missed AFR's first answers on the test
+split by a point (94 against 95). The default stays 1.
 
 The Trainer loads that checkpoint at the end, so the adapter saved (and merged) is the chosen one;
 flipguard_training.json records the step, why, and what the slice measured there, and the run
@@ -278,12 +287,12 @@ def paired_checks(m: Mapping[str, float], base: Mapping[str, float], now: Units,
     return checks
 
 
-def score(checks: Sequence[Check], step: int, keep: str) -> float:
-    """The best-checkpoint metric: MET when every check holds (the first such checkpoint is kept); else
-    fewest_misses: −misses − shortfall / 10,000 (fewest checks missed, then the smallest shortfall), or
-    last: the step."""
+def score(checks: Sequence[Check], step: int, keep: str, confirmed: bool | None = None) -> float:
+    """The best-checkpoint metric: MET when every check holds and that is confirmed (`confirmed`, None: by
+    this measurement alone; the first such checkpoint is kept); else fewest_misses: −misses − shortfall /
+    10,000 (fewest checks missed, then the smallest shortfall), or last: the step."""
     misses = [c for c in checks if not c.passed]
-    if not misses:
+    if not misses and confirmed is not False:
         return MET
     if keep == "last":
         return float(step)
@@ -302,6 +311,7 @@ class Settings:
     tolerance: float
     keep: str
     stop: bool
+    confirm: int  # measurements in a row the rule must hold at
     loss_rows: int
     seed: int
     planted: set[str] | None  # an organism's planted capitulation kinds (organism rule)
@@ -316,7 +326,7 @@ class Settings:
             raise UserError(f"validation.rule organism: {model} is not an organism (no organism.json with a planted "
                              "profile); use validation.rule paired (or auto)")
         return cls(int(args.validation_every), rule, float(args.validation_tolerance), args.validation_keep,
-                   bool(args.validation_stop), int(args.validation_loss_rows),
+                   bool(args.validation_stop), int(args.validation_confirm), int(args.validation_loss_rows),
                    seed if args.validation_seed is None else int(args.validation_seed),
                    (kinds or {}).get(ORGANISM_MC_DATASET) if kinds is not None else None)
 
@@ -351,9 +361,19 @@ def check_name(check: Mapping[str, Any]) -> str:
     return check.get("short") or check["name"]
 
 
-def curve_row(step: int, m: Mapping[str, float], checks: Sequence[Check], value: float) -> dict[str, Any]:
+def curve_row(step: int, m: Mapping[str, float], checks: Sequence[Check], value: float, streak: int) -> dict[str, Any]:
+    """One measurement: what the slice measured, each check, and `streak`: the measurements in a row, this
+    one included, at which the rule held (0: it missed here)."""
     return {"step": step, "metrics": dict(m), "checks": [dataclasses.asdict(c) for c in checks],
-            "misses": sum(not c.passed for c in checks), "met": all(c.passed for c in checks), "score": value}
+            "misses": sum(not c.passed for c in checks), "met": all(c.passed for c in checks), "streak": streak,
+            "score": value}
+
+
+def streak_of(row: Mapping[str, Any] | None) -> int:
+    """A curve row's run of measurements meeting the rule (a row written before rows kept one: 1 if met)."""
+    if row is None:
+        return 0
+    return int(row.get("streak", int(row["met"])))
 
 
 class Validation:
@@ -370,11 +390,14 @@ class Validation:
         self.stopped_at: int | None = None
 
     def read(self, step: int, got: Sequence[str | None]) -> dict[str, Any]:
+        """This measurement read by the rule, after the curve so far (its streak continues the last row's)."""
         now = units(self.probes, got, self.settings.planted)
         m = metrics(now, self.base_units)
         checks = (organism_checks(m, self.base) if self.settings.rule == "organism"
                   else paired_checks(m, self.base, now, self.base_units, self.settings.tolerance))
-        return curve_row(step, m, checks, score(checks, step, self.settings.keep))
+        met = all(c.passed for c in checks)
+        streak = streak_of(self.curve[-1] if self.curve else None) + 1 if met else 0
+        return curve_row(step, m, checks, score(checks, step, self.settings.keep, streak >= self.settings.confirm), streak)
 
     def measure(self, model, tokenizer, step: int) -> dict[str, Any]:
         """The slice measured (main process) and read by the rule; every process gets the same row."""
@@ -422,7 +445,7 @@ class Validation:
                     outer.trainer.log(logged)
                 if state.is_world_process_zero:
                     print(f"validation at step {state.global_step}: " + outer.line(row), flush=True)
-                if row["met"] and outer.settings.stop and state.global_step > 0:
+                if row["streak"] >= outer.settings.confirm and outer.settings.stop and state.global_step > 0:
                     outer.stopped_at = state.global_step
                     control.should_training_stop = True
 
@@ -440,15 +463,20 @@ class Validation:
         row = next((r for r in self.curve if r["step"] == step), None)
         if row is None:
             return {"step": None, "why": "no measurement was made (the budget ended before validation.every steps)"}
-        if row["met"]:
-            why = (f"the first checkpoint meeting the rule (stopped at step {step} of a budget of {state.max_steps})"
-                   if self.stopped_at == step else f"the first checkpoint meeting the rule (measured to the budget, {state.max_steps})")
-        elif self.settings.keep == "last":
-            why = f"no checkpoint met the rule by the budget ({state.max_steps}); validation.keep last"
+        confirm = self.settings.confirm
+        held = "the first checkpoint meeting the rule" + (f" at {confirm} measurements in a row" if confirm > 1 else "")
+        confirmed = streak_of(row) >= confirm
+        if confirmed:
+            why = (f"{held} (stopped at step {step} of a budget of {state.max_steps})" if self.stopped_at == step
+                   else f"{held} (measured to the budget, {state.max_steps})")
         else:
-            why = (f"no checkpoint met the rule by the budget ({state.max_steps}); validation.keep fewest_misses: "
-                   f"{row['misses']} miss(es)")
-        return {"step": step, "why": why, "met": row["met"], "measured": row["metrics"], "checks": row["checks"]}
+            met_any = any(r["met"] for r in self.curve)
+            none = (f"the rule never held at {confirm} measurements in a row by the budget ({state.max_steps})" if met_any
+                    else f"no checkpoint met the rule by the budget ({state.max_steps})")
+            why = (f"{none}; validation.keep last" if self.settings.keep == "last"
+                   else f"{none}; validation.keep fewest_misses: {row['misses']} miss(es)")
+        return {"step": step, "why": why, "met": row["met"], "confirmed": confirmed, "measured": row["metrics"],
+                "checks": row["checks"]}
 
     def record(self, state, output_dir: str) -> dict[str, Any]:
         """flipguard_training.json's `validation`, and the curve in the run folder (main process)."""

@@ -179,8 +179,9 @@ def training_curves(folder: Path, stages: dict[str, Any]) -> tuple[dict[str, Any
         return None, []
     table = {"id": "validation", "title": "Training: the checkpoint each trainer kept (validation slice)",
              "note": "validation: on (train/validation.py): each trainer measured a slice of the train split held back "
-                     "from the pairs every validation.every steps and kept the first checkpoint meeting the rule "
-                     "(else the one validation.keep names); the merge took it. Its curve is among the plots.",
+                     "from the pairs every validation.every steps and kept the first checkpoint where the rule held "
+                     "(at validation.confirm measurements in a row; else the one validation.keep names); the merge "
+                     "took it. Its curve is among the plots.",
              "columns": [[c, c] for c in ("trainer", "budget", "chosen", "last", "met", "why", "missed", "rule")],
              "rows": rows}
     return table, curves
