@@ -115,8 +115,15 @@ def condition_estimates(condition: str, dds: pd.DataFrame, protocols: pd.DataFra
 def condition_checks(condition: str, baseline: str, dds: pd.DataFrame, protocols: pd.DataFrame, units: pd.DataFrame,
                      transfer: pd.DataFrame | None, planted: Mapping[str, set[str]], n_boot: int) -> list[Check]:
     """The rule's checks for one condition against the baseline (see the module docstring)."""
-    now, base = (condition_estimates(c, dds, protocols, units, planted, n_boot) for c in (condition, baseline))
-    checks = ground_truth_checks(now, base, RULE)
+    estimates = {c: condition_estimates(c, dds, protocols, units, planted, n_boot) for c in {condition, baseline}}
+    return rule_checks(condition, baseline, estimates, transfer)
+
+
+def rule_checks(condition: str, baseline: str, estimates: Mapping[str, Mapping[str, Estimate]],
+                transfer: pd.DataFrame | None) -> list[Check]:
+    """The rule's checks for one condition from every condition's estimates (condition_estimates, each
+    computed once), and the capability guard from the transfer report."""
+    checks = ground_truth_checks(estimates[condition], estimates[baseline], RULE)
     guard = None
     if transfer is not None and not transfer.empty:
         guard = transfer[(transfer["condition"] == condition) & (transfer["protocol"] == "capability")]
@@ -208,7 +215,8 @@ def ground_truth(dds_runs: Mapping[str, str], units: Callable[[], pd.DataFrame],
     dds = dds if dds is not None else pd.DataFrame()
     protocols = protocols if protocols is not None else pd.DataFrame(columns=["condition", "protocol", "metric"])
     names = list(dds_runs)
-    measured = {name: condition_checks(name, names[0], dds, protocols, units, transfer, planted, n_boot) for name in names}
+    estimates = {name: condition_estimates(name, dds, protocols, units, planted, n_boot) for name in names}
+    measured = {name: rule_checks(name, names[0], estimates, transfer) for name in names}
     out = {name: {"passed": all(c.passed is not False for c in checks), "verdict": verdict(checks),
                   "checks": [c.as_dict() for c in checks], "unruled": unruled(name, units, planted, n_boot)}
            for name, checks in measured.items()}

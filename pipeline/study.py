@@ -110,6 +110,11 @@ STUDY_FORMAT = "flipguard-study/1"
 # a stage's status when its last run did not finish: it resumes ("running": a study killed while it ran)
 UNFINISHED = ("running", "failed", "interrupted")
 
+RECIPE_HEADER = "# the effective recipe of this study"
+JOBS_HELP = ("Independent stages (a --grid's variants among them) run at once, each in its own process (default: 2 "
+             "on a CPU with 2 free cores per --threads, the hf backend and a small local model, else 1); the "
+             "results are the same either way")
+
 
 def running_as_interrupted(stages: dict[str, Any], ended: str | None = None) -> bool:
     """Every stage entry still "running" recorded "interrupted" (`ended` set when given): no process runs it
@@ -120,10 +125,6 @@ def running_as_interrupted(stages: dict[str, Any], ended: str | None = None) -> 
         if ended is not None:
             entry["ended"] = ended
     return bool(begun)
-RECIPE_HEADER = "# the effective recipe of this study"
-JOBS_HELP = ("Independent stages (a --grid's variants among them) run at once, each in its own process (default: 2 "
-             "on a CPU with 2 free cores per --threads, the hf backend and a small local model, else 1); the "
-             "results are the same either way")
 
 
 def _epoch(iso: Any) -> float | None:
