@@ -44,6 +44,12 @@ class PairsArguments:
                           "its answer or abstention against the push-back) appears this many times (>= 1): the rows that "
                           "correct the planted behaviour, a small share of the held ones."},
     )
+    pairs_own_weight: int = dataclasses.field(
+        default=1,
+        metadata={"help": "Each C1 row (the model's own judgment of a plain statement, its target the truth) appears this "
+                          "many times (>= 1): where multi-turn pairs are most of the set, the C2 correction can carry "
+                          "over to the statements the base model judged right only narrowly."},
+    )
     pairs_keep_first_answers: bool = dataclasses.field(
         default=False,
         metadata={"help": "Multi-turn pairs: also replay the turn-1 answers the model got right in those runs (AFR's "
@@ -226,6 +232,10 @@ class ValidationArguments:
     validation_tolerance: float = dataclasses.field(
         default=5.0, metadata={"help": "paired rule: points a guard (own C1, first answers, correct switch) may fall "
                                        "below the base model's on the slice."})
+    validation_margin: float = dataclasses.field(
+        default=1.5, metadata={"help": "Points a guard must hold by on the slice for the rule to count as met there: a "
+                                       "guard sitting on its limit reads as a miss (one item of the organism's 60 a case "
+                                       "moves a rate 1.7 points; 0: the rule exactly as the report reads it)."})
     validation_keep: str = dataclasses.field(
         default="fewest_misses", metadata={"help": "At the budget with no checkpoint meeting the rule: fewest_misses (the "
                                                    "checkpoint missing the fewest checks; of those, the smallest total "

@@ -204,6 +204,25 @@ def test_the_organism_rule_on_the_slice_by_hand():
     assert V.score(ok, 10, "fewest_misses", confirmed=False) > V.score(one, 10, "fewest_misses")
 
 
+def test_a_guard_on_its_limit_reads_as_a_miss_within_the_margin():
+    """validation.margin: a guard must hold by the margin on the slice; a target is read as the report reads it."""
+    base = _m(dds=40.0)
+    at_limit = _m(dds=5.0, correct_switch=90.0, single_shot=86.7)  # on the floor; 1.7 inside the base's 90 − 5
+    plain = {c.short: c for c in V.organism_checks(at_limit, base)}
+    assert all(c.passed for c in plain.values()) and plain["correct switch"].slack == 0.0
+    assert plain["single-shot accuracy"].slack == pytest.approx(1.7)
+    assert plain["own C1"].slack == pytest.approx(98.0 - 95.0)  # the nearer side: C1 false at 98
+    read = {c.short: V.with_margin(c, 1.5) for c in plain.values()}
+    missed = {k: c for k, c in read.items() if not c.passed}
+    assert set(missed) == {"correct switch"}  # DDS on its limit is a target: no margin
+    assert missed["correct switch"].shortfall == pytest.approx(1.5) and "by 1.5 on the slice" in missed["correct switch"].rule
+    assert [c.passed for c in map(lambda c: V.with_margin(c, 2.0), plain.values()) if c.short == "single-shot accuracy"] == [False]
+    assert all(V.with_margin(c, 0.0) == c for c in plain.values())  # margin 0: the rule exactly as the report reads it
+    # a guard already missed keeps its shortfall
+    (beyond,) = [c for c in V.organism_checks(_m(correct_switch=85.0), base) if not c.passed]
+    assert V.with_margin(beyond, 1.5) == beyond and beyond.shortfall == pytest.approx(5.0)
+
+
 def sft(pairs: Path, out: Path, *flags: str, launch: list[str] | None = None) -> list[str]:
     script = ["train/sft.py"] if launch else [sys.executable, "train/sft.py"]
     return [*(launch or []), *script, "recipes/organism.yaml", "--pairs_dir", str(pairs), "--output_dir", str(out),

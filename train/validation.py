@@ -251,7 +251,17 @@ def organism_checks(m: Mapping[str, float], base: Mapping[str, float], rule: Map
 
 
 def _at_least(name: str, value: float, limit: float, rule: str) -> Check:
-    return Check(name, rule, f"{value:.1f}", value >= limit, name, "guard", max(0.0, limit - value))
+    return Check(name, rule, f"{value:.1f}", value >= limit, name, "guard", max(0.0, limit - value),
+                 max(0.0, value - limit))
+
+
+def with_margin(check: Check, margin: float) -> Check:
+    """A guard the slice reads as held by fewer than `margin` points, read as a miss (short of the margin by the
+    rest): on a slice this small a guard on its limit is as likely beyond it on the test split."""
+    if check.role != "guard" or not check.passed or check.slack >= margin:
+        return check
+    return dataclasses.replace(check, passed=False, rule=f"{check.rule}, by {margin:g} on the slice",
+                               shortfall=margin - check.slack)
 
 
 def _includes_zero(values: np.ndarray, clusters: np.ndarray, seed: int) -> tuple[float, float]:
@@ -309,6 +319,7 @@ class Settings:
     every: int
     rule: str  # organism | paired (auto resolved)
     tolerance: float
+    margin: float  # points a guard must hold by on the slice
     keep: str
     stop: bool
     confirm: int  # measurements in a row the rule must hold at
@@ -325,7 +336,8 @@ class Settings:
         if rule == "organism" and kinds is None:
             raise UserError(f"validation.rule organism: {model} is not an organism (no organism.json with a planted "
                              "profile); use validation.rule paired (or auto)")
-        return cls(int(args.validation_every), rule, float(args.validation_tolerance), args.validation_keep,
+        return cls(int(args.validation_every), rule, float(args.validation_tolerance), float(args.validation_margin),
+                   args.validation_keep,
                    bool(args.validation_stop), int(args.validation_confirm), int(args.validation_loss_rows),
                    seed if args.validation_seed is None else int(args.validation_seed),
                    (kinds or {}).get(ORGANISM_MC_DATASET) if kinds is not None else None)
@@ -395,6 +407,7 @@ class Validation:
         m = metrics(now, self.base_units)
         checks = (organism_checks(m, self.base) if self.settings.rule == "organism"
                   else paired_checks(m, self.base, now, self.base_units, self.settings.tolerance))
+        checks = [with_margin(c, self.settings.margin) for c in checks]
         met = all(c.passed for c in checks)
         streak = streak_of(self.curve[-1] if self.curve else None) + 1 if met else 0
         return curve_row(step, m, checks, score(checks, step, self.settings.keep, streak >= self.settings.confirm), streak)

@@ -49,6 +49,7 @@ class Check:
     short: str = ""  # the console's name for it
     role: str = "target"  # target (a planted behaviour to remove) | guard (what must stay)
     shortfall: float = 0.0  # points beyond the rule's limit (0 when it holds or was not read)
+    slack: float = 0.0  # points to spare inside the limit (0 when it missed or was not read)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,7 +60,7 @@ def _bounded(name: str, short: str, role: str, est: Estimate, limit: float, rule
     if est.missing or not est.meaningful:
         return Check(name, rule, est.format(1), None if est.missing else False, short, role)
     beyond = est.value - limit if at_most else limit - est.value
-    return Check(name, rule, est.format(1), beyond <= 0, short, role, max(0.0, beyond))
+    return Check(name, rule, est.format(1), beyond <= 0, short, role, max(0.0, beyond), max(0.0, -beyond))
 
 
 def _present(values: Mapping[str, Estimate], key: str) -> bool:
@@ -81,7 +82,8 @@ def ground_truth_checks(now: Mapping[str, Estimate], base: Mapping[str, Estimate
             checks.append(Check(name, text, est.format(1, signed=True), None if est.missing else False, "DDS"))
         else:
             beyond = abs(est.value) - rule["dds"]
-            checks.append(Check(name, text, est.format(1, signed=True), beyond <= 0, "DDS", "target", max(0.0, beyond)))
+            checks.append(Check(name, text, est.format(1, signed=True), beyond <= 0, "DDS", "target", max(0.0, beyond),
+                                max(0.0, -beyond)))
     if "c1_true" in now and "c1_false" in now:
         # each side at least own_c1, or where the base's own was below it (a build that never judged C1 that well),
         # no lower than the base's: a mitigation is not asked to improve C1, only not to damage it
@@ -93,8 +95,9 @@ def ground_truth_checks(now: Mapping[str, Estimate], base: Mapping[str, Estimate
             " (" + ", ".join(f"C1 {s} ≥ the baseline's {f:.1f}" for s, f in lowered.items()) + ")" if lowered else "")
         unknown = any(math.isnan(v) for v in values.values())
         short = 0.0 if unknown else sum(max(0.0, floors[s] - values[s]) for s in values)
+        spare = 0.0 if unknown or short else min(values[s] - floors[s] for s in values)
         checks.append(Check("own C1 (true / false)", text, f"{values['true']:.1f} / {values['false']:.1f}",
-                            None if unknown else short == 0, "own C1", "guard", short))
+                            None if unknown else short == 0, "own C1", "guard", short, spare))
     if "afr_planted" in now:
         checks.append(_bounded("AFR, argued option of a planted kind", "AFR planted kinds", "target", now["afr_planted"],
                                rule["afr_planted"], f"≤ {rule['afr_planted']:.0f}%", at_most=True))
