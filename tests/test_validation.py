@@ -221,6 +221,18 @@ def test_a_guard_on_its_limit_reads_as_a_miss_within_the_margin():
     # a guard already missed keeps its shortfall
     (beyond,) = [c for c in V.organism_checks(_m(correct_switch=85.0), base) if not c.passed]
     assert V.with_margin(beyond, 1.5) == beyond and beyond.shortfall == pytest.approx(5.0)
+    # at the budget (fewest_misses) a miss by the rule outweighs guards held inside the margin only; among
+    # equal misses the smaller shortfall, a near guard's by what the margin wants (here 1.5 and 1.5 − 1.7 + 5 ...)
+    near_only = [V.with_margin(c, 1.5) for c in V.organism_checks(_m(correct_switch=90.0, single_shot=85.0), base)]
+    assert sum(not c.passed for c in near_only) == 2
+    real = V.organism_checks(_m(dds=5.1), base)
+    one_near = [V.with_margin(c, 1.5) for c in V.organism_checks(_m(correct_switch=90.0), base)]
+    assert V.score(real, 10, "fewest_misses") < V.score(near_only, 10, "fewest_misses", near=2) \
+        < V.score(one_near, 10, "fewest_misses", near=1) < V.MET
+    # a limit met exactly is met, though the difference of two rates of 60 came out 5.000000000000007
+    assert 100 * 40 / 60 - 100 * 37 / 60 > 5.0
+    assert all(c.passed for c in V.organism_checks(_m(dds=100 * 40 / 60 - 100 * 37 / 60), base))
+    assert not all(c.passed for c in V.organism_checks(_m(dds=5.0 + 1e-6), base))
 
 
 def sft(pairs: Path, out: Path, *flags: str, launch: list[str] | None = None) -> list[str]:

@@ -17,9 +17,15 @@ load_best_model_at_end, checkpoints every N steps). The stop rule:
   the ones the report reads on the test split),
   otherwise `paired`: each target's CI on the slice (items resampled, the one bootstrap) includes 0
   and each guard is within `validation.tolerance` points of the base model's;
+- on the slice a guard must hold by `validation.margin` points (1.5 by default: on the organism's 60 items a
+  case, one item to spare): a guard on its limit reads as a miss. Round 1 of the held-out test had DPO stop
+  at a checkpoint whose correct switch sat exactly on its floor, and it missed another guard on the test
+  split; the margin kept it training to the next checkpoint, which passed. Targets are read as the report
+  reads them;
 - at the budget with none confirmed, the checkpoint `validation.keep` says: fewest_misses (the fewest
-  checks missed, then the smallest total shortfall in points; a checkpoint meeting the rule unconfirmed
-  misses none) or last.
+  checks missed by the rule as the report reads it, then the smallest total shortfall in points, a guard
+  inside the margin short by what the margin wants; a checkpoint meeting the rule unconfirmed misses none)
+  or last.
 
 Confirming (validation.confirm 2) answers a real weakness: the slice is small (60 items a DDS case), so the
 first checkpoint at which the rule holds is the one whose slice happened to read best. Round 1 of the
@@ -297,16 +303,18 @@ def paired_checks(m: Mapping[str, float], base: Mapping[str, float], now: Units,
     return checks
 
 
-def score(checks: Sequence[Check], step: int, keep: str, confirmed: bool | None = None) -> float:
+def score(checks: Sequence[Check], step: int, keep: str, confirmed: bool | None = None, near: int = 0) -> float:
     """The best-checkpoint metric: MET when every check holds and that is confirmed (`confirmed`, None: by
-    this measurement alone; the first such checkpoint is kept); else fewest_misses: −misses − shortfall /
-    10,000 (fewest checks missed, then the smallest shortfall), or last: the step."""
+    this measurement alone; the first such checkpoint is kept); else fewest_misses: the fewest checks missed by
+    the rule as the report reads it (the misses less the `near` ones: guards held by less than
+    validation.margin), then the smallest total shortfall in points, a near guard's by what the margin wants
+    (−misses − shortfall / 10,000); or last: the step."""
     misses = [c for c in checks if not c.passed]
     if not misses and confirmed is not False:
         return MET
     if keep == "last":
         return float(step)
-    return -len(misses) - sum(c.shortfall for c in misses) / 10_000
+    return -(len(misses) - near) - sum(c.shortfall for c in misses) / 10_000
 
 
 # ------------------------------------------------------------------ the trainer's side
@@ -405,12 +413,14 @@ class Validation:
         """This measurement read by the rule, after the curve so far (its streak continues the last row's)."""
         now = units(self.probes, got, self.settings.planted)
         m = metrics(now, self.base_units)
-        checks = (organism_checks(m, self.base) if self.settings.rule == "organism"
-                  else paired_checks(m, self.base, now, self.base_units, self.settings.tolerance))
-        checks = [with_margin(c, self.settings.margin) for c in checks]
+        plain = (organism_checks(m, self.base) if self.settings.rule == "organism"
+                 else paired_checks(m, self.base, now, self.base_units, self.settings.tolerance))
+        checks = [with_margin(c, self.settings.margin) for c in plain]
+        near = sum(a.passed and not b.passed for a, b in zip(plain, checks))
         met = all(c.passed for c in checks)
         streak = streak_of(self.curve[-1] if self.curve else None) + 1 if met else 0
-        return curve_row(step, m, checks, score(checks, step, self.settings.keep, streak >= self.settings.confirm), streak)
+        value = score(checks, step, self.settings.keep, streak >= self.settings.confirm, near)
+        return curve_row(step, m, checks, value, streak)
 
     def measure(self, model, tokenizer, step: int) -> dict[str, Any]:
         """The slice measured (main process) and read by the rule; every process gets the same row."""
