@@ -44,12 +44,6 @@ class PairsArguments:
                           "its answer or abstention against the push-back) appears this many times (>= 1): the rows that "
                           "correct the planted behaviour, a small share of the held ones."},
     )
-    pairs_own_weight: int = dataclasses.field(
-        default=1,
-        metadata={"help": "Each C1 row (the model's own judgment of a plain statement, its target the truth) appears this "
-                          "many times (>= 1): where multi-turn pairs are most of the set, the C2 correction can carry "
-                          "over to the statements the base model judged right only narrowly."},
-    )
     pairs_keep_first_answers: bool = dataclasses.field(
         default=False,
         metadata={"help": "Multi-turn pairs: also replay the turn-1 answers the model got right in those runs (AFR's "

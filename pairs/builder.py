@@ -93,7 +93,6 @@ from flipguard.runtime.resolve import resolve_model
 
 TARGETS = ("1", "2")
 CASE_TARGET = {"c1_true": "1", "c1_false": "2", "c2_correct": "1", "c2_incorrect": "2"}
-OWN_CASES = ("c1_true", "c1_false")  # the model's own judgments (pairs.own_weight)
 FRAMING_CASES = {  # framing -> (case for the correct claim, case for the incorrect one, mitigation)
     "c1": ("c1_true", "c1_false", "none"),
     "c2": ("c2_correct", "c2_incorrect", "none"),
@@ -450,7 +449,6 @@ class PairSet:
     capitulation_weight: int = 1
     held_back_rows: int = 0  # rows of items the validation slice holds back (before dedup and balance)
     validation: dict[str, Any] | None = None  # counts.json's `validation` (pairs/validation.summary)
-    own_weight: int = 1
 
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
@@ -482,7 +480,6 @@ class PairSet:
             "conversation_turns": dict(sorted(turns.items())),
             "accept_weight": self.accept_weight,
             "capitulation_weight": self.capitulation_weight,
-            "own_weight": self.own_weight,
             "duplicates_dropped": self.duplicates,
             "conflicting_prompts_dropped": self.conflicts,
             "dropped_for_balance": self.dropped_for_balance,
@@ -535,7 +532,6 @@ def build_pairs(
     rules: PairRules | None = None,
     eval_ids: dict[str, set[str]] | None = None,
     held_back: HoldBack | None = None,
-    own_weight: int = 1,
 ) -> PairSet:
     """Rows for one strategy (plus the multi-turn `conversations` rows of
     flipguard.pairs.conversations), kept by the include/exclude `rules` and checked against
@@ -568,13 +564,11 @@ def build_pairs(
         rows, dropped = _balance(rows, rng)
     if strategy == "flip_weighted":
         rows = [r for r in rows for _ in range(int(flip_weight) if r.flip else 1)]
-    for name, weight in (("accept_weight", accept_weight), ("capitulation_weight", capitulation_weight),
-                         ("own_weight", own_weight)):
+    for name, weight in (("accept_weight", accept_weight), ("capitulation_weight", capitulation_weight)):
         if int(weight) < 1:
             raise UserError(f"{name} must be an integer >= 1, got {weight!r}")
     twins = _corrected_after_abstaining(rows)
-    rows = [r for r in rows for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight), twins,
-                                                    int(own_weight)))]
+    rows = [r for r in rows for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight), twins))]
     rng.shuffle(rows)
     if not rows:
         raise UserError(
@@ -583,7 +577,7 @@ def build_pairs(
             + (f" ({filtered} row(s) dropped by pairs.include/exclude)" if filtered else "")
         )
     return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight), rules, filtered,
-                   int(capitulation_weight), held_rows, own_weight=int(own_weight))
+                   int(capitulation_weight), held_rows)
 
 
 def _corrected_after_abstaining(rows: Sequence[PairRow]) -> set[tuple[str, str, int]]:
@@ -593,17 +587,13 @@ def _corrected_after_abstaining(rows: Sequence[PairRow]) -> set[tuple[str, str, 
             if r.flip == CAPITULATION and dict(r.meta).get("after") == "abstention"}
 
 
-def _repeats(row: PairRow, accept_weight: int, capitulation_weight: int, twins: set[tuple[str, str, int]],
-             own_weight: int = 1) -> int:
-    """How many times a row appears (neither trainer reads per-row weights: repetition): a C1 row (the model's own
-    judgment of a statement) own_weight times; a hold row of a
+def _repeats(row: PairRow, accept_weight: int, capitulation_weight: int, twins: set[tuple[str, str, int]]) -> int:
+    """How many times a multi-turn row appears (neither trainer reads per-row weights: repetition): a hold row of a
     conversation the base model capitulated in capitulation_weight times; an accept row accept_weight times, or, when
     the wrong option offered at the same turn of the same item was taken (its twin, repeated as a correction),
     capitulation_weight times if that is more: after an abstention, declining a wrong option and taking the
     right one are weighed alike, so a model that switched blindly is taught to tell them apart, not never to switch
     (as the flips strategy keeps a flipped item's twin)."""
-    if row.case in OWN_CASES:
-        return own_weight
     if row.case.endswith("/accept"):
         twin = (row.dataset, row.item_id, dict(row.meta).get("turn")) in twins
         return max(accept_weight, capitulation_weight) if twin else accept_weight
@@ -836,7 +826,6 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         flip_weight=args.pairs_flip_weight,
         accept_weight=args.pairs_accept_weight,
         capitulation_weight=args.pairs_capitulation_weight,
-        own_weight=args.pairs_own_weight,
         framings=args.pairs_framings,
         afr_rows=afr_rows,
         test_items=test_items,

@@ -93,16 +93,6 @@ def test_consistency_gives_every_framing_the_same_target():
         assert dehum.messages[0]["role"] == "system" and "AI Agent 2" in dehum.messages[-1]["content"]
 
 
-def test_own_weight_repeats_the_own_judgment_rows_and_nothing_else():
-    # 2 items, consistency over C1 and C2: per item one row per case (c1_true, c1_false, c2_correct, c2_incorrect)
-    weighted = P.build_pairs(ITEMS[:2], "consistency", seed=0, framings=("c1", "c2"), own_weight=3)
-    per_case = {case: sum(r.case == case for r in weighted.rows) for case in P.CASE_TARGET}
-    assert per_case == {"c1_true": 6, "c1_false": 6, "c2_correct": 2, "c2_incorrect": 2}
-    assert weighted.counts()["own_weight"] == 3 and targets(weighted).count("1") == targets(weighted).count("2") == 8
-    with pytest.raises(P.UserError, match="own_weight must be an integer >= 1"):
-        P.build_pairs(ITEMS[:2], "consistency", seed=0, own_weight=0)
-
-
 def test_balance_downsamples_majority_and_can_be_turned_off():
     rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "target": "2" if i < 7 else "1",
              "item_id": f"m{i}", "dataset": "mmlu"} for i in range(10)]
