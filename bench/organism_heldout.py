@@ -28,7 +28,7 @@ from pathlib import Path
 from flipguard.runtime.resolve import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
-NEW = "New builds (made for this test, listed before they were built: bench/organism_heldout_builds.yaml)"
+NEW = "New builds (made for this test, listed before they were built: {})"
 HELD = "Held-out builds (never run while the recipe was chosen)"
 
 
@@ -186,6 +186,8 @@ def main() -> int:
     parser.add_argument("--recompare", action="store_true",
                         help="read each finished study by the rule as it is now: its comparison redone from its own runs "
                              "(WORK/NAME.recompare), nothing trained or evaluated again")
+    parser.add_argument("--groups", nargs="*", default=["new", "heldout", "design"], choices=["new", "heldout", "design"],
+                        help="which of --builds' groups this page reads (a round whose design builds ran elsewhere: new)")
     parser.add_argument("--note", default="", help="a paragraph under the header (how the studies were run)")
     parser.add_argument("--why", nargs="*", default=[], metavar="BUILD=TEXT",
                         help="a paragraph under a build's verdicts (why it fails, what was found)")
@@ -202,7 +204,8 @@ def main() -> int:
         listed = yaml.safe_load(Path(args.builds).read_text(encoding="utf-8"))
         paths, refused = listed_builds(listed, Path(args.builds_dir))
         for group, builds in paths.items():
-            getattr(args, group).extend(builds)
+            if group in args.groups:
+                getattr(args, group).extend(builds)
     else:
         refused = []
     missing = []  # listed builds with no folder here (not rebuilt for this page), said as such
@@ -214,7 +217,8 @@ def main() -> int:
             else:
                 missing.append({"group": group, "name": Path(b).name})
         setattr(args, group, kept)
-    groups = ((NEW, args.new), (HELD, args.heldout),
+    new_title = NEW.format(args.builds or "--new")
+    groups = ((new_title, args.new), (HELD, args.heldout),
               ("Design builds (the recipe's settings were chosen on these)", args.design))
     group_of = dict(zip((g[0] for g in groups), ("new", "heldout", "design")))
     unstudied = []  # --report_only: built, no finished study in --work
@@ -246,7 +250,8 @@ def main() -> int:
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     command = ("python bench/organism_heldout.py" + (" --recompare" if args.recompare else "") + (
-        f" --builds {args.builds} --builds_dir {args.builds_dir}" if args.builds else
+        f" --builds {args.builds} --builds_dir {args.builds_dir}"
+        + (f" --groups {' '.join(args.groups)}" if set(args.groups) != {"new", "heldout", "design"} else "") if args.builds else
         (f" --new {' '.join(args.new)}" if args.new else "") + (f" --design {' '.join(args.design)}" if args.design else "")
         + (f" --heldout {' '.join(args.heldout)}" if args.heldout else "")) + f" --recipe {args.recipe}")
 
@@ -264,10 +269,10 @@ def main() -> int:
             "trainer's validation stops on, read here on the test split). "
             "Values in %, DDS in pp, [95% CI] (items resampled).", "",
             *(f"**{label}: SFT meets the rule on {t['SFT']} of {n}, DPO on {t['DPO']} of {n}.**"
-              for label, group in (("New builds", NEW), ("Held-out builds", HELD))
+              for label, group in (("New builds", new_title), ("Held-out builds", HELD))
               for t, n in [tally(group)] if n), ""]
     head += ["| build | used | SFT | DPO | chosen step SFT / DPO (budget) |", "|---|---|---|---|---|"]
-    used = {NEW: "new", HELD: "held out"}
+    used = {new_title: "new", HELD: "held out"}
     for r in results:
         cells = [("pass" if v["passed"] else "**fail**: " + v["verdict"].split("misses: ", 1)[-1].split(" (not measured")[0])
                  for v in (r["verdicts"].get(t, {"passed": False, "verdict": "not run"}) for t in ("SFT", "DPO"))]
