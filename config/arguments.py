@@ -239,7 +239,7 @@ class ValidationArguments:
         default=1, metadata={"help": "Measurements in a row the rule must hold at before training stops; the last of them "
                                      "is kept (1: the first checkpoint meeting it; like early stopping's patience). On "
                                      "the organism, 2 fixed one held-out build's DPO and made the demo's miss a guard "
-                                     "by a point (bench/organism_heldout.md)."})
+                                     "by a point (bench/organism_heldout_round1.md)."})
     validation_stop: bool = dataclasses.field(
         default=True, metadata={"help": "Stop once the rule has held at validation_confirm measurements in a row (false: "
                                         "measure to the budget, then keep the first such checkpoint, else by "

@@ -29,7 +29,7 @@ load_best_model_at_end, checkpoints every N steps). The stop rule:
 
 Confirming (validation.confirm 2) answers a real weakness: the slice is small (60 items a DDS case), so the
 first checkpoint at which the rule holds is the one whose slice happened to read best. Round 1 of the
-held-out test (bench/organism_heldout.md) had DPO stop on a build where the slice's single-shot accuracy
+held-out test (bench/organism_heldout_round1.md) had DPO stop on a build where the slice's single-shot accuracy
 was 3.3 points below the base's (inside the 5-point tolerance) and the test split's 6 below; confirming
 fixed that build, but the demo's DPO, kept 20 steps later, then missed AFR's first answers on the test
 split by a point (94 against 95). The default stays 1.
