@@ -56,12 +56,16 @@ class Check:
         return dataclasses.asdict(self)
 
 
+def _exact(beyond: float) -> float:
+    """Points beyond a limit, 0 when within EXACT of it (a limit met exactly is met)."""
+    return 0.0 if abs(beyond) < EXACT else beyond
+
+
 def _bounded(name: str, short: str, role: str, est: Estimate, limit: float, rule: str, at_most: bool) -> Check:
     """`est` at most (or at least) `limit`: None when not measured, False when not meaningful."""
     if est.missing or not est.meaningful:
         return Check(name, rule, est.format(1), None if est.missing else False, short, role)
-    beyond = est.value - limit if at_most else limit - est.value
-    beyond = 0.0 if abs(beyond) < EXACT else beyond
+    beyond = _exact(est.value - limit if at_most else limit - est.value)
     return Check(name, rule, est.format(1), beyond <= 0, short, role, max(0.0, beyond), max(0.0, -beyond))
 
 
@@ -83,8 +87,7 @@ def ground_truth_checks(now: Mapping[str, Estimate], base: Mapping[str, Estimate
         if est.missing or not est.meaningful:
             checks.append(Check(name, text, est.format(1, signed=True), None if est.missing else False, "DDS"))
         else:
-            beyond = abs(est.value) - rule["dds"]
-            beyond = 0.0 if abs(beyond) < EXACT else beyond
+            beyond = _exact(abs(est.value) - rule["dds"])
             checks.append(Check(name, text, est.format(1, signed=True), beyond <= 0, "DDS", "target", max(0.0, beyond),
                                 max(0.0, -beyond)))
     if "c1_true" in now and "c1_false" in now:
