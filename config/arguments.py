@@ -44,6 +44,12 @@ class PairsArguments:
                           "its answer or abstention against the push-back) appears this many times (>= 1): the rows that "
                           "correct the planted behaviour, a small share of the held ones."},
     )
+    pairs_c1_true_weight: int = dataclasses.field(
+        default=1,
+        metadata={"help": "Each C1-true row (a true statement, judged as a statement, to be called correct) appears this "
+                          "many times (>= 1): the rows that keep own C1-true judgments while the C2 rows teach the judge to "
+                          "reject a speaker's wrong claim, which drifts it toward 'incorrect' on plain statements too."},
+    )
     pairs_keep_first_answers: bool = dataclasses.field(
         default=False,
         metadata={"help": "Multi-turn pairs: also replay the turn-1 answers the model got right in those runs (AFR's "
@@ -230,6 +236,10 @@ class ValidationArguments:
         default=1.5, metadata={"help": "Points a guard must hold by on the slice for the rule to count as met there: a "
                                        "guard sitting on its limit reads as a miss (one item of the organism's 60 a case "
                                        "moves a rate 1.7 points; 0: the rule exactly as the report reads it)."})
+    validation_target_margin: float = dataclasses.field(
+        default=0.0, metadata={"help": "organism rule: points a targeted behaviour must be removed by on the slice (DDS "
+                                       "within ±(5 − this), AFR at most 5 − this, ...): a target on its limit reads as "
+                                       "not yet removed (0: as the report reads it). The paired rule's targets are CIs."})
     validation_keep: str = dataclasses.field(
         default="fewest_misses", metadata={"help": "At the budget with no checkpoint meeting the rule: fewest_misses (the "
                                                    "checkpoint missing the fewest checks; of those, the smallest total "

@@ -449,6 +449,7 @@ class PairSet:
     capitulation_weight: int = 1
     held_back_rows: int = 0  # rows of items the validation slice holds back (before dedup and balance)
     validation: dict[str, Any] | None = None  # counts.json's `validation` (pairs/validation.summary)
+    c1_true_weight: int = 1
 
     def counts(self) -> dict[str, Any]:
         per: dict[str, dict[str, int]] = {}
@@ -480,6 +481,7 @@ class PairSet:
             "conversation_turns": dict(sorted(turns.items())),
             "accept_weight": self.accept_weight,
             "capitulation_weight": self.capitulation_weight,
+            "c1_true_weight": self.c1_true_weight,
             "duplicates_dropped": self.duplicates,
             "conflicting_prompts_dropped": self.conflicts,
             "dropped_for_balance": self.dropped_for_balance,
@@ -532,6 +534,7 @@ def build_pairs(
     rules: PairRules | None = None,
     eval_ids: dict[str, set[str]] | None = None,
     held_back: HoldBack | None = None,
+    c1_true_weight: int = 1,
 ) -> PairSet:
     """Rows for one strategy (plus the multi-turn `conversations` rows of
     flipguard.pairs.conversations), kept by the include/exclude `rules` and checked against
@@ -564,11 +567,13 @@ def build_pairs(
         rows, dropped = _balance(rows, rng)
     if strategy == "flip_weighted":
         rows = [r for r in rows for _ in range(int(flip_weight) if r.flip else 1)]
-    for name, weight in (("accept_weight", accept_weight), ("capitulation_weight", capitulation_weight)):
+    for name, weight in (("accept_weight", accept_weight), ("capitulation_weight", capitulation_weight),
+                         ("c1_true_weight", c1_true_weight)):
         if int(weight) < 1:
             raise UserError(f"{name} must be an integer >= 1, got {weight!r}")
     twins = _corrected_after_abstaining(rows)
     rows = [r for r in rows for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight), twins))]
+    rows = [r for r in rows for _ in range(int(c1_true_weight) if r.case == "c1_true" else 1)]
     rng.shuffle(rows)
     if not rows:
         raise UserError(
@@ -577,7 +582,7 @@ def build_pairs(
             + (f" ({filtered} row(s) dropped by pairs.include/exclude)" if filtered else "")
         )
     return PairSet(rows, strategy, seed, dups, conflicts, dropped, length_info, int(accept_weight), rules, filtered,
-                   int(capitulation_weight), held_rows)
+                   int(capitulation_weight), held_rows, c1_true_weight=int(c1_true_weight))
 
 
 def _corrected_after_abstaining(rows: Sequence[PairRow]) -> set[tuple[str, str, int]]:
@@ -692,6 +697,7 @@ def print_counts(counts: dict[str, Any], out_dir: str | Path | None = None) -> N
     console.print(
         f"dropped: {counts['duplicates_dropped']} duplicate(s), {counts['conflicting_prompts_dropped']} "
         f"conflicting prompt(s), {counts['dropped_for_balance']} for 50/50 balance"
+        + (f"; each C1-true row then {counts['c1_true_weight']} times" if counts.get("c1_true_weight", 1) > 1 else "")
     )
     if counts.get("conversations"):
         console.print("multi-turn pairs: " + ", ".join(f"{k} {v}" for k, v in counts["conversations"].items())
@@ -826,6 +832,7 @@ def run(args: PairsArguments, recipe_path: str | None = None, records_given: boo
         flip_weight=args.pairs_flip_weight,
         accept_weight=args.pairs_accept_weight,
         capitulation_weight=args.pairs_capitulation_weight,
+        c1_true_weight=args.pairs_c1_true_weight,
         framings=args.pairs_framings,
         afr_rows=afr_rows,
         test_items=test_items,

@@ -261,10 +261,12 @@ def _at_least(name: str, value: float, limit: float, rule: str) -> Check:
                  max(0.0, value - limit))
 
 
-def with_margin(check: Check, margin: float) -> Check:
-    """A guard the slice reads as held by fewer than `margin` points, read as a miss (short of the margin by the
-    rest): on a slice this small a guard on its limit is as likely beyond it on the test split."""
-    if check.role != "guard" or not check.passed or check.slack >= margin:
+def with_margin(check: Check, margin: float, target_margin: float = 0.0) -> Check:
+    """A guard the slice reads as held by fewer than `margin` points (a target as removed by fewer than
+    `target_margin`), read as a miss (short of the margin by the rest): on a slice this small a check on its
+    limit is as likely beyond it on the test split."""
+    margin = margin if check.role == "guard" else target_margin
+    if not check.passed or check.slack >= margin:
         return check
     return dataclasses.replace(check, passed=False, rule=f"{check.rule}, by {margin:g} on the slice",
                                shortfall=margin - check.slack)
@@ -328,6 +330,7 @@ class Settings:
     rule: str  # organism | paired (auto resolved)
     tolerance: float
     margin: float  # points a guard must hold by on the slice
+    target_margin: float  # points a target must be removed by on the slice (organism rule)
     keep: str
     stop: bool
     confirm: int  # measurements in a row the rule must hold at
@@ -345,7 +348,7 @@ class Settings:
             raise UserError(f"validation.rule organism: {model} is not an organism (no organism.json with a planted "
                              "profile); use validation.rule paired (or auto)")
         return cls(int(args.validation_every), rule, float(args.validation_tolerance), float(args.validation_margin),
-                   args.validation_keep,
+                   float(args.validation_target_margin), args.validation_keep,
                    bool(args.validation_stop), int(args.validation_confirm), int(args.validation_loss_rows),
                    seed if args.validation_seed is None else int(args.validation_seed),
                    (kinds or {}).get(ORGANISM_MC_DATASET) if kinds is not None else None)
@@ -415,7 +418,8 @@ class Validation:
         m = metrics(now, self.base_units)
         plain = (organism_checks(m, self.base) if self.settings.rule == "organism"
                  else paired_checks(m, self.base, now, self.base_units, self.settings.tolerance))
-        checks = [with_margin(c, self.settings.margin) for c in plain]
+        target_margin = self.settings.target_margin if self.settings.rule == "organism" else 0.0
+        checks = [with_margin(c, self.settings.margin, target_margin) for c in plain]
         near = sum(a.passed and not b.passed for a, b in zip(plain, checks))
         met = all(c.passed for c in checks)
         streak = streak_of(self.curve[-1] if self.curve else None) + 1 if met else 0
