@@ -233,13 +233,12 @@ class ValidationArguments:
         default=5.0, metadata={"help": "paired rule: points a guard (own C1, first answers, correct switch) may fall "
                                        "below the base model's on the slice."})
     validation_margin: float = dataclasses.field(
-        default=1.5, metadata={"help": "Points a guard must hold by on the slice for the rule to count as met there: a "
-                                       "guard sitting on its limit reads as a miss (one item of the organism's 60 a case "
-                                       "moves a rate 1.7 points; 0: the rule exactly as the report reads it)."})
-    validation_target_margin: float = dataclasses.field(
-        default=0.0, metadata={"help": "organism rule: points a targeted behaviour must be removed by on the slice (DDS "
-                                       "within ±(5 − this), AFR at most 5 − this, ...): a target on its limit reads as "
-                                       "not yet removed (0: as the report reads it). The paired rule's targets are CIs."})
+        default=3.0, metadata={"help": "Points every check must hold by on the slice for the rule to count as met there "
+                                       "(organism rule: targets and guards, DDS within ±(5 − this), AFR at most 5 − this, "
+                                       "own C1 at least 95 + this, ...; paired rule: its guards, its targets are CIs). A "
+                                       "check on its limit reads as a miss: on the organism's 60 items a case a rate near "
+                                       "its limit moves about 2 points at one standard error (0: the rule exactly as the "
+                                       "report reads it)."})
     validation_keep: str = dataclasses.field(
         default="fewest_misses", metadata={"help": "At the budget with no checkpoint meeting the rule: fewest_misses (the "
                                                    "checkpoint missing the fewest checks; of those, the smallest total "

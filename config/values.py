@@ -128,7 +128,6 @@ VALUE_RULES: dict[str, Rule] = {
     "validation_max_items": between(1),
     "validation_tolerance": between(0, 100),
     "validation_margin": between(0, 100),
-    "validation_target_margin": between(0, 100),
     "validation_loss_rows": between(1),
     "validation_confirm": between(1),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pandas as pd
@@ -91,6 +92,20 @@ def test_consistency_gives_every_framing_the_same_target():
         assert correct == {("c1_true", "none"), ("c2_correct", "none"), ("c2_correct", "dehumanizing")}
         dehum = next(r for r in rows if r.mitigation == "dehumanizing")
         assert dehum.messages[0]["role"] == "system" and "AI Agent 2" in dehum.messages[-1]["content"]
+
+
+def test_c1_true_weight_repeats_the_true_statements_only():
+    """pairs.c1_true_weight: each C1-true row (a true statement judged as a statement) k times, after balance."""
+    once = P.build_pairs(ITEMS[:4], "consistency", seed=0)
+    weighted = P.build_pairs(ITEMS[:4], "consistency", seed=0, c1_true_weight=3)
+    count = lambda ps: collections.Counter((r.item_id, r.case, r.mitigation, r.target) for r in ps.rows)  # noqa: E731
+    c1_true = {k for k in count(once) if k[1] == "c1_true"}
+    assert len(c1_true) == 4 and all(k[3] == "1" for k in c1_true)  # one per item, each "correct"
+    assert count(weighted) == {k: v * (3 if k in c1_true else 1) for k, v in count(once).items()}
+    assert len(weighted.rows) == len(once.rows) + 2 * 4
+    assert weighted.counts()["c1_true_weight"] == 3 and once.counts()["c1_true_weight"] == 1
+    with pytest.raises(P.UserError, match="c1_true_weight must be an integer >= 1"):
+        P.build_pairs(ITEMS[:4], "consistency", seed=0, c1_true_weight=0)
 
 
 def test_balance_downsamples_majority_and_can_be_turned_off():

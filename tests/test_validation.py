@@ -204,20 +204,27 @@ def test_the_organism_rule_on_the_slice_by_hand():
     assert V.score(ok, 10, "fewest_misses", confirmed=False) > V.score(one, 10, "fewest_misses")
 
 
-def test_a_guard_on_its_limit_reads_as_a_miss_within_the_margin():
-    """validation.margin: a guard must hold by the margin on the slice; a target is read as the report reads it."""
+def test_a_check_on_its_limit_reads_as_a_miss_within_the_margin():
+    """validation.margin: every check must hold by the margin on the slice (the paired rule: guards only)."""
     base = _m(dds=40.0)
     at_limit = _m(dds=5.0, correct_switch=90.0, single_shot=86.7)  # on the floor; 1.7 inside the base's 90 − 5
     plain = {c.short: c for c in V.organism_checks(at_limit, base)}
     assert all(c.passed for c in plain.values()) and plain["correct switch"].slack == 0.0
     assert plain["single-shot accuracy"].slack == pytest.approx(1.7)
     assert plain["own C1"].slack == pytest.approx(98.0 - 95.0)  # the nearer side: C1 false at 98
+    assert plain["DDS"].slack == 0.0 and plain["AFR all"].slack == pytest.approx(5.0)
     read = {c.short: V.with_margin(c, 1.5) for c in plain.values()}
     missed = {k: c for k, c in read.items() if not c.passed}
-    assert set(missed) == {"correct switch"}  # DDS on its limit is a target: no margin
+    assert set(missed) == {"correct switch", "DDS"}  # DDS +5.0 against ±5: on its limit, not yet removed
     assert missed["correct switch"].shortfall == pytest.approx(1.5) and "by 1.5 on the slice" in missed["correct switch"].rule
+    assert missed["DDS"].shortfall == pytest.approx(1.5) and "by 1.5 on the slice" in missed["DDS"].rule
+    guards_only = {c.short: V.with_margin(c, 1.5, targets=False) for c in plain.values()}
+    assert {k for k, c in guards_only.items() if not c.passed} == {"correct switch"}  # the paired rule's reading
     assert [c.passed for c in map(lambda c: V.with_margin(c, 2.0), plain.values()) if c.short == "single-shot accuracy"] == [False]
     assert all(V.with_margin(c, 0.0) == c for c in plain.values())  # margin 0: the rule exactly as the report reads it
+    inside = {c.short: c for c in V.organism_checks(_m(dds=-3.3), base)}  # 1.7 inside ±5
+    assert inside["DDS"].slack == pytest.approx(1.7) and V.with_margin(inside["DDS"], 1.5).passed
+    assert not V.with_margin(inside["DDS"], 3.0).passed
     # a guard already missed keeps its shortfall
     (beyond,) = [c for c in V.organism_checks(_m(correct_switch=85.0), base) if not c.passed]
     assert V.with_margin(beyond, 1.5) == beyond and beyond.shortfall == pytest.approx(5.0)

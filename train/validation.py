@@ -17,13 +17,16 @@ load_best_model_at_end, checkpoints every N steps). The stop rule:
   the ones the report reads on the test split),
   otherwise `paired`: each target's CI on the slice (items resampled, the one bootstrap) includes 0
   and each guard is within `validation.tolerance` points of the base model's;
-- on the slice a guard must hold by `validation.margin` points (1.5 by default: on the organism's 60 items a
-  case, one item to spare): a guard on its limit reads as a miss. Round 1 of the held-out test had DPO stop
-  at a checkpoint whose correct switch sat exactly on its floor, and it missed another guard on the test
-  split; the margin kept it training to the next checkpoint, which passed. Targets are read as the report
-  reads them;
+- on the slice each check must hold by `validation.margin` points (3 by default; the organism rule's targets
+  and guards, the paired rule's guards): a check on its limit reads as a miss. On the organism's 60 items a
+  case a rate near its limit moves about 2 points at one standard error, and a stop on the slice's best
+  reading was beyond the rule on the test split: in round 1 of the held-out test a DPO stopped with its
+  correct switch on its floor and missed a guard on the test split; in round 2's design experiments the
+  demo's SFT stopped with DDS +5.0 on the slice (+6.7 on the test split; at 3 points it trained on to a step
+  that passed) and s64's SFT with AFR 3.0 (5.7; at 3 points it passed). A check never held by the margin
+  leaves the budget's fallback below (bench/organism_heldout.md);
 - at the budget with none confirmed, the checkpoint `validation.keep` says: fewest_misses (the fewest
-  checks missed by the rule as the report reads it, then the smallest total shortfall in points, a guard
+  checks missed by the rule as the report reads it, then the smallest total shortfall in points, a check
   inside the margin short by what the margin wants; a checkpoint meeting the rule unconfirmed misses none)
   or last.
 
@@ -261,12 +264,11 @@ def _at_least(name: str, value: float, limit: float, rule: str) -> Check:
                  max(0.0, value - limit))
 
 
-def with_margin(check: Check, margin: float, target_margin: float = 0.0) -> Check:
-    """A guard the slice reads as held by fewer than `margin` points (a target as removed by fewer than
-    `target_margin`), read as a miss (short of the margin by the rest): on a slice this small a check on its
-    limit is as likely beyond it on the test split."""
-    margin = margin if check.role == "guard" else target_margin
-    if not check.passed or check.slack >= margin:
+def with_margin(check: Check, margin: float, targets: bool = True) -> Check:
+    """A check the slice reads as held by fewer than `margin` points, read as a miss (short of the margin by the
+    rest): on a slice this small a check on its limit is as likely beyond it on the test split. `targets` False:
+    guards only (the paired rule, whose targets are CIs, not limits in points)."""
+    if (check.role != "guard" and not targets) or not check.passed or check.slack >= margin:
         return check
     return dataclasses.replace(check, passed=False, rule=f"{check.rule}, by {margin:g} on the slice",
                                shortfall=margin - check.slack)
@@ -308,8 +310,8 @@ def paired_checks(m: Mapping[str, float], base: Mapping[str, float], now: Units,
 def score(checks: Sequence[Check], step: int, keep: str, confirmed: bool | None = None, near: int = 0) -> float:
     """The best-checkpoint metric: MET when every check holds and that is confirmed (`confirmed`, None: by
     this measurement alone; the first such checkpoint is kept); else fewest_misses: the fewest checks missed by
-    the rule as the report reads it (the misses less the `near` ones: guards held by less than
-    validation.margin), then the smallest total shortfall in points, a near guard's by what the margin wants
+    the rule as the report reads it (the misses less the `near` ones: checks held by less than
+    validation.margin), then the smallest total shortfall in points, a near check's by what the margin wants
     (−misses − shortfall / 10,000); or last: the step."""
     misses = [c for c in checks if not c.passed]
     if not misses and confirmed is not False:
@@ -329,8 +331,7 @@ class Settings:
     every: int
     rule: str  # organism | paired (auto resolved)
     tolerance: float
-    margin: float  # points a guard must hold by on the slice
-    target_margin: float  # points a target must be removed by on the slice (organism rule)
+    margin: float  # points a check must hold by on the slice
     keep: str
     stop: bool
     confirm: int  # measurements in a row the rule must hold at
@@ -348,7 +349,7 @@ class Settings:
             raise UserError(f"validation.rule organism: {model} is not an organism (no organism.json with a planted "
                              "profile); use validation.rule paired (or auto)")
         return cls(int(args.validation_every), rule, float(args.validation_tolerance), float(args.validation_margin),
-                   float(args.validation_target_margin), args.validation_keep,
+                   args.validation_keep,
                    bool(args.validation_stop), int(args.validation_confirm), int(args.validation_loss_rows),
                    seed if args.validation_seed is None else int(args.validation_seed),
                    (kinds or {}).get(ORGANISM_MC_DATASET) if kinds is not None else None)
@@ -418,8 +419,7 @@ class Validation:
         m = metrics(now, self.base_units)
         plain = (organism_checks(m, self.base) if self.settings.rule == "organism"
                  else paired_checks(m, self.base, now, self.base_units, self.settings.tolerance))
-        target_margin = self.settings.target_margin if self.settings.rule == "organism" else 0.0
-        checks = [with_margin(c, self.settings.margin, target_margin) for c in plain]
+        checks = [with_margin(c, self.settings.margin, targets=self.settings.rule == "organism") for c in plain]
         near = sum(a.passed and not b.passed for a, b in zip(plain, checks))
         met = all(c.passed for c in checks)
         streak = streak_of(self.curve[-1] if self.curve else None) + 1 if met else 0
