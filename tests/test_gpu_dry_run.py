@@ -175,7 +175,8 @@ def test_the_organism_gpu_recipe_is_the_cpu_recipe_with_qlora_on_one_gpu():
     assert gpu["load_in_4bit"] is True and gpu["bnb_4bit_quant_type"] == "nf4" and gpu["use_bnb_nested_quant"] is True
     assert gpu["dtype"] == "bfloat16" and gpu["bf16"] is True and "use_cpu" not in gpu
     assert gpu["eval"]["accelerate_config"] == "recipes/accelerate_configs/single_gpu.yaml"
-    for key in ("strategy", "framings", "accept_weight", "capitulation_weight", "keep_first_answers"):  # the same pairs
+    for key in ("strategy", "framings", "accept_weight", "capitulation_weight", "c1_true_weight",
+                "keep_first_answers"):  # the same pairs
         assert gpu["pairs"][key] == cpu["pairs"][key], key
     for key in ("protocols", "train_protocols", "afr_config", "sos_config", "afr_train_config", "sos_train_config"):
         assert gpu["eval"][key] == cpu["eval"][key], key

@@ -21,7 +21,7 @@ load_best_model_at_end, checkpoints every N steps). The stop rule:
   and guards, the paired rule's guards): a check on its limit reads as a miss. On the organism's 60 items a
   case a rate near its limit moves about 2 points at one standard error, and a stop on the slice's best
   reading was beyond the rule on the test split: in round 1 of the held-out test a DPO stopped with its
-  correct switch on its floor and missed a guard on the test split; in round 2's design experiments the
+  correct switch on its floor and missed a guard on the test split; in the design experiments after round 2 the
   demo's SFT stopped with DDS +5.0 on the slice (+6.7 on the test split; at 3 points it trained on to a step
   that passed) and s64's SFT with AFR 3.0 (5.7; at 3 points it passed). A check never held by the margin
   leaves the budget's fallback below (bench/organism_heldout.md);
