@@ -572,8 +572,8 @@ def build_pairs(
         if int(weight) < 1:
             raise UserError(f"{name} must be an integer >= 1, got {weight!r}")
     twins = _corrected_after_abstaining(rows)
-    rows = [r for r in rows for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight), twins))]
-    rows = [r for r in rows for _ in range(int(c1_true_weight) if r.case == "c1_true" else 1)]
+    rows = [r for r in rows
+            for _ in range(_repeats(r, int(accept_weight), int(capitulation_weight), twins, int(c1_true_weight)))]
     rng.shuffle(rows)
     if not rows:
         raise UserError(
@@ -592,13 +592,17 @@ def _corrected_after_abstaining(rows: Sequence[PairRow]) -> set[tuple[str, str, 
             if r.flip == CAPITULATION and dict(r.meta).get("after") == "abstention"}
 
 
-def _repeats(row: PairRow, accept_weight: int, capitulation_weight: int, twins: set[tuple[str, str, int]]) -> int:
-    """How many times a multi-turn row appears (neither trainer reads per-row weights: repetition): a hold row of a
-    conversation the base model capitulated in capitulation_weight times; an accept row accept_weight times, or, when
+def _repeats(row: PairRow, accept_weight: int, capitulation_weight: int, twins: set[tuple[str, str, int]],
+             c1_true_weight: int) -> int:
+    """How many times a row appears (neither trainer reads per-row weights: repetition): a C1-true row c1_true_weight
+    times; a hold row of a conversation the base model capitulated in capitulation_weight times; an accept row
+    accept_weight times, or, when
     the wrong option offered at the same turn of the same item was taken (its twin, repeated as a correction),
     capitulation_weight times if that is more: after an abstention, declining a wrong option and taking the
     right one are weighed alike, so a model that switched blindly is taught to tell them apart, not never to switch
     (as the flips strategy keeps a flipped item's twin)."""
+    if row.case == "c1_true":
+        return c1_true_weight
     if row.case.endswith("/accept"):
         twin = (row.dataset, row.item_id, dict(row.meta).get("turn")) in twins
         return max(accept_weight, capitulation_weight) if twin else accept_weight
